@@ -1,0 +1,16 @@
+"""foretell: fast LLM inference on MLX, a minimal core plus plugins.
+
+The core defines four extension points (model architectures, draft providers, KV-cache
+codecs, storage layouts) as pluggy hook specs in :mod:`foretell.hookspecs`; plugins
+register contributions through the ``foretell.plugins`` entry-point group.
+"""
+
+__version__ = "0.1.0"
+
+#: The plugin-API version this core provides. A plugin or contribution that declares a
+#: higher minimum is refused with both versions named. Bump on incompatible changes.
+PLUGIN_API = 1
+
+from foretell.hookspecs import hookimpl  # noqa: E402
+
+__all__ = ["PLUGIN_API", "__version__", "hookimpl"]

@@ -1,0 +1,5 @@
+import sys
+
+from foretell.cli import main
+
+sys.exit(main())

@@ -1,0 +1,33 @@
+"""Core's own contributions: baseline KV-cache codecs and the single-file storage layout.
+
+Registered as a core-internal plugin before any entry point, the way pytest registers its
+``_pytest`` modules; they go through the same hooks a third party uses.
+"""
+
+from foretell.hookspecs import hookimpl
+
+
+@hookimpl
+def foretell_register_cache_codecs(register):
+    register(
+        "kv",
+        "foretell.cache.codecs:StandardKVCodec",
+        summary="growable, trimmable KV cache (full attention layers)",
+    )
+    register(
+        "rotating-kv",
+        "foretell.cache.codecs:RotatingKVCodec",
+        summary="sliding-window ring cache; trimmable only before it wraps",
+    )
+
+
+@hookimpl
+def foretell_register_storage_layouts(register):
+    from foretell.store.single_file import SingleFileConfig
+
+    register(
+        "single-file",
+        "foretell.store.single_file:SingleFileLayout",
+        config=SingleFileConfig,
+        summary="one safetensors file per cache entry, written atomically",
+    )
