@@ -1,0 +1,256 @@
+"""Typed configuration: frozen attrs classes, one private cattrs converter, pinned errors.
+
+A run configuration comes from a TOML file and is overridden by CLI flags; both go through
+the same structuring, so a bad value reads the same wherever it came from, e.g.
+``run.toml: draft.num_tokens: must be >= 1, got 0``. Polymorphic sections
+(``[draft] kind = "two-model"``) resolve ``kind`` through the plugin registry and structure
+the rest of the section into that contribution's own config class.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import AttributeValidationNote, ForbiddenExtraKeysError, IterableValidationNote
+
+from foretell.errors import ConfigError, ForetellError
+from foretell.registry import Kind, Registry
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+
+class FieldError(ValueError):
+    """A field's value is out of range; the message is what is wrong, the path is added."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class WrongType(TypeError):
+    """A value of the wrong type, e.g. a string where an integer belongs."""
+
+
+# -- validators whose messages name what is wrong ----------------------------------------
+
+
+def at_least(lo: float):
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value < lo:
+            raise FieldError(attribute.name, f"must be >= {lo}, got {value!r}")
+
+    return check
+
+
+def greater_than(lo: float):
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value <= lo:
+            raise FieldError(attribute.name, f"must be > {lo}, got {value!r}")
+
+    return check
+
+
+def at_most(hi: float):
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value > hi:
+            raise FieldError(attribute.name, f"must be <= {hi}, got {value!r}")
+
+    return check
+
+
+# -- the run configuration ---------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SamplingConfig:
+    """How the next token is chosen. ``temp = 0`` is greedy (argmax)."""
+
+    temp: float = attrs.field(default=0.0, validator=at_least(0.0), metadata={"help": "sampling temperature; 0 is greedy"})
+    top_p: float = attrs.field(default=1.0, validator=[greater_than(0.0), at_most(1.0)], metadata={"help": "nucleus sampling mass; 1 disables"})
+    top_k: int = attrs.field(default=0, validator=at_least(0), metadata={"help": "keep the k most likely tokens; 0 disables"})
+    min_p: float = attrs.field(default=0.0, validator=[at_least(0.0), at_most(1.0)], metadata={"help": "drop tokens below min_p x the top probability; 0 disables"})
+    repetition_penalty: float = attrs.field(default=1.0, validator=greater_than(0.0), metadata={"help": "divide logits of recent tokens by this; 1 disables"})
+    repetition_context_size: int = attrs.field(default=20, validator=at_least(1), metadata={"help": "how many recent tokens the penalty sees"})
+    seed: int | None = attrs.field(default=None, metadata={"help": "random seed; the same seed reproduces a run"})
+
+
+@attrs.frozen(kw_only=True)
+class DraftSection:
+    """``[draft]``: which draft provider speculative decoding uses, and its own options."""
+
+    kind: str
+    options: Any = None  # an instance of the provider's registered config class
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    """What ``foretell run`` does; every field is also a CLI flag."""
+
+    model: str | None = attrs.field(default=None, metadata={"help": "model directory or shipped model name"})
+    max_tokens: int = attrs.field(default=256, validator=at_least(1), metadata={"help": "most tokens to generate"})
+    chat: bool | None = attrs.field(default=None, metadata={"help": "apply the chat template; unset: when the tokenizer has one"})
+    sampling: SamplingConfig = attrs.Factory(SamplingConfig)
+    draft: DraftSection | None = None
+
+
+# -- the converter -------------------------------------------------------------------------
+
+
+def make_converter(registry: Registry) -> cattrs.Converter:
+    """The one converter, built after plugins load so polymorphic sections see them all."""
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+    def strict_int(value: Any, _t: type) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise WrongType(f"expected an integer, got {value!r}")
+        return value
+
+    def strict_float(value: Any, _t: type) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WrongType(f"expected a number, got {value!r}")
+        return float(value)
+
+    def strict_str(value: Any, _t: type) -> str:
+        if not isinstance(value, str):
+            raise WrongType(f"expected a string, got {value!r}")
+        return value
+
+    def strict_bool(value: Any, _t: type) -> bool:
+        if not isinstance(value, bool):
+            raise WrongType(f"expected true or false, got {value!r}")
+        return value
+
+    conv.register_structure_hook(int, strict_int)
+    conv.register_structure_hook(float, strict_float)
+    conv.register_structure_hook(str, strict_str)
+    conv.register_structure_hook(bool, strict_bool)
+
+    # A predicate, not a class hook: class hooks also catch subclasses, and plugin config
+    # classes structured inside would loop back here (reference/plugin-anchors.md §6.4).
+    def structure_draft(body: Any, _t: type) -> DraftSection:
+        name, options = _structure_selected(conv, registry, Kind.DRAFT, body)
+        return DraftSection(kind=name, options=options)
+
+    conv.register_structure_hook_func(lambda t: t is DraftSection, structure_draft)
+    conv.register_unstructure_hook(
+        DraftSection,
+        lambda d: {"kind": d.kind, **(conv.unstructure(d.options) if d.options is not None else {})},
+    )
+    return conv
+
+
+def _structure_selected(
+    conv: cattrs.Converter, registry: Registry, kind: Kind, body: Any
+) -> tuple[str, Any]:
+    if not isinstance(body, Mapping):
+        raise WrongType(f"expected a table with a 'kind' key, got {body!r}")
+    if "kind" not in body:
+        raise FieldError("kind", f"required: one of {', '.join(registry.names(kind)) or 'none installed'}")
+    name = body["kind"]
+    if not isinstance(name, str):
+        raise FieldError("kind", f"expected a string, got {name!r}")
+    try:
+        contribution = registry.get(kind, name)
+    except ForetellError as exc:
+        raise FieldError("kind", str(exc)) from exc
+    rest = {k: v for k, v in body.items() if k != "kind"}
+    if contribution.config is None:
+        if rest:
+            raise FieldError(sorted(rest)[0], f"unknown field: {kind.value} '{name}' takes no options")
+        return name, None
+    return name, conv.structure(rest, contribution.config)
+
+
+# -- loading and error rendering ---------------------------------------------------------
+
+
+def structure(conv: cattrs.Converter, data: Mapping[str, Any], cls: type, source: str) -> Any:
+    """Structure ``data`` into ``cls``; any problem becomes a ConfigError naming ``source``."""
+    try:
+        return conv.structure(dict(data), cls)
+    except Exception as exc:  # cattrs raises groups, validators raise FieldError
+        lines = list(error_lines(exc, ""))
+        if not lines:
+            raise
+        raise ConfigError(source, lines) from exc
+
+
+def error_lines(exc: BaseException, path: str) -> Iterator[str]:
+    """``field.path: what is wrong`` for every leaf problem inside ``exc``."""
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            sub_path = path
+            for note in getattr(sub, "__notes__", ()):
+                if isinstance(note, AttributeValidationNote):
+                    sub_path = _join(path, note.name)
+                elif isinstance(note, IterableValidationNote):
+                    sub_path = f"{path}[{note.index!r}]"
+            yield from error_lines(sub, sub_path)
+    elif isinstance(exc, FieldError):
+        yield f"{_join(path, exc.field)}: {exc.message}"
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        known = sorted(a.name for a in attrs.fields(exc.cl)) if attrs.has(exc.cl) else []
+        for key in sorted(exc.extra_fields):
+            yield f"{_join(path, key)}: unknown field (known: {', '.join(known)})"
+    elif isinstance(exc, KeyError):
+        yield f"{path}: required field missing"
+    elif isinstance(exc, (WrongType, TypeError, ValueError)):
+        yield f"{path or '<top>'}: {exc}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read: {exc.strerror or exc}"]) from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from exc
+
+
+def load_run_config(
+    registry: Registry,
+    path: str | Path | None = None,
+    overrides: Mapping[str, tuple[Any, str]] | None = None,
+) -> RunConfig:
+    """The run configuration from an optional TOML file plus CLI overrides.
+
+    :param overrides: ``{"sampling.temp": (0.7, "--temp")}``; values of ``None`` are skipped.
+        An error caused by an override names the flag.
+    """
+    data = read_toml(path) if path is not None else {}
+    source = str(path) if path is not None else "command line"
+    flags: dict[str, str] = {}
+    for dotted, (value, flag) in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+        flags[dotted] = flag
+    try:
+        return structure(make_converter(registry), data, RunConfig, source)
+    except ConfigError as exc:
+        if not flags:
+            raise
+        lines = []
+        for line in exc.lines:
+            field = line.split(":", 1)[0]
+            lines.append(f"{line} (set by {flags[field]})" if field in flags else line)
+        raise ConfigError(source, lines) from exc.__cause__

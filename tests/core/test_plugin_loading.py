@@ -1,0 +1,216 @@
+"""Discovery through entry points, isolation of broken plugins, conflicts, switches."""
+
+import json
+
+import pytest
+
+from foretell.cli import main
+from foretell.config import load_run_config
+from foretell.errors import ConfigError, ContributionConflict, PluginError
+from foretell.plugins import PluginSwitches, load_plugins
+from foretell.registry import Kind
+
+GOOD = """
+import attrs
+from foretell import hookimpl
+
+@attrs.frozen(kw_only=True)
+class EchoOptions:
+    depth: int = 2
+
+@hookimpl
+def foretell_register_draft_providers(register):
+    register("echo", "{module}:EchoOptions", config=EchoOptions, summary="echoes")
+"""
+
+RAISES_IN_HOOK = """
+from foretell import hookimpl
+
+@hookimpl
+def foretell_register_draft_providers(register):
+    register("fine-before-raise", "x:y")
+    raise RuntimeError("boom inside registration")
+"""
+
+
+def _plugin(fake_distribution, dist, ep_name, module, source):
+    fake_distribution(
+        dist,
+        "1.0",
+        entry_points={"foretell.plugins": {ep_name: module}},
+        modules={module: source.replace("{module}", module)},
+    )
+
+
+def _listing(capsys, *args):
+    code = main(["plugins", "--json", *args])
+    out = capsys.readouterr().out
+    return code, {row["name"]: row for row in json.loads(out)["plugins"]}, json.loads(out)
+
+
+def test_third_party_plugin_is_discovered_and_its_contribution_usable(fake_distribution):
+    _plugin(fake_distribution, "foretell-echo", "echo", "foretell_echo", GOOD)
+    plugins = load_plugins()
+    item = plugins.registry.get(Kind.DRAFT, "echo")
+    assert item.origin.distribution == "foretell-echo" and not item.origin.builtin
+    config = load_run_config(plugins.registry, overrides={"draft": ({"kind": "echo", "depth": 5}, "--draft")})
+    assert config.draft.kind == "echo" and config.draft.options.depth == 5
+
+
+def test_broken_plugins_are_listed_as_failed_and_the_rest_keep_working(fake_distribution, capsys):
+    _plugin(fake_distribution, "foretell-good", "good", "foretell_good", GOOD)
+    _plugin(fake_distribution, "foretell-noimport", "noimport", "foretell_noimport", "import not_a_real_module_xyz\n")
+    _plugin(fake_distribution, "foretell-raises", "raises", "foretell_raises", RAISES_IN_HOOK)
+    code, rows, _ = _listing(capsys)
+    assert code == 0
+    assert rows["good"]["status"] == "loaded"
+    assert rows["noimport"]["status"] == "failed"
+    assert "No module named 'not_a_real_module_xyz'" in rows["noimport"]["error"]
+    assert rows["noimport"]["distribution"] == "foretell-noimport" and rows["noimport"]["version"] == "1.0"
+    assert rows["raises"]["status"] == "failed"
+    assert "RuntimeError: boom inside registration" in rows["raises"]["error"]
+    # a plugin that raises contributes nothing, not even what it registered before raising
+    assert rows["raises"]["contributes"] == []
+    assert rows["baseline"]["status"] == "loaded"
+
+
+def test_text_listing_shows_failures_with_reasons(fake_distribution, capsys):
+    _plugin(fake_distribution, "foretell-raises", "raises", "foretell_raises", RAISES_IN_HOOK)
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "raises  [third-party]  foretell-raises 1.0  FAILED" in out
+    assert "error: a registration hook raised: RuntimeError: boom inside registration" in out
+
+
+def test_selecting_a_contribution_of_a_failed_plugin_fails_with_its_original_error(fake_distribution):
+    _plugin(fake_distribution, "foretell-raises", "raises", "foretell_raises", RAISES_IN_HOOK)
+    registry = load_plugins().registry
+    with pytest.raises(ConfigError) as info:
+        load_run_config(registry, overrides={"draft": ({"kind": "fine-before-raise"}, "--draft")})
+    message = str(info.value)
+    assert "plugin 'raises' failed to load" in message and "boom inside registration" in message
+    assert isinstance(info.value.__cause__.__cause__, RuntimeError)
+
+
+def test_strict_mode_turns_a_load_failure_into_an_error(fake_distribution):
+    _plugin(fake_distribution, "foretell-noimport", "noimport", "foretell_noimport", "import not_a_real_module_xyz\n")
+    with pytest.raises(PluginError, match=r"(?s)strict plugin loading failed:.*plugin 'noimport': import of 'foretell_noimport' failed"):
+        load_plugins(switches=PluginSwitches(strict=True))
+
+
+def test_strict_mode_from_the_environment(fake_distribution, monkeypatch, capsys):
+    _plugin(fake_distribution, "foretell-noimport", "noimport", "foretell_noimport", "import not_a_real_module_xyz\n")
+    monkeypatch.setenv("FORETELL_STRICT_PLUGINS", "1")
+    assert main(["plugins"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("foretell: error: strict plugin loading failed")
+
+
+def test_duplicate_contribution_names_are_an_error_naming_both_plugins(fake_distribution, capsys):
+    _plugin(fake_distribution, "foretell-echo-a", "echo-a", "foretell_echo_a", GOOD)
+    _plugin(fake_distribution, "foretell-echo-b", "echo-b", "foretell_echo_b", GOOD)
+    registry = load_plugins().registry
+    with pytest.raises(ContributionConflict) as info:
+        registry.get(Kind.DRAFT, "echo")
+    assert str(info.value) == (
+        "draft:echo is contributed by both plugin 'echo-a' (foretell-echo-a 1.0) and plugin "
+        "'echo-b' (foretell-echo-b 1.0). Uninstall one, disable one with "
+        "FORETELL_DISABLE_PLUGINS=echo-b, or, if 'echo-b' is meant to replace a built-in, "
+        "register it with replaces=True."
+    )
+    _, _, listing = _listing(capsys)
+    assert listing["conflicts"] == [str(info.value)]
+
+
+def test_disabling_one_side_resolves_a_conflict(fake_distribution, monkeypatch):
+    _plugin(fake_distribution, "foretell-echo-a", "echo-a", "foretell_echo_a", GOOD)
+    _plugin(fake_distribution, "foretell-echo-b", "echo-b", "foretell_echo_b", GOOD)
+    monkeypatch.setenv("FORETELL_DISABLE_PLUGINS", "echo-b")
+    assert load_plugins().registry.get(Kind.DRAFT, "echo").origin.plugin == "echo-a"
+
+
+def test_a_third_party_may_replace_a_built_in_only_when_it_says_so(fake_distribution, capsys):
+    replacing = """
+from foretell import hookimpl
+
+@hookimpl
+def foretell_register_cache_codecs(register):
+    register("kv", "my_kv:Codec", replaces=True, summary="faster kv")
+"""
+    _plugin(fake_distribution, "foretell-mykv", "mykv", "foretell_mykv", replacing)
+    assert load_plugins().registry.get(Kind.CODEC, "kv").origin.plugin == "mykv"
+    _, rows, _ = _listing(capsys)
+    assert rows["mykv"]["contributes"][0]["replaces"] == "baseline"
+    assert any(c.get("replaced_by") == "mykv" for c in rows["baseline"]["contributes"])
+
+
+def test_replacing_without_saying_so_is_a_conflict(fake_distribution):
+    silent = """
+from foretell import hookimpl
+
+@hookimpl
+def foretell_register_cache_codecs(register):
+    register("kv", "my_kv:Codec")
+"""
+    _plugin(fake_distribution, "foretell-mykv", "mykv", "foretell_mykv", silent)
+    with pytest.raises(ContributionConflict, match="plugin 'baseline'.*plugin 'mykv'"):
+        load_plugins().registry.get(Kind.CODEC, "kv")
+
+
+def test_block_list_disables_by_entry_point_name(fake_distribution, monkeypatch, capsys):
+    _plugin(fake_distribution, "foretell-good", "good", "foretell_good", GOOD)
+    monkeypatch.setenv("FORETELL_DISABLE_PLUGINS", "good, other")
+    _, rows, _ = _listing(capsys)
+    assert rows["good"]["status"] == "disabled" and rows["good"]["contributes"] == []
+
+
+def test_allow_list_loads_only_the_named_plugins(fake_distribution, monkeypatch, capsys):
+    _plugin(fake_distribution, "foretell-good", "good", "foretell_good", GOOD)
+    _plugin(fake_distribution, "foretell-echo-b", "echo-b", "foretell_echo_b", GOOD)
+    monkeypatch.setenv("FORETELL_LOAD_PLUGINS", "good")
+    _, rows, _ = _listing(capsys)
+    assert rows["good"]["status"] == "loaded"
+    assert rows["echo-b"]["status"] == "disabled"
+    assert rows["baseline"]["status"] == "loaded"  # core's own plugins are not entry points
+
+
+def test_empty_allow_list_loads_no_entry_points(fake_distribution, monkeypatch, capsys):
+    _plugin(fake_distribution, "foretell-good", "good", "foretell_good", GOOD)
+    monkeypatch.setenv("FORETELL_LOAD_PLUGINS", "")
+    _, rows, _ = _listing(capsys)
+    assert {name for name, row in rows.items() if row["status"] == "loaded"} == {"baseline"}
+
+
+def test_a_plugin_needing_a_newer_api_is_refused_naming_both_versions(fake_distribution, capsys):
+    _plugin(fake_distribution, "foretell-future", "future", "foretell_future", "FORETELL_PLUGIN_API = 99\n" + GOOD)
+    _, rows, _ = _listing(capsys)
+    assert rows["future"]["status"] == "failed"
+    assert "needs plugin API 99, this foretell provides 1" in rows["future"]["error"]
+
+
+def test_a_contribution_needing_a_newer_api_is_refused(fake_distribution, capsys):
+    future = GOOD.replace('summary="echoes"', 'summary="echoes", min_api=7')
+    _plugin(fake_distribution, "foretell-future", "future", "foretell_future", future)
+    _, rows, _ = _listing(capsys)
+    assert "needs plugin API 7, this foretell provides 1" in rows["future"]["error"]
+
+
+def test_the_same_entry_point_name_from_two_distributions_names_both(fake_distribution, capsys):
+    _plugin(fake_distribution, "foretell-one", "same", "foretell_one", GOOD)
+    _plugin(fake_distribution, "foretell-two", "same", "foretell_two", GOOD)
+    code, _, listing = _listing(capsys)
+    failed = [r for r in listing["plugins"] if r["name"] == "same" and r["status"] == "failed"]
+    assert code == 0 and len(failed) == 1
+    assert "already used by distribution foretell-" in failed[0]["error"]
+
+
+def test_plugin_hook_with_unknown_arguments_fails_validation(foretell_plugins):
+    from foretell import hookimpl
+
+    class Wrong:
+        @hookimpl
+        def foretell_register_cache_codecs(self, register, extra_argument):
+            pass
+
+    record = foretell_plugins.register(Wrong(), "wrong")
+    assert record.status == "failed" and "invalid hook implementations" in record.error
