@@ -18,8 +18,15 @@ from foretell.errors import ForetellError
 COMMANDS = ("foretell.cli.plugins_cmd",)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but bad input is one line on stderr, not a usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="foretell",
         description="Fast LLM inference on MLX: a minimal core plus plugins.",
     )
