@@ -16,7 +16,12 @@ from typing import Any
 
 import attrs
 import cattrs
-from cattrs.errors import AttributeValidationNote, ForbiddenExtraKeysError, IterableValidationNote
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationNote,
+)
 
 from foretell.errors import ConfigError, ForetellError
 from foretell.registry import Kind, Registry
@@ -186,7 +191,7 @@ def structure(conv: cattrs.Converter, data: Mapping[str, Any], cls: type, source
 
 def error_lines(exc: BaseException, path: str) -> Iterator[str]:
     """``field.path: what is wrong`` for every leaf problem inside ``exc``."""
-    if isinstance(exc, BaseExceptionGroup):
+    if isinstance(exc, BaseValidationError):
         for sub in exc.exceptions:
             sub_path = path
             for note in getattr(sub, "__notes__", ()):
