@@ -1,0 +1,439 @@
+"""The generation engine integrators call: load once, generate many.
+
+    engine = foretell.load("demo")
+    for event in engine.generate("Tell me a story", max_tokens=64):
+        if event.type == "text":
+            print(event.text, end="", flush=True)
+    print(event.to_dict())  # the final event carries the stats
+
+One request flows: encode (chat template) -> open caches (the prefix cache slots in here)
+-> prefill all but the last prompt token in 2048-token chunks -> decode steps, each handing
+back one or more token ids (a speculative verifier is another step source) -> EOS, stop
+strings and ``max_tokens`` -> streamed text -> final stats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+
+from foretell.errors import ForetellError
+from foretell.sampling import Sampler, repetition_windows
+from foretell.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from foretell.config import SamplingConfig
+    from foretell.model import Model
+    from foretell.registry import Registry
+
+#: Prompt tokens per prefill forward pass; bounds activation memory on long prompts.
+PREFILL_CHUNK = 2048
+#: The shipped model ``--model`` means when none is named.
+DEFAULT_MODEL = "demo"
+DEMO_DIR = Path(__file__).parent / "demo"
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+Progress = Callable[[int, int], None]
+
+
+class ModelNotFound(ForetellError):
+    """``--model`` names neither a directory nor a shipped model."""
+
+
+class GenerationError(ForetellError):
+    """A request cannot be served as given (empty prompt, bad token ids, ...)."""
+
+
+# -- which model --------------------------------------------------------------------------
+
+
+def shipped_models() -> list[str]:
+    """Names of the demo models shipped inside the package."""
+    if not DEMO_DIR.is_dir():
+        return []
+    return sorted(p.name for p in DEMO_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """A model directory from ``--model``: a directory as given, else a shipped model's name."""
+    name = os.fspath(model) if model is not None else DEFAULT_MODEL
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFound(f"--model {name}: is a file; give the model's directory")
+    shipped = shipped_models()
+    if name in shipped:
+        return DEMO_DIR / name
+    listing = ", ".join(shipped) if shipped else "none are installed"
+    raise ModelNotFound(
+        f"--model {name}: no such directory and no shipped model of that name "
+        f"(shipped models: {listing})"
+    )
+
+
+# -- what a request streams -----------------------------------------------------------------
+
+
+@attrs.frozen
+class TextEvent:
+    """Text that became final, and the token ids this step produced.
+
+    ``text`` may be ``""`` (a character still arriving, or text held back because it could
+    start a stop string); ``tokens`` is empty for the flush at the end. EOS is never here.
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    type: str = "text"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "text": self.text, "tokens": list(self.tokens)}
+
+
+@attrs.frozen(kw_only=True)
+class Stats:
+    """The last event of every request.
+
+    ``finish_reason``: ``"eos"`` (the model ended), ``"stop"`` (a stop string), or
+    ``"length"`` (``max_tokens``). ``generated_tokens`` counts every token the model chose,
+    EOS included. ``prompt_tps`` counts prompt tokens actually computed (not reused from a
+    cache) over the time to the first token; ``generation_tps`` counts generated tokens over
+    the time after the first one, as mlx-lm does.
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    finish_reason: str
+    type: str = "stats"
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+Event = TextEvent | Stats
+
+
+class StopMatcher:
+    """Cuts the text stream at the first stop string, which may span tokens.
+
+    Text that could still grow into a stop string is held back until it cannot, so a stop
+    string is never emitted, even in part.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """``(text safe to emit, whether a stop string was hit)``."""
+        if not self.stops:
+            return text, False
+        pending = self._held + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return pending[: min(hits)], True
+        keep = self._partial_suffix(pending)
+        self._held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+_STREAM: Any = None
+
+
+def _generation_stream() -> Any:
+    # One stream for all generation work, as mlx-lm does, created on first use.
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = mx.new_thread_local_stream(mx.default_device())
+    return _STREAM
+
+
+class Engine:
+    """A loaded model and tokenizer, ready to serve requests one at a time."""
+
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        *,
+        registry: Registry | None = None,
+        path: Path | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.path = path
+
+    # -- prompts --
+
+    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
+        """Token ids for a prompt: text, a list of chat messages, or ids as they are.
+
+        ``chat=None`` applies the chat template to text when the tokenizer has one (mlx-lm's
+        default); messages always go through the template.
+        """
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if chat is None:
+                chat = tok.has_chat_template
+            if chat:
+                return self._encode_chat([{"role": "user", "content": prompt}])
+            # A prompt that spells out BOS itself must not get a second one.
+            leads_with_bos = tok.bos_token is not None and prompt.startswith(tok.bos_token)
+            return tok.encode(prompt, add_special_tokens=not leads_with_bos)
+        items = list(prompt)
+        if items and all(isinstance(m, Mapping) for m in items):
+            return self._encode_chat(items)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise GenerationError(
+                "a prompt is text, a list of chat messages, or a list of token ids"
+            )
+        vocab = self.model.vocab_size
+        bad = [i for i in items if not 0 <= i < vocab]
+        if bad:
+            raise GenerationError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        return items
+
+    def _encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # The template writes BOS itself where the model wants one.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- generation --
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingConfig | None = None,
+        stop: Sequence[str] = (),
+        chat: bool | None = None,
+        prefill_progress: Progress | None = None,
+    ) -> Iterator[Event]:
+        """Stream a completion: :class:`TextEvent` s, then one :class:`Stats`.
+
+        :param prompt: text, chat messages (``[{"role": ..., "content": ...}]``) or token ids.
+        :param max_tokens: the most tokens to generate (EOS counts).
+        :param sampling: how tokens are chosen; default greedy.
+        :param stop: strings that end generation; never emitted.
+        :param chat: apply the chat template to a text prompt (None: if the tokenizer has one).
+        :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill chunk.
+        """
+        if max_tokens < 1:
+            raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
+        started = time.perf_counter()
+        ids = self.encode_prompt(prompt, chat=chat)
+        if not ids:
+            raise GenerationError("the prompt is empty: there is no token to start from")
+        return self._run(
+            ids, started, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress
+        )
+
+    def generate_text(self, prompt: Prompt, **options: Any) -> str:
+        """The whole completion as one string; ``options`` as for :meth:`generate`."""
+        return "".join(e.text for e in self.generate(prompt, **options) if e.type == "text")
+
+    def _run(
+        self,
+        ids: list[int],
+        started: float,
+        max_tokens: int,
+        sampler: Sampler,
+        stops: StopMatcher,
+        progress: Progress | None,
+    ) -> Iterator[Event]:
+        eos = self.tokenizer.eos_token_ids
+        detok = self.tokenizer.detokenizer()
+        mx.reset_peak_memory()
+        caches, cached = self._open_caches(ids)
+        steps = self._decode_steps(ids, cached, caches, sampler, max_tokens, progress)
+
+        first_at = None
+        generated = 0
+        finish = "length"
+        with _wired_memory():
+            for step_tokens in steps:
+                if first_at is None:
+                    first_at = time.perf_counter()
+                emitted: list[int] = []
+                text = ""
+                for token in step_tokens:
+                    generated += 1
+                    if token in eos:
+                        finish = "eos"
+                        break
+                    emitted.append(token)
+                    piece, hit = stops.feed(detok.add(token))
+                    text += piece
+                    if hit:
+                        finish = "stop"
+                        break
+                    if generated >= max_tokens:
+                        break
+                if emitted:
+                    yield TextEvent(text, tuple(emitted))
+                if finish != "length" or generated >= max_tokens:
+                    break
+            steps.close()  # an early stop abandons the step already in flight
+
+        if finish != "stop":
+            tail, hit = stops.feed(detok.flush())
+            if hit:
+                finish = "stop"
+            else:
+                tail += stops.flush()
+            if tail:
+                yield TextEvent(tail, ())
+        ended = time.perf_counter()
+        first_at = first_at if first_at is not None else ended
+        computed = len(ids) - cached
+        prompt_time = first_at - started
+        decode_time = ended - first_at
+        yield Stats(
+            prompt_tokens=len(ids),
+            generated_tokens=generated,
+            cached_tokens=cached,
+            ttft_s=prompt_time,
+            prompt_tps=computed / prompt_time if prompt_time > 0 else 0.0,
+            generation_tps=generated / decode_time if decode_time > 0 else 0.0,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
+
+    def _open_caches(self, ids: list[int]) -> tuple[list[Any], int]:
+        """Caches for this request and how many leading prompt tokens they already hold.
+
+        The prefix cache plugs in here; until then every request starts empty.
+        """
+        return self.model.make_caches(), 0
+
+    def _prefill(self, tokens: mx.array, caches: list[Any], progress: Progress | None) -> None:
+        """Run ``tokens`` through the model into ``caches``, in chunks."""
+        total = tokens.size
+        done = 0
+        while done < total:
+            n = min(PREFILL_CHUNK, total - done)
+            hidden, _ = self.model.forward(tokens[None, done : done + n], caches)
+            # Evaluating the output forces every layer's cache update of this chunk.
+            mx.eval(hidden)
+            # Chunk-sized buffers would otherwise pile up in MLX's allocator cache.
+            mx.clear_cache()
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+    def _decode_steps(
+        self,
+        ids: list[int],
+        cached: int,
+        caches: list[Any],
+        sampler: Sampler,
+        limit: int,
+        progress: Progress | None,
+    ) -> Iterator[list[int]]:
+        """Plain decoding as a step source: each step yields the token ids it produced.
+
+        The prompt is drained to its last token; that token heads the first decode step.
+        Step t+1 is queued on the device (``async_eval``) before token t is handed out, so
+        the caller's detokenizing overlaps the model's compute.
+        """
+        model = self.model
+        keys = sampler.keys()
+        size = sampler.window
+        with mx.stream(_generation_stream()):
+            prompt = mx.array(ids, dtype=mx.int32)
+            self._prefill(prompt[cached:-1], caches, progress)
+            window = repetition_windows(prompt, prompt[:0], size) if size else None
+
+            def step(tokens: mx.array) -> mx.array:
+                nonlocal window
+                hidden, _ = model.forward(tokens, caches)
+                logits = model.logits(hidden[:, -1, :])
+                token = sampler(logits, window, keys.next() if keys is not None else None)
+                if window is not None:
+                    window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
+                return token
+
+            token = step(prompt[None, -1:])
+            mx.async_eval(token)
+            produced = 0
+            while True:
+                produced += 1
+                if produced < limit:
+                    following = step(token[:, None])
+                    mx.async_eval(following)
+                yield [token.item()]
+                if produced >= limit:
+                    return
+                if produced % 256 == 0:
+                    mx.clear_cache()
+                token = following
+
+
+@contextlib.contextmanager
+def _wired_memory() -> Iterator[None]:
+    """On Apple silicon, let the model's memory stay wired while generating (as mlx-lm does)."""
+    if not mx.metal.is_available():
+        yield
+        return
+    limit = mx.device_info()["max_recommended_working_set_size"]
+    previous = mx.set_wired_limit(limit)
+    try:
+        yield
+    finally:
+        mx.synchronize(_generation_stream())
+        mx.set_wired_limit(previous)
+
+
+def load(
+    model: str | os.PathLike[str] | None = None, *, registry: Registry | None = None
+) -> Engine:
+    """Load a model directory (or a shipped model by name) once, for many requests.
+
+    :param model: a model directory, or the name of a shipped demo model (default "demo").
+    :param registry: the plugin registry to find the architecture in; by default plugins
+        are discovered and loaded.
+    """
+    from foretell.loading import load_model
+
+    path = resolve_model_path(model)
+    if registry is None:
+        from foretell.plugins import load_plugins
+
+        registry = load_plugins().registry
+    tokenizer = Tokenizer.from_dir(path)
+    return Engine(load_model(path, registry), tokenizer, registry=registry, path=path)

@@ -1,0 +1,147 @@
+"""Choosing tokens from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+
+One :class:`Sampler` serves plain decoding and speculative verification alike: ``scores``
+turns logits for a batch of positions ``[N, V]`` into the distribution tokens are drawn
+from, and ``sample`` draws from it. The verifier reads ``scores`` for the acceptance test,
+so the distribution it checks drafts against is exactly the one plain decoding samples.
+
+The distribution matches mlx-lm's (our oracle): the top-k, top-p and min-p masks are each
+computed on the untempered distribution, their intersection is kept, and temperature is
+applied to what survives. Randomness comes from a per-request :class:`RandomKeys`, so a
+seed reproduces a run no matter what else the process has drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from foretell.config import SamplingConfig
+
+
+class RandomKeys:
+    """A per-request stream of PRNG keys: a seed, then one fresh key per draw."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = secrets.randbits(32) if seed is None else seed
+        self._key = mx.random.key(self.seed)
+
+    def next(self) -> mx.array:
+        # Splitting is a lazy graph op: no host sync on the per-token path.
+        pair = mx.random.split(self._key)
+        self._key = pair[0]
+        return pair[1]
+
+
+class Sampler:
+    """Logits to a processed distribution, and draws from it.
+
+    ``scores(logits, windows)`` returns ``[N, V]``: for sampling, normalized log-probabilities
+    of the tempered, masked distribution; for greedy (``temp == 0``), the penalized logits,
+    whose distribution is the point mass at their argmax. ``sample(scores, key)`` returns
+    ``[N]`` int32 token ids: the exact argmax when greedy, a categorical draw otherwise.
+    """
+
+    def __init__(self, config: SamplingConfig | None = None):
+        from foretell.config import SamplingConfig
+
+        self.config = config or SamplingConfig()
+        c = self.config
+        self.greedy = c.temp == 0
+        self.penalty = c.repetition_penalty if c.repetition_penalty != 1.0 else None
+        #: How many recent tokens the repetition penalty sees (0 when it is off).
+        self.window = c.repetition_context_size if self.penalty is not None else 0
+        self._top_k = c.top_k
+        self._top_p = c.top_p if c.top_p < 1.0 else None
+        self._log_min_p = math.log(c.min_p) if c.min_p > 0.0 else None
+        self._inv_temp = 1.0 / c.temp if c.temp > 0 else None
+
+    def keys(self) -> RandomKeys | None:
+        """The random stream for one request, or None when greedy needs none."""
+        return None if self.greedy else RandomKeys(self.config.seed)
+
+    def scores(self, logits: mx.array, windows: mx.array | None = None) -> mx.array:
+        """``[N, V]`` logits (and ``[N, W]`` recent tokens per row) to the distribution."""
+        if self.penalty is not None and windows is not None and windows.size:
+            logits = apply_repetition_penalty(logits, windows, self.penalty)
+        if self.greedy:
+            return logits
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        drop = self._mask(logprobs)
+        if drop is not None:
+            logprobs = mx.where(drop, -mx.inf, logprobs)
+        tempered = logprobs * self._inv_temp
+        return tempered - mx.logsumexp(tempered, axis=-1, keepdims=True)
+
+    def sample(self, scores: mx.array, key: mx.array | None = None) -> mx.array:
+        if self.greedy:
+            return mx.argmax(scores, axis=-1).astype(mx.int32)
+        return mx.random.categorical(scores, axis=-1, key=key).astype(mx.int32)
+
+    def __call__(
+        self, logits: mx.array, windows: mx.array | None, key: mx.array | None
+    ) -> mx.array:
+        return self.sample(self.scores(logits, windows), key)
+
+    def _mask(self, logprobs: mx.array) -> mx.array | None:
+        """True where top-k, top-p or min-p drops a token (each judged on ``logprobs``)."""
+        drop = None
+        vocab = logprobs.shape[-1]
+        if 0 < self._top_k < vocab:
+            kth = mx.sort(logprobs, axis=-1)[..., vocab - self._top_k : vocab - self._top_k + 1]
+            drop = _or(drop, logprobs < kth)
+        if self._top_p is not None:
+            drop = _or(drop, top_p_drop(logprobs, self._top_p))
+        if self._log_min_p is not None:
+            best = mx.max(logprobs, axis=-1, keepdims=True)
+            drop = _or(drop, logprobs < best + self._log_min_p)
+        return drop
+
+
+def _or(a: mx.array | None, b: mx.array) -> mx.array:
+    return b if a is None else mx.logical_or(a, b)
+
+
+def top_p_drop(logprobs: mx.array, top_p: float) -> mx.array:
+    """True for tokens outside the smallest set whose probability reaches ``top_p``.
+
+    Ties with the last kept token are kept too, so the result does not depend on sort order.
+    """
+    ordered = mx.sort(logprobs, axis=-1)[..., ::-1]
+    probs = mx.exp(ordered)
+    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each token
+    kept = mx.sum(before < top_p, axis=-1, keepdims=True)  # always >= 1
+    threshold = mx.take_along_axis(ordered, kept - 1, axis=-1)
+    return logprobs < threshold
+
+
+def apply_repetition_penalty(logits: mx.array, windows: mx.array, penalty: float) -> mx.array:
+    """Make tokens in each row's window less likely (CTRL: divide positive logits by the
+    penalty, multiply negative ones). Repeats within a window are penalized once."""
+    picked = mx.take_along_axis(logits, windows, axis=-1)
+    picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+    # A token repeated in a window writes the same value at each of its positions.
+    return mx.put_along_axis(logits, windows, picked, axis=-1)
+
+
+def repetition_windows(context: mx.array, appended: mx.array, size: int) -> mx.array:
+    """``[N, W]`` windows of recent tokens for ``N = len(appended) + 1`` positions.
+
+    Row ``i`` holds the last ``size`` tokens of ``context`` followed by ``appended[:i]`` (the
+    verifier's view of draft position ``i``). While fewer than ``size`` tokens exist, a row is
+    padded by repeating its own first token, which the penalty treats as one occurrence.
+    """
+    tail = context[-size:]
+    seq = mx.concatenate([tail, appended]) if appended.size else tail
+    known = tail.size
+    rows = appended.size + 1
+    width = min(size, known + rows - 1)
+    ends = mx.arange(known, known + rows)[:, None]
+    starts = mx.maximum(ends - size, 0)
+    positions = mx.maximum(ends - width + mx.arange(width)[None, :], starts)
+    return seq[positions]

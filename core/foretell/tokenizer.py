@@ -1,0 +1,455 @@
+"""Text in, token ids out, and back again as a stream that never splits a character.
+
+A model directory carries ``tokenizer.json`` (read by the ``tokenizers`` library),
+``tokenizer_config.json`` (bos/eos tokens, ``add_bos_token``, the chat template) and
+optionally ``chat_template.jinja``, ``config.json`` and ``generation_config.json`` (more
+end-of-sequence ids). Every error names the file it came from.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from foretell.errors import ForetellError, ModelLoadError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+#: Files whose ``eos_token_id`` (an int or a list of ints) also ends generation.
+EOS_ID_FILES = ("config.json", "generation_config.json")
+
+
+class TokenizerError(ModelLoadError):
+    """A tokenizer file is missing, corrupt, or names a token its vocabulary lacks."""
+
+
+class ChatTemplateError(ForetellError):
+    """The chat template is invalid, or refused the conversation (``raise_exception``)."""
+
+
+# -- reading the model directory -----------------------------------------------------------
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise TokenizerError(f"{path}: missing; a model directory needs this file")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{path}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def _token_text(value: Any, field: str, path: Path) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or {"content": ...}."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(f'{path}: {field} must be a string or {{"content": ...}}, got {value!r}')
+
+
+def _eos_ids_field(data: Mapping[str, Any], path: Path) -> list[int]:
+    value = data.get("eos_token_id")
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TokenizerError(
+            f"{path}: eos_token_id must be a token id or a list of token ids, got {value!r}"
+        )
+    return list(values)
+
+
+def _chat_template(model_dir: Path, config: Mapping[str, Any]) -> tuple[str | None, Path]:
+    """The template source and the file it came from; a ``.jinja`` file wins, as in HF."""
+    jinja_file = model_dir / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), jinja_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"{jinja_file}: cannot read it: {exc}") from exc
+    config_file = model_dir / TOKENIZER_CONFIG_FILE
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template, config_file
+    # Some checkpoints ship several named templates; the one named "default" is the chat one.
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen, config_file
+        raise TokenizerError(
+            f"{config_file}: chat_template lists templates {sorted(map(str, named))} but none "
+            "named 'default'"
+        )
+    raise TokenizerError(
+        f"{config_file}: chat_template must be a string, got {type(template).__name__}"
+    )
+
+
+# -- the chat template -----------------------------------------------------------------------
+
+
+class ChatTemplate:
+    """A Hugging Face chat template, rendered in a sandbox the way transformers renders it."""
+
+    def __init__(self, source: str, origin: Path, variables: Mapping[str, Any]):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.origin = origin
+        self._variables = dict(variables)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = self._raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(
+                f"{origin}: the chat template does not parse (template line {exc.lineno}): "
+                f"{exc.message}"
+            ) from exc
+
+    def _raise(self, message: str) -> None:
+        raise ChatTemplateError(
+            f"{self.origin}: the chat template refused the conversation: {message}"
+        )
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        import jinja2
+
+        try:
+            return self._template.render(
+                **self._variables,
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(
+                f"{self.origin}: rendering the chat template failed: {exc}"
+            ) from exc
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson HTML-escapes; chat templates expect plain JSON (as transformers does).
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+# -- streaming detokenization ----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: each byte is a printable character; this inverts it."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _decoder_style(decoder: Any) -> tuple[str, bool] | None:
+    """``(style, strip_first_space)`` for decoders streamed byte-exactly, else None.
+
+    Styles: ``"byte-level"`` (GPT-2/Qwen/Llama-3 BPE) and ``"metaspace"`` (SentencePiece:
+    ``▁`` for space, ``<0xNN>`` byte fallback; Llama-2/Gemma).
+    """
+    if not isinstance(decoder, Mapping):
+        return None
+    kind = decoder.get("type")
+    if kind == "ByteLevel":
+        return "byte-level", False
+    if kind == "Metaspace":
+        scheme = decoder.get(
+            "prepend_scheme", "always" if decoder.get("add_prefix_space", True) else "never"
+        )
+        return "metaspace", scheme != "never"
+    if kind != "Sequence":
+        return None
+    parts = decoder.get("decoders") or []
+    if len(parts) == 1:
+        return _decoder_style(parts[0])
+    strip = False
+    for part in parts:
+        ptype = part.get("type") if isinstance(part, Mapping) else None
+        if (
+            ptype == "Replace"
+            and part.get("pattern") == {"String": "▁"}
+            and part.get("content") == " "
+        ):
+            continue
+        if ptype in ("ByteFallback", "Fuse"):
+            continue
+        if (
+            ptype == "Strip"
+            and part.get("content") == " "
+            and part.get("start") == 1
+            and part.get("stop") == 0
+        ):
+            strip = True
+            continue
+        return None
+    return "metaspace", strip
+
+
+def _token_bytes(token: str, style: str) -> bytes:
+    if style == "byte-level":
+        alphabet = _byte_level_alphabet()
+        try:
+            return bytes(alphabet[c] for c in token)
+        except KeyError:  # e.g. an added token outside the alphabet: its text as is
+            return token.encode("utf-8")
+    fallback = _BYTE_FALLBACK.match(token)
+    if fallback:
+        return bytes([int(fallback.group(1), 16)])
+    return token.replace("▁", " ").encode("utf-8")
+
+
+class StreamingDetokenizer:
+    """Turns token ids into text one id at a time, holding back incomplete characters.
+
+    ``add(id)`` returns the text that became final with this id (often ``""`` while a
+    multi-byte character is still arriving); ``flush()`` returns the rest at the end. The
+    concatenation equals ``Tokenizer.decode`` of all ids.
+    """
+
+    def __init__(self, pieces: Sequence[bytes], strip_first_space: bool):
+        self._pieces = pieces
+        self._strip_first_space = strip_first_space
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._started = False
+
+    def add(self, token: int) -> str:
+        piece = self._pieces[token] if 0 <= token < len(self._pieces) else b""
+        return self._emit(self._utf8.decode(piece))
+
+    def flush(self) -> str:
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        if not self._started and text:
+            self._started = True
+            if self._strip_first_space and text[0] == " ":
+                return text[1:]
+        return text
+
+
+class RedecodingDetokenizer:
+    """Fallback for decoders without a byte table: re-decode the current line each step.
+
+    Quadratic in the line length, so only used for tokenizers the byte-exact path does not
+    cover (WordPiece and other rare decoders).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._line: list[int] = []
+        self._emitted = 0
+
+    def add(self, token: int) -> str:
+        self._line.append(token)
+        text = self._decode(self._line)
+        if text.endswith("\ufffd"):  # an incomplete character: wait for its other bytes
+            return ""
+        fresh = text[self._emitted :]
+        if text.endswith("\n"):
+            self._line, self._emitted = [], 0
+        else:
+            self._emitted = len(text)
+        return fresh
+
+    def flush(self) -> str:
+        text = self._decode(self._line) if self._line else ""
+        fresh = text[self._emitted :]
+        self._line, self._emitted = [], 0
+        return fresh
+
+
+# -- the tokenizer -----------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """A model directory's tokenizer: encode, decode, stream, and render chat templates."""
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        source: Path,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: ChatTemplate | None = None,
+        decoder: Any = None,
+    ):
+        self.backend = backend
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self._add_bos_token = add_bos_token
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chat_template = chat_template
+        self._style = _decoder_style(decoder)
+        self._pieces: list[bytes] | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Read the tokenizer of a model directory; errors name the file that is wrong."""
+        from tokenizers import Tokenizer as Backend
+
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / TOKENIZER_FILE
+        raw = _read_json(tokenizer_file, required=True)
+        try:
+            backend = Backend.from_str(json.dumps(raw))
+        except Exception as exc:  # the Rust side raises its own exception type
+            raise TokenizerError(
+                f"{tokenizer_file}: the tokenizers library rejects it: {exc}"
+            ) from exc
+
+        config_file = model_dir / TOKENIZER_CONFIG_FILE
+        config = _read_json(config_file, required=False)
+        bos = _token_text(config.get("bos_token"), "bos_token", config_file)
+        eos = _token_text(config.get("eos_token"), "eos_token", config_file)
+        add_bos = config.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise TokenizerError(
+                f"{config_file}: add_bos_token must be true or false, got {add_bos!r}"
+            )
+
+        eos_ids: list[int] = []
+        for name, value in (("bos_token", bos), ("eos_token", eos)):
+            if value is not None and backend.token_to_id(value) is None:
+                raise TokenizerError(
+                    f"{config_file}: {name} {value!r} is not in {TOKENIZER_FILE}'s vocabulary"
+                )
+        if eos is not None:
+            eos_ids.append(backend.token_to_id(eos))
+        for name in EOS_ID_FILES:
+            path = model_dir / name
+            eos_ids += _eos_ids_field(_read_json(path, required=False), path)
+
+        source, origin = _chat_template(model_dir, config)
+        template = None
+        if source is not None:
+            variables = {
+                "bos_token": bos or "",
+                "eos_token": eos or "",
+                "pad_token": _token_text(config.get("pad_token"), "pad_token", config_file) or "",
+                "unk_token": _token_text(config.get("unk_token"), "unk_token", config_file) or "",
+            }
+            template = ChatTemplate(source, origin, variables)
+
+        return cls(
+            backend,
+            source=model_dir,
+            bos_token=bos,
+            eos_token=eos,
+            add_bos_token=add_bos,
+            eos_token_ids=eos_ids,
+            chat_template=template,
+            decoder=raw.get("decoder"),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS
+        (and ``add_bos_token`` from tokenizer_config.json is enforced either way)."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if not add_special_tokens or bos is None or self._add_bos_token is None:
+            return ids
+        if self._add_bos_token and (not ids or ids[0] != bos):
+            return [bos, *ids]
+        if (
+            not self._add_bos_token
+            and ids
+            and ids[0] == bos
+            and not text.startswith(self.bos_token)
+        ):
+            return ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The conversation rendered as the model was trained to see it."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"{self.source}: no chat template ({TOKENIZER_CONFIG_FILE} has no chat_template "
+                f"and there is no {CHAT_TEMPLATE_FILE}); pass the prompt as plain text"
+            )
+        return self.chat_template.render(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
+
+    def detokenizer(self) -> StreamingDetokenizer | RedecodingDetokenizer:
+        """A fresh streaming detokenizer for one sequence."""
+        if self._style is None:
+            return RedecodingDetokenizer(self.decode)
+        style, strip = self._style
+        if self._pieces is None:
+            # Built once per tokenizer, on first use: ~100 ms for a 150k vocabulary.
+            pieces = [b""] * self.vocab_size
+            for token, index in self.backend.get_vocab(with_added_tokens=True).items():
+                pieces[index] = _token_bytes(token, style)
+            self._pieces = pieces
+        return StreamingDetokenizer(self._pieces, strip)
