@@ -1,0 +1,141 @@
+"""What a storage layout stores: one cache entry, its header, and whose it is.
+
+Shared by every layout (the single-file layout in core, the segmented block store plugin)
+so the SSD tier above them never depends on how bytes sit on disk. Importing this module
+must stay cheap: layouts are imported when plugins register, so no mlx here at import time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from array import array
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+# Directory names are built from these; anything else could escape the cache root.
+_PATH_SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _path_safe(_inst: Any, attribute: attrs.Attribute, value: str) -> None:
+    if not _PATH_SAFE.match(value) or value in (".", ".."):
+        raise ValueError(
+            f"{attribute.name}: must be letters, digits, '.', '_' or '-' (it names a "
+            f"directory), got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class StoreIdentity:
+    """Whose cache entries a store serves. Cache identity is total (DESIGN.md invariant 7).
+
+    ``model_fingerprint`` and ``kv_scheme`` name the directory entries live in; the rest is
+    recorded in every entry and checked on scan and read, so a file written for another
+    model, tokenizer or codec is never served.
+    """
+
+    model_fingerprint: str = attrs.field(validator=_path_safe)
+    kv_scheme: str = attrs.field(default="plain", validator=_path_safe)
+    model_id: str
+    tokenizer_hash: str
+    #: Codec provider ids this process can load (``Codec.provider_id`` of each codec).
+    codec_providers: frozenset[str] = attrs.field(converter=frozenset)
+
+    @property
+    def directory(self) -> str:
+        return f"{self.model_fingerprint}-{self.kv_scheme}"
+
+    @classmethod
+    def for_model_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        model_id: str,
+        codec_providers: Sequence[str],
+        kv_scheme: str = "plain",
+    ) -> StoreIdentity:
+        """The identity of the model in ``model_dir``: its ``config.json`` fingerprint and
+        the digest of its ``tokenizer.json``."""
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return cls(
+            model_fingerprint=config_fingerprint(config),
+            kv_scheme=kv_scheme,
+            model_id=model_id,
+            tokenizer_hash=hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()[:32],
+            codec_providers=codec_providers,
+        )
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """16 hex digits naming a model configuration; key order and whitespace do not matter."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@attrs.frozen(kw_only=True)
+class LayerState:
+    """One layer's cache as its codec snapshotted it (see :mod:`foretell.cache.codecs`)."""
+
+    codec: str
+    provider: str
+    #: Small JSON-able facts the codec needs to rebuild the cache (offset, ring index...).
+    meta: Mapping[str, Any]
+    #: Only the valid prefix; MLX arrays are immutable values, so these may be shared.
+    tensors: Mapping[str, mx.array]
+
+
+@attrs.frozen(kw_only=True)
+class Entry:
+    """The KV state after feeding ``tokens``: what a layout writes and reads back."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    layers: tuple[LayerState, ...] = attrs.field(converter=tuple)
+    #: Entries only serve prompts of the same namespace (e.g. a LoRA adapter's identity).
+    namespace: str = ""
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for layer in self.layers for t in layer.tensors.values())
+
+
+@attrs.frozen(kw_only=True)
+class LayerHeader:
+    """A stored layer without its tensors: enough for a codec's ``header_trimmable``."""
+
+    codec: str
+    provider: str
+    meta: Mapping[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class EntryHeader:
+    """A stored entry as ``scan`` lists it: read from the header alone, no tensor bytes."""
+
+    key: str
+    tokens: tuple[int, ...]
+    layers: tuple[LayerHeader, ...]
+    namespace: str
+    #: Bytes the entry occupies on disk; byte caps are enforced on this (invariant 10).
+    nbytes: int
+    #: Last write or read (seconds since the epoch); least recently used is evicted first.
+    last_used: float
+
+
+def entry_key(identity: StoreIdentity, namespace: str, tokens: Sequence[int], version: int) -> str:
+    """The storage key of an entry: the same prompt state gets the same key, so rewriting
+    it replaces the old file atomically instead of adding a duplicate. Identity and format
+    version are part of it, so entries of another tokenizer or format never collide."""
+    digest = hashlib.blake2b(digest_size=16)
+    head = [version, identity.model_fingerprint, identity.kv_scheme, identity.model_id,
+            identity.tokenizer_hash, namespace, len(tokens)]
+    digest.update(json.dumps(head).encode())
+    digest.update(array("q", tokens).tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,318 @@
+"""The on-disk form of one cache entry: a valid safetensors file that describes itself.
+
+Byte layout (the safetensors format): ``u64 LE header length`` · header JSON (space padded so
+tensor data starts 8-byte aligned) · tensor bytes, laid out back to back. The header's
+``__metadata__`` holds three strings:
+
+- ``foretell.format_version``: read first, so a file from a newer foretell is skipped (kept
+  for that version) rather than mistaken for a corrupt one;
+- ``foretell.header``: the foretell header JSON (identity, tokens, per-layer codec meta and
+  a table of every tensor with its offsets and CRC-32);
+- ``foretell.header_hash``: BLAKE2b-128 of that JSON. It authenticates the tensor table, so
+  the safetensors index a user's tool reads is checked against it too.
+
+Checksums are fixed-width hex, so the header is written once with placeholders, tensors are
+streamed (peak extra memory: one tensor), and the header is rewritten in place with the same
+length. See docs/cache-storage.md for the fields and the measured checksum cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import attrs
+
+from foretell.store.entry import Entry, LayerHeader, LayerState, StoreIdentity
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+#: safetensors refuses headers above 100 MB; a larger length field is corruption.
+MAX_HEADER_BYTES = 100_000_000
+
+_VERSION_KEY = "foretell.format_version"
+_HEADER_KEY = "foretell.header"
+_HASH_KEY = "foretell.header_hash"
+_CRC_PLACEHOLDER = "0" * 8
+_HASH_PLACEHOLDER = "0" * 32
+
+# mlx dtype name -> safetensors dtype code
+_ST_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+}
+
+
+class CorruptEntry(Exception):
+    """The file is damaged or not an entry at all: never serve it, delete it."""
+
+
+class UnknownVersion(Exception):
+    """Written by another format version: skip it, leave it for the foretell that wrote it."""
+
+
+class ForeignEntry(Exception):
+    """Intact, but written for another model, tokenizer or codec: never serve it."""
+
+
+@attrs.frozen
+class TensorSlot:
+    name: str  # the safetensors tensor name
+    dtype: str  # safetensors dtype code
+    shape: tuple[int, ...]
+    begin: int  # offsets relative to the start of tensor data
+    end: int
+    crc32: str
+
+
+@attrs.frozen
+class StoredHeader:
+    """A verified foretell header, plus where its tensor data starts in the file."""
+
+    fields: dict[str, Any]
+    layers: tuple[LayerHeader, ...]
+    slots: tuple[dict[str, TensorSlot], ...]  # per layer: codec tensor name -> slot
+    data_start: int
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self.fields["tokens"])
+
+    @property
+    def namespace(self) -> str:
+        return self.fields["namespace"]
+
+
+def checksum(data: Any) -> str:
+    """CRC-32 as 8 hex digits: ~2.9 GB/s here, 5x BLAKE2b (docs/cache-storage.md)."""
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def _header_hash(header_json: str) -> str:
+    return hashlib.blake2b(header_json.encode(), digest_size=16).hexdigest()
+
+
+def _dtype_code(array: mx.array) -> str:
+    name = str(array.dtype).rsplit(".", 1)[-1]
+    try:
+        return _ST_DTYPES[name]
+    except KeyError:
+        raise TypeError(f"cannot store a tensor of dtype {name} (safetensors has no such type)") from None
+
+
+def _host_bytes(array: mx.array) -> memoryview:
+    """The array's row-major bytes; copies only when the array is a strided view."""
+    import mlx.core as mx
+    import numpy as np
+
+    if array.dtype == mx.bfloat16:  # numpy has no bfloat16; the bytes are what matter
+        array = array.view(mx.uint16)
+    host = np.ascontiguousarray(np.asarray(array))
+    return memoryview(host).cast("B") if host.size else memoryview(b"")
+
+
+class EntryWriter:
+    """Lays one entry out as a safetensors file: plan once, then stream it to a descriptor."""
+
+    def __init__(self, entry: Entry, identity: StoreIdentity, created_at: float):
+        self.entry = entry
+        offset = 0
+        layers = []
+        self._order: list[tuple[str, Any]] = []
+        for index, layer in enumerate(entry.layers):
+            table = {}
+            for tname, array in layer.tensors.items():
+                name = f"layers.{index}.{tname}"
+                nbytes = array.nbytes
+                table[tname] = {"name": name, "dtype": _dtype_code(array),
+                                "shape": list(array.shape), "offsets": [offset, offset + nbytes],
+                                "crc32": _CRC_PLACEHOLDER}
+                self._order.append((name, array))
+                offset += nbytes
+            layers.append({"codec": layer.codec, "provider": layer.provider,
+                           "meta": dict(layer.meta), "tensors": table})
+        self.data_bytes = offset
+        self._fields = {
+            "format_version": FORMAT_VERSION,
+            "created_at": created_at,
+            "model_id": identity.model_id,
+            "model_fingerprint": identity.model_fingerprint,
+            "kv_scheme": identity.kv_scheme,
+            "tokenizer_hash": identity.tokenizer_hash,
+            "namespace": entry.namespace,
+            "num_tokens": len(entry.tokens),
+            "tokens": list(entry.tokens),
+            "data_bytes": offset,
+            "checksum": "crc32",
+            "layers": layers,
+        }
+        self._crcs: dict[str, str] = {}
+        self.header = self._render()
+        self.file_bytes = len(self.header) + self.data_bytes
+
+    def _render(self) -> bytes:
+        for layer in self._fields["layers"]:
+            for slot in layer["tensors"].values():
+                slot["crc32"] = self._crcs.get(slot["name"], _CRC_PLACEHOLDER)
+        header_json = json.dumps(self._fields, separators=(",", ":"))
+        done = len(self._crcs) == len(self._order)
+        index: dict[str, Any] = {"__metadata__": {
+            _VERSION_KEY: str(FORMAT_VERSION),
+            _HEADER_KEY: header_json,
+            _HASH_KEY: _header_hash(header_json) if done else _HASH_PLACEHOLDER,
+        }}
+        for layer in self._fields["layers"]:
+            for slot in layer["tensors"].values():
+                index[slot["name"]] = {"dtype": slot["dtype"], "shape": slot["shape"],
+                                       "data_offsets": slot["offsets"]}
+        body = json.dumps(index, separators=(",", ":")).encode()
+        body += b" " * (-(8 + len(body)) % 8)  # tensor data 8-byte aligned, as safetensors advises
+        return struct.pack("<Q", len(body)) + body
+
+    def stored_layers(self) -> tuple[LayerHeader, ...]:
+        """The layers as a later :func:`read_header` will see them (meta after JSON)."""
+        return tuple(
+            LayerHeader(codec=layer["codec"], provider=layer["provider"],
+                        meta=json.loads(json.dumps(layer["meta"])))
+            for layer in self._fields["layers"]
+        )
+
+    def write_to(self, fd: int) -> None:
+        """Write the whole file at the descriptor's start; every byte goes through os.write."""
+        _write_all(fd, self.header)
+        for name, array in self._order:
+            data = _host_bytes(array)
+            self._crcs[name] = checksum(data)
+            _write_all(fd, data)
+            del data
+        final = self._render()
+        # Checksums are fixed-width hex, so the final header must fit the placeholder's bytes.
+        if len(final) != len(self.header):
+            raise AssertionError("entry header changed length between plan and write")
+        os.lseek(fd, 0, os.SEEK_SET)
+        _write_all(fd, final)
+        self.header = final
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def read_header(fh: BinaryIO, file_size: int, identity: StoreIdentity) -> StoredHeader:
+    """Parse and verify an entry's header without touching tensor bytes.
+
+    :raises CorruptEntry: damaged, truncated, or not an entry.
+    :raises UnknownVersion: another format version wrote it.
+    :raises ForeignEntry: another model, tokenizer, KV scheme or codec wrote it.
+    """
+    prefix = fh.read(8)
+    if len(prefix) != 8:
+        raise CorruptEntry("shorter than the safetensors length prefix")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES or 8 + length > file_size:
+        raise CorruptEntry(f"header length {length} does not fit a {file_size}-byte file")
+    raw = fh.read(length)
+    try:
+        index = json.loads(raw)
+        meta = index.pop("__metadata__")
+        version = meta[_VERSION_KEY]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptEntry(f"not a foretell entry header: {exc}") from None
+    if version != str(FORMAT_VERSION):
+        raise UnknownVersion(f"format version {version!r}, this foretell reads {FORMAT_VERSION}")
+    header_json = meta.get(_HEADER_KEY)
+    if not isinstance(header_json, str) or meta.get(_HASH_KEY) != _header_hash(header_json):
+        raise CorruptEntry("header hash mismatch")
+    try:
+        return _parse_verified(json.loads(header_json), index, 8 + length, file_size, identity)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CorruptEntry(f"malformed header: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_verified(fields: dict[str, Any], index: dict[str, Any], data_start: int,
+                    file_size: int, identity: StoreIdentity) -> StoredHeader:
+    if data_start + fields["data_bytes"] != file_size:
+        raise CorruptEntry(
+            f"file is {file_size} bytes, its header says {data_start + fields['data_bytes']}"
+        )
+    _check_identity(fields, identity)
+    layers, slots = [], []
+    for layer in fields["layers"]:
+        layers.append(LayerHeader(codec=layer["codec"], provider=layer["provider"],
+                                  meta=layer["meta"]))
+        table = {}
+        for tname, slot in layer["tensors"].items():
+            stored = TensorSlot(slot["name"], slot["dtype"], tuple(slot["shape"]),
+                                slot["offsets"][0], slot["offsets"][1], slot["crc32"])
+            # The safetensors index is what other tools read: it must agree with the
+            # authenticated table, or a user would see different tensors than we verify.
+            seen = index.pop(stored.name, None)
+            if seen != {"dtype": stored.dtype, "shape": list(stored.shape),
+                        "data_offsets": [stored.begin, stored.end]}:
+                raise CorruptEntry(f"tensor {stored.name} disagrees with the verified header")
+            table[tname] = stored
+        slots.append(table)
+    if index:
+        raise CorruptEntry(f"tensors missing from the verified header: {sorted(index)[:3]}")
+    return StoredHeader(fields=fields, layers=tuple(layers), slots=tuple(slots),
+                        data_start=data_start)
+
+
+def _check_identity(fields: dict[str, Any], identity: StoreIdentity) -> None:
+    for field in ("model_fingerprint", "kv_scheme", "model_id", "tokenizer_hash"):
+        if fields[field] != getattr(identity, field):
+            raise ForeignEntry(f"{field} is {fields[field]!r}, this store serves "
+                               f"{getattr(identity, field)!r}")
+    for layer in fields["layers"]:
+        if layer["provider"] not in identity.codec_providers:
+            raise ForeignEntry(f"codec provider {layer['provider']!r} is not loaded here")
+
+
+def read_layers(fh: BinaryIO, header: StoredHeader) -> list[LayerState]:
+    """Every tensor of the entry, each checked against its CRC-32 before it is used.
+
+    :raises CorruptEntry: a tensor's bytes are short or do not match their checksum.
+    """
+    return [
+        LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
+                   tensors=dict(_read_tensors(fh, header.data_start, table)))
+        for layer, table in zip(header.layers, header.slots)
+    ]
+
+
+def _read_tensors(fh: BinaryIO, data_start: int, table: dict[str, TensorSlot]
+                  ) -> Iterator[tuple[str, mx.array]]:
+    import mlx.core as mx
+    import numpy as np
+
+    for tname, slot in table.items():
+        nbytes = slot.end - slot.begin
+        buf = np.empty(nbytes, dtype=np.uint8)
+        fh.seek(data_start + slot.begin)
+        if fh.readinto(memoryview(buf)) != nbytes:
+            raise CorruptEntry(f"tensor {slot.name} is truncated")
+        if checksum(buf) != slot.crc32:
+            raise CorruptEntry(f"tensor {slot.name} fails its checksum")
+        if slot.dtype == "BF16":
+            yield tname, mx.array(buf.view(np.uint16).reshape(slot.shape)).view(mx.bfloat16)
+        else:
+            yield tname, mx.array(buf.view(_NP_DTYPES[slot.dtype]).reshape(slot.shape))
+
+
+_NP_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+    "F16": "float16", "F32": "float32", "F64": "float64",
+}

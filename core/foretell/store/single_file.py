@@ -1,0 +1,312 @@
+"""The ``single-file`` storage layout: one safetensors file per cache entry.
+
+Files are the database: ``<root>/<model fingerprint>-<kv scheme>/<key>.safetensors``, where
+the key is derived from the identity, namespace and tokens (so rewriting the same prompt
+state replaces its file). The in-memory index is rebuilt from headers by :meth:`scan`.
+
+Rules kept here (DESIGN.md §4): writes are atomic (tmp, fsync, rename, fsync the directory)
+and report success only once durable (8, 9); every read verifies the header hash and every
+tensor checksum and serves nothing it cannot verify (7, 8); I/O failures warn once and
+never raise into the caller (9); the cap is bytes, evicting least recently used (10).
+
+Registered at plugin load, so this module imports only attrs and the standard library.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from foretell.store import format as fmt
+from foretell.store.entry import Entry, EntryHeader, StoreIdentity, entry_key
+
+log = logging.getLogger("foretell.store")
+
+GiB = 1 << 30
+
+
+def _at_least(lo: float):
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
+            # Imported on failure only: foretell.config pulls in cattrs.
+            from foretell.config import FieldError
+
+            raise FieldError(attribute.name, f"must be a number >= {lo}, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class SingleFileConfig:
+    """``[cache]`` options of the ``single-file`` layout."""
+
+    max_bytes: int = attrs.field(
+        default=32 * GiB, validator=_at_least(0),
+        metadata={"help": "byte cap of the stored entries; least recently used are evicted"},
+    )
+    orphan_age_s: float = attrs.field(
+        default=60.0, validator=_at_least(0),
+        metadata={"help": "a .tmp file older than this is a crashed write and is deleted on "
+                          "scan (younger ones may be another process's write in flight)"},
+    )
+
+
+class SingleFileLayout:
+    """One model's entries under ``root``; safe to share between threads of one process."""
+
+    def __init__(self, root: str | Path, config: SingleFileConfig | None = None, *,
+                 identity: StoreIdentity):
+        self.config = config if config is not None else SingleFileConfig()
+        self.identity = identity
+        self.directory = Path(root) / identity.directory
+        self._index: dict[str, EntryHeader] | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+        #: I/O failures since this layout opened (disk full, unwritable, read-only...).
+        self.io_failures = 0
+
+    # -- keys and paths ----------------------------------------------------------------
+
+    def key_for(self, tokens: Sequence[int], namespace: str = "") -> str:
+        return entry_key(self.identity, namespace, tokens, fmt.FORMAT_VERSION)
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}{fmt.SUFFIX}"
+
+    # -- the layout contract -------------------------------------------------------------
+
+    def write(self, entry: Entry) -> bool:
+        """Store ``entry`` atomically; True only once it is durable on disk.
+
+        Never raises for I/O: a failure (disk full, unwritable, read-only) leaves no partial
+        file, warns once per outage and returns False. Evicts older entries to the byte cap.
+        """
+        writer = fmt.EntryWriter(entry, self.identity, created_at=time.time())
+        if writer.file_bytes > self.config.max_bytes:
+            log.info("cache entry of %d bytes exceeds max_bytes=%d; not stored",
+                     writer.file_bytes, self.config.max_bytes)
+            return False
+        key = self.key_for(entry.tokens, entry.namespace)
+        path = self.path(key)
+        # A unique tmp name: two writers of the same key never interleave bytes in one file.
+        tmp = self.directory / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                         0o644)
+            try:
+                writer.write_to(fd)
+                _full_fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            stat = os.stat(path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            self._io_failed(exc, f"write cache entry {path.name}")
+            return False
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        header = EntryHeader(
+            key=key, tokens=tuple(entry.tokens), namespace=entry.namespace,
+            layers=writer.stored_layers(),
+            nbytes=stat.st_size, last_used=stat.st_mtime,
+        )
+        with self._lock:
+            if self._index is not None:
+                self._index[key] = header
+        # The rename is durable only once the directory entry is on disk (invariant 9).
+        durable = self._fsync_directory()
+        if durable:
+            self._warned = False  # the outage is over: warn again if a new one starts
+        self.collect(keep=(key,))
+        return durable
+
+    def read(self, key: str) -> Entry | None:
+        """The entry stored under ``key``, every byte verified; None if absent or unusable.
+
+        A corrupt or truncated file is deleted so it is never read again; a file of another
+        format version, model, tokenizer or codec is left alone and not served.
+        """
+        verified = self._open_verified(key, with_tensors=True)
+        if verified is None:
+            return None
+        header, _stat, layers = verified
+        path = self.path(key)
+        try:
+            os.utime(path)  # last use drives eviction, and survives restarts with the file
+            last_used = os.stat(path).st_mtime
+        except OSError:
+            last_used = time.time()
+        with self._lock:
+            if self._index is not None and key in self._index:
+                self._index[key] = attrs.evolve(self._index[key], last_used=last_used)
+        return Entry(tokens=header.tokens, layers=layers, namespace=header.namespace)
+
+    def scan(self) -> list[EntryHeader]:
+        """Rebuild the index from the files' headers (no tensor bytes are read).
+
+        Deletes crashed writes' ``.tmp`` files and corrupt entries; skips, and keeps, entries
+        of another format version or identity. Returns the servable entries, least recently
+        used first.
+        """
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            names = []
+        except OSError as exc:
+            self._io_failed(exc, f"list cache directory {self.directory}")
+            names = []
+        now = time.time()
+        found: dict[str, EntryHeader] = {}
+        for name in names:
+            if name.endswith(".tmp"):
+                self._reap_orphan(self.directory / name, now)
+            elif name.endswith(fmt.SUFFIX):
+                key = name[: -len(fmt.SUFFIX)]
+                verified = self._open_verified(key, with_tensors=False)
+                if verified is not None:
+                    header, stat, _ = verified
+                    found[key] = EntryHeader(
+                        key=key, tokens=header.tokens, namespace=header.namespace,
+                        layers=header.layers, nbytes=stat.st_size, last_used=stat.st_mtime,
+                    )
+        with self._lock:
+            self._index = found
+        return sorted(found.values(), key=lambda h: h.last_used)
+
+    def __iter__(self) -> Iterator[EntryHeader]:
+        return iter(sorted(self._headers(), key=lambda h: h.last_used))
+
+    def __len__(self) -> int:
+        return len(self._headers())
+
+    def remove(self, key: str) -> bool:
+        """Delete the entry; True if a file was removed."""
+        with self._lock:
+            if self._index is not None:
+                self._index.pop(key, None)
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._io_failed(exc, f"delete cache entry {key}")
+            return False
+        return True
+
+    def collect(self, max_bytes: int | None = None, *, keep: Collection[str] = ()) -> list[str]:
+        """Evict least recently used entries until stored bytes <= ``max_bytes`` (default:
+        the configured cap). Entries in ``keep`` are never evicted. Returns evicted keys."""
+        limit = self.config.max_bytes if max_bytes is None else max_bytes
+        headers = sorted(self._headers(), key=lambda h: h.last_used)
+        total = sum(h.nbytes for h in headers)
+        evicted = []
+        for header in headers:
+            if total <= limit:
+                break
+            if header.key in keep:
+                continue
+            if self.remove(header.key) or not self.path(header.key).exists():
+                total -= header.nbytes
+                evicted.append(header.key)
+        return evicted
+
+    def bytes(self) -> int:
+        """Bytes on disk of the entries this layout serves."""
+        return sum(h.nbytes for h in self._headers())
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _headers(self) -> list[EntryHeader]:
+        with self._lock:
+            index = self._index
+            if index is not None:
+                return list(index.values())
+        return self.scan()
+
+    def _open_verified(self, key: str, *, with_tensors: bool
+                       ) -> tuple[fmt.StoredHeader, os.stat_result, list | None] | None:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as fh:
+                stat = os.fstat(fh.fileno())
+                header = fmt.read_header(fh, stat.st_size, self.identity)
+                # A renamed or copied file must not answer for a prompt it does not hold.
+                if self.key_for(header.tokens, header.namespace) != key:
+                    raise fmt.CorruptEntry("its name does not match the tokens it holds")
+                layers = fmt.read_layers(fh, header) if with_tensors else None
+            return header, stat, layers
+        except FileNotFoundError:
+            self._forget(key)
+        except fmt.CorruptEntry as exc:
+            log.warning("cache entry %s is corrupt (%s); deleted", path, exc)
+            self._forget(key)
+            _unlink_quietly(path)
+        except (fmt.UnknownVersion, fmt.ForeignEntry) as exc:
+            log.debug("cache entry %s skipped: %s", path, exc)
+            self._forget(key)
+        except OSError as exc:
+            log.warning("cannot read cache entry %s: %s", path, exc)
+        return None
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            if self._index is not None:
+                self._index.pop(key, None)
+
+    def _reap_orphan(self, path: Path, now: float) -> None:
+        try:
+            if now - os.stat(path).st_mtime >= self.config.orphan_age_s:
+                os.unlink(path)
+                log.info("deleted %s, left by an interrupted write", path)
+        except OSError:
+            pass  # gone already, or not ours to delete: either way it is never served
+
+    def _fsync_directory(self) -> bool:
+        try:
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._io_failed(exc, f"sync cache directory {self.directory}")
+            return False
+        return True
+
+    def _io_failed(self, exc: OSError, action: str) -> None:
+        self.io_failures += 1
+        if self._warned:
+            log.debug("cannot %s: %s", action, exc)
+            return
+        self._warned = True
+        log.warning("cannot %s: %s (disk full or unwritable?). Cache entries are not being "
+                    "persisted; generation continues. Further failures are logged at debug "
+                    "level until a write succeeds.", action, exc.strerror or exc)
+
+
+def _full_fsync(fd: int) -> None:
+    # macOS's fsync leaves data in the drive's cache; F_FULLFSYNC is what makes it durable.
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    except (ImportError, AttributeError, OSError):
+        os.fsync(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
