@@ -13,4 +13,14 @@ PLUGIN_API = 1
 
 from foretell.hookspecs import hookimpl  # noqa: E402
 
-__all__ = ["PLUGIN_API", "__version__", "hookimpl"]
+__all__ = ["PLUGIN_API", "Engine", "__version__", "hookimpl", "load"]
+
+
+def __getattr__(name: str):
+    # The engine imports mlx; resolving it on first use keeps `import foretell` (and so
+    # `foretell plugins`) fast.
+    if name in ("load", "Engine"):
+        from foretell import generate
+
+        return getattr(generate, name)
+    raise AttributeError(f"module 'foretell' has no attribute {name!r}")

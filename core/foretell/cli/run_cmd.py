@@ -1,0 +1,197 @@
+"""``foretell run``: complete one prompt, streaming the text, then report speed.
+
+Flags keep mlx-lm's names. Every run setting also lives in the TOML run config
+(``--config FILE``); a flag overrides the file. Text goes to stdout and the speed report
+to stderr, so ``foretell run > out.txt`` captures only the completion. ``--json`` prints one
+JSON object per line: ``{"type": "text", ...}`` events, then ``{"type": "stats", ...}``.
+
+Chat template: ``--chat`` applies it, ``--no-chat`` sends the prompt as raw text; by
+default it is applied when the model's tokenizer has one (as mlx-lm does), since an
+instruction-tuned model answers badly without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from foretell.errors import ConfigError
+
+#: What the shipped demo model (trained on Python source) completes when no prompt is given.
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="generate a completion for one prompt")
+    add_run_flags(p)
+    p.add_argument(
+        "--prompt",
+        "-p",
+        default=DEFAULT_PROMPT,
+        help="the prompt; '-' reads it from stdin (default: a Python snippet)",
+    )
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the model's chat template (default: when the tokenizer has one)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end generation at TEXT, which is not printed (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON lines: text events, then stats")
+    p.set_defaults(handler=run)
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``run`` and ``chat`` share; each maps onto a field of the run config."""
+    p.add_argument(
+        "--model", "-m", default=None, help="model directory or shipped model name (default: demo)"
+    )
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="a TOML run config; flags override it"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="most tokens to generate (default: 256)"
+    )
+    p.add_argument(
+        "--temp", type=float, default=None, help="sampling temperature; 0 is greedy (default: 0)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling mass (default: 1, off)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely (default: 0, off)"
+    )
+    p.add_argument(
+        "--min-p", type=float, default=None, help="drop tokens below min-p x the top probability"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="random seed; the same seed reproduces a run"
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="penalize recent tokens (default: 1, off)",
+    )
+    p.add_argument(
+        "--repetition-context-size",
+        type=int,
+        default=None,
+        help="how many recent tokens the penalty sees (default: 20)",
+    )
+
+
+_FLAG_FIELDS = {
+    "model": "model",
+    "max_tokens": "max_tokens",
+    "chat": "chat",
+    "temp": "sampling.temp",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
+    "seed": "sampling.seed",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "repetition_context_size": "sampling.repetition_context_size",
+}
+
+
+def run_config(args: argparse.Namespace):
+    """The plugin registry and the run config from ``--config`` plus flags."""
+    from foretell.config import load_run_config
+    from foretell.plugins import load_plugins
+
+    overrides = {}
+    for attr, field in _FLAG_FIELDS.items():
+        if hasattr(args, attr):
+            overrides[field] = (getattr(args, attr), "--" + attr.replace("_", "-"))
+    registry = load_plugins().registry
+    config = load_run_config(registry, args.config, overrides)
+    if config.draft is not None:
+        raise ConfigError(
+            args.config or "command line",
+            [
+                f"draft: speculative decoding ('{config.draft.kind}') is not wired into the CLI yet; remove [draft]"
+            ],
+        )
+    return registry, config
+
+
+def open_engine(model: str | None, registry: Any, *, quiet: bool):
+    """Load the model once, with a progress line while a person waits."""
+    from foretell.cli.progress import ProgressLine
+    from foretell.generate import load, resolve_model_path
+
+    path = resolve_model_path(model)  # a bad name fails before anything heavy
+    with ProgressLine.for_terminal(f"loading {path.name}", quiet=quiet):
+        return load(path, registry=registry)
+
+
+def read_prompt(value: str) -> str:
+    if value == "-":
+        return sys.stdin.read()
+    # As mlx-lm does: a shell makes typing real newlines and tabs awkward.
+    return value.replace("\\n", "\n").replace("\\t", "\t")
+
+
+def run(args: argparse.Namespace) -> int:
+    from foretell.cli.progress import ProgressLine
+    from foretell.generate import PREFILL_CHUNK
+
+    prompt = read_prompt(args.prompt)
+    registry, config = run_config(args)
+    engine = open_engine(config.model, registry, quiet=args.json)
+
+    bar = ProgressLine.for_terminal("prefill", quiet=args.json)
+
+    def prefill_progress(done: int, total: int) -> None:
+        if total > PREFILL_CHUNK:  # a short prompt is done before a bar could be read
+            bar.update(done, total)
+
+    events = engine.generate(
+        prompt,
+        max_tokens=config.max_tokens,
+        sampling=config.sampling,
+        stop=args.stop,
+        chat=config.chat,
+        prefill_progress=prefill_progress,
+    )
+    out = sys.stdout
+    stats = None
+    for event in events:
+        if event.type == "stats":
+            stats = event
+        bar.close()
+        if args.json:
+            out.write(json.dumps(event.to_dict(), ensure_ascii=False) + "\n")
+            out.flush()
+        elif event.type == "text" and event.text:
+            out.write(event.text)
+            out.flush()
+    if not args.json:
+        out.write("\n")
+        out.flush()
+        report(stats)
+    return 0
+
+
+def report(stats: Any) -> None:
+    """The speed report, on stderr (mlx-lm's layout)."""
+    print("=" * 10, file=sys.stderr)
+    print(
+        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec",
+        file=sys.stderr,
+    )
+    print(
+        f"Generation: {stats.generated_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
+        file=sys.stderr,
+    )
+    print(f"TTFT: {stats.ttft_s:.3f} s", file=sys.stderr)
+    print(f"Peak memory: {stats.peak_memory_gb:.3f} GB", file=sys.stderr)

@@ -1,0 +1,143 @@
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from foretell.config import SamplingConfig
+from foretell.sampling import (
+    RandomKeys,
+    Sampler,
+    apply_repetition_penalty,
+    repetition_windows,
+)
+
+
+def kept(scores: mx.array) -> set[int]:
+    return set(np.flatnonzero(np.isfinite(np.array(scores[0]))).tolist())
+
+
+def logits_of(probs: list[float]) -> mx.array:
+    return mx.log(mx.array([probs], dtype=mx.float32))
+
+
+def test_greedy_is_exactly_the_argmax_of_the_logits():
+    logits = mx.random.normal((16, 1000), key=mx.random.key(0))
+    chosen = Sampler(SamplingConfig(temp=0.0))(logits, None, None)
+    assert chosen.dtype == mx.int32
+    assert np.array(chosen).tolist() == np.argmax(np.array(logits), axis=-1).tolist()
+
+
+def test_greedy_needs_no_random_keys():
+    assert Sampler(SamplingConfig(temp=0.0)).keys() is None
+
+
+def test_top_k_keeps_the_k_most_likely():
+    logits = logits_of([0.05, 0.4, 0.1, 0.3, 0.15])
+    scores = Sampler(SamplingConfig(temp=1.0, top_k=2)).scores(logits)
+    assert kept(scores) == {1, 3}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = logits_of([0.5, 0.3, 0.15, 0.05])
+    assert kept(Sampler(SamplingConfig(temp=1.0, top_p=0.5)).scores(logits)) == {0}
+    assert kept(Sampler(SamplingConfig(temp=1.0, top_p=0.7)).scores(logits)) == {0, 1}
+    assert kept(Sampler(SamplingConfig(temp=1.0, top_p=0.85)).scores(logits)) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    logits = logits_of([0.5, 0.3, 0.12, 0.08])
+    # threshold 0.2 * 0.5 = 0.1: 0.12 survives, 0.08 does not
+    assert kept(Sampler(SamplingConfig(temp=1.0, min_p=0.2)).scores(logits)) == {0, 1, 2}
+
+
+def test_masks_intersect_and_the_rest_is_renormalized():
+    logits = logits_of([0.4, 0.3, 0.2, 0.06, 0.04])
+    sampler = Sampler(SamplingConfig(temp=0.5, top_k=3, top_p=0.95, min_p=0.6))
+    scores = sampler.scores(logits)
+    assert kept(scores) == {0, 1}  # min_p (0.24) is the tightest
+    probs = np.exp(np.array(scores[0]))
+    expected = np.array([0.4, 0.3]) ** 2  # temperature 0.5 squares the ratio
+    assert probs.sum() == pytest.approx(1.0, abs=1e-6)
+    assert probs[:2] == pytest.approx(expected / expected.sum(), rel=1e-5)
+
+
+def test_distribution_matches_mlx_lm_sampler_chain():
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    logits = mx.random.normal((4, 200), key=mx.random.key(3)) * 3
+    temp, top_p, top_k, min_p = 0.7, 0.9, 40, 0.02
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    theirs = apply_top_k(apply_min_p(apply_top_p(logprobs, top_p), min_p), top_k) / temp
+    theirs = mx.softmax(theirs, axis=-1)
+    ours = mx.exp(
+        Sampler(SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)).scores(logits)
+    )
+    assert np.allclose(np.array(ours), np.array(theirs), atol=1e-6)
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5]])
+    temp, draws = 0.8, 40000
+    sampler = Sampler(SamplingConfig(temp=temp, seed=11))
+    scores = sampler.scores(mx.broadcast_to(logits, (draws, 6)))
+    tokens = np.array(sampler.sample(scores, sampler.keys().next()))
+    freq = np.bincount(tokens, minlength=6) / draws
+    expected = np.array(mx.softmax(logits[0] / temp))
+    # 4 standard errors of the largest bin: a correct sampler fails this about never
+    assert np.abs(freq - expected).max() < 4 * math.sqrt(0.25 / draws)
+
+
+def test_a_seed_reproduces_the_draws_whatever_else_is_drawn():
+    sampler = Sampler(SamplingConfig(temp=1.0, seed=42))
+    logits = mx.zeros((1, 50))
+
+    def run():
+        keys = sampler.keys()
+        out = []
+        for _ in range(20):
+            mx.random.uniform(shape=(3,))  # unrelated global draws must not matter
+            out.append(sampler(logits, None, keys.next()).item())
+        return out
+
+    first, second = run(), run()
+    assert first == second
+    other = Sampler(SamplingConfig(temp=1.0, seed=43))
+    keys = other.keys()
+    assert [other(logits, None, keys.next()).item() for _ in range(20)] != first
+
+
+def test_unseeded_requests_draw_different_keys():
+    assert RandomKeys().seed != RandomKeys().seed  # 32 random bits: a clash is 1 in 4e9
+
+
+def test_repetition_penalty_matches_mlx_lm():
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    logits = mx.random.normal((1, 64), key=mx.random.key(5))
+    history = mx.array([3, 9, 3, 17, 40, 9, 2], dtype=mx.int32)
+    theirs = make_repetition_penalty(1.3, 5)(history, mx.array(logits))
+    windows = repetition_windows(history, history[:0], 5)
+    ours = apply_repetition_penalty(logits, windows, 1.3)
+    assert np.allclose(np.array(ours), np.array(theirs))
+
+
+def test_repetition_windows_give_each_draft_position_its_own_history():
+    context = mx.array([1, 2, 3], dtype=mx.int32)
+    drafts = mx.array([7, 8], dtype=mx.int32)
+    rows = np.array(repetition_windows(context, drafts, 4)).tolist()
+    # position i sees context + drafts[:i], its last 4 tokens; short rows repeat their first
+    assert rows == [[1, 1, 2, 3], [1, 2, 3, 7], [2, 3, 7, 8]]
+
+
+def test_batched_scores_equal_one_position_at_a_time():
+    config = SamplingConfig(temp=0.9, top_k=20, repetition_penalty=1.5, repetition_context_size=3)
+    sampler = Sampler(config)
+    logits = mx.random.normal((3, 100), key=mx.random.key(9))
+    context = mx.array([4, 5, 6, 7], dtype=mx.int32)
+    drafts = mx.array([8, 9], dtype=mx.int32)
+    batched = sampler.scores(logits, repetition_windows(context, drafts, 3))
+    for i in range(3):
+        seen = mx.concatenate([context, drafts[:i]])
+        single = sampler.scores(logits[i : i + 1], repetition_windows(seen, seen[:0], 3))
+        assert np.allclose(np.array(batched[i]), np.array(single[0]))
