@@ -255,9 +255,9 @@ def load_model(path: str | Path, registry: Registry, *, lazy: bool = False) -> M
     config_file = path / CONFIG
     try:
         model = builder(config)
-    except (ModelLoadError, UnknownContribution):
+    except UnknownContribution:
         raise
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ModelLoadError, ValueError, TypeError, KeyError) as exc:
         raise ModelLoadError(f"{config_file}: {exc}") from exc
     weights, source = read_weights(path)
     names_before = set(weights)

@@ -300,6 +300,11 @@ def make_model_dir(
     config["torch_dtype"] = dtype
     model = _architecture(model_type)(config)
     weights = _random_weights(model, model_type, config, seed, getattr(mx, dtype))
+    if config.get("tie_word_embeddings"):
+        # A tied checkpoint has no head; sanitize lets models that infer tying from the
+        # checkpoint (Gemma 3) drop theirs before quantizing.
+        weights = {n: w for n, w in weights.items() if not n.startswith("lm_head.")}
+    weights = model.sanitize(weights)
     if quantize_bits is not None:
         weights, config = _quantize(model, weights, config, quantize_bits, group_size, quantize_layers)
     _write_weights(path, weights, shard_bytes)
