@@ -65,12 +65,21 @@ def train_metaspace():
     return tok
 
 
-def write_tokenizer_dir(path: Path, tok, config: dict, **extra_files: dict) -> Path:
+def write_tokenizer_dir(
+    path: Path,
+    tok,
+    config: dict,
+    *,
+    model_config: dict | None = None,
+    generation_config: dict | None = None,
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(config))
-    for name, body in extra_files.items():
-        (path / f"{name}.json").write_text(json.dumps(body))
+    if model_config is not None:
+        (path / "config.json").write_text(json.dumps(model_config))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
     return path
 
 

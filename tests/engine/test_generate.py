@@ -1,0 +1,222 @@
+import mlx.core as mx
+import pytest
+
+import foretell
+from foretell import generate as gen
+from foretell.config import SamplingConfig
+from foretell.generate import GenerationError, ModelNotFound, StopMatcher, resolve_model_path
+
+PROMPT = "the quick brown fox"
+
+
+def run(engine, prompt=PROMPT, **options):
+    events = list(engine.generate(prompt, **options))
+    *texts, stats = events
+    assert stats.type == "stats" and all(e.type == "text" for e in texts)
+    tokens = [t for e in texts for t in e.tokens]
+    return "".join(e.text for e in texts), tokens, stats
+
+
+def mlx_lm_tokens(lm, ids, n, **kwargs):
+    from mlx_lm.generate import generate_step
+
+    return [t for t, _ in generate_step(mx.array(ids), lm, max_tokens=n, **kwargs)]
+
+
+# -- parity with mlx-lm ----------------------------------------------------------------------
+
+
+def test_greedy_is_token_identical_to_mlx_lm_across_prefill_chunks(engine, monkeypatch):
+    monkeypatch.setattr(gen, "PREFILL_CHUNK", 7)  # a 30-token prompt then takes 5 chunks
+    prompt = list(range(3, 33))
+    _, ours, _ = run(engine, prompt, max_tokens=24)
+    assert ours == mlx_lm_tokens(engine.model.lm, prompt, 24)
+
+
+def test_repetition_penalty_is_token_identical_to_mlx_lm(engine):
+    from mlx_lm.sample_utils import make_repetition_penalty
+
+    prompt = engine.encode_prompt(PROMPT)
+    sampling = SamplingConfig(repetition_penalty=1.8, repetition_context_size=6)
+    _, ours, _ = run(engine, prompt, max_tokens=24, sampling=sampling)
+    theirs = mlx_lm_tokens(
+        engine.model.lm, prompt, 24, logits_processors=[make_repetition_penalty(1.8, 6)]
+    )
+    assert ours == theirs
+    assert ours != run(engine, prompt, max_tokens=24)[1]  # the penalty did change the output
+
+
+@pytest.fixture(scope="module")
+def synthetic_dir(tmp_path_factory):
+    from foretell.synthetic import make_model_dir
+
+    path = tmp_path_factory.mktemp("synthetic") / "qwen3"
+    return make_model_dir(path, "qwen3", overrides={"tie_word_embeddings": False})
+
+
+def test_loaded_model_generates_exactly_what_mlx_lm_does(synthetic_dir):
+    import mlx_lm
+
+    engine = foretell.load(synthetic_dir)
+    lm, tokenizer = mlx_lm.load(str(synthetic_dir))
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    ids = engine.encode_prompt(messages)
+    assert ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text, ours, stats = run(engine, messages, max_tokens=32)
+    expected = []
+    for token in mlx_lm_tokens(lm, ids, 32):
+        if token in tokenizer.eos_token_ids:
+            break
+        expected.append(token)
+    assert ours == expected
+    assert text == tokenizer.decode(ours)
+    assert stats.prompt_tokens == len(ids)
+
+
+# -- ending a generation ---------------------------------------------------------------------
+
+
+def test_max_tokens_bounds_the_output(engine):
+    _, tokens, stats = run(engine, max_tokens=5)
+    assert len(tokens) == stats.generated_tokens == 5
+    assert stats.finish_reason == "length"
+
+
+def test_eos_ends_generation_and_is_never_emitted(engine, monkeypatch):
+    text, tokens, _ = run(engine, max_tokens=12)
+    eos = tokens[4]
+    first = tokens.index(eos)
+    monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({eos}))
+    eos_text, eos_tokens, stats = run(engine, max_tokens=12)
+    assert eos_tokens == tokens[:first]
+    assert eos_text == engine.tokenizer.decode(tokens[:first])
+    assert stats.finish_reason == "eos" and stats.generated_tokens == first + 1
+
+
+def test_a_stop_string_spanning_tokens_ends_generation_and_is_not_emitted(engine):
+    _, tokens, _ = run(engine, max_tokens=16)
+    pieces = [engine.tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
+    # a stop string that starts inside token 5's text and ends inside token 7's
+    start = len(pieces[4]) - 1
+    end = len(pieces[6]) - 1
+    full = pieces[-1]
+    stop = full[start:end]
+    assert len(stop) >= 2 and full.find(stop) == start
+    events = list(engine.generate(PROMPT, max_tokens=16, stop=[stop]))
+    stats = events[-1]
+    text = "".join(e.text for e in events[:-1])
+    assert text == full[:start]
+    assert stats.finish_reason == "stop"
+    assert stop not in "".join(e.text for e in events[:-1])
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_releases_it_when_it_diverges():
+    matcher = StopMatcher(["</end>"])
+    assert matcher.feed("a </") == ("a ", False)
+    assert matcher.feed("e") == ("", False)
+    assert matcher.feed("x>") == ("</ex>", False)
+    assert matcher.feed("b</en") == ("b", False)
+    assert matcher.feed("d> tail") == ("", True)
+
+
+def test_stop_matcher_cuts_at_the_earliest_of_several_stops():
+    matcher = StopMatcher(["world", "lo"])
+    assert matcher.feed("hello world") == ("hel", True)
+
+
+def test_text_held_for_a_stop_string_is_released_at_the_end(engine):
+    text, tokens, _ = run(engine, max_tokens=8)
+    tail_start = text[-1]
+    held = list(engine.generate(PROMPT, max_tokens=8, stop=[tail_start + "\x00never"]))
+    assert "".join(e.text for e in held[:-1]) == text
+    assert held[-1].finish_reason == "length"
+
+
+# -- streaming and stats ------------------------------------------------------------------
+
+
+def test_streamed_text_is_the_decoded_tokens(engine):
+    text, tokens, _ = run(engine, max_tokens=20)
+    assert text == engine.tokenizer.decode(tokens)
+
+
+def test_stats_describe_the_request(engine):
+    _, tokens, stats = run(engine, max_tokens=6)
+    assert stats.prompt_tokens == len(engine.encode_prompt(PROMPT))
+    assert stats.cached_tokens == 0
+    assert stats.generated_tokens == 6
+    assert stats.ttft_s > 0 and stats.prompt_tps > 0 and stats.generation_tps > 0
+    assert stats.peak_memory_gb > 0
+    assert set(stats.to_dict()) >= {
+        "type",
+        "prompt_tokens",
+        "generated_tokens",
+        "cached_tokens",
+        "ttft_s",
+        "prompt_tps",
+        "generation_tps",
+        "peak_memory_gb",
+        "finish_reason",
+    }
+
+
+def test_prefill_progress_reports_chunks(engine, monkeypatch):
+    monkeypatch.setattr(gen, "PREFILL_CHUNK", 4)
+    seen = []
+    run(engine, list(range(3, 13)), max_tokens=2, prefill_progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(4, 9), (8, 9), (9, 9)]  # the last prompt token heads decoding
+
+
+def test_a_seed_reproduces_a_sampled_generation(engine):
+    sampling = SamplingConfig(temp=1.0, top_p=0.95, seed=1234)
+    first = run(engine, max_tokens=16, sampling=sampling)[1]
+    assert run(engine, max_tokens=16, sampling=sampling)[1] == first
+    others = {
+        tuple(run(engine, max_tokens=16, sampling=SamplingConfig(temp=1.0, seed=s))[1])
+        for s in range(3)
+    }
+    assert len(others) > 1
+
+
+# -- prompts -------------------------------------------------------------------------------
+
+
+def test_text_prompts_use_the_chat_template_when_there_is_one(engine):
+    chat = engine.encode_prompt("hi")
+    assert chat == engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]),
+        add_special_tokens=False,
+    )
+    assert engine.encode_prompt("hi", chat=False) == engine.tokenizer.encode("hi")
+
+
+def test_bad_prompts_are_refused_before_generating(engine):
+    with pytest.raises(GenerationError, match="empty"):
+        engine.generate([])
+    with pytest.raises(GenerationError, match="outside the vocabulary"):
+        engine.generate([1, 10**6])
+    with pytest.raises(GenerationError, match="max_tokens"):
+        engine.generate(PROMPT, max_tokens=0)
+
+
+# -- model names -------------------------------------------------------------------------------
+
+
+def test_a_directory_is_used_as_given(tmp_path):
+    assert resolve_model_path(tmp_path) == tmp_path
+
+
+def test_a_name_resolves_to_a_shipped_model(tmp_path, monkeypatch):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
+    monkeypatch.chdir(tmp_path.parent)
+    assert resolve_model_path("tiny") == tmp_path / "tiny"
+
+
+def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text("{}")
+    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
+    with pytest.raises(ModelNotFound, match=r"--model nope: .*shipped models: tiny"):
+        resolve_model_path("nope")

@@ -1,0 +1,159 @@
+import io
+import json
+
+import pytest
+
+import foretell
+from foretell.cli import main
+
+STATS_KEYS = {
+    "prompt_tokens",
+    "generated_tokens",
+    "cached_tokens",
+    "ttft_s",
+    "prompt_tps",
+    "generation_tps",
+    "peak_memory_gb",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from foretell.synthetic import make_model_dir
+
+    return make_model_dir(
+        tmp_path_factory.mktemp("cli") / "qwen3", "qwen3", overrides={"tie_word_embeddings": False}
+    )
+
+
+def json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_run_json_prints_text_events_then_stats(model_dir, capsys):
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                "def f(x):",
+                "--max-tokens",
+                "6",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    *texts, stats = json_lines(out)
+    assert all(e["type"] == "text" and isinstance(e["text"], str) for e in texts)
+    assert stats["type"] == "stats" and STATS_KEYS <= set(stats)
+    assert stats["generated_tokens"] == sum(len(e["tokens"]) for e in texts) == 6
+    assert stats["cached_tokens"] == 0
+
+
+def test_run_streams_the_same_text_as_the_api_and_reports_speed_on_stderr(model_dir, capsys):
+    assert (
+        main(["run", "--model", str(model_dir), "--prompt", "def f(x):", "--max-tokens", "6"]) == 0
+    )
+    captured = capsys.readouterr()
+    expected = foretell.load(model_dir).generate_text("def f(x):", max_tokens=6)
+    assert captured.out == expected + "\n"
+    for label in ("Prompt:", "Generation:", "TTFT:", "Peak memory:"):
+        assert label in captured.err
+
+
+def test_prompt_dash_reads_stdin(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("class Cache:"))
+    assert (
+        main(
+            [
+                "run",
+                "--model",
+                str(model_dir),
+                "--prompt",
+                "-",
+                "--no-chat",
+                "--max-tokens",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    stats = json_lines(capsys.readouterr().out)[-1]
+    engine = foretell.load(model_dir)
+    assert stats["prompt_tokens"] == len(engine.encode_prompt("class Cache:", chat=False))
+
+
+def test_flags_override_the_config_file(model_dir, capsys, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(f'model = "{model_dir}"\nmax_tokens = 9\n[sampling]\ntemp = 0.0\n')
+    assert main(["run", "--config", str(config), "--max-tokens", "4", "--json"]) == 0
+    assert json_lines(capsys.readouterr().out)[-1]["generated_tokens"] == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        (["--temp", "hot"], 2, "argument --temp: invalid float value: 'hot'"),
+        (["--max-tokens", "1.5"], 2, "argument --max-tokens: invalid int value"),
+        (["--temp", "-1"], 1, "sampling.temp: must be >= 0.0, got -1.0 (set by --temp)"),
+        (["--top-p", "1.5"], 1, "sampling.top_p: must be <= 1.0, got 1.5 (set by --top-p)"),
+        (["--max-tokens", "0"], 1, "max_tokens: must be >= 1, got 0 (set by --max-tokens)"),
+        (
+            ["--model", "no-such-model"],
+            1,
+            "--model no-such-model: no such directory and no shipped model",
+        ),
+    ],
+)
+def test_bad_flag_values_exit_non_zero_with_one_line(argv, code, says, model_dir, capsys):
+    if "--model" not in argv:
+        argv = [*argv, "--model", str(model_dir)]
+    with pytest.raises(SystemExit) as exited:
+        raise SystemExit(main(["run", "--prompt", "x", *argv]))
+    err = capsys.readouterr().err
+    assert exited.value.code == code
+    assert len(err.strip().splitlines()) == 1 and says in err
+
+
+def test_chat_without_a_template_is_refused(model_dir, capsys, tmp_path):
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in model_dir.iterdir():
+        (plain / f.name).write_bytes(f.read_bytes())
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["run", "--model", str(plain), "--chat", "--prompt", "x"]) == 1
+    assert "no chat template" in capsys.readouterr().err
+
+
+def test_chat_keeps_history_and_resets(model_dir, capsys, monkeypatch):
+    seen = []
+    real_generate = foretell.Engine.generate
+
+    def spy(self, prompt, **options):
+        seen.append([dict(m) for m in prompt])
+        return real_generate(self, prompt, **options)
+
+    monkeypatch.setattr(foretell.Engine, "generate", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n/reset\nfresh\n"))
+    assert main(["chat", "--model", str(model_dir), "--max-tokens", "3"]) == 0
+    assert [[m["role"] for m in turn] for turn in seen] == [
+        ["user"],
+        ["user", "assistant", "user"],
+        ["user"],
+    ]
+    assert seen[1][2]["content"] == "again" and seen[2][0]["content"] == "fresh"
+    first_reply = seen[1][1]["content"]
+    assert capsys.readouterr().out.startswith(first_reply + "\n")
+
+
+def test_chat_exits_on_the_exit_command(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\nnever read\n"))
+    assert main(["chat", "--model", str(model_dir)]) == 0
+    assert capsys.readouterr().out == ""
