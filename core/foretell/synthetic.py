@@ -162,6 +162,7 @@ MODEL_TYPES = tuple(_BASE)
 
 # Gemma 3 stores RMSNorm weights as offsets from one (the norm multiplies by 1 + w).
 _OFFSET_NORMS = frozenset({"gemma3_text"})
+POST_NORM_GAIN = 8.0
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A model reads tokens one at a time and
@@ -249,7 +250,11 @@ def _random_weights(
         noise = mx.random.normal(param.shape, key=key)
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight"):
-            value = noise * 0.1 if offset_norms else 1.0 + noise * 0.1
+            # Gemma scales its (tied) input embedding by sqrt(hidden); with unit block
+            # outputs the residual stays so close to it that greedy decoding repeats the
+            # input token forever. Louder post-block norms keep continuations varied.
+            gain = POST_NORM_GAIN if ".post_" in name else 1.0
+            value = gain * (1.0 + noise * 0.1) - (1.0 if offset_norms else 0.0)
         elif leaf == "layer_scalar":
             value = mx.ones(param.shape)
         elif leaf == "bias":
