@@ -5,6 +5,11 @@ codecs, storage layouts) as pluggy hook specs in :mod:`foretell.hookspecs`; plug
 register contributions through the ``foretell.plugins`` entry-point group.
 """
 
+# First, before anything imports mlx: an optimized BLAS binds ahead of libmlx (docs/blas.md).
+from foretell.blas import preload as _preload_blas
+
+_preload_blas()
+
 __version__ = "0.1.0"
 
 #: The plugin-API version this core provides. A plugin or contribution that declares a
