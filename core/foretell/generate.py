@@ -134,6 +134,8 @@ class StopMatcher:
     """
 
     def __init__(self, stops: Iterable[str]):
+        # A lone string is one stop string, not a set of one-character stops.
+        stops = (stops,) if isinstance(stops, str) else stops
         self.stops = tuple(s for s in stops if s)
         self._held = ""
 
@@ -347,9 +349,10 @@ class Engine:
         done = 0
         while done < total:
             n = min(PREFILL_CHUNK, total - done)
-            hidden, _ = self.model.forward(tokens[None, done : done + n], caches)
-            # Evaluating the output forces every layer's cache update of this chunk.
-            mx.eval(hidden)
+            self.model.forward(tokens[None, done : done + n], caches)
+            # Evaluate only the caches: MLX then skips what nothing reads (the last layer's
+            # attention output and MLP for these positions), measured 1.5-2x faster here.
+            mx.eval([cache.state for cache in caches])
             # Chunk-sized buffers would otherwise pile up in MLX's allocator cache.
             mx.clear_cache()
             done += n

@@ -119,6 +119,10 @@ def test_stop_matcher_holds_back_a_possible_stop_and_releases_it_when_it_diverge
     assert matcher.feed("d> tail") == ("", True)
 
 
+def test_a_lone_stop_string_is_one_stop_not_its_characters():
+    assert StopMatcher("END").feed("DONE") == ("DON", False)  # "E" may start "END"
+
+
 def test_stop_matcher_cuts_at_the_earliest_of_several_stops():
     matcher = StopMatcher(["world", "lo"])
     assert matcher.feed("hello world") == ("hel", True)

@@ -157,3 +157,19 @@ def test_chat_exits_on_the_exit_command(model_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("/exit\nnever read\n"))
     assert main(["chat", "--model", str(model_dir)]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_chat_reports_a_refused_turn_and_carries_on(model_dir, tmp_path, capsys, monkeypatch):
+    picky = tmp_path / "picky"
+    picky.mkdir()
+    for f in model_dir.iterdir():
+        (picky / f.name).write_bytes(f.read_bytes())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    refusal = "{% if messages[-1].content == 'boom' %}{{ raise_exception('no booms') }}{% endif %}"
+    config["chat_template"] = refusal + config["chat_template"]
+    (picky / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("sys.stdin", io.StringIO("boom\nfine\n"))
+    assert main(["chat", "--model", str(picky), "--max-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "no booms" in captured.err
+    assert captured.out.endswith("\n") and captured.out.count("\n") >= 1

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from foretell.cli.run_cmd import add_run_flags, open_engine, run_config
+from foretell.errors import ForetellError
 from foretell.tokenizer import ChatTemplateError
 
 PROMPT_MARKER = ">> "
@@ -68,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             history.pop()  # the turn never completed; forget it
             err.write("\n(interrupted)\n")
+            continue
+        except ForetellError as exc:
+            # e.g. a template that refuses this turn: say so, keep the conversation going
+            history.pop()
+            err.write(f"foretell: error: {exc}\n")
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
