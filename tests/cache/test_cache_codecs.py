@@ -200,12 +200,12 @@ def test_empty_cache_round_trips(codecs):
     assert restored.offset == 0 and restored.state == ()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "gemma4_text"])
+def tiny_model(request, tmp_path_factory):
     from foretell.loading import load
     from foretell.synthetic import make_model_dir
 
-    return load(make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3"))
+    return load(make_model_dir(tmp_path_factory.mktemp(request.param), request.param))
 
 
 def greedy(model, caches, last: int, steps: int) -> list[int]:
@@ -218,14 +218,18 @@ def greedy(model, caches, last: int, steps: int) -> list[int]:
 
 
 def test_model_resumes_from_a_stored_entry_token_for_token(tiny_model, tmp_path, identity, codecs):
+    # 11 prompt tokens: the Gemma sliding layers (window 8) have wrapped when stored.
     prompt = [5, 17, 99, 3, 250, 42, 8, 8, 301, 77, 12]
     straight = tiny_model.make_caches()
     tiny_model.forward(mx.array([prompt[:-1]]), straight)
     # Stored at the prompt boundary (len - 1: the last token heads the first decode step).
     entry = snapshot_entry(prompt[:-1], straight, codecs)
-    SingleFileLayout(tmp_path, identity=identity).write(entry)
+    if any(isinstance(c, RotatingKVCache) for c in straight):
+        assert not entry_trimmable(entry.layers, codecs)
+    assert SingleFileLayout(tmp_path, identity=identity).write(entry) is True
     expected = greedy(tiny_model, straight, prompt[-1], steps=8)
 
     layout = SingleFileLayout(tmp_path, identity=identity)
     restored = restore_caches(layout.read(layout.key_for(prompt[:-1])), codecs)
+    assert [type(c) for c in restored] == [type(c) for c in straight]
     assert greedy(tiny_model, restored, prompt[-1], steps=8) == expected
