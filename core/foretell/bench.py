@@ -1,0 +1,424 @@
+"""``foretell bench``: foretell against mlx-lm, in one run, on the same weights.
+
+Every speed foretell claims is a ratio against mlx-lm measured this way (DESIGN §5). Each
+side runs in its own interpreter, so neither inherits the other's allocator, compiled
+kernels or BLAS: mlx-lm runs as it installs by default (``FORETELL_BLAS=reference``, so
+importing this module does not put OpenBLAS under it), foretell with its BLAS preload.
+Both get the same prompt token ids, generate the same number of tokens (EOS ignored),
+do one warm-up run, then ``repeats`` timed runs whose medians are reported.
+
+A :class:`Scenario` is a name plus how to run it on each side; speculative rows (one per
+drafter) and prefix-cache-restore rows are more entries in :data:`SCENARIOS`. A side's
+runner is a generator that yields how many tokens each step produced and may return
+extras (``{"acceptance": ...}``), which fill the table's optional columns.
+
+    python -m foretell.bench --synthetic 30m,150m --json bench.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+SIDES = ("foretell", "mlx-lm")
+#: Default synthetic cache: random weights are made once per (shape, dtype).
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foretell" / "bench"
+
+Steps = Generator[int, None, "dict[str, Any] | None"]
+Runner = Callable[[Any, list[int], int], Steps]
+
+
+@attrs.frozen
+class Scenario:
+    """One table row: the same request served by each side's runner.
+
+    A runner gets what its side loaded (foretell: an ``Engine``; mlx-lm: ``(model,
+    tokenizer)``), the prompt token ids and the number of tokens to generate.
+    """
+
+    name: str
+    foretell: Runner
+    mlx_lm: Runner
+
+
+def _foretell_greedy(engine: Any, prompt: list[int], max_tokens: int) -> Steps:
+    for event in engine.generate(prompt, max_tokens=max_tokens):
+        if event.type == "text" and event.tokens:
+            yield len(event.tokens)
+    return None
+
+
+def _mlx_lm_greedy(loaded: Any, prompt: list[int], max_tokens: int) -> Steps:
+    from mlx_lm import stream_generate
+
+    model, tokenizer = loaded
+    for _ in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        yield 1
+    return None
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("greedy", foretell=_foretell_greedy, mlx_lm=_mlx_lm_greedy),
+)
+
+
+# -- one side, in its own process -----------------------------------------------------------
+
+
+@attrs.frozen
+class Timing:
+    prefill_tps: float
+    decode_tps: float
+    ttft_s: float
+    generated: int
+    extras: dict[str, Any] = attrs.field(factory=dict)
+
+
+def time_run(steps: Steps, prompt_tokens: int) -> Timing:
+    """Clock a runner the same way for both sides: prefill is the prompt over the time to
+    the first token; decode is the tokens after the first step over the time after it."""
+    started = time.perf_counter()
+    first_at = None
+    first_step = generated = 0
+    extras: dict[str, Any] = {}
+    try:
+        while True:
+            produced = next(steps)
+            if first_at is None:
+                first_at, first_step = time.perf_counter(), produced
+            generated += produced
+    except StopIteration as done:
+        extras = done.value or {}
+    ended = time.perf_counter()
+    first_at = first_at if first_at is not None else ended
+    ttft = first_at - started
+    decode_time = ended - first_at
+    return Timing(
+        prefill_tps=prompt_tokens / ttft if ttft > 0 else 0.0,
+        decode_tps=(generated - first_step) / decode_time if decode_time > 0 else 0.0,
+        ttft_s=ttft,
+        generated=generated,
+        extras=extras,
+    )
+
+
+def _load_side(side: str, model: str) -> Any:
+    if side == "foretell":
+        import foretell
+
+        engine = foretell.load(model)
+        # Both sides generate exactly max_tokens, whatever random weights say about EOS.
+        engine.tokenizer.eos_token_ids = frozenset()
+        return engine
+    from mlx_lm import load
+
+    model_, tokenizer = load(model)
+    tokenizer.eos_token_ids = set()
+    return model_, tokenizer
+
+
+def run_side(job: dict[str, Any]) -> dict[str, Any]:
+    """Load the model once on ``job["side"]`` and time every requested scenario."""
+    import mlx.core as mx
+
+    side = job["side"]
+    started = time.perf_counter()
+    loaded = _load_side(side, job["model"])
+    load_s = time.perf_counter() - started
+    prompt = job["prompt"]
+    scenarios = {s.name: s for s in SCENARIOS}
+    results = {}
+    for name in job["scenarios"]:
+        runner = getattr(scenarios[name], "foretell" if side == "foretell" else "mlx_lm")
+        time_run(runner(loaded, prompt, job["max_tokens"]), len(prompt))  # warm-up
+        mx.reset_peak_memory()
+        runs = [
+            time_run(runner(loaded, prompt, job["max_tokens"]), len(prompt))
+            for _ in range(job["repeats"])
+        ]
+        results[name] = {
+            "runs": [attrs.asdict(r) for r in runs],
+            "prefill_tps": statistics.median(r.prefill_tps for r in runs),
+            "decode_tps": statistics.median(r.decode_tps for r in runs),
+            "ttft_s": statistics.median(r.ttft_s for r in runs),
+            "generated": runs[0].generated,
+            "extras": runs[-1].extras,
+            "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        }
+    return {"side": side, "load_s": load_s, "runtime": runtime_info(), "scenarios": results}
+
+
+def runtime_info() -> dict[str, Any]:
+    """The machine as this process sees it: MLX device and backend, BLAS, versions."""
+    from importlib import metadata
+
+    import mlx.core as mx
+
+    from foretell import blas
+
+    if mx.cuda.is_available():
+        backend = "cuda"
+    elif mx.metal.is_available():
+        backend = "metal"
+    else:
+        backend = "cpu"
+    try:
+        device_name = mx.device_info().get("device_name")
+    except Exception:  # device_info is best-effort across MLX builds
+        device_name = None
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": version("mlx-lm"),
+        "foretell": version("foretell"),
+        "backend": backend,
+        "device": str(mx.default_device()),
+        "device_name": device_name,
+        "blas": blas.STATUS.describe(),
+        "blas_status": blas.STATUS.to_dict(),
+        "python": platform.python_version(),
+    }
+
+
+def _worker_main(job_path: str, result_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    Path(result_path).write_text(json.dumps(run_side(job)))
+    return 0
+
+
+# -- the whole comparison -------------------------------------------------------------------
+
+
+def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR) -> Path:
+    """A random-weight Qwen3 directory of a named shape, made once and reused.
+
+    Made in its own process so the weights' memory (GPU memory under CUDA) is not held by
+    this one while the sides run; written to a temporary name and renamed, so an
+    interrupted run never leaves a half-written model to be reused.
+    """
+    path = Path(cache_dir) / f"qwen3-{preset}-{dtype}-seed0"
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    code = (
+        "import sys; from foretell.synthetic import make_preset_dir; "
+        "make_preset_dir(sys.argv[1], sys.argv[2], dtype=sys.argv[3])"
+    )
+    subprocess.run([sys.executable, "-c", code, str(scratch), preset, dtype], check=True)
+    try:
+        scratch.rename(path)
+    except OSError:  # another run finished the same model first
+        if not (path / "config.json").is_file():
+            raise
+    return path
+
+
+def prompt_ids(model: Path, length: int, seed: int = 0) -> list[int]:
+    """Random token ids within the model's vocabulary: the same list goes to both sides."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def _run_worker(side: str, job: dict[str, Any], scratch: Path) -> dict[str, Any]:
+    job_path = scratch / f"{side}-job.json"
+    result_path = scratch / f"{side}-result.json"
+    job_path.write_text(json.dumps({**job, "side": side}))
+    env = dict(os.environ)
+    if side == "mlx-lm":
+        env["FORETELL_BLAS"] = "reference"  # mlx-lm as it installs: MLX's own BLAS
+    done = subprocess.run(
+        [sys.executable, "-m", "foretell.bench", "--worker", str(job_path), str(result_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the {side} side failed on {job['model']}:\n{tail}")
+    return json.loads(result_path.read_text())
+
+
+def compare(
+    model: Path,
+    *,
+    label: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    repeats: int,
+    scenarios: Sequence[str] = ("greedy",),
+) -> dict[str, Any]:
+    """Both sides on one model: per scenario, each side's medians and foretell/mlx-lm."""
+    job = {
+        "model": str(model),
+        "prompt": prompt_ids(model, prompt_tokens),
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "scenarios": list(scenarios),
+    }
+    with tempfile.TemporaryDirectory(prefix="foretell-bench-") as scratch:
+        sides = {side: _run_worker(side, job, Path(scratch)) for side in SIDES}
+    rows = []
+    for name in scenarios:
+        ours, theirs = (sides[s]["scenarios"][name] for s in SIDES)
+        rows.append(
+            {
+                "scenario": name,
+                "foretell": ours,
+                "mlx_lm": theirs,
+                "prefill_ratio": _ratio(ours["prefill_tps"], theirs["prefill_tps"]),
+                "decode_ratio": _ratio(ours["decode_tps"], theirs["decode_tps"]),
+                "acceptance": ours["extras"].get("acceptance"),
+            }
+        )
+    return {
+        "model": label,
+        "path": str(model),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": max_tokens,
+        "repeats": repeats,
+        "load_s": {side: sides[side]["load_s"] for side in SIDES},
+        "runtime": {side: sides[side]["runtime"] for side in SIDES},
+        "rows": rows,
+    }
+
+
+def _ratio(ours: float, theirs: float) -> float | None:
+    return ours / theirs if theirs > 0 else None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the table was measured on (the MLX side of it comes from the workers)."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "gpu": _gpu_name(),
+        "os": platform.platform(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_name() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = done.stdout.strip().splitlines()
+    return ", ".join(names) if done.returncode == 0 and names else None
+
+
+def run_bench(
+    models: Sequence[tuple[str, Path]],
+    *,
+    prompt_tokens: int,
+    max_tokens: int,
+    repeats: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    report = {"machine": machine_info(), "models": []}
+    for label, path in models:
+        progress(f"{label}: foretell and mlx-lm, {repeats} repeat(s) after a warm-up")
+        report["models"].append(
+            compare(
+                path,
+                label=label,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                repeats=repeats,
+            )
+        )
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as a plain-text table with the machine above it."""
+    machine = report["machine"]
+    lines = [
+        f"date     {machine['date']}",
+        f"machine  {machine['cpu']} ({machine['cores']} cores)"
+        + (f", GPU {machine['gpu']}" if machine["gpu"] else ""),
+        f"os       {machine['os']}",
+    ]
+    if report["models"]:
+        runtime = report["models"][0]["runtime"]
+        ours, theirs = runtime["foretell"], runtime["mlx-lm"]
+        lines += [
+            f"mlx      {ours['mlx']} ({ours['backend']}, {ours['device']}"
+            + (f", {ours['device_name']}" if ours["device_name"] else "")
+            + f"), mlx-lm {theirs['mlx_lm']}, foretell {ours['foretell']}, "
+            f"python {ours['python']}",
+            f"BLAS     foretell: {ours['blas']}",
+            f"         mlx-lm:   {theirs['blas']}",
+        ]
+    header = (
+        f"{'model':<10} {'scenario':<10} {'prompt':>6} {'gen':>5} "
+        f"{'prefill tok/s':>27} {'decode tok/s':>27} {'accept':>7}"
+    )
+    sub = f"{'':<10} {'':<10} {'':>6} {'':>5} " + f"{'foretell  mlx-lm   ratio':>27} " * 2
+    lines += ["", header, sub.rstrip()]
+    for model in report["models"]:
+        for row in model["rows"]:
+            accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else ""
+            lines.append(
+                f"{model['model']:<10} {row['scenario']:<10} {model['prompt_tokens']:>6} "
+                f"{model['generated_tokens']:>5} "
+                f"{_cell(row, 'prefill')} {_cell(row, 'decode')} {accept:>7}"
+            )
+    return "\n".join(lines)
+
+
+def _cell(row: dict[str, Any], what: str) -> str:
+    ratio = row[f"{what}_ratio"]
+    shown = f"{ratio:.2f}x" if ratio is not None else "-"
+    return (
+        f"{row['foretell'][f'{what}_tps']:>9.1f} {row['mlx_lm'][f'{what}_tps']:>8.1f} "
+        f"{shown:>8}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker_main(*argv[1:3])
+    from foretell.cli import main as cli_main
+
+    return cli_main(["bench", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""``foretell bench``: foretell vs mlx-lm on the same weights, printed as one table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from foretell.errors import ForetellError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class BenchError(ForetellError):
+    """The bench cannot run as asked (no model named, a side failed, ...)."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="prefill/decode speed of foretell vs mlx-lm on the same weights",
+        description="Run foretell and mlx-lm, each in its own process, on the same weights, "
+        "prompt token ids and generated-token count; print median tok/s and ratios.",
+    )
+    p.add_argument("--model", action="append", default=[], metavar="PATH",
+                   help="a model directory (or shipped model name); repeatable")
+    p.add_argument("--synthetic", default="", metavar="SHAPES",
+                   help="random-weight Qwen3 shapes, comma-separated: 30m,150m,0.6b,4b")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype of synthetic weights (bfloat16 on a GPU; default float32)")
+    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--generate", type=int, default=64, metavar="N", dest="max_tokens",
+                   help="tokens each side generates (EOS ignored)")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where synthetic models are made once (default ~/.cache/foretell/bench)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="also write the full report (every run) as JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from foretell import bench
+    from foretell.generate import resolve_model_path
+
+    for name in ("prompt_tokens", "max_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
+    models = [(Path(m).name or m, resolve_model_path(m)) for m in args.model]
+    cache_dir = args.cache_dir or bench.CACHE_DIR
+    for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):
+        from foretell.synthetic import QWEN3_PRESETS
+
+        if preset not in QWEN3_PRESETS:
+            raise BenchError(
+                f"--synthetic {preset}: unknown shape (known: {', '.join(QWEN3_PRESETS)})"
+            )
+        print(f"synthetic {preset} ({args.dtype}) in {cache_dir}", file=sys.stderr)
+        models.append((preset, bench.synthetic_model(preset, args.dtype, cache_dir)))
+    if not models:
+        raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
+    try:
+        report = bench.run_bench(
+            models,
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except RuntimeError as exc:
+        raise BenchError(str(exc)) from exc
+    print(bench.render(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
