@@ -305,10 +305,13 @@ def _read_tensors(fh: BinaryIO, data_start: int, table: dict[str, TensorSlot]
             raise CorruptEntry(f"tensor {slot.name} is truncated")
         if checksum(buf) != slot.crc32:
             raise CorruptEntry(f"tensor {slot.name} fails its checksum")
-        if slot.dtype == "BF16":
-            yield tname, mx.array(buf.view(np.uint16).reshape(slot.shape)).view(mx.bfloat16)
-        else:
-            yield tname, mx.array(buf.view(_NP_DTYPES[slot.dtype]).reshape(slot.shape))
+        try:
+            if slot.dtype == "BF16":
+                yield tname, mx.array(buf.view(np.uint16).reshape(slot.shape)).view(mx.bfloat16)
+            else:
+                yield tname, mx.array(buf.view(_NP_DTYPES[slot.dtype]).reshape(slot.shape))
+        except (KeyError, ValueError) as exc:  # bytes that cannot be this dtype and shape
+            raise CorruptEntry(f"tensor {slot.name}: {type(exc).__name__}: {exc}") from None
 
 
 _NP_DTYPES = {
