@@ -1,6 +1,7 @@
 """A real third-party distribution, installed with pip, is discovered; uninstalled, it is gone."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +37,14 @@ def _selected_kind():
 
 
 @pytest.mark.slow
-def test_pip_installed_plugin_is_discovered_usable_and_removed_on_uninstall():
+def test_pip_installed_plugin_is_discovered_usable_and_removed_on_uninstall(tmp_path):
+    # Build from a copy: setuptools leaves an .egg-info beside the sources, which would make
+    # the source tree itself look like an installed distribution.
+    source = shutil.copytree(CONTRIB, tmp_path / "foretell-ngram")
     _pip("uninstall", "-y", "foretell-ngram")
     assert not any(name == "ngram" for name, _, _ in _contributions())
     try:
-        _pip("install", "--no-deps", "--no-build-isolation", str(CONTRIB))
+        _pip("install", "--no-deps", "--no-build-isolation", str(source))
         assert _contributions()[("ngram", "third-party", "loaded")] == ["draft:ngram"]
         assert _selected_kind() == "4 [3, 1]"
     finally:
