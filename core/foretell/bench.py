@@ -315,6 +315,8 @@ def machine_info() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "gpu": _gpu_name(),
         "os": platform.platform(),
+        # Other work on the machine skews every number; the table says how busy it was.
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -349,8 +351,11 @@ def run_bench(
     max_tokens: int,
     repeats: int,
     progress: Callable[[str], None] = lambda _: None,
+    on_model: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> dict[str, Any]:
-    report = {"machine": machine_info(), "models": []}
+    """Compare every model; ``on_model`` sees the report after each one (to save partial
+    results before a time limit cuts the run short)."""
+    report: dict[str, Any] = {"machine": machine_info(), "models": []}
     for label, path in models:
         progress(f"{label}: foretell and mlx-lm, {repeats} repeat(s) after a warm-up")
         report["models"].append(
@@ -362,6 +367,7 @@ def run_bench(
                 repeats=repeats,
             )
         )
+        on_model(report)
     return report
 
 
@@ -372,7 +378,7 @@ def render(report: dict[str, Any]) -> str:
         f"date     {machine['date']}",
         f"machine  {machine['cpu']} ({machine['cores']} cores)"
         + (f", GPU {machine['gpu']}" if machine["gpu"] else ""),
-        f"os       {machine['os']}",
+        f"os       {machine['os']}, load average {machine['load_avg_1m']} at start",
     ]
     if report["models"]:
         runtime = report["models"][0]["runtime"]

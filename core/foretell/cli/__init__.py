@@ -15,7 +15,12 @@ import sys
 from foretell import __version__
 from foretell.errors import ForetellError
 
-COMMANDS = ("foretell.cli.run_cmd", "foretell.cli.chat_cmd", "foretell.cli.plugins_cmd")
+COMMANDS = (
+    "foretell.cli.run_cmd",
+    "foretell.cli.chat_cmd",
+    "foretell.cli.bench_cmd",
+    "foretell.cli.plugins_cmd",
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -60,6 +60,11 @@ def run(args) -> int:
         models.append((preset, bench.synthetic_model(preset, args.dtype, cache_dir)))
     if not models:
         raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
+    def save(report: dict) -> None:
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
+
     try:
         report = bench.run_bench(
             models,
@@ -67,11 +72,9 @@ def run(args) -> int:
             max_tokens=args.max_tokens,
             repeats=args.repeats,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
+            on_model=save,
         )
     except RuntimeError as exc:
         raise BenchError(str(exc)) from exc
     print(bench.render(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
     return 0

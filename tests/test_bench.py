@@ -1,0 +1,87 @@
+"""``foretell bench`` end to end on a tiny model, and the clock it uses for both sides."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from foretell import bench
+from foretell.cli import main as cli_main
+from foretell.synthetic import make_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("bench") / "tiny-qwen3", "qwen3")
+
+
+def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = cli_main(
+        ["bench", "--model", str(tiny_model), "--prompt-tokens", "12", "--generate", "6",
+         "--repeats", "1", "--json", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert set(report["machine"]) >= {"date", "cpu", "cores", "gpu", "os", "load_avg_1m"}
+    (model,) = report["models"]
+    assert model["model"] == "tiny-qwen3"
+    assert model["prompt_tokens"] == 12 and model["generated_tokens"] == 6
+    (row,) = model["rows"]
+    assert row["scenario"] == "greedy"
+    for side in ("foretell", "mlx_lm"):
+        # EOS is ignored on both sides, so each generated exactly what was asked.
+        assert row[side]["generated"] == 6
+        assert len(row[side]["runs"]) == 1
+        assert row[side]["prefill_tps"] > 0 and row[side]["decode_tps"] > 0
+    assert row["prefill_ratio"] == pytest.approx(
+        row["foretell"]["prefill_tps"] / row["mlx_lm"]["prefill_tps"]
+    )
+    assert row["decode_ratio"] == pytest.approx(
+        row["foretell"]["decode_tps"] / row["mlx_lm"]["decode_tps"]
+    )
+    assert row["acceptance"] is None
+    runtime = model["runtime"]
+    assert runtime["mlx-lm"]["blas_status"]["reason"] == "FORETELL_BLAS=reference"
+    assert runtime["foretell"]["mlx"] == runtime["mlx-lm"]["mlx"]
+    assert runtime["foretell"]["backend"] in ("cpu", "cuda", "metal")
+    if sys.platform.startswith("linux"):
+        assert runtime["foretell"]["blas_status"]["loaded"]
+    table = capsys.readouterr().out
+    assert "tiny-qwen3" in table and "greedy" in table
+    assert f"{row['decode_ratio']:.2f}x" in table
+
+
+def test_a_side_that_fails_is_one_error_naming_it(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 64}))
+    assert cli_main(["bench", "--model", str(broken), "--repeats", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "the foretell side failed" in err and str(broken) in err
+
+
+def test_unknown_synthetic_shape_is_refused_with_the_known_ones(capsys):
+    assert cli_main(["bench", "--synthetic", "7b"]) == 1
+    err = capsys.readouterr().err
+    assert "--synthetic 7b: unknown shape" in err and "30m" in err
+
+
+def test_clock_counts_prompt_over_first_token_and_the_rest_over_the_remaining_time(monkeypatch):
+    ticks = iter([0.0, 2.0, 6.0])  # start, first step, end
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks))
+
+    def steps():
+        yield 1
+        yield 3
+        yield 2
+        return {"acceptance": 0.5}
+
+    timing = bench.time_run(steps(), prompt_tokens=100)
+    assert timing.ttft_s == 2.0
+    assert timing.prefill_tps == 50.0
+    assert timing.generated == 6
+    assert timing.decode_tps == 5 / 4.0
+    assert timing.extras == {"acceptance": 0.5}
