@@ -56,24 +56,45 @@ def test_masks_intersect_and_the_rest_is_renormalized():
     sampler = Sampler(SamplingConfig(temp=0.5, top_k=3, top_p=0.95, min_p=0.6))
     scores = sampler.scores(logits)
     assert kept(scores) == {0, 1}  # min_p (0.24) is the tightest
-    probs = np.exp(np.array(scores[0]))
+    probs = np.array(sampler.probabilities(scores)[0])
     expected = np.array([0.4, 0.3]) ** 2  # temperature 0.5 squares the ratio
     assert probs.sum() == pytest.approx(1.0, abs=1e-6)
     assert probs[:2] == pytest.approx(expected / expected.sum(), rel=1e-5)
 
 
-def test_distribution_matches_mlx_lm_sampler_chain():
+@pytest.mark.parametrize(
+    ("temp", "top_p", "top_k", "min_p"),
+    [
+        (0.7, 0.9, 40, 0.02),
+        (1.3, 0.8, 0, 0.0),
+        (0.5, 1.0, 7, 0.0),
+        (1.0, 1.0, 0, 0.1),
+        (0.9, 0.6, 150, 0.0),
+    ],
+)
+def test_distribution_matches_mlx_lm_sampler_chain(temp, top_p, top_k, min_p):
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     logits = mx.random.normal((4, 200), key=mx.random.key(3)) * 3
-    temp, top_p, top_k, min_p = 0.7, 0.9, 40, 0.02
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    theirs = apply_top_k(apply_min_p(apply_top_p(logprobs, top_p), min_p), top_k) / temp
-    theirs = mx.softmax(theirs, axis=-1)
-    ours = mx.exp(
-        Sampler(SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)).scores(logits)
-    )
+    theirs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if top_p < 1.0:
+        theirs = apply_top_p(theirs, top_p)
+    if min_p > 0.0:
+        theirs = apply_min_p(theirs, min_p)
+    if top_k > 0:
+        theirs = apply_top_k(theirs, top_k)
+    theirs = mx.softmax(theirs / temp, axis=-1)
+    sampler = Sampler(SamplingConfig(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p))
+    ours = sampler.probabilities(sampler.scores(logits))
     assert np.allclose(np.array(ours), np.array(theirs), atol=1e-6)
+
+
+def test_greedy_probabilities_are_the_point_mass_at_the_argmax():
+    sampler = Sampler(SamplingConfig(temp=0.0))
+    logits = mx.array([[0.1, 3.0, -2.0, 2.9]])
+    assert np.array(sampler.probabilities(sampler.scores(logits))).tolist() == [
+        [0.0, 1.0, 0.0, 0.0]
+    ]
 
 
 def test_temperature_sampling_follows_the_softmax():
