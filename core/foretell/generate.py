@@ -257,13 +257,10 @@ class Engine:
         """
         if max_tokens < 1:
             raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
-        started = time.perf_counter()
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
-        return self._run(
-            ids, started, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress
-        )
+        return self._run(ids, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress)
 
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
         """The whole completion as one string; ``options`` as for :meth:`generate`."""
@@ -272,12 +269,13 @@ class Engine:
     def _run(
         self,
         ids: list[int],
-        started: float,
         max_tokens: int,
         sampler: Sampler,
         stops: StopMatcher,
         progress: Progress | None,
     ) -> Iterator[Event]:
+        # The clock starts when the caller first pulls, as mlx-lm's does.
+        started = time.perf_counter()
         eos = self.tokenizer.eos_token_ids
         detok = self.tokenizer.detokenizer()
         mx.reset_peak_memory()

@@ -448,8 +448,9 @@ class Tokenizer:
         style, strip = self._style
         if self._pieces is None:
             # Built once per tokenizer, on first use: ~100 ms for a 150k vocabulary.
-            pieces = [b""] * self.vocab_size
-            for token, index in self.backend.get_vocab(with_added_tokens=True).items():
+            vocab = self.backend.get_vocab(with_added_tokens=True)
+            pieces = [b""] * (max(vocab.values(), default=-1) + 1)
+            for token, index in vocab.items():
                 pieces[index] = _token_bytes(token, style)
             self._pieces = pieces
         return StreamingDetokenizer(self._pieces, strip)
