@@ -224,3 +224,29 @@ def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
     with pytest.raises(ModelNotFound, match=r"--model nope: .*shipped models: tiny"):
         resolve_model_path("nope")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "gemma3_text", "gemma4_text"])
+def test_every_architecture_decodes_like_mlx_lm_through_chunked_prefill(
+    model_type, tmp_path, monkeypatch
+):
+    import mlx_lm
+
+    from foretell.synthetic import make_model_dir
+
+    path = make_model_dir(
+        tmp_path / model_type, model_type, overrides={"tie_word_embeddings": False}
+    )
+    chunk = 16
+    monkeypatch.setattr(gen, "PREFILL_CHUNK", chunk)
+    engine = foretell.load(path)
+    lm, tokenizer = mlx_lm.load(str(path))
+    ids = engine.encode_prompt("def fibonacci(n):\n" * 5, chat=False)
+    assert len(ids) > 2 * chunk
+    _, ours, _ = run(engine, ids, max_tokens=24)
+    expected = []
+    for token in mlx_lm_tokens(lm, ids, 24, prefill_step_size=chunk):
+        if token in tokenizer.eos_token_ids:
+            break
+        expected.append(token)
+    assert ours == expected
