@@ -120,7 +120,8 @@ class Stats:
     type: str = "stats"
 
     def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        fields = attrs.asdict(self)
+        return {"type": fields.pop("type"), **fields}
 
 
 Event = TextEvent | Stats
