@@ -178,7 +178,9 @@ def _generation_stream() -> Any:
     # One stream for all generation work, as mlx-lm does, created on first use.
     global _STREAM
     if _STREAM is None:
-        _STREAM = mx.new_thread_local_stream(mx.default_device())
+        # Thread-local streams arrived in mlx 0.30; a plain stream serves one thread as well.
+        make = getattr(mx, "new_thread_local_stream", mx.new_stream)
+        _STREAM = make(mx.default_device())
     return _STREAM
 
 
