@@ -1,86 +1,18 @@
-"""Fixtures for engine tests: tiny tokenizers trained on the spot, and a tiny real model.
-
-The model is mlx-lm's own Qwen3 module with random weights, exposed through foretell's
-Model protocol, so the engine can be checked token-for-token against mlx-lm's loop on the
-very same weights before foretell's own loader exists.
-"""
+"""Fixtures for engine tests; plain helpers live in engine_helpers.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-
-CORPUS = [
-    "héllo wörld — ünïcödé 日本語のテキスト 🙂🚀 emoji",
-    "the quick brown fox jumps over the lazy dog",
-    "naïve café résumé 中文字符 한국어 the end",
-] * 10
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+from engine_helpers import (
+    CHAT_TEMPLATE,
+    MlxLmAdapter,
+    tiny_qwen3,
+    train_byte_level,
+    train_metaspace,
+    write_tokenizer_dir,
 )
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def train_byte_level():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIALS,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
-
-
-def train_metaspace():
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    return tok
-
-
-def write_tokenizer_dir(
-    path: Path,
-    tok,
-    config: dict,
-    *,
-    model_config: dict | None = None,
-    generation_config: dict | None = None,
-) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    if model_config is not None:
-        (path / "config.json").write_text(json.dumps(model_config))
-    if generation_config is not None:
-        (path / "generation_config.json").write_text(json.dumps(generation_config))
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -102,62 +34,6 @@ def chat_dir(tmp_path_factory, byte_level_tokenizer) -> Path:
         {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE},
         generation_config={"eos_token_id": [byte_level_tokenizer.token_to_id("<|endoftext|>")]},
     )
-
-
-class MlxLmAdapter:
-    """An mlx-lm model seen through foretell's Model protocol (test-only)."""
-
-    capabilities = frozenset()
-
-    def __init__(self, lm):
-        self.lm = lm
-        self.model_type = lm.model_type
-        self.vocab_size = lm.args.vocab_size
-
-    def make_caches(self):
-        from mlx_lm.models.cache import make_prompt_cache
-
-        return make_prompt_cache(self.lm)
-
-    def forward(self, tokens, caches=None, taps=()):
-        return self.lm.model(tokens, caches), {}
-
-    def logits(self, hidden):
-        if self.lm.args.tie_word_embeddings:
-            return self.lm.model.embed_tokens.as_linear(hidden)
-        return self.lm.lm_head(hidden)
-
-    def embed(self, tokens):
-        return self.lm.model.embed_tokens(tokens)
-
-    def sanitize(self, weights):
-        return weights
-
-
-def tiny_qwen3(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
-    from mlx_lm.models import qwen3
-
-    mx.random.seed(seed)
-    args = qwen3.ModelArgs(
-        model_type="qwen3",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=2 * hidden,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        rms_norm_eps=1e-6,
-        vocab_size=vocab_size,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    )
-    lm = qwen3.Model(args)
-    # Random init gives near-uniform logits; sharpen them so greedy choices are clear-cut
-    # while sampling still has several likely tokens to choose from.
-    lm.lm_head.weight = lm.lm_head.weight * 4
-    mx.eval(lm.parameters())
-    return lm
 
 
 @pytest.fixture(scope="session")

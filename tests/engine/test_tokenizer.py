@@ -1,7 +1,7 @@
 import random
 
 import pytest
-from conftest import CHAT_TEMPLATE, write_tokenizer_dir
+from engine_helpers import CHAT_TEMPLATE, write_tokenizer_dir
 
 from foretell.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
