@@ -39,6 +39,11 @@ class Cache(Protocol):
     def trim(self, n: int) -> int:
         """Drop up to ``n`` newest tokens; return how many were dropped."""
 
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """The arrays holding the cached keys/values (what prefill evaluates and codecs
+        snapshot); empty before the first update."""
+
 
 @runtime_checkable
 class Model(Protocol):
