@@ -276,9 +276,7 @@ class RotatingKVCache:
         offset, max_size, write = int(meta["offset"]), int(meta["max_size"]), int(meta["write"])
         stored = 0 if self.keys is None else self.keys.shape[2]
         if max_size < 1 or not 0 <= write < max_size or stored != min(offset, max_size):
-            raise ValueError(
-                f"RotatingKVCache meta {meta} does not fit a state of {stored} tokens"
-            )
+            raise ValueError(f"RotatingKVCache meta {meta} does not fit a state of {stored} tokens")
         self.offset, self.max_size, self._write = offset, max_size, write
 
     @classmethod

@@ -218,7 +218,9 @@ def _check_tensors(
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
         raise ModelLoadError(f"{where}: missing tensor(s) the model needs: {shown}")
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:

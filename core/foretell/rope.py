@@ -69,7 +69,9 @@ def make_rope(
     if kind == "default":
         return RoPE(dims, base=base, traditional=traditional)
     if kind == "linear":
-        return RoPE(dims, base=base, traditional=traditional, scale=1.0 / _num(scaling, "factor", field))
+        return RoPE(
+            dims, base=base, traditional=traditional, scale=1.0 / _num(scaling, "factor", field)
+        )
     if kind == "proportional":
         # Partial rotary (Gemma 4 global layers): the exponent keeps the full head width in
         # its denominator, and the unrotated tail gets infinite wavelength.
@@ -82,7 +84,12 @@ def make_rope(
         freqs = mx.concatenate([factor * (base**exponents), tail])
         return RoPE(dims, base=base, traditional=traditional, freqs=freqs)
     if kind == "llama3":
-        return RoPE(dims, base=base, traditional=traditional, freqs=_llama3_freqs(dims, base, scaling, field))
+        return RoPE(
+            dims,
+            base=base,
+            traditional=traditional,
+            freqs=_llama3_freqs(dims, base, scaling, field),
+        )
     raise ValueError(
         f"{field}.rope_type: '{kind}' is not supported (supported: {', '.join(SUPPORTED)})"
     )

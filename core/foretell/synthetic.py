@@ -137,24 +137,42 @@ _BASE: dict[str, dict[str, Any]] = {
 #: and 4b are the real Qwen3-0.6B / Qwen3-4B shapes (random weights).
 QWEN3_PRESETS: dict[str, dict[str, Any]] = {
     "30m": {
-        "hidden_size": 512, "num_hidden_layers": 4, "intermediate_size": 1536,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "intermediate_size": 1536,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
         "vocab_size": 32000,
     },
     "150m": {
-        "hidden_size": 1024, "num_hidden_layers": 8, "intermediate_size": 3584,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 64,
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "intermediate_size": 3584,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
         "vocab_size": 32000,
     },
     "0.6b": {
-        "hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "max_position_embeddings": 40960,
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
     },
     "4b": {
-        "hidden_size": 2560, "num_hidden_layers": 36, "intermediate_size": 9728,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "max_position_embeddings": 40960,
+        "hidden_size": 2560,
+        "num_hidden_layers": 36,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
     },
 }
 
@@ -311,7 +329,9 @@ def make_model_dir(
         weights = {n: w for n, w in weights.items() if not n.startswith("lm_head.")}
     weights = model.sanitize(weights)
     if quantize_bits is not None:
-        weights, config = _quantize(model, weights, config, quantize_bits, group_size, quantize_layers)
+        weights, config = _quantize(
+            model, weights, config, quantize_bits, group_size, quantize_layers
+        )
     _write_weights(path, weights, shard_bytes)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     _write_tokenizer_files(path, config)

@@ -143,9 +143,7 @@ class Attention(nn.Module):
         else:
             offset = 0 if cache is None else cache.offset
             keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-            values = (
-                keys if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            )
+            values = keys if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
             keys = self.rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset)
             values = mx.fast.rms_norm(values, None, self.eps).transpose(0, 2, 1, 3)
             if cache is not None:

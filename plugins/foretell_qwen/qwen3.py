@@ -148,7 +148,9 @@ class QwenModel(nn.Module):
         self.vocab_size = args.vocab_size
         self.tied = args.tie_word_embeddings
         layers = [
-            DecoderLayer(args, Attention(args, head_dim=head_dim, qk_norm=qk_norm, bias=bias, rope=rope))
+            DecoderLayer(
+                args, Attention(args, head_dim=head_dim, qk_norm=qk_norm, bias=bias, rope=rope)
+            )
             for _ in range(args.num_hidden_layers)
         ]
         self.model = Body(args, layers)
@@ -191,8 +193,7 @@ class QwenModel(nn.Module):
         return {
             name: w
             for name, w in weights.items()
-            if not (self.tied and name.startswith("lm_head."))
-            and "rotary_emb.inv_freq" not in name
+            if not (self.tied and name.startswith("lm_head.")) and "rotary_emb.inv_freq" not in name
         }
 
 

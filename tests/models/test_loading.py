@@ -80,7 +80,9 @@ def test_config_that_does_not_match_the_weights_is_reported(model_dir, registry)
 
 def test_missing_tensor_is_named(model_dir, registry):
     edit_weights(model_dir, lambda w: w.pop("model.layers.0.self_attn.k_norm.weight"))
-    with pytest.raises(ModelLoadError, match=r"missing tensor.*layers\.0\.self_attn\.k_norm\.weight"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing tensor.*layers\.0\.self_attn\.k_norm\.weight"
+    ):
         load_model(model_dir, registry)
 
 
@@ -148,7 +150,9 @@ def test_shard_listed_in_the_index_but_missing_is_named(tmp_path, registry):
     sharded = make_model_dir(tmp_path / "sharded", "qwen3", shard_bytes=40_000)
     victim = sorted(sharded.glob("model-*-of-*.safetensors"))[-1]
     victim.unlink()
-    with pytest.raises(ModelLoadError, match=f"{victim.name}: listed in model.safetensors.index.json but missing"):
+    with pytest.raises(
+        ModelLoadError, match=f"{victim.name}: listed in model.safetensors.index.json but missing"
+    ):
         load_model(sharded, registry)
 
 
@@ -171,6 +175,10 @@ def test_quantized_checkpoint_honours_per_layer_overrides(tmp_path, registry):
 
 def test_preset_shapes_are_the_real_qwen3_ones():
     config = model_config("qwen3", preset="0.6b")
-    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (1024, 28, 151936)
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (
+        1024,
+        28,
+        151936,
+    )
     with pytest.raises(ValueError, match="unknown preset"):
         make_preset_dir("/nonexistent", "7b")

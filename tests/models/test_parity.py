@@ -8,7 +8,6 @@ continuation, each side driving its own caches token by token, must be identical
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -22,9 +21,11 @@ PROMPT = [11, 57, 300, 4, 89, 120, 7, 250, 33, 64, 2, 199]  # longer than the 8-
 
 CASES = {
     "qwen3": ("qwen3", {}, None),
+    "qwen3-bfloat16": ("qwen3", {"torch_dtype": "bfloat16"}, None),
     "qwen2": ("qwen2", {}, None),
     "gemma3_text": ("gemma3_text", {}, None),
     "gemma4_text": ("gemma4_text", {}, None),
+    "gemma4_text-bfloat16": ("gemma4_text", {"torch_dtype": "bfloat16"}, None),
     # Full layers with k == v and their own KV head count; an untied head without softcap.
     "gemma4_text-k_eq_v": (
         "gemma4_text",
@@ -53,12 +54,15 @@ def registry():
 @pytest.fixture(scope="module", params=CASES.values(), ids=CASES.keys())
 def pair(request, tmp_path_factory, registry):
     model_type, overrides, bits = request.param
+    overrides = dict(overrides)
+    dtype = overrides.pop("torch_dtype", "float32")
     path = make_model_dir(
         tmp_path_factory.mktemp("model") / model_type,
         model_type,
         overrides=overrides,
         quantize_bits=bits,
         seed=7,
+        dtype=dtype,
     )
     reference, _ = mlx_lm_load_model(Path(path))
     return load_model(path, registry), reference
@@ -123,7 +127,7 @@ def test_taps_return_the_requested_layer_outputs(pair):
     hidden, tapped = model.forward(mx.array([PROMPT]), taps=(0, last))
     assert sorted(tapped) == [0, last]
     assert tapped[0].shape == hidden.shape
-    np.testing.assert_allclose(np.array(model.model.norm(tapped[last])), np.array(hidden), atol=1e-6)
+    assert mx.array_equal(model.model.norm(tapped[last]), hidden)
 
 
 def test_embed_is_what_the_first_layer_sees(pair):
