@@ -63,6 +63,10 @@ class KVCache:
     def is_trimmable(self) -> bool:
         return True
 
+    def stays_trimmable(self, n: int) -> bool:
+        """Whether ``n`` more tokens would still leave the cache trimmable."""
+        return True
+
     def trim(self, n: int) -> int:
         n = max(0, min(self.offset, n))
         self.offset -= n
@@ -219,6 +223,11 @@ class RotatingKVCache:
         """True until a token has been evicted from the window."""
         return self.offset <= self.max_size
 
+    def stays_trimmable(self, n: int) -> bool:
+        """Whether ``n`` more tokens would still leave the cache trimmable: a speculative
+        window that would evict must not run on a ring it may need to roll back."""
+        return self.offset + n <= self.max_size
+
     def trim(self, n: int) -> int:
         if not self.is_trimmable():
             return 0
@@ -290,6 +299,11 @@ class RotatingKVCache:
 def can_trim(caches: list[Any]) -> bool:
     """Whether every cache of a sequence can roll back exactly."""
     return all(c.is_trimmable() for c in caches)
+
+
+def stay_trimmable(caches: list[Any], n: int) -> bool:
+    """Whether every cache could still roll back after ``n`` more tokens."""
+    return all(c.stays_trimmable(n) for c in caches)
 
 
 def trim_all(caches: list[Any], n: int) -> int:

@@ -184,6 +184,13 @@ def quantize_like_checkpoint(
     """
     quantization = config.get("quantization")
     if quantization is None:
+        legacy = config.get("quantization_config")
+        if isinstance(legacy, dict) and legacy.get("quant_method"):
+            raise ValueError(
+                f"field 'quantization_config.quant_method': '{legacy['quant_method']}' "
+                "checkpoints are not supported; convert to MLX affine format "
+                "(mlx_lm.convert -q) first"
+            )
         return
     if not isinstance(quantization, dict):
         raise ValueError("field 'quantization': expected an object")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from foretell.attention import attend, attention_mask, causal_mask
-from foretell.kvcache import KVCache, RotatingKVCache, trim_all
+from foretell.kvcache import KVCache, RotatingKVCache, stay_trimmable, trim_all
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -172,3 +172,12 @@ def test_writing_into_a_restored_cache_leaves_the_donor_untouched(make):
         attend_chunk(restored, other_q, other_k, other_v, i, i + 1)
     for old, now in zip(before, donor.state):
         np.testing.assert_array_equal(old, np.array(now))
+
+
+def test_a_window_that_would_evict_is_flagged_before_it_runs():
+    ring, full = RotatingKVCache(8), KVCache()
+    _, k, v = sequence(6)
+    for cache in (ring, full):
+        cache.update_and_fetch(k, v)
+    assert ring.stays_trimmable(2) and not ring.stays_trimmable(3)
+    assert not stay_trimmable([full, ring], 3) and stay_trimmable([full, ring], 2)

@@ -182,3 +182,11 @@ def test_preset_shapes_are_the_real_qwen3_ones():
     )
     with pytest.raises(ValueError, match="unknown preset"):
         make_preset_dir("/nonexistent", "7b")
+
+
+def test_foreign_quantization_method_is_refused_by_name(model_dir, registry):
+    edit_config(model_dir, quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(
+        ModelLoadError, match=r"config\.json: .*'awq' checkpoints are not supported"
+    ):
+        load_model(model_dir, registry)
