@@ -74,8 +74,8 @@ def collect(
     max_files: int | None = None,
     exclude: tuple[str, ...] = (),
 ) -> Corpus:
-    """Find, filter and split the corpus. ``max_files`` keeps a deterministic prefix
-    (every k-th file of the sorted list) for small test runs."""
+    """Find, filter and split the corpus. ``max_files`` keeps a deterministic spread
+    (every k-th path of the sorted list, before filtering) for small test runs."""
     roots = roots or source_roots()
     corpus = Corpus(roots=roots)
     skipped = {"too_large": 0, "not_utf8": 0, "empty": 0, "duplicate": 0, "excluded": 0}
@@ -84,6 +84,10 @@ def collect(
         for p in _walk_py(root):
             paths.add(os.path.realpath(p))
     ordered = sorted(paths)
+    if max_files and len(ordered) > max_files:
+        # deterministic spread for small runs (before reading anything)
+        step = len(ordered) / max_files
+        ordered = [ordered[int(i * step)] for i in range(max_files)]
     excl = tuple(os.path.realpath(e) for e in exclude)
     seen: set[str] = set()
     kept: list[tuple[str, int]] = []
@@ -116,9 +120,6 @@ def collect(
             continue
         seen.add(digest)
         kept.append((p, size))
-    if max_files and len(kept) > max_files:
-        step = len(kept) / max_files
-        kept = [kept[int(i * step)] for i in range(max_files)]
     for i, entry in enumerate(kept):
         (corpus.heldout if i % heldout_every == heldout_every - 1 else corpus.train).append(entry)
     corpus.skipped = skipped

@@ -1,0 +1,94 @@
+"""Command line: ``python -m foretell_demo_train run|pack|unpack``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .presets import PRESETS
+
+
+def _run(args) -> None:
+    import torch
+
+    from .pipeline import STAGES, Run, run_stages
+
+    preset = PRESETS[args.preset]
+    if args.max_files is not None:
+        preset.max_files = args.max_files or None
+    if args.eval_windows:
+        preset.eval_windows = args.eval_windows
+    if args.gen_prompts:
+        preset.gen_prompts = args.gen_prompts
+    if args.batch_size:
+        for cfg in preset.train.values():
+            cfg["batch_size"] = args.batch_size
+    stages = STAGES if args.stages == "all" else args.stages.split(",")
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise SystemExit(f"unknown stages {sorted(unknown)}; choose from {STAGES}")
+    minutes = dict(preset.budgets_min)
+    for name in minutes:
+        value = getattr(args, f"{name}_minutes")
+        if value is not None:
+            minutes[name] = value
+    torch.manual_seed(args.seed)
+    run = Run(preset=preset, work=Path(args.work), out=Path(args.out), seed=args.seed,
+              compile=args.compile, roots=args.roots, t0=time.time())
+    run.log(f"foretell-demo-train: preset {args.preset}, stages {stages}, minutes {minutes}, "
+            f"cuda {torch.cuda.is_available()}")
+    run_stages(run, [s for s in STAGES if s in stages], minutes)
+    if args.pack_dir:
+        from .pack import pack
+
+        pack(Path(args.out), Path(args.pack_dir), log=run.log)
+    run.log("finished")
+
+
+def _pack(args) -> None:
+    from .pack import pack
+
+    pack(Path(args.out), Path(args.pack_dir))
+
+
+def _unpack(args) -> None:
+    from .pack import unpack
+
+    unpack(Path(args.pack_dir), Path(args.dest))
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.stdout.reconfigure(line_buffering=True)
+    ap = argparse.ArgumentParser(prog="foretell-demo-train", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run pipeline stages")
+    r.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    r.add_argument("--work", default="build/demo-train", help="work dir (caches, checkpoints)")
+    r.add_argument("--out", default="build/demo-out", help="output dir (model dirs, quality.json)")
+    r.add_argument("--stages", default="all",
+                   help="comma list of prepare,target,draft,mtp,gemma,export (or 'all')")
+    for name in ("target", "draft", "mtp", "gemma"):
+        r.add_argument(f"--{name}-minutes", type=float, default=None,
+                       help=f"training time budget of the {name} (minutes)")
+    r.add_argument("--max-files", type=int, default=None, help="corpus subset (0: all)")
+    r.add_argument("--roots", nargs="*", default=None, help="corpus roots (default: sysconfig+site)")
+    r.add_argument("--eval-windows", type=int, default=None, help="held-out windows to evaluate")
+    r.add_argument("--gen-prompts", type=int, default=None,
+                   help="prompts for the greedy-path acceptance measurement")
+    r.add_argument("--batch-size", type=int, default=None, help="override every model's batch")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    r.add_argument("--pack-dir", default=None, help="also pack the output into <= 8 files here")
+    r.set_defaults(fn=_run)
+    p = sub.add_parser("pack", help="pack <out> into <= 8 files of <= 15 MiB")
+    p.add_argument("--out", default="build/demo-out")
+    p.add_argument("--pack-dir", required=True)
+    p.set_defaults(fn=_pack)
+    u = sub.add_parser("unpack", help="reassemble packed parts into a directory")
+    u.add_argument("--pack-dir", required=True)
+    u.add_argument("--dest", required=True)
+    u.set_defaults(fn=_unpack)
+    args = ap.parse_args(argv)
+    args.fn(args)
