@@ -162,7 +162,7 @@ def _load_vendored_gfortran() -> bool:
 
 def _vendored_gfortrans() -> list[Path]:
     found = []
-    for name in ("mlx-cpu", "mlx", "numpy", "scipy"):
+    for name in ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12", "numpy", "scipy"):
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
