@@ -1,9 +1,10 @@
 """Put an optimized BLAS under MLX on Linux CPU, before MLX is imported.
 
-MLX's Linux CPU wheel links the reference BLAS (~3 GFLOP/s matmul on a 2-core dev box);
-OpenBLAS is 5-20x faster there (docs/blas.md). MLX calls the standard ``cblas_sgemm``
-symbol, so a library loaded ``RTLD_GLOBAL`` *before* ``libmlx.so`` wins symbol
-resolution, with no rebuild and no ``LD_PRELOAD``. :func:`preload` does that once, from
+MLX's Linux CPU wheel links the reference BLAS (~2.5 GFLOP/s matmul on a 2-core dev box);
+OpenBLAS is 16-23x faster there for M >= 16 rows, which is what prefill and verification
+run (docs/blas.md). MLX calls the standard ``cblas_sgemm`` symbol, so a library loaded
+``RTLD_GLOBAL`` *before* ``libmlx.so`` wins symbol resolution, with no rebuild and no
+``LD_PRELOAD``. :func:`preload` does that once, from
 ``foretell/__init__.py``, and records what happened in :data:`STATUS`.
 
 ``FORETELL_BLAS=reference`` keeps MLX's own BLAS; ``FORETELL_BLAS=/path/libblas.so`` loads
