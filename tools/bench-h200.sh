@@ -3,7 +3,7 @@
 #
 #   bash tools/bench-h200.sh [extra foretell-bench options]
 #
-# Run from a checkout on the host whose PYTHONPATH holds mlx, mlx-cuda, mlx-lm and cattrs
+# Run from a checkout on the host whose PYTHONPATH holds mlx, mlx-cuda and mlx-lm
 # (shared/tools/mlx-cuda-parts.sh stages them; default /root/site). Writes $OUT/h200.json
 # (every run, machine, versions) and $OUT/h200.txt (the table). Weights are made on the GPU
 # once per host under ~/.cache/foretell/bench (4B: ~8 GB on disk). About 2-4 minutes; the
@@ -36,8 +36,8 @@ PY
   export PYTHONPATH="$PYTHONPATH:$meta"
 fi
 
-python3 -c "import cattrs, mlx.core, mlx_lm" || {
-  echo "bench-h200: foretell needs cattrs, mlx (CUDA) and mlx-lm on PYTHONPATH=$PYTHONPATH" >&2
+python3 -c "import mlx.core, mlx_lm" || {
+  echo "bench-h200: the bench needs mlx (CUDA build) and mlx-lm on PYTHONPATH=$PYTHONPATH" >&2
   exit 2
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
