@@ -28,12 +28,13 @@ def add_parser(sub) -> None:
                    help="random-weight Qwen3 shapes, comma-separated: 30m,150m,0.6b,4b")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of synthetic weights (bfloat16 on a GPU; default float32)")
-    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N",
+                   help="prompt length: random token ids, the same for both sides")
     p.add_argument("--generate", type=int, default=64, metavar="N", dest="max_tokens",
                    help="tokens each side generates (EOS ignored)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs after one warm-up; the median is reported")
-    p.add_argument("--cache-dir", type=Path, default=None,
+    p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="also write the full report (every run) as JSON")
