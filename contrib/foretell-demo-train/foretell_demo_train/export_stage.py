@@ -25,8 +25,8 @@ from .export import (
     state_numpy,
     write_training_json,
 )
-from .models import CausalLM, count_params
-from .mtp import MTP_DESCRIPTION, MTPHead
+from .models import CausalLM, ModelSpec, count_params
+from .mtp import MTP_DESCRIPTION
 from .pipeline import Run, load_lm, load_mtp
 from .train import device
 
@@ -197,8 +197,6 @@ def _write_dirs(run, states, bits, measure, quality, ckpts, prep, params, window
     }
     for name, dirname in DIRS.items():
         spec = ckpts[name]["spec"]
-        from .models import ModelSpec
-
         mspec = ModelSpec(**spec)
         out = run.out / dirname
         if out.exists():

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
+st = pytest.importorskip("safetensors.torch")
 
 from foretell_demo_train.cli import main  # noqa: E402
 
@@ -42,24 +42,24 @@ def test_dirs_are_complete_quantized_checkpoints(produced):
         cfg = _config(d)
         q = cfg["quantization"]
         assert q["group_size"] == 64 and q["bits"] in (4, 8)
-        w = safetensors_numpy.load_file(str(d / "model.safetensors"))
+        w = st.load_file(str(d / "model.safetensors"))
         emb = w["model.embed_tokens.weight"]
-        assert emb.dtype == np.uint32
-        assert emb.shape == (cfg["vocab_size"], cfg["hidden_size"] * q["bits"] // 32)
-        assert w["model.embed_tokens.scales"].shape == (cfg["vocab_size"], cfg["hidden_size"] // 64)
+        assert emb.dtype == torch.uint32
+        assert tuple(emb.shape) == (cfg["vocab_size"], cfg["hidden_size"] * q["bits"] // 32)
+        assert tuple(w["model.embed_tokens.scales"].shape) == (cfg["vocab_size"], cfg["hidden_size"] // 64)
         assert "lm_head.weight" not in w
         assert "model.norm.weight" in w
         assert len([k for k in w if k.endswith("self_attn.q_proj.weight")]) == cfg["num_hidden_layers"]
     gemma = _config(out / "demo-gemma")
     assert gemma["model_type"] == "gemma3_text"
     assert "sliding_attention" in gemma["layer_types"] and "full_attention" in gemma["layer_types"]
-    mtp = safetensors_numpy.load_file(str(out / "demo" / "mtp.safetensors"))
+    mtp = st.load_file(str(out / "demo" / "mtp.safetensors"))
     H = _config(out / "demo")["hidden_size"]
     for key in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                 "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight",
                 "mtp.layers.0.mlp.down_proj.weight"):
         assert key in mtp
-    assert mtp["mtp.fc.scales"].shape == (H, 2 * H // 64)
+    assert tuple(mtp["mtp.fc.scales"].shape) == (H, 2 * H // 64)
 
 
 @pytest.mark.slow
