@@ -55,7 +55,7 @@ class Scenario:
 
 
 def _foretell_greedy(engine: Any, prompt: list[int], max_tokens: int) -> Steps:
-    for event in engine.generate(prompt, max_tokens=max_tokens):
+    for event in engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True):
         if event.type == "text" and event.tokens:
             yield len(event.tokens)
     return None
@@ -119,13 +119,11 @@ def _load_side(side: str, model: str) -> Any:
     if side == "foretell":
         import foretell
 
-        engine = foretell.load(model)
-        # Both sides generate exactly max_tokens, whatever random weights say about EOS.
-        engine.tokenizer.eos_token_ids = frozenset()
-        return engine
+        return foretell.load(model)
     from mlx_lm import load
 
     model_, tokenizer = load(model)
+    # Both sides generate exactly max_tokens, whatever random weights say about EOS.
     tokenizer.eos_token_ids = set()
     return model_, tokenizer
 

@@ -248,6 +248,7 @@ class Engine:
         stop: Sequence[str] = (),
         chat: bool | None = None,
         prefill_progress: Progress | None = None,
+        ignore_eos: bool = False,
     ) -> Iterator[Event]:
         """Stream a completion: :class:`TextEvent` s, then one :class:`Stats`.
 
@@ -257,13 +258,15 @@ class Engine:
         :param stop: strings that end generation; never emitted.
         :param chat: apply the chat template to a text prompt (None: if the tokenizer has one).
         :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill chunk.
+        :param ignore_eos: keep generating through EOS to ``max_tokens`` (benchmarks).
         """
         if max_tokens < 1:
             raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
-        return self._run(ids, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress)
+        eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
+        return self._run(ids, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress, eos)
 
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
         """The whole completion as one string; ``options`` as for :meth:`generate`."""
@@ -276,10 +279,10 @@ class Engine:
         sampler: Sampler,
         stops: StopMatcher,
         progress: Progress | None,
+        eos: frozenset[int],
     ) -> Iterator[Event]:
         # The clock starts when the caller first pulls, as mlx-lm's does.
         started = time.perf_counter()
-        eos = self.tokenizer.eos_token_ids
         detok = self.tokenizer.detokenizer()
         mx.reset_peak_memory()
         caches, cached = self._open_caches(ids)

@@ -93,6 +93,13 @@ def test_eos_ends_generation_and_is_never_emitted(engine, monkeypatch):
     assert stats.finish_reason == "eos" and stats.generated_tokens == first + 1
 
 
+def test_ignore_eos_generates_through_eos_to_max_tokens(engine, monkeypatch):
+    _, tokens, _ = run(engine, max_tokens=12)
+    monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({tokens[4]}))
+    _, through, stats = run(engine, max_tokens=12, ignore_eos=True)
+    assert through == tokens and stats.finish_reason == "length"
+
+
 def test_a_stop_string_spanning_tokens_ends_generation_and_is_not_emitted(engine):
     _, tokens, _ = run(engine, max_tokens=16)
     pieces = [engine.tokenizer.decode(tokens[: i + 1]) for i in range(len(tokens))]
