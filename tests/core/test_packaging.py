@@ -31,6 +31,17 @@ def test_wheel_contains_core_and_builtin_plugins(wheel):
 
 
 @pytest.mark.slow
+def test_wheel_ships_the_demo_models(wheel):
+    names = set(wheel.namelist())
+    for model in ("demo", "demo-draft", "demo-gemma"):
+        for file in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert f"foretell/demo/{model}/{file}" in names
+    assert "foretell/demo/demo/mtp.safetensors" in names
+    shipped = sum(i.file_size for i in wheel.infolist() if i.filename.endswith(".safetensors"))
+    assert shipped <= 32 << 20
+
+
+@pytest.mark.slow
 def test_wheel_declares_builtins_and_the_pytest_plugin_as_entry_points(wheel):
     (ep_file,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = wheel.read(ep_file).decode()

@@ -156,7 +156,8 @@ def test_shard_listed_in_the_index_but_missing_is_named(tmp_path, registry):
         load_model(sharded, registry)
 
 
-def test_quantized_checkpoint_honours_per_layer_overrides(tmp_path, registry):
+def test_quantized_checkpoint_honours_per_layer_overrides(tmp_path, registry, monkeypatch):
+    monkeypatch.setenv("FORETELL_CPU_UNPACK", "0")  # inspect the packed layers themselves
     path = make_model_dir(
         tmp_path / "q",
         "qwen3",

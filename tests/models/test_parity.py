@@ -1,3 +1,4 @@
+
 """Architectures against mlx-lm (the numerical oracle) on the same random checkpoints.
 
 For each case: a tiny model directory from :mod:`foretell.synthetic`, loaded by foretell
@@ -5,9 +6,11 @@ and by mlx-lm; prompt logits must agree to 1e-4 relative (float32) and a 32-toke
 continuation, each side driving its own caches token by token, must be identical.
 """
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -43,6 +46,10 @@ CASES = {
     "qwen2-8bit": ("qwen2", {}, 8),
     "gemma3_text-4bit": ("gemma3_text", {}, 4),
     "gemma4_text-4bit": ("gemma4_text", {}, 4),
+    # On the CPU quantized weights are unpacked to float32 at load (loading.py); these keep
+    # them packed, so both execution paths are held to the oracle.
+    "qwen3-4bit-packed": ("qwen3", {"packed": True}, 4),
+    "gemma4_text-4bit-packed": ("gemma4_text", {"packed": True}, 4),
 }
 
 
@@ -56,6 +63,7 @@ def pair(request, tmp_path_factory, registry):
     model_type, overrides, bits = request.param
     overrides = dict(overrides)
     dtype = overrides.pop("torch_dtype", "float32")
+    packed = overrides.pop("packed", False)
     path = make_model_dir(
         tmp_path_factory.mktemp("model") / model_type,
         model_type,
@@ -65,7 +73,19 @@ def pair(request, tmp_path_factory, registry):
         dtype=dtype,
     )
     reference, _ = mlx_lm_load_model(Path(path))
-    return load_model(path, registry), reference
+    previous = os.environ.get("FORETELL_CPU_UNPACK")
+    os.environ["FORETELL_CPU_UNPACK"] = "0" if packed else "1"
+    try:
+        model = load_model(path, registry)
+    finally:
+        os.environ.pop("FORETELL_CPU_UNPACK")
+        if previous is not None:
+            os.environ["FORETELL_CPU_UNPACK"] = previous
+    if mx.default_device() == mx.cpu:
+        assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()) == (
+            bool(bits) and packed
+        )
+    return model, reference
 
 
 def relative_error(got, expected):
