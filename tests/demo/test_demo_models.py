@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 from safetensors import safe_open
 
+from foretell.cli.run_cmd import DEFAULT_PROMPT
 from foretell.generate import DEMO_DIR, resolve_model_path, shipped_models
 from foretell.loading import load_model, unpack_quantized
 from foretell.plugins import load_plugins
@@ -90,6 +91,7 @@ def test_foretell_run_with_no_flags_completes_a_python_prompt():
     assert done.returncode == 0, done.stderr
     events = [json.loads(line) for line in done.stdout.splitlines()]
     stats = events[-1]
-    assert stats["type"] == "stats" and stats["prompt_tokens"] > 0
+    raw = Tokenizer.from_dir(DEMO_DIR / "demo").encode(DEFAULT_PROMPT)
+    assert stats["type"] == "stats" and stats["prompt_tokens"] == len(raw)  # no chat template
     assert 1 <= stats["generated_tokens"] <= 24
     assert "".join(e["text"] for e in events[:-1]).strip()

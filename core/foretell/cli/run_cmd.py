@@ -7,7 +7,8 @@ JSON object per line: ``{"type": "text", ...}`` events, then ``{"type": "stats",
 
 Chat template: ``--chat`` applies it, ``--no-chat`` sends the prompt as raw text; by
 default it is applied when the model's tokenizer has one (as mlx-lm does), since an
-instruction-tuned model answers badly without it.
+instruction-tuned model answers badly without it. The built-in default prompt is code to
+complete, so it goes in raw unless ``--chat`` is given.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 from foretell.errors import ConfigError
 
 #: What the shipped demo model (trained on Python source) completes when no prompt is given.
-DEFAULT_PROMPT = "def fibonacci(n):\n"
+#: No trailing newline: the tokenizer merges a newline with the next line's indentation, so
+#: a prompt ending in a bare newline asks the model to continue from a split token.
+DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def add_parser(sub: Any) -> None:
@@ -29,8 +32,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--prompt",
         "-p",
-        default=DEFAULT_PROMPT,
-        help="the prompt; '-' reads it from stdin (default: a Python snippet)",
+        default=None,
+        help="the prompt; '-' reads it from stdin (default: a Python snippet, completed raw)",
     )
     p.add_argument(
         "--chat",
@@ -145,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
     from foretell.cli.progress import ProgressLine
     from foretell.generate import PREFILL_CHUNK
 
-    prompt = read_prompt(args.prompt)
+    prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
+    if args.prompt is None and args.chat is None:
+        args.chat = False
     registry, config = run_config(args)
     engine = open_engine(config.model, registry, quiet=args.json)
 
