@@ -191,7 +191,7 @@ def _write_dirs(run, states, bits, measure, quality, ckpts, prep, params, window
     run.out.mkdir(parents=True, exist_ok=True)
     sizes = {}
     common = {
-        "command": " ".join(sys.argv), "seed": run.seed, "preset_notes": p.notes,
+        "command": " ".join(["python -m foretell_demo_train", *sys.argv[1:]]), "seed": run.seed, "preset_notes": p.notes,
         "versions": versions(), "corpus": prep["corpus"], "tokenizer": prep["tokenizer"],
         "tokens": prep["tokens"], "heldout_bytes_per_token": prep["heldout_bytes_per_token"],
     }
