@@ -427,13 +427,17 @@ def _wired_memory() -> Iterator[None]:
 
 
 def load(
-    model: str | os.PathLike[str] | None = None, *, registry: Registry | None = None
+    model: str | os.PathLike[str] | None = None,
+    *,
+    registry: Registry | None = None,
+    progress: Progress | None = None,
 ) -> Engine:
     """Load a model directory (or a shipped model by name) once, for many requests.
 
     :param model: a model directory, or the name of a shipped demo model (default "demo").
     :param registry: the plugin registry to find the architecture in; by default plugins
         are discovered and loaded.
+    :param progress: called ``(bytes read, bytes total)`` while the weights load.
     """
     from foretell.loading import load_model
 
@@ -443,4 +447,5 @@ def load(
 
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)
-    return Engine(load_model(path, registry), tokenizer, registry=registry, path=path)
+    model_ = load_model(path, registry, progress=progress)
+    return Engine(model_, tokenizer, registry=registry, path=path)

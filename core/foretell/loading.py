@@ -15,6 +15,7 @@ import os
 import struct
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -294,12 +295,19 @@ def unpack_quantized(model: nn.Module, dtype: mx.Dtype = mx.float32) -> None:
 # -- the entry points --------------------------------------------------------------------
 
 
-def load_model(path: str | Path, registry: Registry, *, lazy: bool = False) -> Model:
+def load_model(
+    path: str | Path,
+    registry: Registry,
+    *,
+    lazy: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Model:
     """Build the architecture ``config.json`` names and load its weights.
 
     :param path: a model directory (config.json, model.safetensors or an index + shards).
     :param registry: where architectures are looked up by ``model_type``.
     :param lazy: leave weights mapped, to be read on first use, instead of reading them now.
+    :param progress: called ``(bytes read, bytes total)`` as the weights are read.
     :raises ModelLoadError: for any problem with the directory's files.
     :raises UnknownContribution: when no installed plugin provides the ``model_type``.
     """
@@ -331,8 +339,24 @@ def load_model(path: str | Path, registry: Registry, *, lazy: bool = False) -> M
     if should_unpack_quantized(model):
         unpack_quantized(model)
     if not lazy:
-        mx.eval(model.parameters())
+        materialize(model, progress)
     return model
+
+
+def materialize(model: nn.Module, progress: Callable[[int, int], None] | None = None) -> None:
+    """Read every parameter into memory, reporting bytes as groups of them land."""
+    params = [p for _, p in tree_flatten(model.parameters())]
+    if progress is None:
+        mx.eval(params)
+        return
+    total, done, group = sum(p.nbytes for p in params), 0, []
+    for param in params:
+        group.append(param)
+        if sum(p.nbytes for p in group) >= 64 << 20 or param is params[-1]:
+            mx.eval(group)
+            done += sum(p.nbytes for p in group)
+            group = []
+            progress(done, total)
 
 
 def load(path: str | Path, *, lazy: bool = False) -> Model:

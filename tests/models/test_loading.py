@@ -191,3 +191,11 @@ def test_foreign_quantization_method_is_refused_by_name(model_dir, registry):
         ModelLoadError, match=r"config\.json: .*'awq' checkpoints are not supported"
     ):
         load_model(model_dir, registry)
+
+
+def test_loading_reports_progress_in_bytes_up_to_the_total(tmp_path, registry):
+    path = make_model_dir(tmp_path / "m", "qwen3")
+    calls = []
+    load_model(path, registry, progress=lambda done, total: calls.append((done, total)))
+    dones = [d for d, _ in calls]
+    assert calls and dones == sorted(dones) and calls[-1][0] == calls[-1][1] > 0

@@ -133,8 +133,8 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool):
     from foretell.generate import load, resolve_model_path
 
     path = resolve_model_path(model)  # a bad name fails before anything heavy
-    with ProgressLine.for_terminal(f"loading {path.name}", quiet=quiet):
-        return load(path, registry=registry)
+    with ProgressLine.for_terminal(f"loading {path.name}", quiet=quiet) as bar:
+        return load(path, registry=registry, progress=bar)
 
 
 def read_prompt(value: str) -> str:
