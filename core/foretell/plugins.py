@@ -220,7 +220,8 @@ class PluginSet:
 
 
 def _where(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
+    """The plugin's own line that failed, skipping the import machinery's frozen frames."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
     if not frames:
         return ""
     last = frames[-1]
