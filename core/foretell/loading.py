@@ -38,6 +38,16 @@ CPU_UNPACK_LIMIT = 4 << 30
 # -- config.json -> typed architecture args ---------------------------------------------
 
 
+def require_divides(args: Any, divisor: str, dividend: str) -> None:
+    """Refuse a config where ``args.<divisor>`` does not divide ``args.<dividend>`` (head
+    counts, head widths), naming the field the way every other config error does."""
+    if getattr(args, dividend) % getattr(args, divisor):
+        raise ValueError(
+            f"field '{divisor}': {getattr(args, divisor)} does not divide "
+            f"{dividend}={getattr(args, dividend)}"
+        )
+
+
 def args_from_config(cls: type, config: dict[str, Any]) -> Any:
     """Build a frozen attrs args class from ``config``, ignoring keys it does not declare
     (HF configs carry many). Values are type-checked; errors name the field."""
@@ -349,13 +359,13 @@ def materialize(model: nn.Module, progress: Callable[[int, int], None] | None = 
     if progress is None:
         mx.eval(params)
         return
-    total, done, group = sum(p.nbytes for p in params), 0, []
-    for param in params:
+    total, done, group, pending = sum(p.nbytes for p in params), 0, [], 0
+    for i, param in enumerate(params):
         group.append(param)
-        if sum(p.nbytes for p in group) >= 64 << 20 or param is params[-1]:
+        pending += param.nbytes
+        if pending >= 64 << 20 or i == len(params) - 1:
             mx.eval(group)
-            done += sum(p.nbytes for p in group)
-            group = []
+            done, group, pending = done + pending, [], 0
             progress(done, total)
 
 

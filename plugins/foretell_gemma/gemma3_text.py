@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from foretell.attention import attend, attention_mask
 from foretell.kvcache import KVCache, RotatingKVCache
-from foretell.loading import args_from_config
+from foretell.loading import args_from_config, require_divides
 from foretell.model import PORT_TAPS
 from foretell.rope import make_rope
 
@@ -224,11 +224,7 @@ class Gemma3Text(nn.Module):
 
 def build(config: dict[str, Any]) -> Gemma3Text:
     args = args_from_config(Gemma3Args, config)
-    if args.num_attention_heads % args.num_key_value_heads:
-        raise ValueError(
-            f"field 'num_key_value_heads': {args.num_key_value_heads} does not divide "
-            f"num_attention_heads={args.num_attention_heads}"
-        )
+    require_divides(args, "num_key_value_heads", "num_attention_heads")
     if args.sliding_window_pattern < 1 or args.sliding_window < 1:
         raise ValueError("fields 'sliding_window' and 'sliding_window_pattern' must be positive")
     return Gemma3Text(args)

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from foretell.attention import attend, attention_mask
 from foretell.errors import ModelLoadError
 from foretell.kvcache import KVCache, RotatingKVCache
-from foretell.loading import args_from_config
+from foretell.loading import args_from_config, require_divides
 from foretell.model import PORT_TAPS
 from foretell.rope import make_rope
 
@@ -348,11 +348,7 @@ def build(config: dict[str, Any]) -> Gemma4Text:
             "not supported yet (only the dense variants are)"
         )
     args = args_from_config(Gemma4Args, config)
-    if args.num_attention_heads % args.num_key_value_heads:
-        raise ValueError(
-            f"field 'num_key_value_heads': {args.num_key_value_heads} does not divide "
-            f"num_attention_heads={args.num_attention_heads}"
-        )
+    require_divides(args, "num_key_value_heads", "num_attention_heads")
     if len(args.types) != args.num_hidden_layers or set(args.types) - {SLIDING, FULL}:
         raise ValueError(
             f"field 'layer_types': expected {args.num_hidden_layers} entries, each "

@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from foretell.loading import args_from_config
+from foretell.loading import args_from_config, require_divides
 from foretell.rope import make_rope
 from foretell_qwen.qwen3 import QwenModel
 
@@ -31,11 +31,7 @@ class Qwen2Args:
 
 def build(config: dict[str, Any]) -> QwenModel:
     args = args_from_config(Qwen2Args, config)
-    if args.hidden_size % args.num_attention_heads:
-        raise ValueError(
-            f"field 'num_attention_heads': {args.num_attention_heads} does not divide "
-            f"hidden_size={args.hidden_size}"
-        )
+    require_divides(args, "num_attention_heads", "hidden_size")
     # Like mlx-lm, the head width is hidden_size / heads; a head_dim field is ignored.
     head_dim = args.hidden_size // args.num_attention_heads
     rope = make_rope(

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from foretell.attention import attend, attention_mask
 from foretell.kvcache import KVCache
-from foretell.loading import args_from_config
+from foretell.loading import args_from_config, require_divides
 from foretell.model import PORT_TAPS
 from foretell.rope import make_rope
 
@@ -53,14 +53,6 @@ class Qwen3Args:
     @property
     def rope_config(self) -> dict | None:
         return self.rope_scaling if self.rope_scaling is not None else self.rope_parameters
-
-
-def check_heads(args: Any) -> None:
-    if args.num_attention_heads % args.num_key_value_heads:
-        raise ValueError(
-            f"field 'num_key_value_heads': {args.num_key_value_heads} does not divide "
-            f"num_attention_heads={args.num_attention_heads}"
-        )
 
 
 @partial(mx.compile, shapeless=True)
@@ -142,7 +134,7 @@ class QwenModel(nn.Module):
 
     def __init__(self, args: Any, *, head_dim: int, qk_norm: bool, bias: bool, rope: Any):
         super().__init__()
-        check_heads(args)
+        require_divides(args, "num_key_value_heads", "num_attention_heads")
         self.args = args
         self.model_type = args.model_type
         self.vocab_size = args.vocab_size

@@ -199,3 +199,20 @@ def test_loading_reports_progress_in_bytes_up_to_the_total(tmp_path, registry):
     load_model(path, registry, progress=lambda done, total: calls.append((done, total)))
     dones = [d for d, _ in calls]
     assert calls and dones == sorted(dones) and calls[-1][0] == calls[-1][1] > 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "gemma4_text"])
+def test_kv_heads_that_do_not_divide_the_heads_name_the_field(tmp_path, registry, model_type):
+    path = make_model_dir(tmp_path / model_type, model_type)
+    heads = json.loads((path / "config.json").read_text())["num_attention_heads"]
+    edit_config(path, num_key_value_heads=heads + 1)
+    with pytest.raises(ModelLoadError, match=rf"config\.json: field 'num_key_value_heads': {heads + 1} does not divide num_attention_heads={heads}"):
+        load_model(path, registry)
+
+
+def test_qwen2_heads_that_do_not_divide_the_width_name_the_field(tmp_path, registry):
+    path = make_model_dir(tmp_path / "qwen2", "qwen2")
+    width = json.loads((path / "config.json").read_text())["hidden_size"]
+    edit_config(path, num_attention_heads=width + 1)
+    with pytest.raises(ModelLoadError, match=r"field 'num_attention_heads': \d+ does not divide hidden_size="):
+        load_model(path, registry)
