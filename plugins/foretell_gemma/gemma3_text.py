@@ -22,6 +22,7 @@ from foretell.kvcache import KVCache, RotatingKVCache
 from foretell.loading import args_from_config, require_divides
 from foretell.model import PORT_TAPS
 from foretell.rope import make_rope
+from foretell_gemma.layers import MLP
 
 
 @attrs.frozen(kw_only=True)
@@ -57,11 +58,6 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
-
-
-@partial(mx.compile, shapeless=True)
-def geglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * up
 
 
 @partial(mx.compile, shapeless=True)
@@ -110,17 +106,6 @@ class Attention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
         out = attend(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -32,6 +32,7 @@ from foretell.kvcache import KVCache, RotatingKVCache
 from foretell.loading import args_from_config, require_divides
 from foretell.model import PORT_TAPS
 from foretell.rope import make_rope
+from foretell_gemma.layers import MLP, geglu
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -84,11 +85,6 @@ class Gemma4Args:
 
     def rope_for(self, layer_type: str) -> dict:
         return (self.rope_parameters or _DEFAULT_ROPE).get(layer_type, {})
-
-
-@partial(mx.compile, shapeless=True)
-def geglu(gate: mx.array, x: mx.array) -> mx.array:
-    return nn.gelu_approx(gate) * x
 
 
 @partial(mx.compile, shapeless=True)
@@ -152,17 +148,6 @@ class Attention(nn.Module):
         out = attend(queries, keys, values, scale=1.0, mask=mask)
         out = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         return out, (keys, values, offset)
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
