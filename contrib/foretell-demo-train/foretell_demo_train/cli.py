@@ -22,6 +22,9 @@ def _run(args) -> None:
         preset.eval_windows = args.eval_windows
     if args.gen_prompts:
         preset.gen_prompts = args.gen_prompts
+    if args.distill_ce_weight is not None:
+        for cfg in preset.distill.values():
+            cfg["ce_weight"] = args.distill_ce_weight
     if args.batch_size:
         for cfg in preset.train.values():
             cfg["batch_size"] = args.batch_size
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--gen-prompts", type=int, default=None,
                    help="prompts for the greedy-path acceptance measurement")
     r.add_argument("--batch-size", type=int, default=None, help="override every model's batch")
+    r.add_argument("--distill-ce-weight", type=float, default=None,
+                   help="weight of the data cross-entropy in distilled models (1.0: no teacher)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--compile", action="store_true", help="torch.compile the training step")
     r.add_argument("--pack-dir", default=None, help="also pack the output into <= 8 files here")

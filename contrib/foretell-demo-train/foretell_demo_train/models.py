@@ -217,6 +217,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def distill_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                 ce_weight: float) -> torch.Tensor:
+    """``ce_weight`` * cross-entropy on the data + (1 - ``ce_weight``) * KL(teacher || student)
+    at temperature 1. The KL term pulls the student towards the teacher's whole next-token
+    distribution, which is what speculative acceptance measures (DistillSpec, Zhou et al.
+    2023); the CE term keeps it anchored to the data."""
+    V = logits.shape[-1]
+    log_q = F.log_softmax(logits.float().reshape(-1, V), dim=-1)
+    log_p = F.log_softmax(teacher_logits.float().reshape(-1, V), dim=-1)
+    kl = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+    if ce_weight <= 0:
+        return kl
+    ce = F.nll_loss(log_q, targets.reshape(-1))
+    return ce_weight * ce + (1 - ce_weight) * kl
+
+
 def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 

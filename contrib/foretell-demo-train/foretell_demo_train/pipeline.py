@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from . import corpus as corpus_mod
 from . import tokenizer as tok_mod
-from .models import CausalLM, ModelSpec, count_params, lm_loss
+from .models import CausalLM, ModelSpec, count_params, distill_loss, lm_loss
 from .mtp import MTPHead, mtp_logits
 from .presets import Preset
 from .train import TrainConfig, WindowSampler, device, train
@@ -122,15 +122,36 @@ def stage_lm(run: Run, name: str, minutes: float) -> None:
     torch.manual_seed(run.seed)
     spec = model_spec(run, name, info["vocab_size"])
     model = CausalLM(spec).to(dev)
+    if name == "draft":  # fail before training, not at export
+        target_params = count_params(CausalLM(model_spec(run, "target", info["vocab_size"])))
+        ratio = target_params / count_params(model)
+        if ratio < run.preset.min_target_draft_ratio:
+            raise RuntimeError(f"target/draft parameter ratio {ratio:.2f} < "
+                               f"{run.preset.min_target_draft_ratio} at vocab {info['vocab_size']}")
     cfg = train_config(run, name, minutes)
     run.log(f"[{name}] {spec.arch}: {count_params(model):,} params, budget {minutes} min, "
             f"batch {cfg.batch_size}x{cfg.seq_len}, device {dev}")
     sampler = WindowSampler(np.asarray(run.tokens("train")), cfg.seq_len, dev, run.seed)
+    distill = run.preset.distill.get(name)
+    if distill and distill["ce_weight"] < 1.0:
+        teacher, _ = load_lm(run, distill["teacher"], dev)
+        teacher.requires_grad_(False)
+        run.log(f"[{name}] distilled from the frozen {distill['teacher']} "
+                f"({count_params(teacher):,} params), ce_weight {distill['ce_weight']}")
 
-    def loss_fn(batch):
-        return lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        def loss_fn(batch):
+            ids = batch[:, :-1]
+            with torch.no_grad():
+                teacher_logits = teacher(ids)
+            return distill_loss(model(ids), teacher_logits, batch[:, 1:], distill["ce_weight"])
+    else:
+        distill = None
+
+        def loss_fn(batch):
+            return lm_loss(model(batch[:, :-1]), batch[:, 1:])
 
     summary = train(name, model, loss_fn, sampler, cfg, log=run.log)
+    summary["distill"] = distill
     save_ckpt(run, name, model, spec, cfg, summary)
 
 

@@ -22,6 +22,9 @@ class Preset:
     gen_len: int
     completion_tokens: int
     max_files: int | None = None
+    # name -> {"teacher": model name, "ce_weight": w}: train against the frozen teacher's
+    # distribution (see models.distill_loss); w = 1.0 is plain cross-entropy
+    distill: dict[str, dict] = field(default_factory=dict)
     min_target_draft_ratio: float = 8.0
     size_budget_mib: float = 32.0
     bits_choices: tuple[int, ...] = (4, 8)
@@ -37,7 +40,7 @@ FULL = Preset(
     models={
         "target": dict(arch="qwen3", hidden_size=512, num_layers=6, num_heads=8,
                        num_kv_heads=4, head_dim=64, intermediate_size=1536),
-        "draft": dict(arch="qwen3", hidden_size=128, num_layers=6, num_heads=4,
+        "draft": dict(arch="qwen3", hidden_size=144, num_layers=6, num_heads=4,
                       num_kv_heads=2, head_dim=32, intermediate_size=384),
         "gemma": dict(arch="gemma3_text", hidden_size=384, num_layers=6, num_heads=6,
                       num_kv_heads=2, head_dim=64, intermediate_size=1024,
@@ -49,7 +52,8 @@ FULL = Preset(
         "mtp": dict(lr=1.5e-3, batch_size=128, warmup_steps=50),
         "gemma": dict(lr=2e-3, batch_size=128, warmup_steps=150),
     },
-    budgets_min={"target": 3.75, "draft": 1.25, "mtp": 1.0, "gemma": 2.0},
+    budgets_min={"target": 3.5, "draft": 2.25, "mtp": 1.0, "gemma": 1.75},
+    distill={"draft": {"teacher": "target", "ce_weight": 0.0}},
     eval_windows=512,
     eval_batch=64,
     gen_prompts=64,
@@ -79,6 +83,7 @@ TINY = Preset(
         "gemma": dict(lr=3e-3, batch_size=16, warmup_steps=10),
     },
     budgets_min={"target": 0.1, "draft": 0.05, "mtp": 0.05, "gemma": 0.05},
+    distill={"draft": {"teacher": "target", "ce_weight": 0.0}},
     eval_windows=16,
     eval_batch=16,
     gen_prompts=4,
