@@ -29,6 +29,7 @@ def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, cap
     (model,) = report["models"]
     assert model["model"] == "tiny-qwen3"
     assert model["prompt_tokens"] == 12 and model["generated_tokens"] == 6
+    assert model["interleaved"] is True
     (row,) = model["rows"]
     assert row["scenario"] == "greedy"
     for side in ("foretell", "mlx_lm"):
@@ -85,3 +86,41 @@ def test_clock_counts_prompt_over_first_token_and_the_rest_over_the_remaining_ti
     assert timing.generated == 6
     assert timing.decode_tps == 5 / 4.0
     assert timing.extras == {"acceptance": 0.5}
+
+
+def test_timed_runs_alternate_between_the_sides_and_flip_order_each_round():
+    calls = []
+
+    class FakeSide:
+        def __init__(self, side):
+            self.side = side
+
+        def run(self, scenario):
+            calls.append(self.side)
+            return bench.Timing(prefill_tps=1.0, decode_tps=2.0, ttft_s=0.1, generated=3)
+
+        def peak_memory_gb(self):
+            return 0.5
+
+    sides = {s: FakeSide(s) for s in bench.SIDES}
+    summary = bench._measure(sides, "greedy", repeats=3)
+    a, b = bench.SIDES
+    # warm-ups first, then A B, B A, A B
+    assert calls == [a, b, a, b, b, a, a, b]
+    for side in bench.SIDES:
+        assert len(summary[side]["runs"]) == 3
+        assert summary[side]["decode_tps"] == 2.0 and summary[side]["peak_memory_gb"] == 0.5
+
+
+def test_sequential_mode_reports_the_same_shape(tiny_model, tmp_path):
+    out = tmp_path / "seq.json"
+    code = cli_main(
+        ["bench", "--model", str(tiny_model), "--prompt-tokens", "8", "--generate", "4",
+         "--repeats", "2", "--sequential", "--json", str(out)]
+    )
+    assert code == 0
+    (model,) = json.loads(out.read_text())["models"]
+    assert model["interleaved"] is False
+    (row,) = model["rows"]
+    assert len(row["foretell"]["runs"]) == len(row["mlx_lm"]["runs"]) == 2
+    assert row["foretell"]["generated"] == row["mlx_lm"]["generated"] == 4

@@ -5,7 +5,9 @@ side runs in its own interpreter, so neither inherits the other's allocator, com
 kernels or BLAS: mlx-lm runs as it installs by default (``FORETELL_BLAS=reference``, so
 importing this module does not put OpenBLAS under it), foretell with its BLAS preload.
 Both get the same prompt token ids, generate the same number of tokens (EOS ignored),
-do one warm-up run, then ``repeats`` timed runs whose medians are reported.
+do one warm-up run, then ``repeats`` timed runs whose medians are reported. Both sides stay
+loaded and their timed runs alternate (A B, B A, ...), so drift on a shared machine hits
+both; ``interleave=False`` (``--sequential``) runs one side after the other instead.
 
 A :class:`Scenario` is a name plus how to run it on each side; speculative rows (one per
 drafter) and prefix-cache-restore rows are more entries in :data:`SCENARIOS`. A side's
@@ -128,35 +130,120 @@ def _load_side(side: str, model: str) -> Any:
     return model_, tokenizer
 
 
-def run_side(job: dict[str, Any]) -> dict[str, Any]:
-    """Load the model once on ``job["side"]`` and time every requested scenario."""
+def _worker_loop() -> int:
+    """One side's process: load the model named on the first stdin line, then time one
+    run per request line. Replies are JSON lines on the original stdout; anything a
+    library prints goes to stderr, so it can never be mistaken for a reply."""
     import mlx.core as mx
 
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(obj: dict[str, Any]) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    job = json.loads(sys.stdin.readline())
     side = job["side"]
     started = time.perf_counter()
     loaded = _load_side(side, job["model"])
-    load_s = time.perf_counter() - started
-    prompt = job["prompt"]
+    reply({"load_s": time.perf_counter() - started, "runtime": runtime_info()})
     scenarios = {s.name: s for s in SCENARIOS}
-    results = {}
-    for name in job["scenarios"]:
-        runner = getattr(scenarios[name], "foretell" if side == "foretell" else "mlx_lm")
-        time_run(runner(loaded, prompt, job["max_tokens"]), len(prompt))  # warm-up
-        mx.reset_peak_memory()
-        runs = [
-            time_run(runner(loaded, prompt, job["max_tokens"]), len(prompt))
-            for _ in range(job["repeats"])
-        ]
-        results[name] = {
-            "runs": [attrs.asdict(r) for r in runs],
-            "prefill_tps": statistics.median(r.prefill_tps for r in runs),
-            "decode_tps": statistics.median(r.decode_tps for r in runs),
-            "ttft_s": statistics.median(r.ttft_s for r in runs),
-            "generated": runs[0].generated,
-            "extras": runs[-1].extras,
-            "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        }
-    return {"side": side, "load_s": load_s, "runtime": runtime_info(), "scenarios": results}
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["cmd"] == "peak-memory":
+            reply({"peak_memory_gb": mx.get_peak_memory() / 1e9})
+            mx.reset_peak_memory()
+            continue
+        scenario = scenarios[request["scenario"]]
+        runner = scenario.foretell if side == "foretell" else scenario.mlx_lm
+        timing = time_run(runner(loaded, job["prompt"], job["max_tokens"]), len(job["prompt"]))
+        reply(attrs.asdict(timing))
+    return 0
+
+
+class SideProcess:
+    """One side (``"foretell"`` or ``"mlx-lm"``) loaded in its own interpreter, so neither
+    inherits the other's allocator, compiled kernels or BLAS, and kept alive so that its
+    timed runs can alternate with the other side's."""
+
+    def __init__(self, side: str, job: dict[str, Any], scratch: Path) -> None:
+        self.side, self.model = side, job["model"]
+        env = dict(os.environ)
+        if side == "mlx-lm":
+            env["FORETELL_BLAS"] = "reference"  # mlx-lm as it installs: MLX's own BLAS
+        self._stderr = open(scratch / f"{side}-stderr.txt", "w+")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "foretell.bench", "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env,
+            text=True,
+        )
+        loaded = self._ask({**job, "side": side})
+        self.load_s, self.runtime = loaded["load_s"], loaded["runtime"]
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self._proc.wait()
+            self._stderr.seek(0)
+            tail = "\n".join(self._stderr.read().strip().splitlines()[-15:])
+            raise RuntimeError(f"the {self.side} side failed on {self.model}:\n{tail}")
+        return json.loads(line)
+
+    def run(self, scenario: str) -> Timing:
+        return Timing(**self._ask({"cmd": "run", "scenario": scenario}))
+
+    def peak_memory_gb(self) -> float:
+        """Peak memory since the last call (the first call also clears the warm-up's)."""
+        return self._ask({"cmd": "peak-memory"})["peak_memory_gb"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
+
+
+def _summary(runs: list[Timing], peak_memory_gb: float) -> dict[str, Any]:
+    return {
+        "runs": [attrs.asdict(r) for r in runs],
+        "prefill_tps": statistics.median(r.prefill_tps for r in runs),
+        "decode_tps": statistics.median(r.decode_tps for r in runs),
+        "ttft_s": statistics.median(r.ttft_s for r in runs),
+        "generated": runs[0].generated,
+        "extras": runs[-1].extras,
+        "peak_memory_gb": peak_memory_gb,
+    }
+
+
+def _measure(
+    sides: dict[str, SideProcess], scenario: str, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """A warm-up run per side, then ``repeats`` rounds in which each side runs once, the
+    order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
+    on both sides rather than on whichever ran during it."""
+    runs: dict[str, list[Timing]] = {side: [] for side in sides}
+    for proc in sides.values():
+        proc.run(scenario)
+        proc.peak_memory_gb()
+    order = list(sides)
+    for i in range(repeats):
+        for side in order if i % 2 == 0 else order[::-1]:
+            runs[side].append(sides[side].run(scenario))
+    return {side: _summary(runs[side], sides[side].peak_memory_gb()) for side in sides}
 
 
 def runtime_info() -> dict[str, Any]:
@@ -197,12 +284,6 @@ def runtime_info() -> dict[str, Any]:
     }
 
 
-def _worker_main(job_path: str, result_path: str) -> int:
-    job = json.loads(Path(job_path).read_text())
-    Path(result_path).write_text(json.dumps(run_side(job)))
-    return 0
-
-
 # -- the whole comparison -------------------------------------------------------------------
 
 
@@ -238,25 +319,6 @@ def prompt_ids(model: Path, length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def _run_worker(side: str, job: dict[str, Any], scratch: Path) -> dict[str, Any]:
-    job_path = scratch / f"{side}-job.json"
-    result_path = scratch / f"{side}-result.json"
-    job_path.write_text(json.dumps({**job, "side": side}))
-    env = dict(os.environ)
-    if side == "mlx-lm":
-        env["FORETELL_BLAS"] = "reference"  # mlx-lm as it installs: MLX's own BLAS
-    done = subprocess.run(
-        [sys.executable, "-m", "foretell.bench", "--worker", str(job_path), str(result_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"the {side} side failed on {job['model']}:\n{tail}")
-    return json.loads(result_path.read_text())
-
-
 def compare(
     model: Path,
     *,
@@ -265,20 +327,31 @@ def compare(
     max_tokens: int,
     repeats: int,
     scenarios: Sequence[str] = ("greedy",),
+    interleave: bool = True,
 ) -> dict[str, Any]:
-    """Both sides on one model: per scenario, each side's medians and foretell/mlx-lm."""
-    job = {
-        "model": str(model),
-        "prompt": prompt_ids(model, prompt_tokens),
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "scenarios": list(scenarios),
-    }
+    """Both sides on one model: per scenario, each side's medians and foretell/mlx-lm.
+
+    ``interleave`` keeps both sides loaded and alternates their timed runs; without it
+    each side runs all of its repeats alone (one model copy in memory at a time).
+    """
+    job = {"model": str(model), "prompt": prompt_ids(model, prompt_tokens),
+           "max_tokens": max_tokens}
+    measured: dict[str, dict[str, Any]] = {name: {} for name in scenarios}
+    procs: dict[str, SideProcess] = {}
     with tempfile.TemporaryDirectory(prefix="foretell-bench-") as scratch:
-        sides = {side: _run_worker(side, job, Path(scratch)) for side in SIDES}
+        for group in [list(SIDES)] if interleave else [[side] for side in SIDES]:
+            running: dict[str, SideProcess] = {}
+            try:
+                for side in group:
+                    running[side] = procs[side] = SideProcess(side, job, Path(scratch))
+                for name in scenarios:
+                    measured[name].update(_measure(running, name, repeats))
+            finally:
+                for proc in running.values():
+                    proc.close()
     rows = []
     for name in scenarios:
-        ours, theirs = (sides[s]["scenarios"][name] for s in SIDES)
+        ours, theirs = (measured[name][side] for side in SIDES)
         rows.append(
             {
                 "scenario": name,
@@ -295,8 +368,9 @@ def compare(
         "prompt_tokens": prompt_tokens,
         "generated_tokens": max_tokens,
         "repeats": repeats,
-        "load_s": {side: sides[side]["load_s"] for side in SIDES},
-        "runtime": {side: sides[side]["runtime"] for side in SIDES},
+        "interleaved": interleave,
+        "load_s": {side: procs[side].load_s for side in SIDES},
+        "runtime": {side: procs[side].runtime for side in SIDES},
         "rows": rows,
     }
 
@@ -348,6 +422,7 @@ def run_bench(
     prompt_tokens: int,
     max_tokens: int,
     repeats: int,
+    interleave: bool = True,
     progress: Callable[[str], None] = lambda _: None,
     on_model: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> dict[str, Any]:
@@ -355,7 +430,8 @@ def run_bench(
     results before a time limit cuts the run short)."""
     report: dict[str, Any] = {"machine": machine_info(), "models": []}
     for label, path in models:
-        progress(f"{label}: foretell and mlx-lm, {repeats} repeat(s) after a warm-up")
+        how = "alternating" if interleave else "one side after the other"
+        progress(f"{label}: foretell and mlx-lm, {repeats} repeat(s) after a warm-up, {how}")
         report["models"].append(
             compare(
                 path,
@@ -363,6 +439,7 @@ def run_bench(
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
                 repeats=repeats,
+                interleave=interleave,
             )
         )
         on_model(report)
@@ -418,7 +495,7 @@ def _cell(row: dict[str, Any], what: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        return _worker_main(*argv[1:3])
+        return _worker_loop()
     from foretell.cli import main as cli_main
 
     return cli_main(["bench", *argv])

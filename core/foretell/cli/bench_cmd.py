@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                    help="tokens each side generates (EOS ignored)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--sequential", action="store_true",
+                   help="run one side after the other instead of alternating their timed "
+                        "runs (holds one copy of the model in memory instead of two)")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
@@ -72,6 +75,7 @@ def run(args) -> int:
             prompt_tokens=args.prompt_tokens,
             max_tokens=args.max_tokens,
             repeats=args.repeats,
+            interleave=not args.sequential,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
             on_model=save,
         )
