@@ -88,6 +88,33 @@ def test_mlx_imported_first_is_reported_not_patched():
     assert "mlx was imported before foretell" in result["reason"]
 
 
+WARNINGS_FROM_TWO_LOADS = """
+import json, warnings
+{first}
+import foretell
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    foretell.load("demo-draft")
+    foretell.load("demo-draft")
+print(json.dumps([[w.category.__name__, str(w.message), w.lineno] for w in caught]))
+"""
+
+
+@linux_only
+def test_loading_on_the_cpu_after_mlx_was_imported_first_warns_once_at_the_callers_line():
+    caught = run_python(WARNINGS_FROM_TWO_LOADS.format(first="import mlx.core"))
+    assert len(caught) == 1
+    category, message, line = caught[0]
+    assert category == "SlowBlasWarning"
+    assert "Import foretell before mlx" in message
+    assert line == 7  # the first foretell.load(...) line of the script
+
+
+@linux_only
+def test_no_warning_when_foretell_is_imported_first():
+    assert run_python(WARNINGS_FROM_TWO_LOADS.format(first="")) == []
+
+
 @linux_only
 def test_override_naming_a_missing_file_says_so(tmp_path):
     missing = tmp_path / "libnothing.so"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -74,17 +75,40 @@ def preload() -> BlasStatus:
     return STATUS
 
 
+class SlowBlasWarning(RuntimeWarning):
+    """MLX runs on the CPU with its reference BLAS because it was imported before foretell."""
+
+
+IMPORTED_TOO_LATE = (
+    "mlx was imported before foretell, so its BLAS was already bound (import foretell first)"
+)
+
+
+def warn_if_bound_too_late(device_is_cpu: bool) -> None:
+    """Warn once when a CPU run will use MLX's reference BLAS only because of import order:
+    every matmul is then several times slower, and nothing else would say so."""
+    global _warned
+    if device_is_cpu and STATUS.reason == IMPORTED_TOO_LATE and not _warned:
+        _warned = True
+        warnings.warn(
+            "foretell: MLX was imported before foretell, so it runs on the CPU with its "
+            "reference BLAS (prefill several times slower, docs/blas.md). Import foretell "
+            "before mlx or mlx_lm.",
+            SlowBlasWarning,
+            stacklevel=3,
+        )
+
+
+_warned = False
+
+
 def _preload(choice: str) -> BlasStatus:
     if not sys.platform.startswith("linux"):
         return BlasStatus(loaded=None, reason=f"not Linux ({sys.platform}): MLX's BLAS is used")
     if choice == "reference":
         return BlasStatus(loaded=None, reason=f"{ENV}=reference")
     if "mlx.core" in sys.modules:
-        return BlasStatus(
-            loaded=None,
-            reason="mlx was imported before foretell, so its BLAS was already bound "
-            "(import foretell first)",
-        )
+        return BlasStatus(loaded=None, reason=IMPORTED_TOO_LATE)
     path = Path(choice) if choice else _cmeel_openblas()
     if path is None:
         return BlasStatus(loaded=None, reason="the cmeel-openblas wheel is not installed")

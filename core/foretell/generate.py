@@ -439,8 +439,10 @@ def load(
         are discovered and loaded.
     :param progress: called ``(bytes read, bytes total)`` while the weights load.
     """
+    from foretell import blas
     from foretell.loading import load_model
 
+    blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)
     path = resolve_model_path(model)
     if registry is None:
         from foretell.plugins import load_plugins
