@@ -173,7 +173,7 @@ class SideProcess:
         env = dict(os.environ)
         if side == "mlx-lm":
             env["FORETELL_BLAS"] = "reference"  # mlx-lm as it installs: MLX's own BLAS
-        self._stderr = open(scratch / f"{side}-stderr.txt", "w+")  # noqa: SIM115
+        self._stderr = open(scratch / f"{side}-stderr.txt", "w+")  # closed by close()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "foretell.bench", "--worker"],
             stdin=subprocess.PIPE,
@@ -182,7 +182,11 @@ class SideProcess:
             env=env,
             text=True,
         )
-        loaded = self._ask({**job, "side": side})
+        try:
+            loaded = self._ask({**job, "side": side})
+        except BaseException:
+            self.close()
+            raise
         self.load_s, self.runtime = loaded["load_s"], loaded["runtime"]
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
