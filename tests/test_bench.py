@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import sys
 
 import pytest
@@ -44,6 +46,7 @@ def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, cap
         row["foretell"]["decode_tps"] / row["mlx_lm"]["decode_tps"]
     )
     assert row["acceptance"] is None
+    assert row["decode_ratio_ci95"] is None  # one round: no interval
     runtime = model["runtime"]
     assert runtime["mlx-lm"]["blas_status"]["reason"] == "FORETELL_BLAS=reference"
     assert runtime["foretell"]["mlx"] == runtime["mlx-lm"]["mlx"]
@@ -122,5 +125,23 @@ def test_sequential_mode_reports_the_same_shape(tiny_model, tmp_path):
     (model,) = json.loads(out.read_text())["models"]
     assert model["interleaved"] is False
     (row,) = model["rows"]
+    assert row["decode_ratio_ci95"] is None  # rounds do not pair up
     assert len(row["foretell"]["runs"]) == len(row["mlx_lm"]["runs"]) == 2
     assert row["foretell"]["generated"] == row["mlx_lm"]["generated"] == 4
+
+
+def test_paired_ratio_interval_comes_from_the_rounds_and_widens_with_their_spread():
+    def runs(values):
+        return [{"decode_tps": v} for v in values]
+
+    # foretell exactly 1.1x mlx-lm in every round, whatever the machine did: no spread
+    steady = bench.paired_ratio_ci(runs([110, 55, 220]), runs([100, 50, 200]), "decode_tps")
+    assert steady == pytest.approx([1.1, 1.1])
+    # the ratios 1.2 and 0.8: geometric, t with 1 degree of freedom
+    lo, hi = bench.paired_ratio_ci(runs([120, 80]), runs([100, 100]), "decode_tps")
+    logs = [math.log(1.2), math.log(0.8)]
+    half = 12.71 * statistics.stdev(logs) / math.sqrt(2)
+    assert lo == pytest.approx(math.exp(statistics.fmean(logs) - half))
+    assert hi == pytest.approx(math.exp(statistics.fmean(logs) + half))
+    assert lo < 1.0 < hi
+    assert bench.paired_ratio_ci(runs([1]), runs([1]), "decode_tps") is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -363,6 +364,12 @@ def compare(
                 "mlx_lm": theirs,
                 "prefill_ratio": _ratio(ours["prefill_tps"], theirs["prefill_tps"]),
                 "decode_ratio": _ratio(ours["decode_tps"], theirs["decode_tps"]),
+                # Rounds pair up only when the sides alternated.
+                "decode_ratio_ci95": (
+                    paired_ratio_ci(ours["runs"], theirs["runs"], "decode_tps")
+                    if interleave
+                    else None
+                ),
                 "acceptance": ours["extras"].get("acceptance"),
             }
         )
@@ -377,6 +384,33 @@ def compare(
         "runtime": {side: procs[side].runtime for side in SIDES},
         "rows": rows,
     }
+
+
+#: Two-sided 95% quantiles of Student's t by degrees of freedom (the nearest lower entry is
+#: used; beyond 30 the normal 1.96).
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+        10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}
+
+
+def paired_ratio_ci(
+    ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], key: str
+) -> list[float] | None:
+    """95% confidence interval of foretell/mlx-lm from alternating rounds.
+
+    Round ``i`` of each side ran back to back, so ``ours[i] / theirs[i]`` shares whatever
+    the machine was doing then; the interval is Student's t on the logs of those paired
+    ratios (geometric, so 2x and 0.5x are symmetric). ``None`` below two rounds.
+    """
+    logs = [
+        math.log(a[key] / b[key]) for a, b in zip(ours, theirs) if a[key] > 0 and b[key] > 0
+    ]
+    if len(logs) < 2:
+        return None
+    df = len(logs) - 1
+    t = 1.96 if df > 30 else _T95[max(d for d in _T95 if d <= df)]
+    mean = statistics.fmean(logs)
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return [math.exp(mean - half), math.exp(mean + half)]
 
 
 def _ratio(ours: float, theirs: float) -> float | None:
@@ -472,17 +506,23 @@ def render(report: dict[str, Any]) -> str:
         ]
     header = (
         f"{'model':<10} {'scenario':<10} {'prompt':>6} {'gen':>5} "
-        f"{'prefill tok/s':>27} {'decode tok/s':>27} {'accept':>7}"
+        f"{'prefill tok/s':>27} {'decode tok/s':>27} {'decode ratio':>13} {'accept':>7}"
     )
-    sub = f"{'':<10} {'':<10} {'':>6} {'':>5} " + f"{'foretell  mlx-lm   ratio':>27} " * 2
+    sub = (
+        f"{'':<10} {'':<10} {'':>6} {'':>5} "
+        + f"{'foretell  mlx-lm   ratio':>27} " * 2
+        + f"{'95% CI':>13}"
+    )
     lines += ["", header, sub.rstrip()]
     for model in report["models"]:
         for row in model["rows"]:
             accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else ""
+            ci = row.get("decode_ratio_ci95")
+            shown_ci = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
             lines.append(
                 f"{model['model']:<10} {row['scenario']:<10} {model['prompt_tokens']:>6} "
                 f"{model['generated_tokens']:>5} "
-                f"{_cell(row, 'prefill')} {_cell(row, 'decode')} {accept:>7}"
+                f"{_cell(row, 'prefill')} {_cell(row, 'decode')} {shown_ci:>13} {accept:>7}"
             )
     return "\n".join(lines)
 
