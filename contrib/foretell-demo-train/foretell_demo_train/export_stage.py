@@ -27,7 +27,7 @@ from .export import (
 )
 from .models import CausalLM, ModelSpec, count_params
 from .mtp import MTP_DESCRIPTION
-from .pipeline import Run, load_lm, load_mtp
+from .pipeline import Run, load_lm, load_mtp, require_draft_ratio
 from .train import device
 
 DIRS = {"target": "demo", "draft": "demo-draft", "gemma": "demo-gemma"}
@@ -109,9 +109,7 @@ def stage_export(run: Run) -> None:
         models[name], ckpts[name] = load_lm(run, name, dev)
     head, ckpts["mtp"] = load_mtp(run, models["target"], dev)
     params = {n: count_params(m) for n, m in models.items()} | {"mtp": count_params(head)}
-    ratio = params["target"] / params["draft"]
-    if ratio < p.min_target_draft_ratio:
-        raise RuntimeError(f"target/draft parameter ratio {ratio:.1f} < {p.min_target_draft_ratio}")
+    require_draft_ratio(p, params["target"], params["draft"])
     states = {n: state_numpy(m) for n, m in models.items()}
     states["mtp"] = state_numpy(head)
 

@@ -85,6 +85,14 @@ def stage_prepare(run: Run) -> None:
     (run.work / "prepare.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
+def require_draft_ratio(preset: Preset, target_params: int, draft_params: int) -> None:
+    """The target must be at least ``preset.min_target_draft_ratio`` times the draft."""
+    ratio = target_params / draft_params
+    if ratio < preset.min_target_draft_ratio:
+        raise RuntimeError(f"target/draft parameter ratio {ratio:.2f} < "
+                           f"{preset.min_target_draft_ratio} ({target_params:,} / {draft_params:,})")
+
+
 def model_spec(run: Run, name: str, vocab_size: int) -> ModelSpec:
     return ModelSpec(vocab_size=vocab_size, max_position_embeddings=4096,
                      **run.preset.models[name])
@@ -123,11 +131,8 @@ def stage_lm(run: Run, name: str, minutes: float) -> None:
     spec = model_spec(run, name, info["vocab_size"])
     model = CausalLM(spec).to(dev)
     if name == "draft":  # fail before training, not at export
-        target_params = count_params(CausalLM(model_spec(run, "target", info["vocab_size"])))
-        ratio = target_params / count_params(model)
-        if ratio < run.preset.min_target_draft_ratio:
-            raise RuntimeError(f"target/draft parameter ratio {ratio:.2f} < "
-                               f"{run.preset.min_target_draft_ratio} at vocab {info['vocab_size']}")
+        target = CausalLM(model_spec(run, "target", info["vocab_size"]))
+        require_draft_ratio(run.preset, count_params(target), count_params(model))
     cfg = train_config(run, name, minutes)
     run.log(f"[{name}] {spec.arch}: {count_params(model):,} params, budget {minutes} min, "
             f"batch {cfg.batch_size}x{cfg.seq_len}, device {dev}")
