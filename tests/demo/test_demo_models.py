@@ -25,6 +25,19 @@ def registry():
     return load_plugins().registry
 
 
+@pytest.fixture(scope="module")
+def shipped(registry):
+    """A shipped model by name, loaded once for the module (caches live outside it)."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            loaded[name] = load_model(DEMO_DIR / name, registry)
+        return loaded[name]
+
+    return get
+
+
 def greedy(step, prompt, n):
     logits = step(mx.array([prompt]))
     tokens = [int(mx.argmax(logits[0, -1]).item())]
@@ -44,17 +57,17 @@ def test_shipped_weights_fit_the_budget():
     assert total <= 32 << 20
 
 
-def test_target_is_at_least_eight_times_the_draft(registry):
+def test_target_is_at_least_eight_times_the_draft(shipped):
     from mlx.utils import tree_flatten
 
     def count(name):
-        return sum(v.size for _, v in tree_flatten(load_model(DEMO_DIR / name, registry).parameters()))
+        return sum(v.size for _, v in tree_flatten(shipped(name).parameters()))
 
     assert count("demo") >= 8 * count("demo-draft")
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-draft", "demo-gemma"])
-def test_greedy_completion_matches_mlx_lm(name, registry):
+def test_greedy_completion_matches_mlx_lm(name, shipped):
     path = DEMO_DIR / name
     prompt = Tokenizer.from_dir(path).encode(SNIPPET * 12)
     if name == "demo-gemma":  # past the 256-token sliding window, so the rings wrap
@@ -62,7 +75,7 @@ def test_greedy_completion_matches_mlx_lm(name, registry):
     # MLX's CPU quantized matmul takes minutes over these prompts, so both sides run the same
     # unpacked float32 weights (foretell's CPU default); packed-path parity is pinned on tiny
     # models in tests/models/test_parity.py.
-    ours = load_model(path, registry)
+    ours = shipped(name)
     theirs, _ = mlx_lm_load_model(Path(path))
     if mx.default_device() == mx.cpu:
         unpack_quantized(theirs)
@@ -102,7 +115,7 @@ def test_foretell_run_with_no_flags_completes_a_python_prompt():
 HELD_OUT_STDLIB = ["difflib.py", "fractions.py", "lzma.py", "unittest/suite.py"]
 
 
-def test_shipped_draft_agrees_with_the_shipped_target_on_held_out_code(registry):
+def test_shipped_draft_agrees_with_the_shipped_target_on_held_out_code(shipped):
     """What speculation will rely on, measured through foretell's own runtime on the
     weights as shipped: the draft's greedy choice matches the target's far above chance.
     On the trainer's token-weighted held-out set the pair agrees 73%; on these ordinary
@@ -114,8 +127,7 @@ def test_shipped_draft_agrees_with_the_shipped_target_on_held_out_code(registry)
     for name in HELD_OUT_STDLIB:
         ids += tokenizer.encode((stdlib / name).read_text(encoding="utf-8"))
     windows = mx.array([ids[i : i + 512] for i in range(0, 4 * 512, 512)])
-    target = load_model(DEMO_DIR / "demo", registry)
-    draft = load_model(DEMO_DIR / "demo-draft", registry)
+    target, draft = shipped("demo"), shipped("demo-draft")
     target_choice = mx.argmax(target(windows), axis=-1)
     draft_choice = mx.argmax(draft(windows), axis=-1)
     agreement = (target_choice == draft_choice).mean().item()
