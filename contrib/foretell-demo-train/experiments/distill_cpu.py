@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from foretell_demo_train import evaluate as ev  # noqa: E402
-from foretell_demo_train.models import lm_loss  # noqa: E402
 from foretell_demo_train.pipeline import Run, load_lm, run_stages  # noqa: E402
 from foretell_demo_train.presets import TINY  # noqa: E402
 
@@ -52,9 +51,8 @@ def main(target_min: float, draft_min: float, ce_weights: list[float]) -> dict:
               roots=[stdlib], t0=time.time())
     if not (work / "ckpt" / "target.pt").exists():
         run_stages(run, ["prepare", "target"], {"target": target_min})
-    held = np.asarray(run.tokens("heldout"))
-    starts = np.random.default_rng(0).integers(0, len(held) - SEQ - 1, 256)
-    windows = np.stack([held[s:s + SEQ + 1] for s in starts]).astype(np.int64)
+    windows = ev.heldout_windows(np.asarray(run.tokens("heldout")), SEQ, 256)
+    bytes_per_token = json.loads((work / "prepare.json").read_text())["heldout_bytes_per_token"]
     cpu = torch.device("cpu")
     target, _ = load_lm(run, "target", cpu)
     results = {}
@@ -63,9 +61,7 @@ def main(target_min: float, draft_min: float, ce_weights: list[float]) -> dict:
         run_stages(run, ["draft"], {"draft": draft_min})
         draft, ck = load_lm(run, "draft", cpu)
         m = ev.draft_metrics(target, draft, windows, cpu, 32, 4, 0.8)
-        with torch.no_grad():
-            ids = torch.from_numpy(windows)
-            m["heldout_loss"] = round(float(lm_loss(draft(ids[:, :-1]), ids[:, 1:])), 4)
+        m["heldout_loss"] = ev.lm_eval(draft, windows, cpu, 32, bytes_per_token)["loss"]
         m["steps"] = ck["train"]["steps"]
         results[w] = m
         print("RESULT", w, m, flush=True)
