@@ -78,7 +78,9 @@ def foretell_register_storage_layouts(register: Registrar) -> None:
     Called once per plugin when plugins load.
 
     :param register: call ``register(name, "package.module:Layout", config=ConfigCls,
-        summary=..., min_api=1, replaces=False)``; the factory builds an object with atomic
-        ``write``, ``read``, ``scan``, ``remove``, ``collect`` and ``bytes``.
+        summary=..., min_api=1, replaces=False)``; the factory is called as
+        ``Layout(root, config, *, identity=...)`` and builds a
+        :class:`foretell.store.layout.StorageLayout` (atomic ``write``, verified ``read``,
+        ``scan``, ``headers``, ``remove``, ``collect``, ``bytes``, ``key_for``).
     :returns: nothing; contributions go through ``register``.
     """

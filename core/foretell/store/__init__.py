@@ -1,7 +1,8 @@
 """Persistent storage of KV-cache entries (the SSD tier's layouts).
 
-A storage layout writes an :class:`~foretell.store.entry.Entry` atomically, reads it back
-verified, lists stored entries from their headers, and keeps their bytes under a cap.
+A storage layout (the :class:`~foretell.store.layout.StorageLayout` Protocol) writes an
+:class:`~foretell.store.entry.Entry` atomically, reads it back verified, lists stored entries
+from their headers, removes, garbage-collects and counts bytes; the cap is the tier's.
 Core ships the ``single-file`` layout (:mod:`foretell.store.single_file`); plugins add
 others through ``foretell_register_storage_layouts``. The file format is described in
 docs/cache-storage.md.
@@ -15,6 +16,7 @@ from foretell.store.entry import (
     StoreIdentity,
     config_fingerprint,
 )
+from foretell.store.layout import StorageLayout, StoreError
 
-__all__ = ["Entry", "EntryHeader", "LayerHeader", "LayerState", "StoreIdentity",
-           "config_fingerprint"]
+__all__ = ["Entry", "EntryHeader", "LayerHeader", "LayerState", "StorageLayout", "StoreError",
+           "StoreIdentity", "config_fingerprint"]

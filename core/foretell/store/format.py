@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import attrs
 
+# The store's errors live with the layout contract (foretell.store.layout).
 from foretell.store.entry import Entry, LayerHeader, LayerState, StoreIdentity
+from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -50,18 +52,6 @@ _ST_DTYPES = {
     "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
     "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
 }
-
-
-class CorruptEntry(Exception):
-    """The file is damaged or not an entry at all: never serve it, delete it."""
-
-
-class UnknownVersion(Exception):
-    """Written by another format version: skip it, leave it for the foretell that wrote it."""
-
-
-class ForeignEntry(Exception):
-    """Intact, but written for another model, tokenizer or codec: never serve it."""
 
 
 @attrs.frozen

@@ -7,7 +7,8 @@ state replaces its file). The in-memory index is rebuilt from headers by :meth:`
 Rules kept here (DESIGN.md §4): writes are atomic (tmp, fsync, rename, fsync the directory)
 and report success only once durable (8, 9); every read verifies the header hash and every
 tensor checksum and serves nothing it cannot verify (7, 8); I/O failures warn once and
-never raise into the caller (9); the cap is bytes, evicting least recently used (10).
+never raise into the caller (9). It only stores: byte caps and eviction are the cache tier's
+(:mod:`foretell.cache.tier`); the layout counts bytes and removes what it is told to.
 
 Registered at plugin load, so this module imports only attrs and the standard library.
 """
@@ -19,7 +20,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,6 @@ from foretell.store import format as fmt
 from foretell.store.entry import Entry, EntryHeader, StoreIdentity, entry_key
 
 log = logging.getLogger("foretell.store")
-
-GiB = 1 << 30
-
 
 def _at_least(lo: float):
     def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -46,12 +44,8 @@ def _at_least(lo: float):
 
 @attrs.frozen(kw_only=True)
 class SingleFileConfig:
-    """``[cache]`` options of the ``single-file`` layout."""
+    """``[cache]`` options of the ``single-file`` layout (the byte cap is the tier's)."""
 
-    max_bytes: int = attrs.field(
-        default=32 * GiB, validator=_at_least(0),
-        metadata={"help": "byte cap of the stored entries; least recently used are evicted"},
-    )
     orphan_age_s: float = attrs.field(
         default=60.0, validator=_at_least(0),
         metadata={"help": "a .tmp file older than this is a crashed write and is deleted on "
@@ -60,7 +54,8 @@ class SingleFileConfig:
 
 
 class SingleFileLayout:
-    """One model's entries under ``root``; safe to share between threads of one process."""
+    """One model's entries under ``root``; safe to share between threads of one process.
+    Conforms to :class:`foretell.store.layout.StorageLayout`."""
 
     def __init__(self, root: str | Path, config: SingleFileConfig | None = None, *,
                  identity: StoreIdentity):
@@ -87,13 +82,9 @@ class SingleFileLayout:
         """Store ``entry`` atomically; True only once it is durable on disk.
 
         Never raises for I/O: a failure (disk full, unwritable, read-only) leaves no partial
-        file, warns once per outage and returns False. Evicts older entries to the byte cap.
+        file, warns once per outage and returns False.
         """
         writer = fmt.EntryWriter(entry, self.identity, created_at=time.time())
-        if writer.file_bytes > self.config.max_bytes:
-            log.info("cache entry of %d bytes exceeds max_bytes=%d; not stored",
-                     writer.file_bytes, self.config.max_bytes)
-            return False
         key = self.key_for(entry.tokens, entry.namespace)
         path = self.path(key)
         # A unique tmp name: two writers of the same key never interleave bytes in one file.
@@ -128,7 +119,6 @@ class SingleFileLayout:
         durable = self._fsync_directory()
         if durable:
             self._warned = False  # the outage is over: warn again if a new one starts
-        self.collect(keep=(key,))
         return durable
 
     def read(self, key: str) -> Entry | None:
@@ -184,8 +174,12 @@ class SingleFileLayout:
             self._index = found
         return sorted(found.values(), key=lambda h: h.last_used)
 
+    def headers(self) -> list[EntryHeader]:
+        """The index, least recently used first (scans once if it was never built)."""
+        return sorted(self._headers(), key=lambda h: h.last_used)
+
     def __iter__(self) -> Iterator[EntryHeader]:
-        return iter(sorted(self._headers(), key=lambda h: h.last_used))
+        return iter(self.headers())
 
     def __len__(self) -> int:
         return len(self._headers())
@@ -204,22 +198,15 @@ class SingleFileLayout:
             return False
         return True
 
-    def collect(self, max_bytes: int | None = None, *, keep: Collection[str] = ()) -> list[str]:
-        """Evict least recently used entries until stored bytes <= ``max_bytes`` (default:
-        the configured cap). Entries in ``keep`` are never evicted. Returns evicted keys."""
-        limit = self.config.max_bytes if max_bytes is None else max_bytes
-        headers = sorted(self._headers(), key=lambda h: h.last_used)
-        total = sum(h.nbytes for h in headers)
-        evicted = []
-        for header in headers:
-            if total <= limit:
-                break
-            if header.key in keep:
-                continue
-            if self.remove(header.key) or not self.path(header.key).exists():
-                total -= header.nbytes
-                evicted.append(header.key)
-        return evicted
+    def collect(self) -> int:
+        """Delete interrupted writes' ``.tmp`` files older than ``orphan_age_s``; returns the
+        bytes freed. Servable entries are never touched (eviction is the tier's)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return 0
+        now = time.time()
+        return sum(self._reap_orphan(self.directory / n, now) for n in names if n.endswith(".tmp"))
 
     def bytes(self) -> int:
         """Bytes on disk of the entries this layout serves."""
@@ -264,13 +251,16 @@ class SingleFileLayout:
             if self._index is not None:
                 self._index.pop(key, None)
 
-    def _reap_orphan(self, path: Path, now: float) -> None:
+    def _reap_orphan(self, path: Path, now: float) -> int:
         try:
-            if now - os.stat(path).st_mtime >= self.config.orphan_age_s:
+            stat = os.stat(path)
+            if now - stat.st_mtime >= self.config.orphan_age_s:
                 os.unlink(path)
                 log.info("deleted %s, left by an interrupted write", path)
+                return stat.st_size
         except OSError:
             pass  # gone already, or not ours to delete: either way it is never served
+        return 0
 
     def _fsync_directory(self) -> bool:
         try:

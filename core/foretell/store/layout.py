@@ -1,0 +1,90 @@
+"""The storage-layout contract: what ``foretell_register_storage_layouts`` factories build.
+
+A layout only *stores*. It writes an entry atomically, reads it back verified, lists what it
+holds from headers, removes one entry, garbage-collects storage no entry uses, and counts
+bytes. Policy (lookup, supersession, eviction by byte caps, the spill queue, durability)
+belongs to the cache tier in core (:mod:`foretell.cache.tier`), so every layout gets the same
+rules (DESIGN.md §3, §4).
+
+Errors a layout raises are :class:`StoreError` (a :class:`~foretell.errors.ForetellError`);
+I/O failures while writing are *not* raised but reported as ``False`` (invariant 9).
+
+Imported when plugins register: attrs and the standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from foretell.errors import ForetellError
+from foretell.store.entry import Entry, EntryHeader, StoreIdentity
+
+
+class StoreError(ForetellError):
+    """A storage layout cannot serve a request (bad root, damaged entry...)."""
+
+
+class CorruptEntry(StoreError):
+    """The stored bytes are damaged or not an entry at all: never serve them, delete them."""
+
+
+class UnknownVersion(StoreError):
+    """Written by another format version: skip it, leave it for the foretell that wrote it."""
+
+
+class ForeignEntry(StoreError):
+    """Intact, but written for another model, tokenizer or codec: never serve it."""
+
+
+@runtime_checkable
+class StorageLayout(Protocol):
+    """One model's stored entries under ``root``. Must be safe to call from two threads
+    (the tier's spill worker writes while the request thread reads).
+
+    Constructed as ``Layout(root, config, *, identity)``: ``config`` is an instance of the
+    attrs class the layout registered (``None`` means its defaults); ``identity`` says whose
+    entries it serves, and a layout never returns an entry of another identity, format
+    version or unloaded codec provider (invariant 7).
+    """
+
+    identity: StoreIdentity
+    #: I/O failures since the layout opened (disk full, unwritable...); the tier reports it.
+    io_failures: int
+
+    def __init__(self, root: str | Path, config: Any, *, identity: StoreIdentity) -> None: ...
+
+    def key_for(self, tokens: Sequence[int], namespace: str = "") -> str:
+        """The key ``write`` stores this prompt state under; equal states get equal keys, so
+        rewriting one replaces it instead of adding a duplicate."""
+
+    def write(self, entry: Entry) -> bool:
+        """Store ``entry`` atomically under ``key_for(entry.tokens, entry.namespace)``.
+
+        True only once the entry is durable (a crash afterwards cannot lose it). An I/O
+        failure leaves no partial entry and the previous version intact, and returns False
+        (warning once per outage); it never raises for I/O.
+        """
+
+    def read(self, key: str) -> Entry | None:
+        """The entry under ``key``, every byte verified (header hash, every tensor or block
+        checksum) before any array is returned; None when absent, damaged (then deleted),
+        foreign or of an unknown version. A successful read marks the entry recently used."""
+
+    def scan(self) -> list[EntryHeader]:
+        """Rebuild the index from stored headers (no tensor bytes): reap interrupted writes,
+        delete corrupt entries, skip foreign ones. Least recently used first."""
+
+    def headers(self) -> list[EntryHeader]:
+        """The index as of the last ``scan``/``write``/``remove`` (scans once if needed)."""
+
+    def remove(self, key: str) -> bool:
+        """Delete one entry; True if something was removed."""
+
+    def collect(self) -> int:
+        """Garbage-collect storage no servable entry uses (interrupted writes, unreferenced
+        blocks); returns bytes freed. Never removes a servable entry: eviction is the tier's."""
+
+    def bytes(self) -> int:
+        """Bytes on disk of the entries this layout serves (what the tier's cap counts)."""
