@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,20 +168,141 @@ class StopMatcher:
         return longest
 
 
+# -- one request's state ----------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class RequestState:
+    """One request's sequence, and the one owner of its caches.
+
+    ``caches`` hold the KV of a prefix of ``prompt + generated``: step sources feed tokens
+    into them, trim them on rollback and append what they produce to ``generated``. The
+    stream decides where the request ended (EOS, a stop string, ``max_tokens``) and records
+    it in ``consumed`` and ``finish_reason``; tokens a step produced past that point (the rest
+    of a speculative burst, a step already in flight) stay in ``generated`` and may be in the
+    caches, so whoever persists the caches knows exactly what they hold (:meth:`held_tokens`).
+    """
+
+    prompt: list[int]
+    caches: list[Any]
+    #: Leading prompt tokens the caches held when the request started (a prefix-cache hit).
+    cached: int = 0
+    generated: list[int] = attrs.Factory(list)
+    #: How many of ``generated`` the stream took (emitted text, plus EOS when it ended there).
+    consumed: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def held(self) -> int:
+        """Tokens of the sequence the caches hold (every layer holds the same number)."""
+        return self.caches[0].offset if self.caches else 0
+
+    def held_tokens(self) -> list[int]:
+        """The token ids whose KV the caches hold, in order."""
+        return (self.prompt + self.generated)[: self.held]
+
+    def ended_sequence(self) -> list[int]:
+        """``prompt`` plus the generated tokens the stream took: what the request produced."""
+        return self.prompt + self.generated[: self.consumed]
+
+
+def prefill(
+    model: Model,
+    tokens: Sequence[int] | mx.array,
+    caches: list[Any],
+    progress: Progress | None = None,
+    *,
+    keep_hidden: bool = False,
+) -> mx.array | None:
+    """Feed ``tokens`` (one sequence) through ``model`` into ``caches``, in chunks.
+
+    Returns the final-normed hidden states ``[1, len(tokens), H]`` when ``keep_hidden``
+    (drafters that read the target's hidden states need them), else None.
+    """
+    tokens = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
+    total = tokens.size
+    hiddens = []
+    done = 0
+    while done < total:
+        n = min(PREFILL_CHUNK, total - done)
+        hidden, _ = model.forward(tokens[None, done : done + n], caches)
+        if keep_hidden:
+            hiddens.append(hidden)
+            mx.eval([cache.state for cache in caches], hidden)
+        else:
+            # Evaluate only the caches: MLX then skips what nothing reads (the last layer's
+            # attention output and MLP for these positions), measured 1.5-2x faster here.
+            mx.eval([cache.state for cache in caches])
+        # Chunk-sized buffers would otherwise pile up in MLX's allocator cache.
+        mx.clear_cache()
+        done += n
+        if progress is not None:
+            progress(done, total)
+    if not keep_hidden:
+        return None
+    if not hiddens:
+        return mx.zeros((1, 0, 0))
+    return hiddens[0] if len(hiddens) == 1 else mx.concatenate(hiddens, axis=1)
+
+
+def plain_steps(
+    model: Model, state: RequestState, sampler: Sampler, limit: int
+) -> Iterator[list[int]]:
+    """Plain decoding as a step source: each step yields the one token it produced.
+
+    Expects the caches to hold all of the sequence but its last token, which heads the first
+    step. Step t+1 is queued on the device (``async_eval``) before token t is handed out, so
+    the caller's detokenizing overlaps the model's compute.
+    """
+    keys = sampler.keys()
+    size = sampler.window
+    sequence = mx.array(state.prompt + state.generated, dtype=mx.int32)
+    window = repetition_windows(sequence, sequence[:0], size) if size else None
+
+    def step(tokens: mx.array) -> mx.array:
+        nonlocal window
+        hidden, _ = model.forward(tokens, state.caches)
+        logits = model.logits(hidden[:, -1, :])
+        token = sampler(logits, window, keys.next() if keys is not None else None)
+        if window is not None:
+            window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
+        return token
+
+    token = step(sequence[None, -1:])
+    mx.async_eval(token)
+    produced = 0
+    while True:
+        produced += 1
+        if produced < limit:
+            following = step(token[:, None])
+            mx.async_eval(following)
+        value = token.item()
+        state.generated.append(value)
+        yield [value]
+        if produced >= limit:
+            return
+        if produced % 256 == 0:
+            mx.clear_cache()
+        token = following
+
+
 # -- the engine -----------------------------------------------------------------------------
 
 
 _STREAM: Any = None
 
 
-def _generation_stream() -> Any:
-    # One stream for all generation work, as mlx-lm does, created on first use.
+def generation_stream() -> Any:
+    """The one stream all generation work runs on (as mlx-lm does), created on first use."""
     global _STREAM
     if _STREAM is None:
         # Thread-local streams arrived in mlx 0.30; a plain stream serves one thread as well.
         make = getattr(mx, "new_thread_local_stream", mx.new_stream)
         _STREAM = make(mx.default_device())
     return _STREAM
+
+
+StepSource = Callable[[RequestState, Sampler, int], Iterator[list[int]]]
 
 
 class Engine:
@@ -283,132 +404,92 @@ class Engine:
     ) -> Iterator[Event]:
         # The clock starts when the caller first pulls, as mlx-lm's does.
         started = time.perf_counter()
-        detok = self.tokenizer.detokenizer()
         mx.reset_peak_memory()
-        caches, cached = self._open_caches(ids)
-        steps = self._decode_steps(ids, cached, caches, sampler, max_tokens, progress)
+        state = self._open_request(ids)
+        with mx.stream(generation_stream()):
+            prefill(self.model, ids[state.cached : -1], state.caches, progress)
+            steps = plain_steps(self.model, state, sampler, max_tokens)
+            events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
+            first_at = yield from events
+        yield self._stats(state, started, first_at)
 
-        first_at = None
-        generated = 0
-        finish = "length"
-        with _wired_memory():
-            for step_tokens in steps:
-                if first_at is None:
-                    first_at = time.perf_counter()
-                emitted: list[int] = []
-                text = ""
-                for token in step_tokens:
-                    generated += 1
-                    if token in eos:
-                        finish = "eos"
-                        break
-                    emitted.append(token)
-                    piece, hit = stops.feed(detok.add(token))
-                    text += piece
-                    if hit:
-                        finish = "stop"
-                        break
-                    if generated >= max_tokens:
-                        break
-                if emitted:
-                    yield TextEvent(text, tuple(emitted))
-                if finish != "length" or generated >= max_tokens:
-                    break
-            steps.close()  # an early stop abandons the step already in flight
-
-        if finish != "stop":
-            tail, hit = stops.feed(detok.flush())
-            if hit:
-                finish = "stop"
-            else:
-                tail += stops.flush()
-            if tail:
-                yield TextEvent(tail, ())
-        ended = time.perf_counter()
-        first_at = first_at if first_at is not None else ended
-        computed = len(ids) - cached
-        prompt_time = first_at - started
-        decode_time = ended - first_at
-        yield Stats(
-            prompt_tokens=len(ids),
-            generated_tokens=generated,
-            cached_tokens=cached,
-            ttft_s=prompt_time,
-            prompt_tps=computed / prompt_time if prompt_time > 0 else 0.0,
-            generation_tps=generated / decode_time if decode_time > 0 else 0.0,
-            peak_memory_gb=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-        )
-
-    def _open_caches(self, ids: list[int]) -> tuple[list[Any], int]:
-        """Caches for this request and how many leading prompt tokens they already hold.
+    def _open_request(self, ids: list[int]) -> RequestState:
+        """The request's state, with caches holding as much of the prompt as is known.
 
         The prefix cache plugs in here; until then every request starts empty.
         """
-        return self.model.make_caches(), 0
+        return RequestState(prompt=ids, caches=self.model.make_caches(), cached=0)
 
-    def _prefill(self, tokens: mx.array, caches: list[Any], progress: Progress | None) -> None:
-        """Run ``tokens`` through the model into ``caches``, in chunks."""
-        total = tokens.size
-        done = 0
-        while done < total:
-            n = min(PREFILL_CHUNK, total - done)
-            self.model.forward(tokens[None, done : done + n], caches)
-            # Evaluate only the caches: MLX then skips what nothing reads (the last layer's
-            # attention output and MLP for these positions), measured 1.5-2x faster here.
-            mx.eval([cache.state for cache in caches])
-            # Chunk-sized buffers would otherwise pile up in MLX's allocator cache.
-            mx.clear_cache()
-            done += n
-            if progress is not None:
-                progress(done, total)
+    def _stats(self, state: RequestState, started: float, first_at: float | None) -> Stats:
+        ended = time.perf_counter()
+        first_at = first_at if first_at is not None else ended
+        computed = len(state.prompt) - state.cached
+        prompt_time = first_at - started
+        decode_time = ended - first_at
+        return Stats(
+            prompt_tokens=len(state.prompt),
+            generated_tokens=state.consumed,
+            cached_tokens=state.cached,
+            ttft_s=prompt_time,
+            prompt_tps=computed / prompt_time if prompt_time > 0 else 0.0,
+            generation_tps=state.consumed / decode_time if decode_time > 0 else 0.0,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            finish_reason=state.finish_reason or "length",
+        )
 
-    def _decode_steps(
-        self,
-        ids: list[int],
-        cached: int,
-        caches: list[Any],
-        sampler: Sampler,
-        limit: int,
-        progress: Progress | None,
-    ) -> Iterator[list[int]]:
-        """Plain decoding as a step source: each step yields the token ids it produced.
 
-        The prompt is drained to its last token; that token heads the first decode step.
-        Step t+1 is queued on the device (``async_eval``) before token t is handed out, so
-        the caller's detokenizing overlaps the model's compute.
-        """
-        model = self.model
-        keys = sampler.keys()
-        size = sampler.window
-        with mx.stream(_generation_stream()):
-            prompt = mx.array(ids, dtype=mx.int32)
-            self._prefill(prompt[cached:-1], caches, progress)
-            window = repetition_windows(prompt, prompt[:0], size) if size else None
+def stream_events(
+    state: RequestState,
+    steps: Iterator[list[int]],
+    tokenizer: Tokenizer,
+    stops: StopMatcher,
+    eos: frozenset[int],
+    max_tokens: int,
+) -> Generator[TextEvent, None, float | None]:
+    """The one streaming loop over any step source: EOS, stop strings, ``max_tokens``.
 
-            def step(tokens: mx.array) -> mx.array:
-                nonlocal window
-                hidden, _ = model.forward(tokens, caches)
-                logits = model.logits(hidden[:, -1, :])
-                token = sampler(logits, window, keys.next() if keys is not None else None)
-                if window is not None:
-                    window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
-                return token
+    A step may hand back several tokens (a speculative burst); the burst is cut exactly
+    where plain decoding would have stopped. Records the end in ``state`` and returns when
+    the first token arrived (None if none did).
+    """
+    detok = tokenizer.detokenizer()
+    first_at = None
+    finish = None
+    with _wired_memory():
+        for step_tokens in steps:
+            if first_at is None:
+                first_at = time.perf_counter()
+            emitted: list[int] = []
+            text = ""
+            for token in step_tokens:
+                state.consumed += 1
+                if token in eos:
+                    finish = "eos"
+                    break
+                emitted.append(token)
+                piece, hit = stops.feed(detok.add(token))
+                text += piece
+                if hit:
+                    finish = "stop"
+                    break
+                if state.consumed >= max_tokens:
+                    break
+            if emitted:
+                yield TextEvent(text, tuple(emitted))
+            if finish is not None or state.consumed >= max_tokens:
+                break
+        steps.close()  # an early stop abandons the step already in flight
 
-            token = step(prompt[None, -1:])
-            mx.async_eval(token)
-            produced = 0
-            while True:
-                produced += 1
-                if produced < limit:
-                    following = step(token[:, None])
-                    mx.async_eval(following)
-                yield [token.item()]
-                if produced >= limit:
-                    return
-                if produced % 256 == 0:
-                    mx.clear_cache()
-                token = following
+    if finish != "stop":
+        tail, hit = stops.feed(detok.flush())
+        if hit:
+            finish = "stop"
+        else:
+            tail += stops.flush()
+        if tail:
+            yield TextEvent(tail, ())
+    state.finish_reason = finish or "length"
+    return first_at
 
 
 @contextlib.contextmanager
@@ -422,7 +503,7 @@ def _wired_memory() -> Iterator[None]:
     try:
         yield
     finally:
-        mx.synchronize(_generation_stream())
+        mx.synchronize(generation_stream())
         mx.set_wired_limit(previous)
 
 
