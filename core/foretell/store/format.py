@@ -87,11 +87,11 @@ def checksum(data: Any) -> str:
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
-def _header_hash(header_json: str) -> str:
+def header_hash(header_json: str) -> str:
     return hashlib.blake2b(header_json.encode(), digest_size=16).hexdigest()
 
 
-def _dtype_code(array: mx.array) -> str:
+def dtype_code(array: mx.array) -> str:
     name = str(array.dtype).rsplit(".", 1)[-1]
     try:
         return _ST_DTYPES[name]
@@ -99,7 +99,7 @@ def _dtype_code(array: mx.array) -> str:
         raise TypeError(f"cannot store a tensor of dtype {name} (safetensors has no such type)") from None
 
 
-def _host_bytes(array: mx.array) -> memoryview:
+def host_bytes(array: mx.array) -> memoryview:
     """The array's row-major bytes; copies only when the array is a strided view."""
     import mlx.core as mx
     import numpy as np
@@ -123,7 +123,7 @@ class EntryWriter:
             for tname, array in layer.tensors.items():
                 name = f"layers.{index}.{tname}"
                 nbytes = array.nbytes
-                table[tname] = {"name": name, "dtype": _dtype_code(array),
+                table[tname] = {"name": name, "dtype": dtype_code(array),
                                 "shape": list(array.shape), "offsets": [offset, offset + nbytes],
                                 "crc32": _CRC_PLACEHOLDER}
                 self._order.append((name, array))
@@ -158,7 +158,7 @@ class EntryWriter:
         index: dict[str, Any] = {"__metadata__": {
             _VERSION_KEY: str(FORMAT_VERSION),
             _HEADER_KEY: header_json,
-            _HASH_KEY: _header_hash(header_json) if done else _HASH_PLACEHOLDER,
+            _HASH_KEY: header_hash(header_json) if done else _HASH_PLACEHOLDER,
         }}
         for layer in self._fields["layers"]:
             for slot in layer["tensors"].values():
@@ -178,22 +178,22 @@ class EntryWriter:
 
     def write_to(self, fd: int) -> None:
         """Write the whole file at the descriptor's start; every byte goes through os.write."""
-        _write_all(fd, self.header)
+        write_all(fd, self.header)
         for name, array in self._order:
-            data = _host_bytes(array)
+            data = host_bytes(array)
             self._crcs[name] = checksum(data)
-            _write_all(fd, data)
+            write_all(fd, data)
             del data
         final = self._render()
         # Checksums are fixed-width hex, so the final header must fit the placeholder's bytes.
         if len(final) != len(self.header):
             raise AssertionError("entry header changed length between plan and write")
         os.lseek(fd, 0, os.SEEK_SET)
-        _write_all(fd, final)
+        write_all(fd, final)
         self.header = final
 
 
-def _write_all(fd: int, data: Any) -> None:
+def write_all(fd: int, data: Any) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
@@ -223,7 +223,7 @@ def read_header(fh: BinaryIO, file_size: int, identity: StoreIdentity) -> Stored
     if version != str(FORMAT_VERSION):
         raise UnknownVersion(f"format version {version!r}, this foretell reads {FORMAT_VERSION}")
     header_json = meta.get(_HEADER_KEY)
-    if not isinstance(header_json, str) or meta.get(_HASH_KEY) != _header_hash(header_json):
+    if not isinstance(header_json, str) or meta.get(_HASH_KEY) != header_hash(header_json):
         raise CorruptEntry("header hash mismatch")
     try:
         return _parse_verified(json.loads(header_json), index, 8 + length, file_size, identity)
@@ -237,7 +237,7 @@ def _parse_verified(fields: dict[str, Any], index: dict[str, Any], data_start: i
         raise CorruptEntry(
             f"file is {file_size} bytes, its header says {data_start + fields['data_bytes']}"
         )
-    _check_identity(fields, identity)
+    check_identity(fields, identity)
     layers, slots = [], []
     for layer in fields["layers"]:
         layers.append(LayerHeader(codec=layer["codec"], provider=layer["provider"],
@@ -260,7 +260,7 @@ def _parse_verified(fields: dict[str, Any], index: dict[str, Any], data_start: i
                         data_start=data_start)
 
 
-def _check_identity(fields: dict[str, Any], identity: StoreIdentity) -> None:
+def check_identity(fields: dict[str, Any], identity: StoreIdentity) -> None:
     for field in ("model_fingerprint", "kv_scheme", "model_id", "tokenizer_hash"):
         if fields[field] != getattr(identity, field):
             raise ForeignEntry(f"{field} is {fields[field]!r}, this store serves "
@@ -284,7 +284,6 @@ def read_layers(fh: BinaryIO, header: StoredHeader) -> list[LayerState]:
 
 def _read_tensors(fh: BinaryIO, data_start: int, table: dict[str, TensorSlot]
                   ) -> Iterator[tuple[str, mx.array]]:
-    import mlx.core as mx
     import numpy as np
 
     for tname, slot in table.items():
@@ -295,13 +294,24 @@ def _read_tensors(fh: BinaryIO, data_start: int, table: dict[str, TensorSlot]
             raise CorruptEntry(f"tensor {slot.name} is truncated")
         if checksum(buf) != slot.crc32:
             raise CorruptEntry(f"tensor {slot.name} fails its checksum")
-        try:
-            if slot.dtype == "BF16":
-                yield tname, mx.array(buf.view(np.uint16).reshape(slot.shape)).view(mx.bfloat16)
-            else:
-                yield tname, mx.array(buf.view(_NP_DTYPES[slot.dtype]).reshape(slot.shape))
-        except (KeyError, ValueError) as exc:  # bytes that cannot be this dtype and shape
-            raise CorruptEntry(f"tensor {slot.name}: {type(exc).__name__}: {exc}") from None
+        yield tname, array_from_bytes(buf, slot.dtype, slot.shape, slot.name)
+
+
+def array_from_bytes(buf: Any, dtype: str, shape: tuple[int, ...], name: str) -> mx.array:
+    """An MLX array of safetensors ``dtype`` and ``shape`` holding ``buf``'s bytes (a
+    contiguous uint8 numpy array, already verified).
+
+    :raises CorruptEntry: the bytes cannot be this dtype and shape (``name`` says whose).
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    try:
+        if dtype == "BF16":  # numpy has no bfloat16: carry the bits as uint16
+            return mx.array(buf.view(np.uint16).reshape(shape)).view(mx.bfloat16)
+        return mx.array(buf.view(_NP_DTYPES[dtype]).reshape(shape))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CorruptEntry(f"tensor {name}: {type(exc).__name__}: {exc}") from None
 
 
 _NP_DTYPES = {
