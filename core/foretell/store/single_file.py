@@ -95,17 +95,17 @@ class SingleFileLayout:
                          0o644)
             try:
                 writer.write_to(fd)
-                _full_fsync(fd)
+                full_fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
             stat = os.stat(path)
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self._io_failed(exc, f"write cache entry {path.name}")
             return False
         except BaseException:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         header = EntryHeader(
             key=key, tokens=tuple(entry.tokens), namespace=entry.namespace,
@@ -238,7 +238,7 @@ class SingleFileLayout:
         except fmt.CorruptEntry as exc:
             log.warning("cache entry %s is corrupt (%s); deleted", path, exc)
             self._forget(key)
-            _unlink_quietly(path)
+            unlink_quietly(path)
         except (fmt.UnknownVersion, fmt.ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
             self._forget(key)
@@ -285,7 +285,7 @@ class SingleFileLayout:
                     "level until a write succeeds.", action, exc.strerror or exc)
 
 
-def _full_fsync(fd: int) -> None:
+def full_fsync(fd: int) -> None:
     # macOS's fsync leaves data in the drive's cache; F_FULLFSYNC is what makes it durable.
     try:
         import fcntl
@@ -295,7 +295,7 @@ def _full_fsync(fd: int) -> None:
         os.fsync(fd)
 
 
-def _unlink_quietly(path: Path) -> None:
+def unlink_quietly(path: Path) -> None:
     try:
         os.unlink(path)
     except OSError:
