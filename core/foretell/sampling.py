@@ -103,9 +103,7 @@ class Sampler:
         candidates = logits
         vocab = logits.shape[-1]
         if 0 < self._top_k < vocab:
-            cut = vocab - self._top_k  # partition, not sort: linear in the vocabulary
-            candidates = mx.partition(logits, cut, axis=-1)[..., cut:]
-            drop = logits < candidates[..., :1]
+            drop, candidates = top_k_drop(logits, self._top_k)
         if self._top_p is not None:
             drop = _or(drop, top_p_drop(logits, candidates, self._top_p))
         if self._log_min_p is not None:
@@ -116,6 +114,18 @@ class Sampler:
 
 def _or(a: mx.array | None, b: mx.array) -> mx.array:
     return b if a is None else mx.logical_or(a, b)
+
+
+def top_k_drop(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """True for all but exactly ``k`` tokens per row, and the ``k`` kept values.
+
+    Ties at the cut keep only as many tokens as fit, chosen as mlx-lm chooses them: by
+    the same ``argpartition`` (on MLX's CPU backend, the lower token ids win), so
+    ``top_k = 1`` keeps the argmax. Partition, not sort: linear in the vocabulary.
+    """
+    kept = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    keep = mx.put_along_axis(mx.zeros(logits.shape, mx.bool_), kept, mx.array(True), axis=-1)
+    return mx.logical_not(keep), mx.take_along_axis(logits, kept, axis=-1)
 
 
 def top_p_drop(logits: mx.array, candidates: mx.array, top_p: float) -> mx.array:

@@ -14,7 +14,7 @@ from foretell.sampling import (
 
 
 def kept(scores: mx.array) -> set[int]:
-    return set(np.flatnonzero(np.isfinite(np.array(scores[0]))).tolist())
+    return set(np.flatnonzero(np.isfinite(np.array(scores[0].astype(mx.float32)))).tolist())
 
 
 def logits_of(probs: list[float]) -> mx.array:
@@ -162,3 +162,78 @@ def test_batched_scores_equal_one_position_at_a_time():
         seen = mx.concatenate([context, drafts[:i]])
         single = sampler.scores(logits[i : i + 1], repetition_windows(seen, seen[:0], 3))
         assert np.allclose(np.array(batched[i]), np.array(single[0]))
+
+
+# -- top-k with ties at the cut (bf16 logits tie often) ------------------------------------
+
+
+def tied_bf16_logits(vocab: int = 64, seed: int = 5) -> mx.array:
+    """``[1, vocab]`` bf16 logits on a coarse grid, so many tokens share a value."""
+    values = mx.round(mx.random.normal((1, vocab), key=mx.random.key(seed)) * 2) / 2
+    return values.astype(mx.bfloat16)
+
+
+def straddling_k(logits: mx.array) -> int:
+    """A k whose cut falls inside a run of tied values (the k-th and (k+1)-th are equal)."""
+    ordered = np.sort(np.array(logits[0].astype(mx.float32)))[::-1]
+    return next(
+        k for k in range(2, len(ordered)) if ordered[0] != ordered[k - 1] == ordered[k]
+    )
+
+
+def chi_square_p_value(statistic: float, df: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(df): the regularized upper incomplete gamma,
+    from the series of the lower one (exact enough for a test's p-value)."""
+    a, x = df / 2, statistic / 2
+    if x == 0:
+        return 1.0
+    term = total = 1.0 / a
+    n = 0
+    while term > 1e-15 * total:
+        n += 1
+        term *= x / (a + n)
+        total += term
+    lower = math.exp(a * math.log(x) - x - math.lgamma(a)) * total
+    return max(0.0, 1.0 - lower)
+
+
+def test_top_k_keeps_exactly_k_tokens_when_ties_straddle_the_cut():
+    from mlx_lm.sample_utils import apply_top_k
+
+    logits = tied_bf16_logits()
+    k = straddling_k(logits)
+    ours = kept(Sampler(SamplingConfig(temp=1.0, top_k=k)).scores(logits))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    assert len(ours) == k
+    assert ours == kept(apply_top_k(logprobs, k))
+
+
+def test_top_k_of_one_is_greedy_even_on_tied_logits():
+    logits = mx.concatenate([tied_bf16_logits(seed=s) for s in range(32)])
+    logits[:, 7] = logits.max(axis=-1)  # a tie for the best in every row, after the argmax
+    sampler = Sampler(SamplingConfig(temp=1.0, top_k=1))
+    draws = sampler.sample(sampler.scores(logits), RandomKeys(0).next())
+    assert np.array(draws).tolist() == np.array(mx.argmax(logits, axis=-1)).tolist()
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.6])
+def test_top_k_samples_are_distributed_as_mlx_lm_samples_on_tied_logits(temp):
+    """A two-sample chi-square test: our draws and mlx-lm's sampler's draws over the same
+    tied bf16 logits come from one distribution (p > 0.001; seeded, so deterministic)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    logits = tied_bf16_logits()
+    k = straddling_k(logits)
+    draws = 20_000
+    rows = mx.broadcast_to(logits, (draws, logits.shape[-1]))
+    sampler = Sampler(SamplingConfig(temp=temp, top_k=k))
+    ours = np.array(sampler.sample(sampler.scores(rows), RandomKeys(1).next()))
+    mx.random.seed(2)
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    theirs = np.array(make_sampler(temp=temp, top_k=k)(logprobs))
+    assert set(ours.tolist()) <= set(theirs.tolist()), "we draw tokens mlx-lm never keeps"
+    tokens = sorted(set(ours.tolist()) | set(theirs.tolist()))
+    table = np.array([[np.sum(side == t) for t in tokens] for side in (ours, theirs)], float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    statistic = float(((table - expected) ** 2 / expected).sum())
+    assert chi_square_p_value(statistic, len(tokens) - 1) > 1e-3
