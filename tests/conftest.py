@@ -1,5 +1,11 @@
 import pytest
 
+from foretell import blas
+
+# This suite runs the engine on the CPU throughout; bind the optimized BLAS before any test
+# module imports mlx, as `foretell.load()` would (importing foretell alone no longer does).
+blas.preload()
+
 _PLUGIN_ENV = ("FORETELL_LOAD_PLUGINS", "FORETELL_DISABLE_PLUGINS", "FORETELL_STRICT_PLUGINS")
 
 

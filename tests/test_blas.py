@@ -23,6 +23,7 @@ linux_only = pytest.mark.skipif(
 MATMUL_VS_NUMPY = """
 import json
 import foretell
+foretell.load  # where the engine starts: the BLAS is bound here, before mlx is imported
 import mlx.core as mx
 import numpy as np
 from foretell import blas
@@ -53,7 +54,7 @@ def run_python(code: str, **env: str) -> dict:
 
 
 @linux_only
-def test_import_foretell_puts_openblas_under_mlx_and_matmul_matches_numpy():
+def test_starting_the_engine_puts_openblas_under_mlx_and_matmul_matches_numpy():
     result = run_python(MATMUL_VS_NUMPY)
     assert result["status"]["loaded"], result["status"]["reason"]
     assert "openblas" in result["status"]["loaded"]
@@ -81,6 +82,7 @@ def test_mlx_imported_first_is_reported_not_patched():
     result = run_python(
         "import mlx.core, json\n"
         "import foretell\n"
+        "foretell.load\n"
         "from foretell import blas\n"
         "print(json.dumps(blas.STATUS.to_dict()))"
     )
@@ -106,12 +108,12 @@ def test_loading_on_the_cpu_after_mlx_was_imported_first_warns_once_at_the_calle
     assert len(caught) == 1
     category, message, line = caught[0]
     assert category == "SlowBlasWarning"
-    assert "Import foretell before mlx" in message
+    assert "Call foretell.load() (or foretell.blas.preload()) before importing mlx" in message
     assert line == 7  # the first foretell.load(...) line of the script
 
 
 @linux_only
-def test_no_warning_when_foretell_is_imported_first():
+def test_no_warning_when_foretell_loads_before_mlx_is_imported():
     assert run_python(WARNINGS_FROM_TWO_LOADS.format(first="")) == []
 
 
@@ -119,7 +121,8 @@ def test_no_warning_when_foretell_is_imported_first():
 def test_override_naming_a_missing_file_says_so(tmp_path):
     missing = tmp_path / "libnothing.so"
     result = run_python(
-        "import json, foretell\nfrom foretell import blas\nprint(json.dumps(blas.STATUS.to_dict()))",
+        "import json, foretell\nfrom foretell import blas\nblas.preload()\n"
+        "print(json.dumps(blas.STATUS.to_dict()))",
         FORETELL_BLAS=str(missing),
     )
     assert result["loaded"] is None
@@ -164,3 +167,11 @@ def test_not_linux_is_a_no_op(monkeypatch):
     status = blas._preload("")
     assert status.loaded is None
     assert status.reason.startswith("not Linux")
+
+
+@linux_only
+def test_reaching_the_engine_module_directly_still_binds_openblas_or_warns():
+    # `from foretell.generate import load` imports mlx before foretell.load() could preload;
+    # load() then says so rather than running several times slower in silence.
+    caught = run_python(WARNINGS_FROM_TWO_LOADS.format(first="from foretell.generate import load"))
+    assert [c[0] for c in caught] == ["SlowBlasWarning"]

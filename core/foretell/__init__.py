@@ -3,12 +3,12 @@
 The core defines four extension points (model architectures, draft providers, KV-cache
 codecs, storage layouts) as pluggy hook specs in :mod:`foretell.hookspecs`; plugins
 register contributions through the ``foretell.plugins`` entry-point group.
+
+Importing this package is cheap and changes nothing in the process: pytest loads
+foretell's plugin (``foretell.pytest_plugin``) in every session of every environment that
+has foretell installed. The engine starts on first use of :func:`foretell.load` or
+:class:`foretell.Engine`, and that is where the CPU's optimized BLAS is put under MLX.
 """
-
-# First, before anything imports mlx: an optimized BLAS binds ahead of libmlx (docs/blas.md).
-from foretell.blas import preload as _preload_blas
-
-_preload_blas()
 
 __version__ = "0.1.0"
 
@@ -22,10 +22,14 @@ __all__ = ["PLUGIN_API", "Engine", "__version__", "hookimpl", "load"]
 
 
 def __getattr__(name: str):
-    # The engine imports mlx; resolving it on first use keeps `import foretell` (and so
-    # `foretell plugins`) fast.
     if name in ("load", "Engine"):
+        # The engine imports mlx; the BLAS must be bound first, or MLX keeps the reference
+        # one for the life of the process (docs/blas.md).
+        from foretell import blas
+
+        blas.preload()
         from foretell import generate
 
-        return getattr(generate, name)
+        value = globals()[name] = getattr(generate, name)
+        return value
     raise AttributeError(f"module 'foretell' has no attribute {name!r}")

@@ -4,8 +4,9 @@ MLX's Linux CPU wheel links the reference BLAS (~2.5 GFLOP/s matmul on a 2-core 
 OpenBLAS is 16-23x faster there for M >= 16 rows, which is what prefill and verification
 run (docs/blas.md). MLX calls the standard ``cblas_sgemm`` symbol, so a library loaded
 ``RTLD_GLOBAL`` *before* ``libmlx.so`` wins symbol resolution, with no rebuild and no
-``LD_PRELOAD``. :func:`preload` does that once, from
-``foretell/__init__.py``, and records what happened in :data:`STATUS`.
+``LD_PRELOAD``. :func:`preload` does that once, where the engine starts (the first use
+of ``foretell.load`` / ``foretell.Engine``, the CLI's model commands, the bench's workers),
+never on ``import foretell``, and records what happened in :data:`STATUS`.
 
 ``FORETELL_BLAS=reference`` keeps MLX's own BLAS; ``FORETELL_BLAS=/path/libblas.so`` loads
 that library instead of the ``cmeel-openblas`` wheel. On macOS MLX uses Accelerate and on
@@ -63,7 +64,10 @@ class BlasStatus:
         return attrs.asdict(self)
 
 
-STATUS = BlasStatus(loaded=None, reason="not attempted (foretell.blas.preload() not called)")
+NOT_ATTEMPTED = BlasStatus(
+    loaded=None, reason="not attempted (foretell.blas.preload() not called)"
+)
+STATUS = NOT_ATTEMPTED
 
 
 def preload() -> BlasStatus:
@@ -80,7 +84,8 @@ class SlowBlasWarning(RuntimeWarning):
 
 
 IMPORTED_TOO_LATE = (
-    "mlx was imported before foretell, so its BLAS was already bound (import foretell first)"
+    "mlx was imported before foretell started its engine, so its BLAS was already bound "
+    "(call foretell.load() or foretell.blas.preload() before importing mlx)"
 )
 
 
@@ -88,12 +93,14 @@ def warn_if_bound_too_late(device_is_cpu: bool) -> None:
     """Warn once when a CPU run will use MLX's reference BLAS only because of import order:
     every matmul is then several times slower, and nothing else would say so."""
     global _warned
+    if STATUS is NOT_ATTEMPTED:
+        preload()  # the engine was reached without foretell.load(): bind now if still possible
     if device_is_cpu and STATUS.reason == IMPORTED_TOO_LATE and not _warned:
         _warned = True
         warnings.warn(
-            "foretell: MLX was imported before foretell, so it runs on the CPU with its "
-            "reference BLAS (prefill several times slower, docs/blas.md). Import foretell "
-            "before mlx or mlx_lm.",
+            "foretell: MLX was imported before foretell started its engine, so it runs on "
+            "the CPU with its reference BLAS (prefill several times slower, docs/blas.md). "
+            "Call foretell.load() (or foretell.blas.preload()) before importing mlx or mlx_lm.",
             SlowBlasWarning,
             stacklevel=3,
         )

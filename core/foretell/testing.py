@@ -1,16 +1,10 @@
-"""Test helpers for plugin authors, auto-registered as a pytest plugin (``pytest11``).
+"""Test helpers for plugin authors, behind the fixtures of :mod:`foretell.pytest_plugin`.
 
-Fixtures:
-
-- ``foretell_plugins``: a fresh plugin set with core's own plugins and nothing autoloaded;
-  ``with foretell_plugins.temporary(obj, name="mine"): ...`` registers a plugin object for
-  the duration of the block.
-- ``fake_distribution``: ``fake_distribution(name, version, entry_points=..., modules=...)``
-  writes a real installed distribution (a ``.dist-info`` with entry points, plus its
-  modules) on ``sys.path`` for the test, so discovery runs exactly as after ``pip install``.
-
-This module must stay cheap to import: pytest loads it in every session of every project
-that has foretell installed.
+- :func:`fresh_plugins`: a :class:`TestPluginSet` with core's own plugins, nothing
+  autoloaded (the ``foretell_plugins`` fixture).
+- :func:`write_distribution` / :func:`fake_distributions`: real installed distributions
+  (``.dist-info`` with entry points, plus modules) on ``sys.path``, so discovery runs as
+  after ``pip install`` (the ``fake_distribution`` fixture).
 """
 
 from __future__ import annotations
@@ -22,8 +16,6 @@ import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from foretell.plugins import PluginRecord, PluginSet, PluginSwitches
 
@@ -87,24 +79,23 @@ def write_distribution(
     return root
 
 
-@pytest.fixture
-def foretell_plugins() -> TestPluginSet:
-    return fresh_plugins()
-
-
-@pytest.fixture
-def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+@contextlib.contextmanager
+def fake_distributions(root: Path, monkeypatch: Any) -> Iterator[Any]:
+    """``make(name, version, entry_points=..., modules=...)`` writes a distribution under
+    ``root`` and puts it on ``sys.path``; on exit its modules leave ``sys.modules``."""
     created: list[str] = []
 
     def make(name: str, version: str = "0.1.0", **kwargs: Any) -> Path:
-        root = write_distribution(tmp_path / f"site-{len(created)}", name, version, **kwargs)
-        monkeypatch.syspath_prepend(str(root))
+        site = write_distribution(root / f"site-{len(created)}", name, version, **kwargs)
+        monkeypatch.syspath_prepend(str(site))
         created.extend(kwargs.get("modules") or {})
         importlib.invalidate_caches()
-        return root
+        return site
 
-    yield make
-    for module in created:
-        top = module.split(".")[0]
-        for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-            del sys.modules[loaded]
+    try:
+        yield make
+    finally:
+        for module in created:
+            top = module.split(".")[0]
+            for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+                del sys.modules[loaded]
