@@ -135,6 +135,9 @@ def _worker_loop() -> int:
     """One side's process: load the model named on the first stdin line, then time one
     run per request line. Replies are JSON lines on the original stdout; anything a
     library prints goes to stderr, so it can never be mistaken for a reply."""
+    from foretell import blas
+
+    blas.preload()  # before mlx is imported; FORETELL_BLAS=reference keeps MLX's own
     import mlx.core as mx
 
     replies = os.fdopen(os.dup(1), "w")

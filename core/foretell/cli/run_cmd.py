@@ -129,6 +129,9 @@ def run_config(args: argparse.Namespace):
 
 def open_engine(model: str | None, registry: Any, *, quiet: bool):
     """Load the model once, with a progress line while a person waits."""
+    from foretell import blas
+
+    blas.preload()  # before anything below imports mlx (docs/blas.md)
     from foretell.cli.progress import ProgressLine
     from foretell.generate import load, resolve_model_path
 
@@ -145,14 +148,13 @@ def read_prompt(value: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foretell.cli.progress import ProgressLine
-    from foretell.generate import PREFILL_CHUNK
-
     prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
     if args.prompt is None and args.chat is None:
         args.chat = False
     registry, config = run_config(args)
     engine = open_engine(config.model, registry, quiet=args.json)
+    from foretell.cli.progress import ProgressLine
+    from foretell.generate import PREFILL_CHUNK
 
     bar = ProgressLine.for_terminal("prefill", quiet=args.json)
 
