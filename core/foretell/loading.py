@@ -3,7 +3,8 @@
 The architecture comes from the registry by ``model_type``; weights are read lazily
 (``mx.load`` maps the files), passed through the model's ``sanitize``, quantized layers
 are rebuilt from what the checkpoint holds (MLX affine format, as ``mlx_lm.convert -q``
-writes it), and every tensor is checked against the model before it is used. Anything
+writes it), and every tensor's name, shape and dtype is checked against the model before
+it is used. Without an index, every ``model*.safetensors`` is a shard (as in mlx-lm). Anything
 wrong with the directory raises :class:`ModelLoadError` naming the file and the tensor
 or field. Tokenizers are read elsewhere (:mod:`foretell.tokenizer`).
 """
@@ -31,6 +32,9 @@ from foretell.registry import Kind, Registry
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_GLOB = "model*.safetensors"
+#: What a dense (not packed) tensor may hold; anything else would compute garbage.
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 #: On the CPU, quantized weights up to this many float32 bytes are unpacked at load time.
 CPU_UNPACK_LIMIT = 4 << 30
 
@@ -133,12 +137,14 @@ def weight_files(path: Path) -> list[Path]:
             if not file.is_file():
                 raise ModelLoadError(f"{file}: listed in {index.name} but missing")
         return files
-    single = path / SINGLE_FILE
-    if not single.is_file():
+    # Without an index, every model*.safetensors is a shard, as mlx-lm reads a directory.
+    files = sorted(f for f in path.glob(SHARD_GLOB) if f.is_file())
+    if not files:
         raise ModelLoadError(
-            f"{single}: not found (and no {INDEX_FILE}); the model directory has no weights"
+            f"{path / SINGLE_FILE}: not found (nor {INDEX_FILE} or other {SHARD_GLOB} files); "
+            "the model directory has no weights"
         )
-    return [single]
+    return files
 
 
 def check_safetensors(file: Path) -> None:
@@ -258,6 +264,21 @@ def _check_tensors(
                 f"{tuple(weights[name].shape)}, the model expects {tuple(param.shape)} "
                 "(does config.json match these weights?)"
             )
+        dtype = weights[name].dtype
+        if param.dtype == mx.uint32 and dtype != mx.uint32:
+            wanted = "uint32 (MLX packs quantized weights into uint32 words)"
+        elif param.dtype != mx.uint32 and dtype not in FLOAT_DTYPES:
+            wanted = "a floating dtype (float16, bfloat16 or float32)"
+        else:
+            continue
+        raise ModelLoadError(
+            f"{source.get(name, where)}: tensor '{name}' has dtype {_dtype_name(dtype)}, "
+            f"the model expects {wanted}"
+        )
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
 
 
 # -- CPU execution ---------------------------------------------------------------------------

@@ -216,3 +216,44 @@ def test_qwen2_heads_that_do_not_divide_the_width_name_the_field(tmp_path, regis
     edit_config(path, num_attention_heads=width + 1)
     with pytest.raises(ModelLoadError, match=r"field 'num_attention_heads': \d+ does not divide hidden_size="):
         load_model(path, registry)
+
+
+def test_unindexed_shards_load_like_a_single_file(pristine, tmp_path, registry):
+    """mlx-lm loads every model*.safetensors it finds; so does foretell without an index."""
+    sharded = make_model_dir(tmp_path / "sharded", "qwen3", shard_bytes=40_000)
+    (sharded / "model.safetensors.index.json").unlink()
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    one, many = load_model(pristine, registry), load_model(sharded, registry)
+    np.testing.assert_array_equal(np.array(one(tokens)), np.array(many(tokens)))
+
+
+@pytest.mark.parametrize("dtype", [mx.int32, mx.int8, mx.bool_, mx.uint32, mx.complex64])
+def test_a_dense_weight_of_a_non_float_dtype_names_the_file_and_tensor(
+    model_dir, registry, dtype
+):
+    name = "model.layers.0.input_layernorm.weight"
+    edit_weights(model_dir, lambda w: w.update({name: w[name].astype(dtype)}))
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor '{name}' has dtype"):
+        load_model(model_dir, registry)
+
+
+@pytest.mark.parametrize("dtype", [mx.int32, mx.float32, mx.uint8])
+def test_a_packed_quantized_weight_of_the_wrong_dtype_names_the_file_and_tensor(
+    tmp_path, registry, dtype
+):
+    path = make_model_dir(tmp_path / "q", "qwen3", quantize_bits=4)
+    name = "model.layers.0.mlp.up_proj.weight"
+    edit_weights(path, lambda w: w.update({name: w[name].astype(dtype)}))
+    with pytest.raises(
+        ModelLoadError, match=rf"model\.safetensors: tensor '{name}' has dtype .*uint32"
+    ):
+        load_model(path, registry)
+
+
+def test_quantization_scales_of_an_integer_dtype_name_the_file_and_tensor(tmp_path, registry):
+    path = make_model_dir(tmp_path / "q", "qwen3", quantize_bits=4)
+    name = "model.layers.0.mlp.up_proj.scales"
+    edit_weights(path, lambda w: w.update({name: w[name].astype(mx.int32)}))
+    with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor '{name}' has dtype"):
+        load_model(path, registry)
