@@ -99,14 +99,21 @@ def dtype_code(array: mx.array) -> str:
         raise TypeError(f"cannot store a tensor of dtype {name} (safetensors has no such type)") from None
 
 
-def host_bytes(array: mx.array) -> memoryview:
-    """The array's row-major bytes; copies only when the array is a strided view."""
+def host_array(array: mx.array) -> Any:
+    """A numpy view of the array's memory (strided like it, no copy); bfloat16 as uint16."""
     import mlx.core as mx
     import numpy as np
 
     if array.dtype == mx.bfloat16:  # numpy has no bfloat16; the bytes are what matter
         array = array.view(mx.uint16)
-    host = np.ascontiguousarray(np.asarray(array))
+    return np.asarray(array)
+
+
+def host_bytes(array: mx.array) -> memoryview:
+    """The array's row-major bytes; copies only when the array is a strided view."""
+    import numpy as np
+
+    host = np.ascontiguousarray(host_array(array))
     return memoryview(host).cast("B") if host.size else memoryview(b"")
 
 
