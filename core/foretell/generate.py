@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
-from foretell.errors import ForetellError
+from foretell.errors import GenerationError, ModelNotFound
 from foretell.sampling import Sampler, repetition_windows
 from foretell.tokenizer import Tokenizer
 
@@ -43,14 +43,6 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 Progress = Callable[[int, int], None]
 
 
-class ModelNotFound(ForetellError):
-    """``--model`` names neither a directory nor a shipped model."""
-
-
-class GenerationError(ForetellError):
-    """A request cannot be served as given (empty prompt, bad token ids, ...)."""
-
-
 # -- which model --------------------------------------------------------------------------
 
 
@@ -62,20 +54,19 @@ def shipped_models() -> list[str]:
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """A model directory from ``--model``: a directory as given, else a shipped model's name."""
+    """A model directory: a directory as given, else a shipped model's name."""
     name = os.fspath(model) if model is not None else DEFAULT_MODEL
     path = Path(name).expanduser()
     if path.is_dir():
         return path
     if path.exists():
-        raise ModelNotFound(f"--model {name}: is a file; give the model's directory")
+        raise ModelNotFound(name, "is a file; give the model's directory")
     shipped = shipped_models()
     if name in shipped:
         return DEMO_DIR / name
     listing = ", ".join(shipped) if shipped else "none are installed"
     raise ModelNotFound(
-        f"--model {name}: no such directory and no shipped model of that name "
-        f"(shipped models: {listing})"
+        name, f"no such directory and no shipped model of that name (shipped models: {listing})"
     )
 
 

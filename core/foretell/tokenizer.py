@@ -17,21 +17,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from foretell.errors import ForetellError, ModelLoadError
+from foretell.errors import ChatTemplateError, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: Files whose ``eos_token_id`` (an int or a list of ints) also ends generation.
 EOS_ID_FILES = ("config.json", "generation_config.json")
-
-
-class TokenizerError(ModelLoadError):
-    """A tokenizer file is missing, corrupt, or names a token its vocabulary lacks."""
-
-
-class ChatTemplateError(ForetellError):
-    """The chat template is invalid, or refused the conversation (``raise_exception``)."""
 
 
 # -- reading the model directory -----------------------------------------------------------

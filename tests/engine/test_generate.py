@@ -229,7 +229,7 @@ def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text("{}")
     monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
-    with pytest.raises(ModelNotFound, match=r"--model nope: .*shipped models: tiny"):
+    with pytest.raises(ModelNotFound, match=r"^model .nope.: .*shipped models: tiny"):
         resolve_model_path("nope")
 
 

@@ -18,17 +18,13 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from foretell.errors import ForetellError
+from foretell.errors import CodecError
 from foretell.kvcache import KVCache, RotatingKVCache
 from foretell.registry import Kind, Registry
 from foretell.store.entry import Entry, LayerHeader, LayerState
 
 Tensors = dict[str, mx.array]
 Meta = dict[str, Any]
-
-
-class CodecError(ForetellError):
-    """No codec (or more than one) handles a cache, or a stored layer names none loaded."""
 
 
 class CacheCodec(Protocol):

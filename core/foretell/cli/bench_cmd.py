@@ -6,13 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from foretell.errors import ForetellError
+from foretell.errors import BenchError
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class BenchError(ForetellError):
-    """The bench cannot run as asked (no model named, a side failed, ...)."""
 
 
 def add_parser(sub) -> None:
@@ -46,12 +42,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from foretell import bench
-    from foretell.generate import resolve_model_path
+    from foretell.cli.run_cmd import model_path
 
     for name in ("prompt_tokens", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
-    models = [(Path(m).name or m, resolve_model_path(m)) for m in args.model]
+    models = [(Path(m).name or m, model_path(m)) for m in args.model]
     cache_dir = args.cache_dir or bench.CACHE_DIR
     for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):
         from foretell.synthetic import QWEN3_PRESETS

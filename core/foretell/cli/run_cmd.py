@@ -133,11 +133,22 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool):
 
     blas.preload()  # before anything below imports mlx (docs/blas.md)
     from foretell.cli.progress import ProgressLine
-    from foretell.generate import load, resolve_model_path
+    from foretell.generate import load
 
-    path = resolve_model_path(model)  # a bad name fails before anything heavy
+    path = model_path(model)  # a bad name fails before anything heavy
     with ProgressLine.for_terminal(f"loading {path.name}", quiet=quiet) as bar:
         return load(path, registry=registry, progress=bar)
+
+
+def model_path(model: str | None, flag: str = "--model"):
+    """The model directory ``--model`` names; a bad name is an error naming the flag."""
+    from foretell.errors import ModelNotFound
+    from foretell.generate import resolve_model_path
+
+    try:
+        return resolve_model_path(model)
+    except ModelNotFound as exc:
+        raise ModelNotFound(exc.name, exc.reason, flag=flag) from None
 
 
 def read_prompt(value: str) -> str:

@@ -18,24 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from foretell.errors import ForetellError
+from foretell.errors import (  # noqa: F401 (defined there, raised by layouts)
+    CorruptEntry,
+    ForeignEntry,
+    StoreError,
+    UnknownVersion,
+)
 from foretell.store.entry import Entry, EntryHeader, StoreIdentity
-
-
-class StoreError(ForetellError):
-    """A storage layout cannot serve a request (bad root, damaged entry...)."""
-
-
-class CorruptEntry(StoreError):
-    """The stored bytes are damaged or not an entry at all: never serve them, delete them."""
-
-
-class UnknownVersion(StoreError):
-    """Written by another format version: skip it, leave it for the foretell that wrote it."""
-
-
-class ForeignEntry(StoreError):
-    """Intact, but written for another model, tokenizer or codec: never serve it."""
 
 
 @runtime_checkable
