@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from foretell.config import SamplingConfig
     from foretell.model import Model
     from foretell.registry import Registry
+    from foretell.spec import Speculator, Target
 
 #: Prompt tokens per prefill forward pass; bounds activation memory on long prompts.
 PREFILL_CHUNK = 2048
@@ -108,6 +109,8 @@ class Stats:
     generation_tps: float
     peak_memory_gb: float
     finish_reason: str
+    #: Drafting figures (drafter, drafted, accepted, ...) when the request speculated.
+    speculation: dict[str, Any] | None = None
     type: str = "stats"
 
     def to_dict(self) -> dict[str, Any]:
@@ -306,11 +309,48 @@ class Engine:
         *,
         registry: Registry | None = None,
         path: Path | None = None,
+        speculator: Speculator | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
         self.path = path
+        #: The drafter requests use by default (None: plain decoding); see :meth:`use_draft`.
+        self.speculator = speculator
+
+    @property
+    def target(self) -> Target:
+        from foretell.spec import Target
+
+        return Target(model=self.model, tokenizer=self.tokenizer, path=self.path,
+                      registry=self.registry)
+
+    def use_draft(
+        self,
+        kind: str | None,
+        options: Any = None,
+        *,
+        max_tokens: int = 4,
+        adaptive: bool = True,
+        acceptance: str = "rejection",
+    ) -> Speculator | None:
+        """Speculate with the draft provider registered as ``kind`` (None: stop speculating).
+
+        The pairing is checked and the draft weights are loaded now, once; every later
+        request uses them. ``options`` is an instance of the provider's config class.
+        """
+        if kind is None:
+            self.speculator = None
+            return None
+        from foretell.spec import make_speculator
+
+        if self.registry is None:
+            raise GenerationError("this engine has no plugin registry to find drafters in")
+        self.speculator = make_speculator(
+            self.registry, self.target, kind, options,
+            max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance,
+        )
+        return self.speculator
 
     # -- prompts --
 
@@ -361,6 +401,7 @@ class Engine:
         chat: bool | None = None,
         prefill_progress: Progress | None = None,
         ignore_eos: bool = False,
+        speculate: bool | Speculator = True,
     ) -> Iterator[Event]:
         """Stream a completion: :class:`TextEvent` s, then one :class:`Stats`.
 
@@ -371,6 +412,8 @@ class Engine:
         :param chat: apply the chat template to a text prompt (None: if the tokenizer has one).
         :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill chunk.
         :param ignore_eos: keep generating through EOS to ``max_tokens`` (benchmarks).
+        :param speculate: use the engine's drafter (True), decode plainly (False), or use
+            this :class:`~foretell.spec.Speculator`. Speculation never changes greedy output.
         """
         if max_tokens < 1:
             raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -378,7 +421,10 @@ class Engine:
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
         eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
-        return self._run(ids, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress, eos)
+        speculator = self.speculator if speculate is True else (speculate or None)
+        return self._run(
+            ids, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress, eos, speculator
+        )
 
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
         """The whole completion as one string; ``options`` as for :meth:`generate`."""
@@ -392,17 +438,30 @@ class Engine:
         stops: StopMatcher,
         progress: Progress | None,
         eos: frozenset[int],
+        speculator: Speculator | None = None,
     ) -> Iterator[Event]:
         # The clock starts when the caller first pulls, as mlx-lm's does.
         started = time.perf_counter()
         mx.reset_peak_memory()
         state = self._open_request(ids)
+        spec_stats = None
         with mx.stream(generation_stream()):
-            prefill(self.model, ids[state.cached : -1], state.caches, progress)
-            steps = plain_steps(self.model, state, sampler, max_tokens)
+            if speculator is None:
+                prefill(self.model, ids[state.cached : -1], state.caches, progress)
+                steps = plain_steps(self.model, state, sampler, max_tokens)
+            else:
+                from foretell.spec import SpeculationStats, speculative_steps
+
+                spec_stats = SpeculationStats(drafter=speculator.kind)
+                steps = speculative_steps(
+                    self.target, speculator, state, sampler, max_tokens, spec_stats, progress
+                )
             events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
             first_at = yield from events
-        yield self._stats(state, started, first_at)
+        stats = self._stats(state, started, first_at)
+        if spec_stats is not None:
+            stats = attrs.evolve(stats, speculation=spec_stats.to_dict())
+        yield stats
 
     def _open_request(self, ids: list[int]) -> RequestState:
         """The request's state, with caches holding as much of the prompt as is known.

@@ -296,6 +296,167 @@ class RotatingKVCache:
         return cache
 
 
+class SlidingKVCache:
+    """A sliding-window layer's keys and values that can roll back: the window plus a
+    rollback reserve, kept in time order.
+
+    The speculative verifier swaps these in for :class:`RotatingKVCache` (see
+    :func:`add_rollback_reserve`): a ring that wraps cannot undo rejected drafts, so a
+    sliding-window target would stop speculating after one window (mlx-lm #1914, #118).
+    Before each update the buffer keeps at least the newest ``window - 1 + reserve``
+    tokens, so after any updates adding up to ``reserve + 1`` tokens in all, those tokens can
+    be trimmed and every later query still sees its whole window. Tokens older than that
+    are dropped by compacting the buffer once every ``step`` tokens (one copy of the
+    window), never by overwriting in place.
+
+    Attention receives the newest ``min(held, window - 1)`` tokens before the new ones plus
+    the new ones, in time order; :meth:`mask` describes exactly those keys.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: int, reserve: int = 0) -> None:
+        if max_size < 1 or reserve < 0:
+            raise ValueError(
+                f"SlidingKVCache needs max_size >= 1 and reserve >= 0, got {max_size}, {reserve}"
+            )
+        self.max_size = max_size
+        self.reserve = reserve
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        #: Tokens held, the newest of the sequence, at ``keys[..., :held, :]``.
+        self.held = 0
+
+    @classmethod
+    def from_ring(cls, ring: RotatingKVCache, reserve: int) -> SlidingKVCache:
+        cache = cls(ring.max_size, reserve)
+        ordered = ring.ordered_state()
+        if ordered:
+            cache.keys, cache.values = ordered
+            cache.held = ordered[0].shape[2]
+        cache.offset = ring.offset
+        return cache
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = keys.shape[2]
+        if self.keys is None or self.held + n > self.keys.shape[2]:
+            self._compact(keys)
+        start, end = self.held, self.held + keys.shape[2]
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self.held = end
+        self.offset += n
+        first = start - min(start, self.max_size - 1)
+        return self.keys[..., first:end, :], self.values[..., first:end, :]
+
+    def _compact(self, new: mx.array) -> None:
+        """Move the tokens still needed to the front of a buffer with room for ``new``."""
+        keep = min(self.held, self.max_size - 1 + self.reserve)
+        capacity = -(-(keep + new.shape[2]) // self.step) * self.step + self.step
+        self.keys = _grow(self._newest(self.keys, keep), keep, new, capacity)
+        self.values = _grow(self._newest(self.values, keep), keep, new, capacity)
+        self.held = keep
+
+    def _newest(self, buffer: mx.array | None, keep: int) -> mx.array | None:
+        if buffer is None or keep == 0:
+            return None
+        return buffer[..., self.held - keep : self.held, :]
+
+    def mask(self, n_queries: int) -> Mask:
+        if n_queries == 1:
+            return None
+        prior = min(self.held, self.max_size - 1)
+        if prior + n_queries <= self.max_size:
+            return "causal"
+        return causal_mask(n_queries, prior, self.max_size)
+
+    # -- rollback ------------------------------------------------------------------------
+
+    def trimmable(self) -> int:
+        """How many of the newest tokens can be dropped with every later window intact."""
+        if self.held == self.offset:
+            return self.offset
+        return max(0, self.held - (self.max_size - 1))
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable() > 0 or self.offset == 0
+
+    def stays_trimmable(self, n: int) -> bool:
+        """Whether ``n`` more tokens (over one or more updates) could all be trimmed again:
+        compaction keeps ``window - 1 + reserve`` older tokens, so rounds of up to
+        ``reserve + 1``; any round while nothing has been dropped yet."""
+        return n <= self.reserve + 1 or self.offset + n <= self.max_size + self.reserve
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, self.trimmable()))
+        self.held -= n
+        self.offset -= n
+        return n
+
+    # -- inspection and snapshots --------------------------------------------------------
+
+    def size(self) -> int:
+        return self.held
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """``(keys, values)`` of the held tokens, oldest first; ``()`` when empty."""
+        if self.keys is None or self.held == 0:
+            return ()
+        return _view(self.keys, self.held), _view(self.values, self.held)
+
+    @state.setter
+    def state(self, state: tuple[mx.array, ...]) -> None:
+        if not state:
+            self.keys = self.values = None
+            self.held = 0
+            return
+        keys, values = state
+        self.held = keys.shape[2]
+        self.keys, self.values = _view(keys, self.held), _view(values, self.held)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return {"offset": self.offset, "max_size": self.max_size, "reserve": self.reserve,
+                "held": self.held}
+
+    @meta.setter
+    def meta(self, meta: dict[str, Any]) -> None:
+        offset, held = int(meta["offset"]), int(meta["held"])
+        stored = 0 if self.keys is None else self.keys.shape[2]
+        if stored != held or held > offset:
+            raise ValueError(f"SlidingKVCache meta {meta} does not fit a state of {stored} tokens")
+        self.offset, self.held = offset, held
+        self.max_size, self.reserve = int(meta["max_size"]), int(meta["reserve"])
+
+    @classmethod
+    def from_state(cls, state: tuple[mx.array, ...], meta: dict[str, Any]) -> SlidingKVCache:
+        cache = cls(int(meta["max_size"]), int(meta["reserve"]))
+        cache.state = state
+        cache.meta = meta
+        return cache
+
+
+def add_rollback_reserve(caches: list[Any], reserve: int) -> list[Any]:
+    """Let every sliding-window cache in ``caches`` roll back rounds of up to
+    ``reserve + 1`` tokens, in place (a ring becomes a :class:`SlidingKVCache` holding the
+    same tokens). Other caches are left as they are."""
+    for i, cache in enumerate(caches):
+        if type(cache) is RotatingKVCache:
+            caches[i] = SlidingKVCache.from_ring(cache, reserve)
+        elif type(cache) is SlidingKVCache and cache.reserve < reserve:
+            cache.reserve = reserve
+    return caches
+
+
 def can_trim(caches: list[Any]) -> bool:
     """Whether every cache of a sequence can roll back exactly."""
     return all(c.is_trimmable() for c in caches)

@@ -1,29 +1,64 @@
+import random
+
+import pytest
 from foretell_ngram import NgramConfig
 from foretell_ngram.lookup import NgramProvider
 
+from foretell.spec import Feed
+
+
+def _source(**config):
+    return NgramProvider(NgramConfig(**config)).open()
+
+
+def _draft(source, feed, n):
+    return source.draft(Feed(list(feed)), n).tokens[0].tolist()
+
 
 def test_proposes_what_followed_the_last_matching_ngram():
-    source = NgramProvider(NgramConfig(max_ngram=2)).open()
-    source.prefill([1, 2, 3, 4, 9, 1, 2])
-    assert source.draft([], 3) == [3, 4, 9]
+    source = _source(max_ngram=2)
+    source.prefill(Feed([1, 2, 3, 4, 9, 1, 2]))
+    assert _draft(source, [], 3) == [3, 4, 9]
 
 
 def test_prefers_the_longest_suffix_match():
-    source = NgramProvider(NgramConfig(max_ngram=3)).open()
-    source.prefill([5, 7, 1, 8, 6, 7, 2, 5, 7])
+    source = _source(max_ngram=3)
+    source.prefill(Feed([5, 7, 1, 8, 6, 7, 2, 5, 7]))
     # suffix [5, 7] occurred at the start, followed by 1; [7] alone matched later, followed by 2
-    assert source.draft([], 1) == [1]
+    assert _draft(source, [], 1) == [1]
 
 
 def test_feed_extends_history_and_no_match_drafts_nothing():
-    source = NgramProvider(NgramConfig()).open()
-    source.prefill([1, 2, 3])
-    assert source.draft([4], 2) == []
-    assert source.draft([1, 2], 2) == [3, 4]
+    source = _source()
+    source.prefill(Feed([1, 2, 3]))
+    assert _draft(source, [4], 2) == []
+    assert _draft(source, [1, 2], 2) == [3, 4]
+
+
+def _rescan(history, n, max_ngram, min_ngram):
+    """The definition: the latest earlier occurrence of the longest matching suffix."""
+    for size in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        suffix = history[-size:]
+        for start in range(len(history) - size - 1, -1, -1):
+            if history[start : start + size] == suffix:
+                return history[start + size : start + size + n]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_index_proposes_what_a_full_rescan_finds(seed):
+    rng = random.Random(seed)
+    max_ngram, min_ngram = rng.randint(1, 4), 1
+    source = _source(max_ngram=max_ngram, min_ngram=min_ngram)
+    history = [rng.randrange(6) for _ in range(rng.randint(1, 8))]
+    source.prefill(Feed(list(history)))
+    for _ in range(300):
+        feed = [rng.randrange(6) for _ in range(rng.randint(0, 3))]
+        history += feed
+        n = rng.randint(1, 5)
+        assert _draft(source, feed, n) == _rescan(history, n, max_ngram, min_ngram)
 
 
 def test_config_rejects_min_above_max():
-    import pytest
-
     with pytest.raises(ValueError, match="min_ngram"):
         NgramConfig(max_ngram=1, min_ngram=2)

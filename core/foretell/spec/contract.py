@@ -1,0 +1,127 @@
+"""The draft-source contract: what a draft provider plugin implements for the verifier.
+
+A *provider* (registered with ``foretell_register_draft_providers``) lives as long as the
+process and owns the draft weights. ``prepare(target)`` runs once per target, before any
+request: it checks the pairing (raising :class:`PairingError`, which names target, drafter
+and reason, before it allocates anything) and loads what it needs. ``open(target,
+sampler)`` returns a per-request :class:`DraftSource`.
+
+The verifier talks to a source in rounds. ``prefill(feed)`` hands it the prompt;
+``draft(feed, n)`` hands it the tokens the sequence gained since the last call and asks for
+up to ``n`` proposals; ``commit(accepted)`` says how many of them the target kept. Every
+token of the sequence arrives through a feed exactly once, the target's corrections
+included, so a source never has to guess what the sequence is.
+
+Shapes are ``[B, ...]`` (B = 1 today; batched per-row speculation keeps the contract).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+import mlx.core as mx
+
+from foretell.errors import DraftError, PairingError  # noqa: F401 (defined there, raised here)
+
+if TYPE_CHECKING:
+    from foretell.model import Model
+    from foretell.registry import Registry
+    from foretell.sampling import Sampler
+    from foretell.tokenizer import Tokenizer
+
+#: Capability ports a source may require of its target (``DraftProvider.requires``). Every
+#: :class:`~foretell.model.Model` offers ``embed``, ``logits`` and this one (its ``forward``
+#: returns hidden states); other ports, such as :data:`~foretell.model.PORT_MTP`, are listed
+#: in the model's ``capabilities``.
+PORT_HIDDEN = "hidden"  # the target's final-normed hidden states arrive in every Feed
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """What a provider learns about the model it drafts for."""
+
+    model: Model
+    tokenizer: Tokenizer
+    #: The model directory (a drafter may read files beside the weights, e.g. an MTP head).
+    path: Any = None
+    registry: Registry | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.path) if self.path is not None else self.model.model_type
+
+
+@attrs.frozen
+class Feed:
+    """Tokens the sequence gained since the source last heard, and what the target saw.
+
+    ``tokens`` are host ints. ``hidden`` is given only to sources that require
+    :data:`PORT_HIDDEN`: the target's final-normed hidden states ``[B, m, H]`` for the
+    newest positions the target has consumed. The target consumes every token but the
+    sequence's last, so across all feeds the hidden states cover the sequence minus its last
+    token: the prompt's feed has one state fewer than tokens, every later feed as many
+    states as tokens (``hidden[:, j]`` is the state that predicted ``tokens[j]``).
+    """
+
+    tokens: list[int]
+    hidden: mx.array | None = None
+
+
+@attrs.frozen
+class Draft:
+    """Proposed tokens ``[B, n]`` (n may be 0) and, for sampled drafting, the distributions
+    ``q`` ``[B, n, V]`` they were drawn from. ``q = None`` means each token was chosen
+    deterministically (its distribution is the point mass on it), as prompt lookup does."""
+
+    tokens: mx.array
+    q: mx.array | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[-1]
+
+    @classmethod
+    def of(cls, tokens: Sequence[int]) -> Draft:
+        return cls(mx.array([list(tokens)], dtype=mx.int32).reshape(1, len(tokens)))
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """One request's drafting state."""
+
+    def prefill(self, feed: Feed) -> None:
+        """The prompt, before the first round (``feed.tokens`` is the whole prompt)."""
+
+    def draft(self, feed: Feed, n: int) -> Draft:
+        """Take in ``feed`` and propose up to ``n`` tokens continuing the sequence. The
+        returned length is authoritative; 0 makes the round a plain decoding step."""
+
+    def commit(self, accepted: int) -> None:
+        """The target kept the first ``accepted`` proposals of the last draft; roll back the
+        rest of any state they built (they arrive again in the next feed, with the target's
+        own next token)."""
+
+    def close(self) -> None:
+        """The request ended; release per-request state."""
+
+
+@runtime_checkable
+class DraftProvider(Protocol):
+    """A drafter, for the life of the process."""
+
+    #: Ports required of the target (e.g. ``{PORT_HIDDEN, PORT_MTP}``).
+    requires: frozenset[str]
+
+    def prepare(self, target: Target) -> None:
+        """Check the pairing and load draft weights; called once per target."""
+
+    def open(self, target: Target, sampler: Sampler) -> DraftSource:
+        """A source for one request, drafting with ``sampler``'s settings."""
+
+
+def missing_ports(provider: Any, target: Target) -> frozenset[str]:
+    """Ports ``provider`` requires that ``target`` does not offer."""
+    offered = frozenset(target.model.capabilities) | {PORT_HIDDEN}
+    return frozenset(getattr(provider, "requires", frozenset())) - offered

@@ -1,0 +1,331 @@
+"""The one speculative verifier every drafter goes through.
+
+Each round: the draft source proposes up to ``k`` tokens after the pending token (the
+sequence's last, which the target has not consumed yet); one target forward over
+``[pending, drafts...]`` scores every position; the longest acceptable prefix of drafts is
+kept, plus one token the target chooses itself; caches roll back to exactly that. The
+target decides every token (DESIGN.md invariant 1):
+
+- greedy: a draft is kept while it equals the target's argmax, so the output is
+  token-identical to plain greedy decoding;
+- sampled, ``acceptance="rejection"`` (the default): draft ``d`` drawn from ``q`` is kept
+  with probability ``min(1, p(d) / q(d))``; at the first rejection the target's token is
+  drawn from ``max(p - q, 0)`` renormalized, and after a fully accepted draft from ``p``
+  (Leviathan et al. 2023, Chen et al. 2023). ``p`` is exactly the distribution plain
+  sampling draws from (:class:`~foretell.sampling.Sampler`), so the output distribution is
+  plain sampling's;
+- sampled, ``acceptance="token-match"``: the target samples each position itself and a draft
+  is kept while it equals that sample (mlx-lm's rule; also exact, accepts less).
+
+One host sync per round: the accepted count, the target's token and the drafts come back
+together. A round whose caches could not roll back (a wrapped ring without a reserve) is a
+plain step, so such a request degrades to plain decoding and never corrupts its state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+
+from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
+from foretell.sampling import RandomKeys, Sampler, repetition_windows
+from foretell.spec.contract import PORT_HIDDEN, DraftError, Feed, Target
+from foretell.spec.policy import DraftLengthPolicy
+
+if TYPE_CHECKING:
+    from foretell.generate import Progress, RequestState
+
+ACCEPTANCE_RULES = ("rejection", "token-match")
+
+
+@attrs.frozen(kw_only=True)
+class Speculator:
+    """A prepared draft provider and how the verifier uses it."""
+
+    kind: str
+    provider: Any
+    #: The most tokens drafted per round (``--num-draft-tokens``).
+    max_tokens: int = 4
+    #: Choose k per round from measured acceptance and cost; False drafts ``max_tokens``.
+    adaptive: bool = True
+    acceptance: str = attrs.field(default="rejection", validator=attrs.validators.in_(ACCEPTANCE_RULES))
+    #: Who contributed the provider, for error messages.
+    origin: str = ""
+
+    @property
+    def wants_hidden(self) -> bool:
+        return PORT_HIDDEN in frozenset(getattr(self.provider, "requires", ()))
+
+    def label(self) -> str:
+        return f"draft provider '{self.kind}'" + (f" from {self.origin}" if self.origin else "")
+
+
+@attrs.define
+class SpeculationStats:
+    """What ``--json`` reports under ``speculation``."""
+
+    drafter: str
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    produced: int = 0
+    k_total: int = 0
+    offered_at: list[int] = attrs.Factory(list)
+    accepted_at: list[int] = attrs.Factory(list)
+
+    def record(self, k: int, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.target_forwards += 1
+        self.k_total += k
+        self.drafted += drafted
+        self.accepted += accepted
+        self.produced += accepted + 1
+        while len(self.offered_at) < drafted:
+            self.offered_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.offered_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "drafter": self.drafter,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            "acceptance_by_position": [
+                a / o if o else 0.0 for a, o in zip(self.accepted_at, self.offered_at)
+            ],
+            "target_forwards": self.target_forwards,
+            "tokens_per_target_forward": (
+                self.produced / self.target_forwards if self.target_forwards else 0.0
+            ),
+            "mean_k": self.k_total / self.rounds if self.rounds else 0.0,
+        }
+
+
+def speculative_steps(
+    target: Target,
+    speculator: Speculator,
+    state: RequestState,
+    sampler: Sampler,
+    limit: int,
+    stats: SpeculationStats,
+    progress: Progress | None = None,
+) -> Iterator[list[int]]:
+    """Prefill both sides, then yield each round's tokens (accepted drafts + the target's)."""
+    from foretell.generate import plain_steps, prefill
+
+    model = target.model
+    wants_hidden = speculator.wants_hidden
+    prompt = state.prompt
+    # Sliding-window layers keep enough history to undo a round (invariant 3).
+    add_rollback_reserve(state.caches, speculator.max_tokens)
+    hidden = prefill(model, prompt[state.cached : -1], state.caches, progress, keep_hidden=wants_hidden)
+    if wants_hidden and state.cached:
+        # The prefix cache restores the target's KV, not the hidden states this drafter
+        # reads over the prompt: this request decodes plainly (correct, just not faster).
+        yield from plain_steps(model, state, sampler, limit)
+        return
+    source = _call(speculator, "open", speculator.provider.open, target, sampler)
+    try:
+        _call(speculator, "prefill", source.prefill, Feed(list(prompt), hidden))
+        yield from _rounds(model, speculator, source, state, sampler, limit, stats)
+    finally:
+        _call(speculator, "close", source.close)
+
+
+def _rounds(
+    model: Any,
+    speculator: Speculator,
+    source: Any,
+    state: RequestState,
+    sampler: Sampler,
+    limit: int,
+    stats: SpeculationStats,
+) -> Iterator[list[int]]:
+    caches = state.caches
+    policy = DraftLengthPolicy(speculator.max_tokens, adaptive=speculator.adaptive)
+    keys = sampler.keys()
+    size = sampler.window
+    wants_hidden = speculator.wants_hidden
+    token_match = speculator.acceptance == "token-match"
+    sequence = state.prompt + state.generated
+    recent = sequence[-size:] if size else []
+    pending = sequence[-1]
+    feed_tokens: list[int] = []
+    feed_hidden: list[mx.array] = []
+    produced = 0
+    last = time.perf_counter()
+    while produced < limit:
+        # Drafting past max_tokens is wasted; drafting past what the caches can undo is unsafe.
+        k = policy.choose(limit - produced - 1)
+        if k and not stay_trimmable(caches, k + 1):
+            k = 0
+        draft = None
+        if k:
+            feed = Feed(feed_tokens, _join(feed_hidden) if wants_hidden else None)
+            draft = _call(speculator, "draft", source.draft, feed, k)
+            feed_tokens, feed_hidden = [], []
+            if draft.size > k:
+                raise DraftError(f"{speculator.label()} proposed {draft.size} tokens; asked for {k}")
+            if draft.size == 0:
+                _call(speculator, "commit", source.commit, 0)
+                draft = None
+        n = 0 if draft is None else draft.size
+        window = mx.array([[pending]], dtype=mx.int32)
+        if draft is not None:
+            window = mx.concatenate([window, draft.tokens.astype(mx.int32)], axis=1)
+        hidden, _ = model.forward(window, caches)
+        logits = model.logits(hidden)[0]  # [n + 1, V]
+        context = mx.array(recent, dtype=mx.int32) if size else None
+        drafts = window[0, 1:]
+        windows = repetition_windows(context, drafts, size) if size else None
+        scores = sampler.scores(logits, windows)
+        key = keys.next() if keys is not None else None
+        if sampler.greedy or token_match:
+            accepted, chosen = _match(sampler, scores, drafts, key)
+        else:
+            accepted, chosen = _reject(sampler, scores, drafts, draft.q if draft else None, key)
+        # The one host sync of the round.
+        values = mx.concatenate([accepted.reshape(1), chosen.reshape(1), drafts]).tolist()
+        a, token = values[0], values[1]
+        kept = values[2 : 2 + a] + [token]
+        if n:
+            trim_all(caches, n - a)
+            _call(speculator, "commit", source.commit, a)
+        now = time.perf_counter()
+        policy.observe(n, a, now - last)
+        last = now
+        stats.record(k, n, a)
+        feed_tokens.extend(kept)
+        if wants_hidden:
+            feed_hidden.append(hidden[:, : a + 1])
+        if size:
+            recent = (recent + kept)[-size:]
+        pending = token
+        produced += len(kept)
+        state.generated.extend(kept)
+        yield kept
+        if stats.rounds % 256 == 0:
+            mx.clear_cache()
+
+
+def _match(
+    sampler: Sampler, scores: mx.array, drafts: mx.array, key: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """Keep drafts while they equal the target's own choice (its argmax when greedy)."""
+    chosen = sampler.sample(scores, key)  # [n + 1]
+    accepted = _prefix_length(drafts == chosen[:-1])
+    return accepted, chosen[accepted]
+
+
+def _reject(
+    sampler: Sampler, scores: mx.array, drafts: mx.array, q: mx.array | None, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Rejection sampling: keep draft i with probability min(1, p_i(d_i) / q_i(d_i))."""
+    p = sampler.probabilities(scores)  # [n + 1, V]
+    n, vocab = drafts.size, p.shape[-1]
+    accept_key, resample_key = mx.random.split(key)
+    rows = mx.arange(n)
+    p_d = p[rows, drafts]
+    if q is None:  # deterministic drafts: q is the point mass on each
+        q_rows = (mx.arange(vocab)[None, :] == drafts[:, None]).astype(p.dtype)
+    else:
+        q_rows = q[0].astype(p.dtype)
+    q_d = q_rows[rows, drafts]
+    u = mx.random.uniform(shape=(n,), key=accept_key)
+    accepted = _prefix_length(u * q_d < p_d)
+    # After a full acceptance the extra token comes from p itself (q is zero there).
+    q_next = mx.concatenate([q_rows, mx.zeros((1, vocab), p.dtype)])[accepted]
+    p_next = p[accepted]
+    residual = mx.maximum(p_next - q_next, 0.0)
+    residual = mx.where(mx.sum(residual) > 0, residual, p_next)
+    chosen = mx.random.categorical(mx.log(residual), key=resample_key).astype(mx.int32)
+    return accepted, chosen
+
+
+def _prefix_length(ok: mx.array) -> mx.array:
+    return mx.sum(mx.cumprod(ok.astype(mx.int32))).astype(mx.int32)
+
+
+def _join(parts: list[mx.array]) -> mx.array | None:
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def _call(speculator: Speculator, what: str, fn: Any, *args: Any) -> Any:
+    """Call into the drafter plugin; its failure ends this request with its name on it."""
+    try:
+        return fn(*args)
+    except DraftError:
+        raise
+    except Exception as exc:
+        raise DraftError(
+            f"{speculator.label()} failed in {what}(): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def draft_keys(sampler: Sampler) -> RandomKeys | None:
+    """A random stream for a drafter's own sampling, independent of the verifier's draws
+    (sharing them would correlate acceptance with the draft and bias the output)."""
+    if sampler.greedy:
+        return None
+    seed = sampler.config.seed
+    return RandomKeys(None if seed is None else (seed * 2654435761 + 97) % (1 << 63))
+
+
+def make_speculator(
+    registry: Any,
+    target: Target,
+    kind: str,
+    options: Any = None,
+    *,
+    max_tokens: int = 4,
+    adaptive: bool = True,
+    acceptance: str = "rejection",
+) -> Speculator:
+    """Build, check and prepare the draft provider registered as ``kind`` for ``target``.
+
+    A pairing that cannot work is refused here, before any draft weights are allocated.
+    """
+    from foretell.registry import Kind
+    from foretell.spec.contract import PairingError, missing_ports
+
+    contribution = registry.get(Kind.DRAFT, kind)
+    factory = contribution.load()
+    origin = contribution.origin.describe()
+    if options is None and contribution.config is not None:
+        options = contribution.config()
+    try:
+        provider = factory(options) if contribution.config is not None else factory()
+    except Exception as exc:
+        raise DraftError(
+            f"draft provider '{kind}' from {origin}: cannot be built: {type(exc).__name__}: {exc}"
+        ) from exc
+    missing = missing_ports(provider, target)
+    if missing:
+        raise PairingError(
+            f"draft provider '{kind}' cannot draft for target {target.name}: it needs "
+            f"{', '.join(sorted(missing))}, which the target ({target.model.model_type}) "
+            "does not offer"
+        )
+    speculator = Speculator(
+        kind=kind, provider=provider, max_tokens=max_tokens, adaptive=adaptive,
+        acceptance=acceptance, origin=origin,
+    )
+    try:
+        provider.prepare(target)
+    except (PairingError, DraftError):
+        raise
+    except Exception as exc:
+        raise DraftError(
+            f"{speculator.label()} failed in prepare(): {type(exc).__name__}: {exc}"
+        ) from exc
+    return speculator

@@ -1,0 +1,111 @@
+"""The two-model draft source: a small model of the target's vocabulary proposes tokens.
+
+The draft model keeps its own caches, always holding the sequence minus its newest token
+plus whatever it fed while drafting; ``commit`` trims that back to the accepted drafts.
+Drafting chains ``n`` forwards lazily, so the drafts, the target's verify forward and the
+acceptance test evaluate as one graph with one host sync (the verifier's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from foretell.generate import prefill, resolve_model_path
+from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
+from foretell.spec import Draft, Feed, PairingError, Target, draft_keys
+from foretell.tokenizer import Tokenizer
+
+#: Tokens one round may add to the draft's caches beyond the sequence (the verifier's cap).
+ROUND_RESERVE = 16
+
+
+class TwoModelProvider:
+    requires = frozenset()
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.path: Path | None = None
+        self.model: Any = None
+
+    def prepare(self, target: Target) -> None:
+        from foretell.loading import load_model, read_config
+
+        path = resolve_model_path(self.config.model)
+        config = read_config(path)
+        where = f"draft model {path} for target {target.name}"
+        if config.get("vocab_size") != target.model.vocab_size:
+            raise PairingError(
+                f"{where}: vocabularies differ (draft {config.get('vocab_size')} tokens, "
+                f"target {target.model.vocab_size}); a draft must share the target's tokenizer"
+            )
+        draft_vocab = Tokenizer.from_dir(path).backend.get_vocab(with_added_tokens=True)
+        if draft_vocab != target.tokenizer.backend.get_vocab(with_added_tokens=True):
+            raise PairingError(
+                f"{where}: tokenizers differ (same size, different tokens); a draft must "
+                "share the target's tokenizer"
+            )
+        if target.registry is None:
+            raise PairingError(f"{where}: no plugin registry to build the draft model with")
+        self.model = load_model(path, target.registry)
+        self.path = path
+
+    def open(self, target: Target, sampler: Any) -> TwoModelSource:
+        return TwoModelSource(self.model, sampler)
+
+
+class TwoModelSource:
+    def __init__(self, model: Any, sampler: Any):
+        self.model = model
+        self.sampler = sampler
+        self.keys = draft_keys(sampler)
+        self.caches = model.make_caches()
+        add_rollback_reserve(self.caches, ROUND_RESERVE)
+        self.sequence: list[int] = []
+        #: Tokens of ``sequence`` the caches hold (never its last, which heads the next draft).
+        self.fed = 0
+        self._drafted = 0
+
+    def prefill(self, feed: Feed) -> None:
+        self.sequence.extend(feed.tokens)
+        prefill(self.model, self.sequence[:-1], self.caches)
+        self.fed = len(self.sequence) - 1
+
+    def draft(self, feed: Feed, n: int) -> Draft:
+        self.sequence.extend(feed.tokens)
+        todo = self.sequence[self.fed :]
+        if len(todo) > 1:  # catching up after plain rounds: these tokens never roll back
+            self.model.forward(mx.array([todo[:-1]], dtype=mx.int32), self.caches)
+        if not stay_trimmable(self.caches, n):
+            self._drafted = 0
+            return Draft.of([])  # a cache that could not roll back: the target steps alone
+        sampler = self.sampler
+        x = mx.array([todo[-1:]], dtype=mx.int32)
+        tokens, dists = [], []
+        for _ in range(n):
+            hidden, _ = self.model.forward(x, self.caches)
+            scores = sampler.scores(self.model.logits(hidden[:, -1, :]))
+            if sampler.greedy:
+                token = mx.argmax(scores, axis=-1).astype(mx.int32)
+            else:
+                token = sampler.sample(scores, self.keys.next())
+                dists.append(sampler.probabilities(scores))
+            tokens.append(token)
+            x = token[:, None]
+        # The last draft was not fed: the caches hold the sequence plus n - 1 drafts.
+        self.fed = len(self.sequence) + n - 1
+        self._drafted = n
+        q = mx.stack(dists, axis=1) if dists else None
+        return Draft(mx.stack(tokens, axis=1), q)
+
+    def commit(self, accepted: int) -> None:
+        fed_drafts = max(self._drafted - 1, 0)
+        keep = min(accepted, fed_drafts)
+        trim_all(self.caches, fed_drafts - keep)
+        self.fed = len(self.sequence) + keep
+        self._drafted = 0
+
+    def close(self) -> None:
+        self.caches = []
