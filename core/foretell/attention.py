@@ -50,4 +50,8 @@ def attend(
     queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
 ) -> mx.array:
     """Fused attention over ``[B, heads, L, dim]`` arrays (grouped KV heads allowed)."""
+    if isinstance(keys, tuple):  # affine-quantized KV: (packed, scales, biases)
+        from foretell.cache.quantized import quantized_attend
+
+        return quantized_attend(queries, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

@@ -19,6 +19,16 @@ def foretell_register_cache_codecs(register):
         "foretell.cache.codecs:RotatingKVCodec",
         summary="sliding-window ring cache; trimmable only before it wraps",
     )
+    register(
+        "quantized-kv",
+        "foretell.cache.quantized:QuantizedKVCodec",
+        summary="affine-quantized KV cache (4/8-bit, groups along head_dim; --kv-bits)",
+    )
+    register(
+        "generation",
+        "foretell.cache.checkpoint:GenerationCodec",
+        summary="where an in-flight generation stood (crash-resumable checkpoints)",
+    )
 
 
 @hookimpl

@@ -1,0 +1,124 @@
+"""Writes to the SSD tier off the decode path: a byte-capped queue drained by one worker
+thread, and the durability report ``flush()`` gives.
+
+The queue holds snapshots whose arrays are already evaluated (the request thread evaluates
+them before submitting), so the worker only copies bytes to disk and never runs MLX work.
+Over the byte cap the *oldest* queued snapshot not yet being written is dropped (invariant
+10): a newer state of a conversation is worth more than an older one. Dropped and failed
+writes are counted and reported, never forgotten: "durable" is claimed only when nothing is
+pending, dropped or failed (invariant 9).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from foretell.store.entry import Entry
+
+log = logging.getLogger("foretell.cache")
+
+Done = Callable[[Entry, str], None]  # outcome: "stored", "failed" or "dropped"
+
+
+@attrs.frozen(kw_only=True)
+class FlushReport:
+    """What ``flush`` found: durable only if every stored state is on disk."""
+
+    durable: bool
+    #: Snapshots still queued or being written when the wait ended.
+    pending: int
+    #: States that were dropped from the queue or failed to write and are not on disk.
+    dropped: int
+    failed: int
+    #: States no longer held anywhere that could be written (evicted from RAM, not on disk).
+    missing: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+class SpillQueue:
+    """A serial writer thread fed through a queue bounded in bytes."""
+
+    def __init__(self, write: Callable[[Entry], bool], max_bytes: int, on_done: Done):
+        self._write = write
+        self._on_done = on_done
+        self.max_bytes = max_bytes
+        self._queue: deque[Entry] = deque()
+        self._queued_bytes = 0
+        self._in_flight: Entry | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.dropped = 0
+
+    def submit(self, entry: Entry) -> None:
+        """Queue ``entry`` for writing; drops the oldest queued ones if over the byte cap."""
+        dropped = []
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the spill queue is closed")
+            self._queue.append(entry)
+            self._queued_bytes += entry.tensor_bytes
+            while self._queued_bytes > self.max_bytes and len(self._queue) > 1:
+                old = self._queue.popleft()
+                self._queued_bytes -= old.tensor_bytes
+                dropped.append(old)
+            self.dropped += len(dropped)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="foretell-spill",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        for old in dropped:
+            self._on_done(old, "dropped")
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + (self._in_flight is not None)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued snapshot has been written (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._in_flight is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish what is queued (bounded by ``timeout``), then stop the worker."""
+        drained = self.drain(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        return drained
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                entry = self._queue.popleft()
+                self._queued_bytes -= entry.tensor_bytes
+                self._in_flight = entry
+            try:
+                outcome = "stored" if self._write(entry) else "failed"
+            except Exception:  # the cold tier never takes serving down (invariant 9)
+                log.exception("cache spill write failed")
+                outcome = "failed"
+            self._on_done(entry, outcome)
+            with self._cond:
+                self._in_flight = None
+                self._cond.notify_all()

@@ -1,0 +1,182 @@
+"""The SSD tier's index and policy over any storage layout.
+
+The layout stores and verifies bytes (:class:`foretell.store.layout.StorageLayout`); this
+index decides: which stored entry serves a prompt (the same :func:`usable_length` as RAM),
+which entries a new one supersedes (:func:`can_serve`, so the restart-0 defect cannot
+return), and what is evicted to keep stored bytes under the cap (least recently used,
+bytes not counts: invariant 10).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from foretell.cache.codecs import (
+    CacheCodec,
+    CodecError,
+    entry_minimum_reusable_offset,
+    entry_trimmable,
+)
+from foretell.cache.prefix import can_serve, usable_length
+from foretell.store.entry import Entry, EntryHeader
+from foretell.store.layout import StorageLayout
+
+log = logging.getLogger("foretell.cache")
+
+
+@attrs.frozen
+class Stored:
+    """An indexed entry: its header plus the reuse facts its codecs give."""
+
+    header: EntryHeader
+    trimmable: bool
+    min_offset: int
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.header.tokens
+
+
+class SsdIndex:
+    """Lookup, supersession and the byte cap for one layout; safe across threads."""
+
+    def __init__(self, layout: StorageLayout, codecs: Sequence[CacheCodec], max_bytes: int):
+        self.layout = layout
+        self.codecs = list(codecs)
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()
+        self._index: dict[str, Stored] = {}
+        self.restores = 0
+        self.restore_failures = 0
+        self.writes = 0
+        self.evictions = 0
+
+    # -- the index --------------------------------------------------------------------------
+
+    def scan(self) -> list[Stored]:
+        """Rebuild the index from the layout (reaps orphans, drops corrupt files)."""
+        headers = self.layout.scan()
+        self.layout.collect()
+        with self._lock:
+            self._index = {}
+            for header in headers:
+                self._add(header)
+            stored = list(self._index.values())
+        self._evict_to_cap(keep=())
+        return stored
+
+    def _add(self, header: EntryHeader) -> Stored | None:
+        try:
+            stored = Stored(header, entry_trimmable(header.layers, self.codecs),
+                            entry_minimum_reusable_offset(header.layers, self.codecs))
+        except CodecError:  # the layout checked providers; a codec may still refuse meta
+            return None
+        self._index[header.key] = stored
+        return stored
+
+    def entries(self) -> list[Stored]:
+        with self._lock:
+            return sorted(self._index.values(), key=lambda s: s.header.last_used)
+
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(s.header.nbytes for s in self._index.values())
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def find(self, prompt: Sequence[int], namespace: str) -> tuple[Stored | None, int]:
+        """The stored entry serving the most of ``prompt`` (index only, no bytes read)."""
+        best, length = None, 0
+        with self._lock:
+            for stored in self._index.values():
+                if stored.header.namespace != namespace:
+                    continue
+                n = usable_length(prompt, stored.tokens, trimmable=stored.trimmable,
+                                  min_offset=stored.min_offset)
+                if n > length:
+                    best, length = stored, n
+        return best, length
+
+    def in_namespace(self, namespace: str) -> list[Stored]:
+        """Every entry of one namespace (a generation's checkpoints), oldest first."""
+        return [s for s in self.entries() if s.header.namespace == namespace]
+
+    def find_exact(self, tokens: Sequence[int], namespace: str) -> Stored | None:
+        """The entry holding exactly ``tokens`` (a known session's checkpoint)."""
+        key = self.layout.key_for(tokens, namespace)
+        with self._lock:
+            stored = self._index.get(key)
+        return stored if stored is not None and stored.tokens == tuple(tokens) else None
+
+    def covers(self, tokens: Sequence[int], namespace: str) -> bool:
+        """Whether some stored entry can restore exactly ``tokens``."""
+        with self._lock:
+            return any(
+                s.header.namespace == namespace and can_serve(
+                    s.tokens, trimmable=s.trimmable, min_offset=s.min_offset, old_tokens=tokens)
+                for s in self._index.values())
+
+    def read(self, stored: Stored) -> Entry | None:
+        """The entry's bytes, verified by the layout; a failed read drops it from the index."""
+        entry = self.layout.read(stored.header.key)
+        with self._lock:
+            if entry is None:
+                self.restore_failures += 1
+                self._index.pop(stored.header.key, None)
+            else:
+                self.restores += 1
+                self._index[stored.header.key] = attrs.evolve(
+                    stored, header=attrs.evolve(stored.header, last_used=time.time()))
+        return entry
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def write(self, entry: Entry) -> bool:
+        """Store ``entry``; supersede what it can serve; evict to the cap. True if durable."""
+        if entry.tensor_bytes > self.max_bytes:
+            log.info("cache entry of %d bytes exceeds the SSD cap of %d; not stored",
+                     entry.tensor_bytes, self.max_bytes)
+            return False
+        durable = self.layout.write(entry)
+        key = self.layout.key_for(entry.tokens, entry.namespace)
+        header = next((h for h in self.layout.headers() if h.key == key), None)
+        if header is None:
+            return False
+        with self._lock:
+            self.writes += 1
+            new = self._add(header)
+            if new is None:
+                return durable
+            for old_key, old in list(self._index.items()):
+                if old_key != key and old.header.namespace == entry.namespace and can_serve(
+                        new.tokens, trimmable=new.trimmable, min_offset=new.min_offset,
+                        old_tokens=old.tokens):
+                    self._remove(old_key)
+        self._evict_to_cap(keep=(key,))
+        return durable
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        self._index.pop(key, None)
+        self.layout.remove(key)
+
+    def _evict_to_cap(self, keep: Sequence[str]) -> None:
+        with self._lock:
+            total = sum(s.header.nbytes for s in self._index.values())
+            for stored in sorted(self._index.values(), key=lambda s: s.header.last_used):
+                if total <= self.max_bytes:
+                    break
+                if stored.header.key in keep:
+                    continue
+                self._remove(stored.header.key)
+                total -= stored.header.nbytes
+                self.evictions += 1
+

@@ -1,0 +1,268 @@
+"""The cache tier: the one object the engine asks for a prompt's prefix and hands states to.
+
+    tier = CacheTier.open("~/.cache/foretell", model_dir, codecs=codecs)
+    engine = Engine(model, tokenizer, cache=tier)   # engines of one model may share a tier
+
+RAM first (:mod:`foretell.cache.prefix`), then the SSD index (:mod:`foretell.cache.ssd`),
+which wins only with a strictly longer usable prefix; a restored entry is promoted into RAM.
+Every stored state goes to RAM at once and to disk through the spill queue
+(:mod:`foretell.cache.spill`, write-behind on a worker thread). ``flush`` is the durability
+coordinator: it waits for the queue, rewrites from RAM what was dropped or failed, and says
+"durable" only when every stored state is on disk. Disk trouble never stops generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from foretell.cache.codecs import CacheCodec, restore_caches, snapshot_entry
+from foretell.cache.prefix import PrefixCache
+from foretell.cache.spill import FlushReport, SpillQueue
+from foretell.cache.ssd import SsdIndex
+from foretell.kvcache import trim_all
+from foretell.store.entry import Entry, StoreIdentity
+from foretell.store.layout import StorageLayout
+
+log = logging.getLogger("foretell.cache")
+
+GiB = 1 << 30
+DEFAULT_RAM_BYTES = 4 * GiB
+DEFAULT_SSD_BYTES = 32 * GiB
+DEFAULT_SPILL_BYTES = 2 * GiB
+
+Key = tuple[str, tuple[int, ...]]
+
+
+@attrs.frozen
+class Reuse:
+    """What a lookup found: caches holding the first ``tokens`` prompt tokens, and where
+    they came from (``"ram"``, ``"ssd"``; ``None`` and no caches on a miss)."""
+
+    caches: list[Any] | None
+    tokens: int
+    tier: str | None
+
+
+class CacheTier:
+    """RAM prefix cache + optional SSD tier with write-behind and truthful durability."""
+
+    def __init__(
+        self,
+        codecs: Sequence[CacheCodec],
+        *,
+        ram_bytes: int = DEFAULT_RAM_BYTES,
+        layout: StorageLayout | None = None,
+        ssd_bytes: int = DEFAULT_SSD_BYTES,
+        spill_bytes: int = DEFAULT_SPILL_BYTES,
+    ):
+        self.codecs = list(codecs)
+        self.ram = PrefixCache(self.codecs, ram_bytes)
+        self.ssd = SsdIndex(layout, self.codecs, ssd_bytes) if layout is not None else None
+        self._spill = (SpillQueue(self._write, spill_bytes, self._written)
+                       if self.ssd is not None else None)
+        self._lock = threading.Lock()
+        #: States handed to ``store`` and not yet known to be on disk.
+        self._dirty: dict[Key, str] = {}
+        self._failed = 0
+        #: Checkpoint namespaces whose generation finished: late writes there are removed.
+        self._finished: set[str] = set()
+        self.ssd_hits = 0
+        if self.ssd is not None:
+            self.ssd.scan()
+
+    @classmethod
+    def open(
+        cls,
+        cache_dir: str | Path,
+        model_dir: str | Path,
+        *,
+        codecs: Sequence[CacheCodec],
+        model_id: str | None = None,
+        kv_scheme: str = "plain",
+        layout: Callable[..., StorageLayout] | None = None,
+        layout_config: Any = None,
+        **caps: int,
+    ) -> CacheTier:
+        """A tier over ``cache_dir`` for the model in ``model_dir`` (its config fingerprint
+        and tokenizer hash name whose entries are served). ``layout`` is a layout class
+        (default: the single-file layout); ``caps``: ``ram_bytes``, ``ssd_bytes``,
+        ``spill_bytes``."""
+        from foretell.store.single_file import SingleFileLayout
+
+        model_dir = Path(model_dir)
+        identity = StoreIdentity.for_model_dir(
+            model_dir, model_id=model_id or model_dir.name, kv_scheme=kv_scheme,
+            codec_providers=[c.provider_id for c in codecs])
+        factory = layout or SingleFileLayout
+        store = factory(Path(cache_dir).expanduser(), layout_config, identity=identity)
+        return cls(codecs, layout=store, **caps)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, prompt: Sequence[int], namespace: str = "") -> Reuse:
+        """Caches (fresh clones, trimmed to the match) holding the longest usable prefix of
+        ``prompt``; the SSD tier is read only when it serves strictly more than RAM."""
+        entry, length = self.ram.best(prompt, namespace)
+        while self.ssd is not None:
+            stored, disk_length = self.ssd.find(prompt, namespace)
+            if stored is None or disk_length <= length:
+                break
+            restored = self.ssd.read(stored)
+            if restored is None:
+                continue  # damaged: the layout deleted it and the index dropped it; next best
+            self.ssd_hits += 1
+            caches = restore_caches(restored, self.codecs)
+            promoted = self.ram.adopt(restored.tokens, caches, namespace)
+            if promoted is not None:
+                return Reuse(self.ram.take(promoted, disk_length), disk_length, "ssd")
+            trim_all(caches, len(restored.tokens) - disk_length)
+            return Reuse(caches, disk_length, "ssd")
+        if entry is None:
+            self.ram.misses += 1
+            return Reuse(None, 0, None)
+        self.ram.hits += 1
+        return Reuse(self.ram.take(entry, length), length, "ram")
+
+    # -- storing ----------------------------------------------------------------------------
+
+    def store(self, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> None:
+        """Keep the state of ``caches`` after ``tokens`` in RAM now and on disk soon (the
+        caller keeps using its caches: everything held is a zero-copy clone)."""
+        tokens = tuple(tokens)
+        entry = self.ram.put(tokens, caches, namespace)
+        if self._spill is None:
+            return
+        if not entry:
+            log.debug("cache entry of %d tokens is larger than the RAM cap", len(tokens))
+        self.persist(snapshot_entry(tokens, caches, self.codecs, namespace))
+
+    def persist(self, entry: Entry) -> None:
+        """Queue ``entry`` for the SSD tier (no RAM copy): generation checkpoints."""
+        if self._spill is None:
+            return
+        # The worker must never run MLX work: slice views are evaluated here, on the owner.
+        mx.eval([t for layer in entry.layers for t in layer.tensors.values()])
+        with self._lock:
+            self._dirty[(entry.namespace, entry.tokens)] = entry.namespace
+        self._spill.submit(entry)
+
+    def _write(self, entry: Entry) -> bool:
+        return self.ssd.write(entry)
+
+    def _written(self, entry: Entry, outcome: str) -> None:
+        key = (entry.namespace, entry.tokens)
+        with self._lock:
+            if outcome == "stored":
+                self._dirty.pop(key, None)
+            elif outcome == "failed":
+                self._failed += 1
+            finished = entry.namespace in self._finished
+        if outcome == "stored" and self.ssd is not None:
+            if finished:
+                self.ssd.remove(self.ssd.layout.key_for(entry.tokens, entry.namespace))
+            elif entry.namespace.startswith(CHECKPOINT_PREFIX):
+                self._supersede_checkpoints(entry)
+
+    # -- generation checkpoints ---------------------------------------------------------------
+
+    def checkpoints(self, namespace: str) -> list[Any]:
+        """Stored checkpoints of one generation, oldest first (index only)."""
+        return [] if self.ssd is None else self.ssd.in_namespace(namespace)
+
+    def read(self, stored: Any) -> Entry | None:
+        return None if self.ssd is None else self.ssd.read(stored)
+
+    def discard(self, namespace: str) -> None:
+        """The generation of ``namespace`` completed: delete its checkpoints, now and late."""
+        with self._lock:
+            self._finished.add(namespace)
+            for key in [k for k in self._dirty if k[0] == namespace]:
+                del self._dirty[key]
+        for stored in self.checkpoints(namespace):
+            self.ssd.remove(stored.header.key)
+
+    def _supersede_checkpoints(self, entry: Entry) -> None:
+        # Only after the newer one is on disk: a crash before that keeps the prior point.
+        for stored in self.ssd.in_namespace(entry.namespace):
+            if len(stored.tokens) < len(entry.tokens):
+                self.ssd.remove(stored.header.key)
+
+    # -- durability ---------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> FlushReport:
+        """Wait (up to ``timeout`` seconds) until every stored state is on disk.
+
+        Dropped or failed writes are retried from RAM; a state that is neither in RAM nor
+        covered on disk is ``missing``. ``durable`` only when nothing is left.
+        """
+        if self._spill is None:
+            return FlushReport(durable=False, pending=0, dropped=0, failed=0, missing=0)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        drained = self._spill.drain(timeout)
+        missing = 0
+        for namespace, tokens in self._dirty_keys() if drained else []:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if self.ssd.covers(tokens, namespace):
+                self._clean((namespace, tokens))
+                continue
+            donor = next((e for e in self.ram.entries()
+                          if e.namespace == namespace and e.tokens == tokens), None)
+            if donor is None:
+                missing += 1
+                continue
+            entry = snapshot_entry(tokens, donor.caches, self.codecs, namespace)
+            if self.ssd.write(entry):
+                self._clean((namespace, tokens))
+        with self._lock:
+            left = len(self._dirty)
+            failed = self._failed
+            self._failed = 0
+        pending = self._spill.pending()
+        dropped = self._spill.dropped
+        self._spill.dropped = 0
+        return FlushReport(durable=drained and left == 0 and pending == 0, pending=pending,
+                           dropped=dropped, failed=failed, missing=missing)
+
+    def close(self, timeout: float | None = None) -> FlushReport:
+        """Flush (bounded) and stop the spill worker."""
+        report = self.flush(timeout)
+        if self._spill is not None:
+            self._spill.close(0)
+        return report
+
+    def _dirty_keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._dirty)
+
+    def _clean(self, key: Key) -> None:
+        with self._lock:
+            self._dirty.pop(key, None)
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        ram = {"entries": len(self.ram), "bytes": self.ram.bytes(), "max_bytes": self.ram.max_bytes,
+               "hits": self.ram.hits, "misses": self.ram.misses, "evictions": self.ram.evictions}
+        out: dict[str, Any] = {"ram": ram}
+        if self.ssd is not None:
+            out["ssd"] = {
+                "entries": len(self.ssd.entries()), "bytes": self.ssd.bytes(),
+                "max_bytes": self.ssd.max_bytes, "hits": self.ssd_hits,
+                "restores": self.ssd.restores, "restore_failures": self.ssd.restore_failures,
+                "writes": self.ssd.writes, "evictions": self.ssd.evictions,
+                "io_failures": self.ssd.layout.io_failures, "pending": self._spill.pending(),
+            }
+        return out
+
+
+#: Namespaces of in-flight generation checkpoints start with this; they never seed prompts.
+CHECKPOINT_PREFIX = "generation:"

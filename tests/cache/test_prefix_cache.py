@@ -1,0 +1,159 @@
+"""The RAM prefix cache: longest usable prefix capped at len(prompt) - 1, zero-copy clones
+that never change the donor, supersession only by entries that can serve the ancestor
+(the restart-0 defect), and a byte cap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cachefill import feed, filled_kv, filled_rotating
+
+from foretell.cache.prefix import PrefixCache, can_serve, usable_length
+
+WINDOW = 16
+
+
+def host(a):
+    return np.asarray(a)
+
+
+def kv_entry(n):
+    return [filled_kv(n)]
+
+
+def ring_entry(n):
+    return [filled_kv(n), filled_rotating(n, max_size=WINDOW)]
+
+
+@pytest.fixture
+def ram(codecs):
+    return PrefixCache(codecs, max_bytes=1 << 30)
+
+
+def test_an_identical_prompt_reuses_all_but_its_last_token(ram):
+    ram.put(range(20), kv_entry(20))
+    caches, n = ram.lookup(list(range(20)))
+    assert n == 19 and caches[0].offset == 19
+
+
+def test_the_longest_usable_prefix_wins(ram):
+    ram.put(range(5), kv_entry(5))
+    ram.put([*range(12), 99], kv_entry(13))
+    caches, n = ram.lookup([*range(12), 7, 8])
+    assert n == 12 and caches[0].offset == 12
+
+
+def test_a_clone_trimmed_to_the_match_holds_the_donors_values(ram):
+    donor = kv_entry(20)
+    ram.put(range(20), donor)
+    caches, n = ram.lookup([*range(10), 55, 56])
+    assert n == 10
+    np.testing.assert_array_equal(host(caches[0].state[0]), host(donor[0].state[0][..., :10, :]))
+
+
+def test_extending_a_handed_out_clone_never_changes_the_stored_entry(ram):
+    ram.put(range(20), kv_entry(20))
+    stored = host(ram.entries()[0].caches[0].state[0])
+    caches, _ = ram.lookup([*range(10), 55, 56])
+    feed(caches[0], 30, seed=7)
+    again, n = ram.lookup([*range(20), 1])
+    assert n == 20
+    np.testing.assert_array_equal(host(again[0].state[0]), stored)
+
+
+def test_the_callers_caches_going_on_never_change_the_stored_entry(ram):
+    caches = kv_entry(20)
+    ram.put(range(20), caches)
+    stored = host(ram.entries()[0].caches[0].state[0])
+    caches[0].trim(5)
+    feed(caches[0], 5, seed=9)
+    np.testing.assert_array_equal(host(ram.entries()[0].caches[0].state[0]), stored)
+
+
+def test_a_wrapped_ring_serves_only_its_exact_length(ram):
+    ram.put(range(20), ring_entry(20))  # 20 tokens through a 16-token window: wrapped
+    assert ram.lookup([*range(15), 99])[1] == 0
+    assert ram.lookup([*range(20), 99])[1] == 20
+
+
+def test_restart_0_an_untrimmable_longer_entry_never_displaces_the_prompt_snapshot(ram):
+    prompt = list(range(12))
+    ram.put(prompt, ring_entry(12))  # the prompt snapshot, inside the window: trimmable
+    ram.put([*prompt, *range(100, 108)], ring_entry(20))  # prompt + reply: wrapped
+    assert len(ram) == 2
+    # The next turn re-encodes the reply differently: only the snapshot can serve it.
+    caches, n = ram.lookup([*prompt, 100, 555, 556])
+    assert n == 12 and [c.offset for c in caches] == [12, 12]
+
+
+def test_restart_0_an_untrimmable_longer_entry_never_outranks_a_usable_one(ram):
+    ram.put([*range(20)], ring_entry(20))
+    ram.put(range(10), ring_entry(10))
+    assert ram.lookup([*range(14), 99])[1] == 10
+
+
+def test_a_trimmable_longer_entry_supersedes_its_ancestors(ram):
+    ram.put(range(8), kv_entry(8))
+    ram.put(range(16), kv_entry(16))
+    assert [e.tokens for e in ram.entries()] == [tuple(range(16))]
+    assert ram.lookup([*range(8), 99])[1] == 8
+
+
+def test_an_exact_duplicate_is_replaced_even_when_untrimmable(ram):
+    ram.put(range(20), ring_entry(20))
+    ram.put(range(20), ring_entry(20))
+    assert len(ram) == 1
+
+
+def test_namespaces_never_serve_each_other(ram):
+    ram.put(range(10), kv_entry(10), namespace="mtp/plain")
+    assert ram.lookup([*range(10), 1], namespace="plain/plain")[1] == 0
+    assert ram.lookup([*range(10), 1], namespace="mtp/plain")[1] == 10
+
+
+def test_the_byte_cap_evicts_least_recently_used_by_bytes(codecs):
+    size = PrefixCache(codecs, 1 << 30)
+    size.put(range(100, 110), kv_entry(10))
+    unit = size.bytes()
+    ram = PrefixCache(codecs, max_bytes=3 * unit)
+    ram.put(range(0, 10), kv_entry(10))       # oldest
+    ram.put(range(20, 30), kv_entry(10))
+    ram.lookup([*range(0, 10), 1])             # the oldest becomes the most recent
+    ram.put(range(40, 60), kv_entry(20))       # two units: one entry must go
+    kept = {e.tokens[0] for e in ram.entries()}
+    assert kept == {0, 40} and ram.bytes() <= ram.max_bytes
+
+
+def test_an_entry_larger_than_the_cap_is_not_kept(codecs):
+    ram = PrefixCache(codecs, max_bytes=100)
+    assert ram.put(range(10), kv_entry(10)) is False and len(ram) == 0
+
+
+def test_caches_that_do_not_hold_the_tokens_are_refused(ram):
+    with pytest.raises(ValueError, match="tokens"):
+        ram.put(range(9), kv_entry(10))
+
+
+@pytest.mark.parametrize("prompt,tokens,trimmable,floor,expected", [
+    ([1, 2, 3], [1, 2, 3], True, 0, 2),       # capped at len - 1
+    ([1, 2, 3, 4], [1, 2, 3], False, 3, 3),    # exact entry, untrimmable: fine
+    ([1, 2, 9, 9], [1, 2, 3], False, 3, 0),    # would need a trim
+    ([1, 2, 9, 9], [1, 2, 3], True, 3, 0),     # below the minimum reusable offset
+    ([1, 2, 9, 9], [1, 2, 3], True, 2, 2),
+    ([9, 2, 3], [1, 2, 3], True, 0, 0),
+])
+def test_usable_length(prompt, tokens, trimmable, floor, expected):
+    assert usable_length(prompt, tokens, trimmable=trimmable, min_offset=floor) == expected
+
+
+def test_can_serve_requires_a_prefix_and_a_trim_that_reaches_it():
+    assert can_serve([1, 2, 3], trimmable=True, min_offset=0, old_tokens=[1, 2])
+    assert not can_serve([1, 2, 3], trimmable=False, min_offset=3, old_tokens=[1, 2])
+    assert not can_serve([1, 2, 3], trimmable=True, min_offset=3, old_tokens=[1, 2])
+    assert can_serve([1, 2, 3], trimmable=False, min_offset=3, old_tokens=[1, 2, 3])
+    assert not can_serve([1, 5, 3], trimmable=True, min_offset=0, old_tokens=[1, 2])
+
+
+def test_an_empty_prompt_tail_gets_nothing(ram):
+    ram.put(range(10), kv_entry(10))
+    assert ram.lookup([0])[1] == 0

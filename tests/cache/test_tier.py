@@ -1,0 +1,224 @@
+"""The cache tier: RAM first, the SSD tier when it serves strictly more, restores promoted
+into RAM, write-behind through a byte-capped spill queue, a byte-capped SSD tier with the
+same supersession rules, and a flush that says "durable" only when it is true."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+from cachefill import filled_kv, filled_rotating
+
+from foretell.cache.tier import CacheTier
+from foretell.store.single_file import SingleFileLayout
+
+
+def host(a):
+    return np.asarray(a)
+
+
+@pytest.fixture
+def layout(tmp_path, identity):
+    return SingleFileLayout(tmp_path, identity=identity)
+
+
+def tier_over(layout, codecs, **caps):
+    fresh = SingleFileLayout(layout.directory.parent, identity=layout.identity)
+    return CacheTier(codecs, layout=fresh, **caps)
+
+
+def stored_tier(layout, codecs, tokens, caches, **caps):
+    tier = tier_over(layout, codecs, **caps)
+    tier.store(tokens, caches)
+    assert tier.flush(10).durable
+    return tier
+
+
+def test_a_fresh_process_restores_from_disk_what_an_earlier_one_stored(layout, codecs):
+    caches = [filled_kv(20), filled_rotating(12, max_size=16)]
+    first = stored_tier(layout, codecs, range(12), [filled_kv(12), caches[1]])
+    first.close()
+    reuse = tier_over(layout, codecs).lookup([*range(12), 5])
+    assert (reuse.tokens, reuse.tier) == (12, "ssd")
+    np.testing.assert_array_equal(host(reuse.caches[1].state[0]), host(caches[1].state[0]))
+
+
+def test_a_restored_entry_is_promoted_into_ram(layout, codecs):
+    stored_tier(layout, codecs, range(12), [filled_kv(12)]).close()
+    tier = tier_over(layout, codecs)
+    assert tier.lookup([*range(12), 5]).tier == "ssd"
+    assert tier.lookup([*range(12), 6]).tier == "ram"
+
+
+def test_the_ssd_tier_is_read_only_when_it_serves_strictly_more(layout, codecs):
+    stored_tier(layout, codecs, range(12), [filled_kv(12)]).close()
+    tier = tier_over(layout, codecs)
+    tier.ram.put(range(12), [filled_kv(12)])
+    assert tier.lookup([*range(12), 5]).tier == "ram"
+    assert tier.ssd.restores == 0
+
+
+def test_restart_0_on_disk_an_untrimmable_longer_entry_keeps_the_prompt_snapshot(layout, codecs):
+    tier = tier_over(layout, codecs)
+    tier.store(range(12), [filled_kv(12), filled_rotating(12, max_size=16)])
+    tier.store([*range(12), *range(100, 108)], [filled_kv(20), filled_rotating(20, max_size=16)])
+    assert tier.flush(10).durable
+    tier.close()
+    fresh = tier_over(layout, codecs)
+    assert len(fresh.ssd.entries()) == 2
+    reuse = fresh.lookup([*range(12), 100, 555])
+    assert (reuse.tokens, reuse.tier) == (12, "ssd")
+
+
+def test_on_disk_a_trimmable_longer_entry_supersedes_its_ancestor(layout, codecs):
+    tier = tier_over(layout, codecs)
+    tier.store(range(8), [filled_kv(8)])
+    tier.store(range(16), [filled_kv(16)])
+    assert tier.flush(10).durable
+    assert [s.tokens for s in tier.ssd.entries()] == [tuple(range(16))]
+
+
+def test_the_ssd_cap_evicts_least_recently_used_by_bytes(layout, codecs):
+    probe = stored_tier(layout, codecs, range(500, 516), [filled_kv(16)])
+    unit = probe.ssd.bytes()
+    probe.ssd.remove(probe.ssd.entries()[0].header.key)
+    tier = tier_over(layout, codecs, ssd_bytes=2 * unit + unit // 2)
+    for i in range(4):
+        tier.store(range(100 * i, 100 * i + 16), [filled_kv(16)])
+        tier.flush(10)
+        assert tier.ssd.bytes() <= tier.ssd.max_bytes
+    assert [s.tokens[0] for s in tier.ssd.entries()] == [200, 300]
+
+
+def test_an_entry_larger_than_the_ssd_cap_is_not_written(layout, codecs):
+    tier = tier_over(layout, codecs, ssd_bytes=100)
+    tier.store(range(16), [filled_kv(16)])
+    report = tier.flush(10)
+    assert not report.durable and tier.ssd.entries() == []
+    assert tier.lookup([*range(16), 1]).tier == "ram"  # RAM still serves it
+
+
+def test_a_corrupt_file_is_never_served_and_the_next_best_entry_is(layout, codecs, caplog):
+    tier = tier_over(layout, codecs)
+    tier.store(range(8), [filled_kv(8), filled_rotating(8, max_size=8)])
+    tier.store(range(16), [filled_kv(16), filled_rotating(16, max_size=8)])  # wrapped: both kept
+    assert tier.flush(10).durable
+    tier.close()
+    longest = max(tier.ssd.entries(), key=lambda s: len(s.tokens))
+    path = layout.path(longest.header.key)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40
+    path.write_bytes(bytes(raw))
+    fresh = tier_over(layout, codecs)
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        reuse = fresh.lookup([*range(16), 1])
+    assert (reuse.tokens, reuse.tier) == (8, "ssd")  # the damaged longer entry is skipped
+    assert not path.exists() and sum("corrupt" in r.message for r in caplog.records) == 1
+
+
+def test_flush_reports_durable_once_everything_is_on_disk(layout, codecs):
+    tier = tier_over(layout, codecs)
+    for i in range(3):
+        tier.store(range(10 * i, 10 * i + 5), [filled_kv(5)])
+    report = tier.flush(10)
+    assert report.durable and report.pending == report.dropped == report.failed == 0
+    assert len(tier_over(layout, codecs).ssd.entries()) == 3
+
+
+def test_a_full_disk_warns_once_keeps_serving_and_is_never_called_durable(
+        layout, codecs, monkeypatch, caplog):
+    tier = tier_over(layout, codecs)
+
+    def full(*_args, **_kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            tier.store(range(10 * i, 10 * i + 5), [filled_kv(5)])
+        report = tier.flush(10)
+    assert not report.durable and report.failed >= 3
+    assert sum("disk full" in r.message for r in caplog.records) == 1
+    assert tier.lookup([*range(5), 1]).tier == "ram"
+
+
+def test_a_read_only_cache_directory_keeps_serving_from_ram(tmp_path, identity, codecs, caplog,
+                                                           monkeypatch):
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o500)
+    if os.access(root, os.W_OK):  # root ignores permissions: make the filesystem say it
+        real_open = os.open
+
+        def read_only(path, flags, *args):
+            if flags & os.O_CREAT:
+                raise OSError(errno.EROFS, "Read-only file system")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", read_only)
+    try:
+        tier = CacheTier(codecs, layout=SingleFileLayout(root, identity=identity))
+        with caplog.at_level(logging.WARNING):
+            for i in range(3):
+                tier.store(range(10 * i, 10 * i + 5), [filled_kv(5)])
+            assert not tier.flush(10).durable
+        assert tier.lookup([*range(5), 1]).tier == "ram"
+        assert sum("disk full or unwritable" in r.message for r in caplog.records) == 1
+    finally:
+        root.chmod(0o700)
+
+
+def test_dropped_spills_are_rewritten_from_ram_by_flush(layout, codecs, monkeypatch):
+    tier = tier_over(layout, codecs, spill_bytes=1)  # every queued snapshot but the newest drops
+    gate = threading.Event()
+    real_write = tier.ssd.write
+
+    def slow_write(entry):
+        gate.wait(10)
+        return real_write(entry)
+
+    monkeypatch.setattr(tier.ssd, "write", slow_write)
+    for i in range(4):
+        tier.store(range(10 * i, 10 * i + 5), [filled_kv(5)])
+    assert tier._spill.dropped >= 1
+    gate.set()
+    report = tier.flush(10)
+    assert report.durable and report.dropped >= 1
+    assert len(tier.ssd.entries()) == 4
+
+
+def test_a_dropped_spill_no_longer_in_ram_is_reported_missing(layout, codecs, monkeypatch):
+    tier = tier_over(layout, codecs, spill_bytes=1)
+    gate = threading.Event()
+    real_write = tier.ssd.write
+    monkeypatch.setattr(tier.ssd, "write", lambda e: gate.wait(10) and real_write(e))
+    for i in range(3):
+        tier.store(range(10 * i, 10 * i + 5), [filled_kv(5)])
+    tier.ram.clear()
+    gate.set()
+    report = tier.flush(10)
+    assert not report.durable and report.missing >= 1
+
+
+def test_flush_is_bounded_by_its_timeout(layout, codecs, monkeypatch):
+    tier = tier_over(layout, codecs)
+    gate = threading.Event()
+    monkeypatch.setattr(tier.ssd, "write", lambda e: gate.wait(10))
+    tier.store(range(5), [filled_kv(5)])
+    report = tier.flush(0.2)
+    gate.set()
+    assert not report.durable and report.pending == 1
+
+
+def test_foreign_entries_in_the_directory_are_never_served(layout, codecs, identity):
+    import attrs
+
+    other = attrs.evolve(identity, tokenizer_hash="another-tokenizer")
+    writer = CacheTier(codecs, layout=SingleFileLayout(layout.directory.parent, identity=other))
+    writer.store(range(12), [filled_kv(12)])
+    assert writer.flush(10).durable
+    assert tier_over(layout, codecs).lookup([*range(12), 1]).tier is None
