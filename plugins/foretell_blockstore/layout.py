@@ -1,0 +1,560 @@
+"""The ``blocks`` storage layout: entries as manifests over shared, content-named blocks.
+
+On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v1/``::
+
+    entries/<key>.safetensors   one manifest per entry (a tensor-less safetensors file)
+    data/<sha256>.blk           one block: rows of a token range, every layer back to back
+    lock                        flock(2) target: writers shared, collect() exclusive
+
+Rules kept (DESIGN.md §4): a block is written tmp → fsync → rename and never rewritten
+once it exists; the manifest lands the same way only after every block it lists is durable
+(so no crash leaves a manifest with a missing block); every read verifies the manifest hash
+and every block's size and CRC-32 before an array is returned, and drops an entry it cannot
+verify with one warning (7, 8); I/O failures warn once per outage and never raise (9);
+``bytes()`` counts each unique block once (10). ``collect()`` deletes blocks no manifest
+lists while holding the directory's lock exclusively, and a writer holds it shared from its
+first block to its manifest's rename, so a concurrent writer's blocks are never collected
+(docs/block-store.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from foretell.store import format as fmt
+from foretell.store.entry import (
+    Entry,
+    EntryHeader,
+    LayerHeader,
+    LayerState,
+    StoreIdentity,
+    entry_key,
+)
+from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
+from foretell.store.single_file import full_fsync, unlink_quietly
+from foretell_blockstore import manifest as mf
+
+log = logging.getLogger("foretell.store")
+
+SUFFIX = ".safetensors"
+BLOCK_SUFFIX = ".blk"
+#: entry_key's format version for this layout (keys never collide with another format's).
+KEY_VERSION = 101
+#: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
+_IOV_MAX = 1024
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        from foretell.config import FieldError  # cattrs only on failure
+
+        raise FieldError(attribute.name, f"must be a whole number >= 1, got {value!r}")
+
+
+def _non_negative(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        from foretell.config import FieldError
+
+        raise FieldError(attribute.name, f"must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class BlockStoreConfig:
+    """``[cache]`` options of the ``blocks`` layout."""
+
+    block_tokens: int = attrs.field(
+        default=256, validator=_positive,
+        metadata={"help": "tokens (rows) per block; entries sharing a prefix share whole "
+                          "blocks of this many tokens"},
+    )
+    lock_timeout_s: float = attrs.field(
+        default=5.0, validator=_non_negative,
+        metadata={"help": "how long collect() waits for in-flight writes before skipping "
+                          "a round"},
+    )
+
+
+@attrs.frozen
+class Usage:
+    """What ``foretell cache stats`` shows for this layout."""
+
+    entries: int
+    blocks: int
+    #: Bytes the entries would take stored whole (each manifest plus all its blocks).
+    logical_bytes: int
+    #: Bytes on disk of what the entries use: manifests plus each unique block once.
+    disk_bytes: int
+    #: Bytes of block files no indexed entry uses (other processes' entries, or garbage
+    #: until the next collect()).
+    unreferenced_bytes: int
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.logical_bytes / self.disk_bytes if self.disk_bytes else 1.0
+
+
+@attrs.frozen
+class _Indexed:
+    header: EntryHeader
+    manifest_bytes: int
+    blocks: tuple[mf.BlockRef, ...]
+
+
+class BlockStoreLayout:
+    """One model's entries under ``root``; safe to share between threads and processes.
+    Conforms to :class:`foretell.store.layout.StorageLayout`."""
+
+    def __init__(self, root: str | Path, config: BlockStoreConfig | None = None, *,
+                 identity: StoreIdentity):
+        self.config = config if config is not None else BlockStoreConfig()
+        self.identity = identity
+        self.directory = Path(root) / identity.directory / "blocks-v1"
+        self.entries_dir = self.directory / "entries"
+        self.data_dir = self.directory / "data"
+        self._index: dict[str, _Indexed] | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+        #: I/O failures since this layout opened (disk full, unwritable, read-only...).
+        self.io_failures = 0
+        #: Block bytes this layout wrote / found already stored (the benchmark reads them).
+        self.bytes_written = 0
+        self.bytes_reused = 0
+
+    # -- keys and paths ----------------------------------------------------------------
+
+    def key_for(self, tokens: Sequence[int], namespace: str = "") -> str:
+        return entry_key(self.identity, namespace, tokens, KEY_VERSION)
+
+    def path(self, key: str) -> Path:
+        return self.entries_dir / f"{key}{SUFFIX}"
+
+    def block_path(self, block_id: str) -> Path:
+        return self.data_dir / f"{block_id}{BLOCK_SUFFIX}"
+
+    # -- the layout contract -------------------------------------------------------------
+
+    def write(self, entry: Entry) -> bool:
+        """Store ``entry``: its new blocks, then its manifest, each atomically. True only
+        once the manifest is durable; an I/O failure warns once and returns False."""
+        key = self.key_for(entry.tokens, entry.namespace)
+        groups = mf.plan_groups(entry)
+        rows = self.config.block_tokens
+        tmp = self.entries_dir / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with self._flock(exclusive=False):
+                self.entries_dir.mkdir(parents=True, exist_ok=True)
+                self.data_dir.mkdir(parents=True, exist_ok=True)
+                listed, wrote = [], False
+                for group in groups:
+                    refs = []
+                    for begin, end in group.spans(rows):
+                        data = mf.block_bytes(entry, group, begin, end)
+                        ref = mf.block_ref(data)
+                        wrote |= self._store_block(ref, data)
+                        refs.append(ref)
+                        del data
+                    listed.append((group, refs))
+                if wrote:  # the blocks' names are durable before a manifest can list them
+                    _fsync_dir(self.data_dir)
+                raw = mf.render(entry, self.identity, rows, time.time(), listed)
+                _write_durably(tmp, raw)
+                os.replace(tmp, self.path(key))
+                _fsync_dir(self.entries_dir)
+                stat = os.stat(self.path(key))
+        except OSError as exc:
+            unlink_quietly(tmp)
+            self._io_failed(exc, f"write cache entry {key}")
+            return False
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
+        blocks = tuple(ref for _g, refs in listed for ref in refs)
+        indexed = _Indexed(
+            header=EntryHeader(
+                key=key, tokens=tuple(entry.tokens), namespace=entry.namespace,
+                layers=tuple(LayerHeader(codec=la.codec, provider=la.provider,
+                                         meta=json.loads(json.dumps(dict(la.meta))))
+                             for la in entry.layers),
+                nbytes=stat.st_size + sum(r.nbytes for r in blocks), last_used=stat.st_mtime),
+            manifest_bytes=stat.st_size, blocks=blocks)
+        with self._lock:
+            if self._index is not None:
+                self._index[key] = indexed
+        self._warned = False
+        return True
+
+    def read(self, key: str) -> Entry | None:
+        """The entry under ``key`` assembled from its blocks, each verified; None when
+        absent, foreign, of another version, or damaged (then dropped with one warning)."""
+        path = self.path(key)
+        try:
+            manifest = self._load_manifest(key)
+            layers = self._assemble(manifest)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except _BadBlock as bad:
+            self._drop(key, bad.reason, bad_block=bad.block_id)
+            return None
+        except CorruptEntry as exc:
+            self._drop(key, str(exc))
+            return None
+        except (UnknownVersion, ForeignEntry) as exc:
+            log.debug("cache entry %s skipped: %s", path, exc)
+            self._forget(key)
+            return None
+        except OSError as exc:
+            log.warning("cannot read cache entry %s: %s", path, exc)
+            return None
+        try:
+            os.utime(path)  # last use drives the tier's eviction, and survives restarts
+            last_used = os.stat(path).st_mtime
+        except OSError:
+            last_used = time.time()
+        with self._lock:
+            if self._index is not None and key in self._index:
+                found = self._index[key]
+                self._index[key] = attrs.evolve(
+                    found, header=attrs.evolve(found.header, last_used=last_used))
+        return Entry(tokens=manifest.tokens, layers=layers, namespace=manifest.namespace)
+
+    def scan(self) -> list[EntryHeader]:
+        """Rebuild the index from manifests (no block bytes are read): drops entries whose
+        manifest is corrupt or whose blocks are missing, skips foreign ones, and reaps
+        interrupted writes when no write is in flight. Least recently used first."""
+        self._reap_interrupted_writes()
+        found: dict[str, _Indexed] = {}
+        for name in self._listdir(self.entries_dir):
+            if not name.endswith(SUFFIX):
+                continue
+            key = name[: -len(SUFFIX)]
+            try:
+                manifest = self._load_manifest(key)
+                stat = os.stat(self.path(key))
+                missing = next((r.id for r in manifest.blocks
+                                if not os.path.exists(self.block_path(r.id))), None)
+                if missing is not None:
+                    raise _BadBlock(missing, f"block {missing[:16]} is missing")
+            except FileNotFoundError:
+                continue
+            except _BadBlock as bad:
+                self._drop(key, bad.reason)
+                continue
+            except CorruptEntry as exc:
+                self._drop(key, str(exc))
+                continue
+            except (UnknownVersion, ForeignEntry) as exc:
+                log.debug("cache entry %s skipped: %s", self.path(key), exc)
+                continue
+            except OSError as exc:
+                log.warning("cannot read cache entry %s: %s", self.path(key), exc)
+                continue
+            found[key] = _Indexed(
+                header=EntryHeader(key=key, tokens=manifest.tokens,
+                                   namespace=manifest.namespace, layers=manifest.layers,
+                                   nbytes=stat.st_size + manifest.tensor_bytes,
+                                   last_used=stat.st_mtime),
+                manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks))
+        with self._lock:
+            self._index = found
+        return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
+
+    def headers(self) -> list[EntryHeader]:
+        """The index, least recently used first (scans once if it was never built)."""
+        return sorted((i.header for i in self._indexed()), key=lambda h: h.last_used)
+
+    def __iter__(self) -> Iterator[EntryHeader]:
+        return iter(self.headers())
+
+    def __len__(self) -> int:
+        return len(self._indexed())
+
+    def remove(self, key: str) -> bool:
+        """Delete the entry's manifest; its blocks go at the next ``collect()`` unless
+        another entry lists them."""
+        self._forget(key)
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._io_failed(exc, f"delete cache entry {key}")
+            return False
+        return True
+
+    def collect(self) -> int:
+        """Delete blocks no manifest in the directory lists (this identity's or another's)
+        and interrupted writes; returns bytes freed. Waits up to ``lock_timeout_s`` for
+        in-flight writes to finish, else frees nothing this round."""
+        try:
+            with self._flock(exclusive=True, timeout=self.config.lock_timeout_s):
+                freed = self._reap_tmp_files()
+                live = self._live_blocks()
+                if live is None:
+                    return freed
+                for name in self._listdir(self.data_dir):
+                    if name.endswith(BLOCK_SUFFIX) and name[: -len(BLOCK_SUFFIX)] not in live:
+                        freed += _unlink_counting(self.data_dir / name)
+                return freed
+        except _LockBusy:
+            log.info("block store %s is busy with writes; collect() skipped this round",
+                     self.directory)
+            return 0
+        except OSError as exc:
+            log.warning("cannot collect unused blocks in %s: %s", self.directory, exc)
+            return 0
+
+    def bytes(self) -> int:
+        """Bytes on disk of the entries this layout serves: manifests plus each block they
+        use counted once."""
+        indexed = self._indexed()
+        unique = {ref.id: ref.nbytes for i in indexed for ref in i.blocks}
+        return sum(i.manifest_bytes for i in indexed) + sum(unique.values())
+
+    def usage(self) -> Usage:
+        """Logical vs on-disk bytes of the indexed entries, and unreferenced block bytes."""
+        indexed = self._indexed()
+        unique = {ref.id: ref.nbytes for i in indexed for ref in i.blocks}
+        on_disk = 0
+        for name in self._listdir(self.data_dir):
+            if name.endswith(BLOCK_SUFFIX) and name[: -len(BLOCK_SUFFIX)] not in unique:
+                with contextlib.suppress(OSError):
+                    on_disk += os.stat(self.data_dir / name).st_size
+        return Usage(entries=len(indexed), blocks=len(unique),
+                     logical_bytes=sum(i.header.nbytes for i in indexed),
+                     disk_bytes=sum(i.manifest_bytes for i in indexed) + sum(unique.values()),
+                     unreferenced_bytes=on_disk)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _store_block(self, ref: mf.BlockRef, data: Any) -> bool:
+        """Write one block unless it exists (it is never rewritten); True if written."""
+        final = self.block_path(ref.id)
+        if os.path.exists(final):
+            self.bytes_reused += ref.nbytes
+            return False
+        tmp = self.data_dir / f"{ref.id}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            _write_durably(tmp, data)
+            os.replace(tmp, final)  # a racing writer of the same id wrote the same bytes
+        except BaseException:
+            unlink_quietly(tmp)
+            raise
+        self.bytes_written += ref.nbytes
+        return True
+
+    def _load_manifest(self, key: str) -> mf.Manifest:
+        with open(self.path(key), "rb") as fh:
+            raw = fh.read()
+        manifest = mf.parse(raw)
+        fmt.check_identity(manifest.fields, self.identity)
+        # A renamed or copied manifest must not answer for a prompt it does not hold.
+        if self.key_for(manifest.tokens, manifest.namespace) != key:
+            raise CorruptEntry("its name does not match the tokens it holds")
+        return manifest
+
+    def _assemble(self, manifest: mf.Manifest) -> list[LayerState]:
+        import numpy as np
+
+        hosts = {}
+        for group, refs in manifest.groups:
+            for spec in group.tensors:
+                hosts[(spec.layer, spec.name)] = mf.host_buffer(spec)
+            for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
+                _read_block(self.block_path(ref.id), ref,
+                            mf.destinations(group, begin, end, hosts))
+        layers = []
+        for index, (layer, table) in enumerate(zip(manifest.layers,
+                                                   manifest.fields["layers"])):
+            tensors = {}
+            for name, tensor in table["tensors"].items():
+                spec = mf.TensorSpec(index, name, tensor["dtype"], tuple(tensor["shape"]))
+                buffer = hosts.get((index, name), np.empty(0, dtype=np.uint8))
+                tensors[name] = mf.to_array(buffer, spec)
+            layers.append(LayerState(codec=layer.codec, provider=layer.provider,
+                                     meta=layer.meta, tensors=tensors))
+        return layers
+
+    def _drop(self, key: str, reason: str, *, bad_block: str | None = None) -> None:
+        """Never serve this entry again: delete its manifest (and a damaged block, which
+        would otherwise be reused by every later write of the same bytes)."""
+        path = self.path(key)
+        self._forget(key)
+        if not path.exists():
+            return  # removed meanwhile (evicted, then its blocks collected): nothing to say
+        log.warning("cache entry %s dropped: %s", path, reason)
+        unlink_quietly(path)
+        if bad_block is not None and "missing" not in reason:
+            unlink_quietly(self.block_path(bad_block))
+
+    def _live_blocks(self) -> set[str] | None:
+        """Ids of every block a manifest in the directory lists, foreign identities
+        included; None if some manifest cannot be read (then nothing may be deleted)."""
+        live: set[str] = set()
+        for name in self._listdir(self.entries_dir):
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                raw = (self.entries_dir / name).read_bytes()
+                live.update(ref.id for ref in mf.parse(raw).blocks)
+            except FileNotFoundError:
+                continue
+            except CorruptEntry as exc:
+                log.warning("cache entry %s dropped: %s", self.entries_dir / name, exc)
+                unlink_quietly(self.entries_dir / name)
+            except (UnknownVersion, OSError) as exc:
+                log.warning("block store %s: cannot tell which blocks %s uses (%s); no "
+                            "block is collected", self.directory, name, exc)
+                return None
+        return live
+
+    def _reap_interrupted_writes(self) -> None:
+        try:
+            with self._flock(exclusive=True, timeout=0):
+                self._reap_tmp_files()
+        except (_LockBusy, OSError):
+            pass  # a write is in flight; the next scan or collect() reaps
+
+    def _reap_tmp_files(self) -> int:
+        """Under the exclusive lock no write is in flight, so every ``.tmp`` is an orphan."""
+        freed = 0
+        for folder in (self.entries_dir, self.data_dir):
+            for name in self._listdir(folder):
+                if name.endswith(".tmp"):
+                    freed += _unlink_counting(folder / name)
+        return freed
+
+    @contextlib.contextmanager
+    def _flock(self, *, exclusive: bool, timeout: float | None = None):
+        """``flock`` on the directory's lock file; released by the kernel if we die.
+        Each call opens its own descriptor, so threads of one process exclude each other."""
+        import fcntl
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            if timeout is None:
+                fcntl.flock(fd, mode)
+            else:
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise _LockBusy() from None
+                        time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def _indexed(self) -> list[_Indexed]:
+        with self._lock:
+            if self._index is not None:
+                return list(self._index.values())
+        self.scan()
+        with self._lock:
+            return list(self._index.values()) if self._index is not None else []
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            if self._index is not None:
+                self._index.pop(key, None)
+
+    def _listdir(self, folder: Path) -> list[str]:
+        try:
+            return os.listdir(folder)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self._io_failed(exc, f"list cache directory {folder}")
+            return []
+
+    def _io_failed(self, exc: OSError, action: str) -> None:
+        self.io_failures += 1
+        if self._warned:
+            log.debug("cannot %s: %s", action, exc)
+            return
+        self._warned = True
+        log.warning("cannot %s: %s (disk full or unwritable?). Cache entries are not being "
+                    "persisted; generation continues. Further failures are logged at debug "
+                    "level until a write succeeds.", action, exc.strerror or exc)
+
+
+class _BadBlock(Exception):
+    def __init__(self, block_id: str, reason: str):
+        super().__init__(reason)
+        self.block_id = block_id
+        self.reason = reason
+
+
+class _LockBusy(Exception):
+    pass
+
+
+def _read_block(path: Path, ref: mf.BlockRef, runs: list[memoryview]) -> None:
+    """Read one block straight into its tensors' buffers and verify its size and CRC-32.
+
+    :raises _BadBlock: missing, of another size, or failing its checksum.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
+    try:
+        if os.fstat(fd).st_size != ref.nbytes:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
+        offset = 0
+        for start in range(0, len(runs), _IOV_MAX):
+            batch = runs[start:start + _IOV_MAX]
+            want = sum(r.nbytes for r in batch)
+            if os.preadv(fd, batch, offset) != want:
+                raise _BadBlock(ref.id, f"block {ref.id[:16]} is truncated")
+            offset += want
+    finally:
+        os.close(fd)
+    crc = 0
+    for run in runs:
+        crc = zlib.crc32(run, crc)
+    if f"{crc & 0xFFFFFFFF:08x}" != ref.crc32:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+
+
+def _write_durably(path: Path, data: Any) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    try:
+        fmt.write_all(fd, data)
+        full_fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_counting(path: Path) -> int:
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+        return size
+    except OSError:
+        return 0

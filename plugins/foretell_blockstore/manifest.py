@@ -1,0 +1,296 @@
+"""How an entry is cut into blocks, and the manifest that lists them.
+
+**Cutting.** Every tensor is cut along its second-to-last axis (the token axis of every KV
+form: ``[B, heads, tokens, dim]`` plain, and the packed/scales/biases of quantized KV) into
+runs of ``block_rows`` rows starting at row 0. Tensors with the same number of rows form a
+*group*, and block ``j`` of a group holds rows ``[j*block_rows, (j+1)*block_rows)`` of every
+tensor in the group, back to back in layer order. So every layer of one token range is one
+block file: an entry of 2,048 tokens is 8 blocks at 256, whatever the model's depth.
+
+Rows of a growing cache are token positions, so two entries sharing a token prefix have
+byte-identical leading blocks. A wrapped ring (rows = ring slots, not positions) forms its
+own group cut by slot range; a later checkpoint of the same ring rewrites only the slot
+ranges new tokens overwrote. Tensors of fewer than 2 dims are one row. The layout needs
+no knowledge of the codec: cutting decides only what dedupes, never what is served.
+
+**Identity.** A block is named by the SHA-256 of its bytes (docs/block-store.md has the
+measurement that chose it over a token hash chain): equal bytes are stored once, and a
+reader always gets back exactly the bytes that were written. The manifest records each
+block's size and CRC-32, which every read verifies (CRC-32 is 2.4x cheaper than SHA-256).
+
+**Manifest.** A safetensors file with no tensors whose ``__metadata__`` holds the header
+JSON (identity, tokens, per-layer codec meta, every tensor's dtype and shape, and each
+group's block list) and its BLAKE2b-128 hash, as the single-file format does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from foretell.store import format as fmt
+from foretell.store.entry import Entry, LayerHeader, StoreIdentity
+from foretell.store.layout import CorruptEntry, UnknownVersion
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import numpy as np
+
+#: Version of the manifest and block format. A reader of another version skips the entry.
+FORMAT_VERSION = "blocks/1"
+_VERSION_KEY = "foretell.format_version"
+_HEADER_KEY = "foretell.header"
+_HASH_KEY = "foretell.header_hash"
+_BLOCK_ID = re.compile(r"^[0-9a-f]{64}$")
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+               "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+@attrs.frozen
+class BlockRef:
+    id: str  # SHA-256 of the block's bytes, hex
+    nbytes: int
+    crc32: str
+
+
+@attrs.frozen
+class TensorSpec:
+    layer: int
+    name: str
+    dtype: str  # safetensors dtype code
+    shape: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[-2] if len(self.shape) >= 2 else 1
+
+    def row_bytes(self) -> int:
+        """Bytes of one row (all leading dims, one step of the row axis)."""
+        total = _ITEM_BYTES[self.dtype]
+        for size in self.shape:
+            total *= size
+        return total // self.rows if self.rows else 0
+
+    def piece_bytes(self, begin: int, end: int) -> int:
+        return self.row_bytes() * (end - begin)
+
+
+@attrs.frozen
+class Group:
+    """Tensors with one row count, cut together into blocks of ``block_rows`` rows."""
+
+    rows: int
+    tensors: tuple[TensorSpec, ...]
+
+    def spans(self, block_rows: int) -> Iterator[tuple[int, int]]:
+        for begin in range(0, self.rows, block_rows):
+            yield begin, min(begin + block_rows, self.rows)
+
+    def block_bytes(self, begin: int, end: int) -> int:
+        return sum(t.piece_bytes(begin, end) for t in self.tensors)
+
+
+def plan_groups(entry: Entry) -> tuple[Group, ...]:
+    """The entry's tensors grouped by row count, in layer order within each group."""
+    by_rows: dict[int, list[TensorSpec]] = {}
+    for index, layer in enumerate(entry.layers):
+        for name, array in layer.tensors.items():
+            spec = TensorSpec(index, name, fmt.dtype_code(array), tuple(array.shape))
+            if spec.rows and array.size:
+                by_rows.setdefault(spec.rows, []).append(spec)
+    return tuple(Group(rows, tuple(specs)) for rows, specs in sorted(by_rows.items()))
+
+
+def block_bytes(entry: Entry, group: Group, begin: int, end: int) -> np.ndarray:
+    """Rows ``[begin, end)`` of every tensor of ``group``, packed into one host buffer
+    (one copy out of the arrays' memory, strided or not)."""
+    import numpy as np
+
+    out = np.empty(group.block_bytes(begin, end), dtype=np.uint8)
+    offset = 0
+    for spec in group.tensors:
+        host = fmt.host_array(entry.layers[spec.layer].tensors[spec.name])
+        piece = host[..., begin:end, :] if host.ndim >= 2 else host
+        nbytes = piece.nbytes
+        np.copyto(out[offset:offset + nbytes].view(piece.dtype).reshape(piece.shape), piece)
+        offset += nbytes
+    return out
+
+
+def block_ref(data: np.ndarray) -> BlockRef:
+    return BlockRef(hashlib.sha256(data).hexdigest(), int(data.nbytes), fmt.checksum(data))
+
+
+def destinations(group: Group, begin: int, end: int,
+                 hosts: dict[tuple[int, str], np.ndarray]) -> list[memoryview]:
+    """Where a block's bytes go, in block order: for each tensor of the group, the rows
+    ``[begin, end)`` of each leading index (contiguous runs of its host buffer), so one
+    ``preadv`` puts a block straight into place with no intermediate copy."""
+    import numpy as np
+
+    runs = []
+    for spec in group.tensors:
+        dest = hosts[(spec.layer, spec.name)]
+        if dest.ndim < 2:
+            runs.append(memoryview(dest.reshape(-1)))
+            continue
+        for lead in np.ndindex(dest.shape[:-2]):
+            runs.append(memoryview(dest[lead][begin:end].reshape(-1)))
+    return runs
+
+
+def host_buffer(spec: TensorSpec) -> np.ndarray:
+    """An empty host buffer for one tensor: its shape, the last axis counted in bytes."""
+    import numpy as np
+
+    shape = spec.shape if spec.shape else (1,)
+    return np.empty((*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype]), dtype=np.uint8)
+
+
+def to_array(buffer: np.ndarray, spec: TensorSpec) -> mx.array:
+    return fmt.array_from_bytes(buffer.reshape(-1), spec.dtype, spec.shape,
+                                f"layers.{spec.layer}.{spec.name}")
+
+
+# -- the manifest ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Manifest:
+    """A verified manifest: the header fields, the layers, and each group's blocks."""
+
+    fields: dict[str, Any]
+    layers: tuple[LayerHeader, ...]
+    groups: tuple[tuple[Group, tuple[BlockRef, ...]], ...]
+    block_rows: int
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self.fields["tokens"])
+
+    @property
+    def namespace(self) -> str:
+        return self.fields["namespace"]
+
+    @property
+    def blocks(self) -> list[BlockRef]:
+        return [ref for _group, refs in self.groups for ref in refs]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(ref.nbytes for ref in self.blocks)
+
+
+def render(entry: Entry, identity: StoreIdentity, block_rows: int, created_at: float,
+           groups: list[tuple[Group, list[BlockRef]]]) -> bytes:
+    """The manifest file's bytes: a safetensors header with no tensors."""
+    fields = {
+        "format_version": FORMAT_VERSION,
+        "created_at": created_at,
+        "model_id": identity.model_id,
+        "model_fingerprint": identity.model_fingerprint,
+        "kv_scheme": identity.kv_scheme,
+        "tokenizer_hash": identity.tokenizer_hash,
+        "namespace": entry.namespace,
+        "num_tokens": len(entry.tokens),
+        "tokens": list(entry.tokens),
+        "checksum": "crc32",
+        "block_id": "sha256",
+        "block_rows": block_rows,
+        "layers": [
+            {"codec": layer.codec, "provider": layer.provider, "meta": dict(layer.meta),
+             "tensors": {name: {"dtype": fmt.dtype_code(a), "shape": list(a.shape)}
+                         for name, a in layer.tensors.items()}}
+            for layer in entry.layers
+        ],
+        "groups": [
+            {"rows": group.rows,
+             "tensors": [[spec.layer, spec.name] for spec in group.tensors],
+             "blocks": [[ref.id, ref.nbytes, ref.crc32] for ref in refs]}
+            for group, refs in groups
+        ],
+    }
+    header_json = json.dumps(fields, separators=(",", ":"))
+    index = {"__metadata__": {_VERSION_KEY: FORMAT_VERSION, _HEADER_KEY: header_json,
+                              _HASH_KEY: fmt.header_hash(header_json)}}
+    body = json.dumps(index, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def parse(raw: bytes) -> Manifest:
+    """Verify and parse a manifest file's bytes (identity is the caller's to check).
+
+    :raises CorruptEntry: damaged, truncated, not a manifest, or inconsistent.
+    :raises UnknownVersion: written by another block format version.
+    """
+    if len(raw) < 8:
+        raise CorruptEntry("shorter than the safetensors length prefix")
+    (length,) = struct.unpack("<Q", raw[:8])
+    if length > fmt.MAX_HEADER_BYTES or 8 + length != len(raw):
+        raise CorruptEntry(f"header length {length} does not fit a {len(raw)}-byte manifest")
+    try:
+        index = json.loads(raw[8:])
+        meta = index.pop("__metadata__")
+        version = meta[_VERSION_KEY]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptEntry(f"not a block-store manifest: {exc}") from None
+    if version != FORMAT_VERSION:
+        raise UnknownVersion(f"format version {version!r}, this store reads {FORMAT_VERSION}")
+    header_json = meta.get(_HEADER_KEY)
+    if not isinstance(header_json, str) or meta.get(_HASH_KEY) != fmt.header_hash(header_json):
+        raise CorruptEntry("header hash mismatch")
+    if index:
+        raise CorruptEntry("a manifest holds no tensors")
+    try:
+        return _parse_fields(json.loads(header_json))
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CorruptEntry(f"malformed manifest: {type(exc).__name__}: {exc}") from None
+
+
+def _parse_fields(fields: dict[str, Any]) -> Manifest:
+    block_rows = int(fields["block_rows"])
+    if block_rows < 1:
+        raise CorruptEntry(f"block_rows {block_rows}")
+    layers, specs = [], {}
+    for index, layer in enumerate(fields["layers"]):
+        layers.append(LayerHeader(codec=layer["codec"], provider=layer["provider"],
+                                  meta=layer["meta"]))
+        for name, tensor in layer["tensors"].items():
+            if tensor["dtype"] not in _ITEM_BYTES or any(int(s) < 0 for s in tensor["shape"]):
+                raise CorruptEntry(f"tensor layers.{index}.{name}: bad dtype or shape")
+            specs[(index, name)] = TensorSpec(index, name, tensor["dtype"],
+                                              tuple(int(s) for s in tensor["shape"]))
+    groups, placed = [], set()
+    for group in fields["groups"]:
+        members = tuple(specs[(int(layer), name)] for layer, name in group["tensors"])
+        built = Group(int(group["rows"]), members)
+        if any(spec.rows != built.rows for spec in members) or placed & {
+                (s.layer, s.name) for s in members}:
+            raise CorruptEntry("a block group's tensors disagree with the tensor table")
+        placed |= {(s.layer, s.name) for s in members}
+        refs = tuple(BlockRef(str(i), int(n), str(c)) for i, n, c in group["blocks"])
+        spans = list(built.spans(block_rows))
+        if len(refs) != len(spans) or any(
+                not _BLOCK_ID.match(ref.id) or ref.nbytes != built.block_bytes(*span)
+                for ref, span in zip(refs, spans)):
+            raise CorruptEntry("a block list does not cover its tensors exactly")
+        groups.append((built, refs))
+    unplaced = {k for k, s in specs.items() if s.rows and _size(s.shape)} - placed
+    if unplaced:
+        raise CorruptEntry(f"tensors in no block group: {sorted(unplaced)[:3]}")
+    return Manifest(fields=fields, layers=tuple(layers), groups=tuple(groups),
+                    block_rows=block_rows)
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    total = 1
+    for s in shape:
+        total *= s
+    return total
