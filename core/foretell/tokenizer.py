@@ -8,15 +8,18 @@ end-of-sequence ids). Every error names the file it came from.
 
 from __future__ import annotations
 
-import codecs
-import functools
 import json
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from foretell.detokenizer import (
+    RedecodingDetokenizer,
+    StreamingDetokenizer,
+    compile_decoder,
+    token_table,
+)
 from foretell.errors import ChatTemplateError, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -24,6 +27,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: Files whose ``eos_token_id`` (an int or a list of ints) also ends generation.
 EOS_ID_FILES = ("config.json", "generation_config.json")
+#: ``Tokenizer(decoder=...)`` default: read the decoder from the backend itself.
+_FROM_BACKEND: Any = object()
 
 
 # -- reading the model directory -----------------------------------------------------------
@@ -159,146 +164,6 @@ def _tojson(
     )
 
 
-# -- streaming detokenization ----------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: each byte is a printable character; this inverts it."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {chr(b): b for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shifted)] = b
-            shifted += 1
-    return table
-
-
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _decoder_style(decoder: Any) -> tuple[str, bool] | None:
-    """``(style, strip_first_space)`` for decoders streamed byte-exactly, else None.
-
-    Styles: ``"byte-level"`` (GPT-2/Qwen/Llama-3 BPE) and ``"metaspace"`` (SentencePiece:
-    ``▁`` for space, ``<0xNN>`` byte fallback; Llama-2/Gemma).
-    """
-    if not isinstance(decoder, Mapping):
-        return None
-    kind = decoder.get("type")
-    if kind == "ByteLevel":
-        return "byte-level", False
-    if kind == "Metaspace":
-        scheme = decoder.get(
-            "prepend_scheme", "always" if decoder.get("add_prefix_space", True) else "never"
-        )
-        return "metaspace", scheme != "never"
-    if kind != "Sequence":
-        return None
-    parts = decoder.get("decoders") or []
-    if len(parts) == 1:
-        return _decoder_style(parts[0])
-    strip = False
-    for part in parts:
-        ptype = part.get("type") if isinstance(part, Mapping) else None
-        if (
-            ptype == "Replace"
-            and part.get("pattern") == {"String": "▁"}
-            and part.get("content") == " "
-        ):
-            continue
-        if ptype in ("ByteFallback", "Fuse"):
-            continue
-        if (
-            ptype == "Strip"
-            and part.get("content") == " "
-            and part.get("start") == 1
-            and part.get("stop") == 0
-        ):
-            strip = True
-            continue
-        return None
-    return "metaspace", strip
-
-
-def _token_bytes(token: str, style: str) -> bytes:
-    if style == "byte-level":
-        alphabet = _byte_level_alphabet()
-        try:
-            return bytes(alphabet[c] for c in token)
-        except KeyError:  # e.g. an added token outside the alphabet: its text as is
-            return token.encode("utf-8")
-    fallback = _BYTE_FALLBACK.match(token)
-    if fallback:
-        return bytes([int(fallback.group(1), 16)])
-    return token.replace("▁", " ").encode("utf-8")
-
-
-class StreamingDetokenizer:
-    """Turns token ids into text one id at a time, holding back incomplete characters.
-
-    ``add(id)`` returns the text that became final with this id (often ``""`` while a
-    multi-byte character is still arriving); ``flush()`` returns the rest at the end. The
-    concatenation equals ``Tokenizer.decode`` of all ids.
-    """
-
-    def __init__(self, pieces: Sequence[bytes], strip_first_space: bool):
-        self._pieces = pieces
-        self._strip_first_space = strip_first_space
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._started = False
-
-    def add(self, token: int) -> str:
-        piece = self._pieces[token] if 0 <= token < len(self._pieces) else b""
-        return self._emit(self._utf8.decode(piece))
-
-    def flush(self) -> str:
-        return self._emit(self._utf8.decode(b"", final=True))
-
-    def _emit(self, text: str) -> str:
-        if not self._started and text:
-            self._started = True
-            if self._strip_first_space and text[0] == " ":
-                return text[1:]
-        return text
-
-
-class RedecodingDetokenizer:
-    """Fallback for decoders without a byte table: re-decode the current line each step.
-
-    Quadratic in the line length, so only used for tokenizers the byte-exact path does not
-    cover (WordPiece and other rare decoders).
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
-        self._line: list[int] = []
-        self._emitted = 0
-
-    def add(self, token: int) -> str:
-        self._line.append(token)
-        text = self._decode(self._line)
-        if text.endswith("\ufffd"):  # an incomplete character: wait for its other bytes
-            return ""
-        fresh = text[self._emitted :]
-        if text.endswith("\n"):
-            self._line, self._emitted = [], 0
-        else:
-            self._emitted = len(text)
-        return fresh
-
-    def flush(self) -> str:
-        text = self._decode(self._line) if self._line else ""
-        fresh = text[self._emitted :]
-        self._line, self._emitted = [], 0
-        return fresh
-
-
 # -- the tokenizer -----------------------------------------------------------------------------
 
 
@@ -315,7 +180,7 @@ class Tokenizer:
         add_bos_token: bool | None = None,
         eos_token_ids: Sequence[int] = (),
         chat_template: ChatTemplate | None = None,
-        decoder: Any = None,
+        decoder: Any = _FROM_BACKEND,
     ):
         self.backend = backend
         self.source = source
@@ -325,8 +190,8 @@ class Tokenizer:
         self._add_bos_token = add_bos_token
         self.eos_token_ids = frozenset(eos_token_ids)
         self.chat_template = chat_template
-        self._style = _decoder_style(decoder)
-        self._pieces: list[bytes] | None = None
+        self._decoder = decoder
+        self._streaming: tuple[Any, list[str | None]] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -434,15 +299,15 @@ class Tokenizer:
         )
 
     def detokenizer(self) -> StreamingDetokenizer | RedecodingDetokenizer:
-        """A fresh streaming detokenizer for one sequence."""
-        if self._style is None:
-            return RedecodingDetokenizer(self.decode)
-        style, strip = self._style
-        if self._pieces is None:
+        """A fresh streaming detokenizer for one sequence; its text equals :meth:`decode`."""
+        if self._streaming is None:
             # Built once per tokenizer, on first use: ~100 ms for a 150k vocabulary.
+            decoder = self._decoder
+            if decoder is _FROM_BACKEND:
+                decoder = json.loads(self.backend.to_str()).get("decoder")
             vocab = self.backend.get_vocab(with_added_tokens=True)
-            pieces = [b""] * (max(vocab.values(), default=-1) + 1)
-            for token, index in vocab.items():
-                pieces[index] = _token_bytes(token, style)
-            self._pieces = pieces
-        return StreamingDetokenizer(self._pieces, strip)
+            self._streaming = (compile_decoder(decoder), token_table(vocab.items()))
+        chain, tokens = self._streaming
+        if chain is None:
+            return RedecodingDetokenizer(self.decode)
+        return StreamingDetokenizer(tokens, chain)

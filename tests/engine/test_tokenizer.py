@@ -1,4 +1,3 @@
-import random
 
 import pytest
 from engine_helpers import CHAT_TEMPLATE, write_tokenizer_dir
@@ -41,28 +40,14 @@ def test_streaming_never_emits_a_broken_character(kind, request):
     assert "".join(pieces) == tokenizer.decode(ids) == TEXT
 
 
-@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
-def test_streamed_text_equals_decoding_any_valid_token_sequence(kind, request):
-    tokenizer = request.getfixturevalue(kind)
-    rng = random.Random(0)
-    checked = 0
-    for _ in range(400):
-        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 10))]
-        expected = tokenizer.decode(ids)
-        if "\ufffd" in expected:  # invalid byte runs: replacement policies legitimately differ
-            continue
-        assert "".join(stream(tokenizer, ids)) == expected, ids
-        checked += 1
-    assert checked > 50
-
-
 def test_unknown_decoders_fall_back_to_re_decoding(tmp_path, byte_level_tokenizer):
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders
 
     odd = Backend.from_str(byte_level_tokenizer.to_str())
-    # A no-op step the byte-exact streamer does not know, forcing the fallback path.
-    odd.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 0, 0)])
+    # A trailing strip of the fused text cannot be streamed (it needs the end), forcing the
+    # fallback path; TEXT has no trailing space, so its decoding is unchanged.
+    odd.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 0, 1)])
     tokenizer = Tokenizer.from_dir(write_tokenizer_dir(tmp_path, odd, {}))
     ids = tokenizer.encode(TEXT)
     assert type(tokenizer.detokenizer()).__name__ == "RedecodingDetokenizer"
