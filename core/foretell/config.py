@@ -9,6 +9,7 @@ the rest of the section into that contribution's own config class.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -64,6 +65,14 @@ def greater_than(lo: float):
     return check
 
 
+def less_than(hi: float):
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None and value >= hi:
+            raise FieldError(attribute.name, f"must be < {hi}, got {value!r}")
+
+    return check
+
+
 def at_most(hi: float):
     def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None and value > hi:
@@ -85,7 +94,8 @@ class SamplingConfig:
     min_p: float = attrs.field(default=0.0, validator=[at_least(0.0), at_most(1.0)], metadata={"help": "drop tokens below min_p x the top probability; 0 disables"})
     repetition_penalty: float = attrs.field(default=1.0, validator=greater_than(0.0), metadata={"help": "divide logits of recent tokens by this; 1 disables"})
     repetition_context_size: int = attrs.field(default=20, validator=at_least(1), metadata={"help": "how many recent tokens the penalty sees"})
-    seed: int | None = attrs.field(default=None, metadata={"help": "random seed; the same seed reproduces a run"})
+    # MLX's PRNG key is an unsigned 64-bit integer.
+    seed: int | None = attrs.field(default=None, validator=[at_least(0), less_than(2**64)], metadata={"help": "random seed, 0 <= seed < 2**64; the same seed reproduces a run"})
 
 
 @attrs.frozen(kw_only=True)
@@ -102,7 +112,7 @@ class RunConfig:
 
     model: str | None = attrs.field(default=None, metadata={"help": "model directory or shipped model name"})
     max_tokens: int = attrs.field(default=256, validator=at_least(1), metadata={"help": "most tokens to generate"})
-    chat: bool | None = attrs.field(default=None, metadata={"help": "apply the chat template; unset: when the tokenizer has one"})
+    chat: bool = attrs.field(default=False, metadata={"help": "apply the model's chat template to the prompt (`foretell chat` always does)"})
     sampling: SamplingConfig = attrs.Factory(SamplingConfig)
     draft: DraftSection | None = None
 
@@ -122,6 +132,9 @@ def make_converter(registry: Registry) -> cattrs.Converter:
     def strict_float(value: Any, _t: type) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WrongType(f"expected a number, got {value!r}")
+        # nan passes every range check (each comparison is False) and inf makes garbage.
+        if not math.isfinite(value):
+            raise WrongType(f"expected a finite number, got {value!r}")
         return float(value)
 
     def strict_str(value: Any, _t: type) -> str:

@@ -59,7 +59,7 @@ def test_run_streams_the_same_text_as_the_api_and_reports_speed_on_stderr(model_
         main(["run", "--model", str(model_dir), "--prompt", "def f(x):", "--max-tokens", "6"]) == 0
     )
     captured = capsys.readouterr()
-    expected = foretell.load(model_dir).generate_text("def f(x):", max_tokens=6)
+    expected = foretell.load(model_dir).generate_text("def f(x):", max_tokens=6, chat=False)
     assert captured.out == expected + "\n"
     for label in ("Prompt:", "Generation:", "TTFT:", "Peak memory:"):
         assert label in captured.err

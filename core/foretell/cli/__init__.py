@@ -2,12 +2,15 @@
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser
 it adds carries ``handler(args) -> int``. Errors a user can hit exit non-zero with one
-line on stderr, never a traceback (``FORETELL_DEBUG=1`` shows it).
+line on stderr, never a traceback (``FORETELL_DEBUG=1`` shows it). A reader that closes
+the pipe early (``foretell run | head -3``) ends the run quietly with status 141, as a
+program killed by SIGPIPE would.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -53,7 +56,27 @@ def main(argv: list[str] | None = None) -> int:
     except ForetellError as exc:
         if os.environ.get("FORETELL_DEBUG"):
             raise
-        print(f"foretell: error: {exc}", file=sys.stderr)
+        with contextlib.suppress(BrokenPipeError):
+            print(f"foretell: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _discard_stdout()
+        return PIPE_CLOSED
+
+
+#: 128 + SIGPIPE: what a shell reports for a program whose reader went away.
+PIPE_CLOSED = 141
+
+
+def _discard_stdout() -> None:
+    # Python flushes stdout again at exit; pointed at /dev/null, that flush cannot raise a
+    # second BrokenPipeError ("Exception ignored ...") after we have already returned.
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (a test's capture): nothing will flush it at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

@@ -1,8 +1,11 @@
 """``foretell chat``: a multi-turn conversation at the terminal.
 
-The whole history goes through the model's chat template each turn. ``/reset`` starts
-over, ``/exit`` or end of input (Ctrl-D) quits; Ctrl-C during a reply abandons that reply.
-Replies go to stdout; the prompt marker and speed notes go to stderr.
+The whole history goes through the model's chat template each turn. A line starting
+with ``/`` is a command, never sent to the model: ``/help``, ``/reset`` (start over),
+``/exit`` (or end of input, Ctrl-D); an unknown one-word ``/name`` is refused with the
+list (start the line with a space to send it as a message). Ctrl-C
+during a reply abandons that reply. Replies go to stdout; the prompt marker and speed
+notes go to stderr.
 """
 
 from __future__ import annotations
@@ -11,11 +14,17 @@ import argparse
 import sys
 from typing import Any
 
-from foretell.cli.run_cmd import add_run_flags, open_engine, run_config
-from foretell.errors import ForetellError
-from foretell.tokenizer import ChatTemplateError
+from foretell.cli import text
+from foretell.cli.run_cmd import add_run_flags, open_engine, run_config, warn_past_context
+from foretell.errors import ChatTemplateError, ForetellError
 
 PROMPT_MARKER = ">> "
+COMMANDS = {
+    "/help": "show these commands",
+    "/reset": "clear the conversation",
+    "/exit": "quit (so does Ctrl-D)",
+}
+HELP = "\n".join(f"  {name:<7} {what}" for name, what in COMMANDS.items())
 
 
 def add_parser(sub: Any) -> None:
@@ -33,14 +42,20 @@ def run(args: argparse.Namespace) -> int:
             f"{engine.path}: this model has no chat template, so it cannot chat; "
             "use `foretell run --no-chat` to complete plain text"
         )
-    opening = [{"role": "system", "content": args.system}] if args.system else []
+    system = text.unescape(text.checked(args.system, "--system")) if args.system else None
+    opening = [{"role": "system", "content": system}] if system else []
     history = list(opening)
     err = sys.stderr
-    err.write("Type a message. /reset clears the conversation; /exit or Ctrl-D quits.\n")
+    err.write("Type a message. /help lists the commands; /exit or Ctrl-D quits.\n")
+    warned = False
     while True:
         err.write(PROMPT_MARKER)
         err.flush()
-        line = sys.stdin.readline()
+        try:
+            line = text.read_stdin_line("stdin")
+        except ForetellError as exc:
+            err.write(f"foretell: error: {exc}; line ignored\n")
+            continue
         if not line:  # end of input
             err.write("\n")
             return 0
@@ -48,15 +63,27 @@ def run(args: argparse.Namespace) -> int:
         command = message.strip()
         if not command:
             continue
-        if command == "/exit":
-            return 0
-        if command == "/reset":
-            history = list(opening)
-            err.write("(conversation cleared)\n")
+        # A command starts the line; " /etc is a path" (leading space) goes to the model.
+        if message.startswith("/") and command.split()[0] in COMMANDS:
+            name = command.split()[0]
+            if name == "/exit":
+                return 0
+            if name == "/reset":
+                history = list(opening)
+                err.write("(conversation cleared)\n")
+            else:
+                err.write(HELP + "\n")
+            continue
+        if message.startswith("/") and " " not in command:
+            # A typo'd command must not become a message to the model.
+            err.write(f"unknown command {command}; the commands are:\n{HELP}\n")
             continue
         history.append({"role": "user", "content": message})
         reply = []
         try:
+            if not warned:
+                ids = engine.encode_prompt(history)
+                warned = warn_past_context(engine, ids, config.max_tokens)
             for event in engine.generate(
                 history, max_tokens=config.max_tokens, sampling=config.sampling
             ):

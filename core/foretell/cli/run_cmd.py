@@ -5,10 +5,10 @@ Flags keep mlx-lm's names. Every run setting also lives in the TOML run config
 to stderr, so ``foretell run > out.txt`` captures only the completion. ``--json`` prints one
 JSON object per line: ``{"type": "text", ...}`` events, then ``{"type": "stats", ...}``.
 
-Chat template: ``--chat`` applies it, ``--no-chat`` sends the prompt as raw text; by
-default it is applied when the model's tokenizer has one (as mlx-lm does), since an
-instruction-tuned model answers badly without it. The built-in default prompt is code to
-complete, so it goes in raw unless ``--chat`` is given.
+Chat template: ``run`` completes text, so the prompt goes in raw unless ``--chat`` (or
+``chat = true`` in the config) asks for the model's template; ``foretell chat`` always
+uses it (docs/decisions.md). On a terminal the prompt is echoed, dimmed, before the
+completion; piped output and ``--json`` carry only what the model generated.
 """
 
 from __future__ import annotations
@@ -33,20 +33,22 @@ def add_parser(sub: Any) -> None:
         "--prompt",
         "-p",
         default=None,
-        help="the prompt; '-' reads it from stdin (default: a Python snippet, completed raw)",
+        help="the prompt; '-' reads it from stdin; \\n and \\t are unescaped "
+        "(default: a Python snippet)",
     )
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="apply the model's chat template (default: when the tokenizer has one)",
+        help="apply the model's chat template to the prompt (default: off, complete raw text)",
     )
     p.add_argument(
         "--stop",
         action="append",
         default=[],
         metavar="TEXT",
-        help="end generation at TEXT, which is not printed (repeatable)",
+        help="end generation at TEXT, which is not printed; \\n and \\t are unescaped "
+        "(repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print JSON lines: text events, then stats")
     p.set_defaults(handler=run)
@@ -152,18 +154,21 @@ def model_path(model: str | None, flag: str = "--model"):
 
 
 def read_prompt(value: str) -> str:
+    from foretell.cli import text
+
     if value == "-":
-        return sys.stdin.read()
-    # As mlx-lm does: a shell makes typing real newlines and tabs awkward.
-    return value.replace("\\n", "\n").replace("\\t", "\t")
+        return text.read_stdin("--prompt -")
+    return text.unescape(text.checked(value, "--prompt"))
 
 
 def run(args: argparse.Namespace) -> int:
+    from foretell.cli import text
+
     prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
-    if args.prompt is None and args.chat is None:
-        args.chat = False
+    stops = [text.unescape(text.checked(s, "--stop")) for s in args.stop]
     registry, config = run_config(args)
     engine = open_engine(config.model, registry, quiet=args.json)
+    warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
     from foretell.cli.progress import ProgressLine
     from foretell.generate import PREFILL_CHUNK
 
@@ -177,11 +182,14 @@ def run(args: argparse.Namespace) -> int:
         prompt,
         max_tokens=config.max_tokens,
         sampling=config.sampling,
-        stop=args.stop,
+        stop=stops,
         chat=config.chat,
         prefill_progress=prefill_progress,
     )
     out = sys.stdout
+    if not args.json and out.isatty():
+        out.write(f"{DIM}{prompt}{UNDIM}" + ("\n" if config.chat else ""))
+        out.flush()
     stats = None
     for event in events:
         if event.type == "stats":
@@ -198,6 +206,35 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
         report(stats)
     return 0
+
+
+#: ANSI faint / normal intensity: the echoed prompt reads apart from the completion.
+DIM, UNDIM = "\x1b[2m", "\x1b[22m"
+
+
+def context_length(path: Any) -> int | None:
+    """The positions the model was trained for (``max_position_embeddings``), if it says."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def warn_past_context(engine: Any, prompt_ids: list[int], max_tokens: int) -> bool:
+    """One line on stderr when the prompt plus ``--max-tokens`` runs past the model's
+    context: generation continues, but past it the model's output is not to be trusted."""
+    limit = context_length(engine.path) if engine.path is not None else None
+    if limit is None or len(prompt_ids) + max_tokens <= limit:
+        return False
+    print(
+        f"foretell: warning: --max-tokens {max_tokens} with a {len(prompt_ids)}-token prompt "
+        f"runs past the model's context of {limit} tokens (max_position_embeddings in "
+        f"{engine.path / 'config.json'}); output beyond it is unreliable",
+        file=sys.stderr,
+    )
+    return True
 
 
 def report(stats: Any) -> None:
