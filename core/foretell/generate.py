@@ -29,6 +29,8 @@ from foretell.sampling import Sampler, repetition_windows
 from foretell.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from foretell.cache.request import RequestCache
+    from foretell.cache.tier import CacheTier
     from foretell.config import SamplingConfig
     from foretell.model import Model
     from foretell.registry import Registry
@@ -111,6 +113,8 @@ class Stats:
     finish_reason: str
     #: Drafting figures (drafter, drafted, accepted, ...) when the request speculated.
     speculation: dict[str, Any] | None = None
+    #: Where the ``cached_tokens`` came from: "ram", "ssd", "checkpoint" (None: computed).
+    cached_from: str | None = None
     type: str = "stats"
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,6 +189,10 @@ class RequestState:
     #: How many of ``generated`` the stream took (emitted text, plus EOS when it ended there).
     consumed: int = 0
     finish_reason: str | None = None
+    #: The cache tier the prefix came from ("ram", "ssd", "checkpoint"), None if computed.
+    cached_from: str | None = None
+    #: The request's random stream (None when greedy); a resumed request continues its own.
+    keys: Any = None
 
     @property
     def held(self) -> int:
@@ -248,7 +256,9 @@ def plain_steps(
     step. Step t+1 is queued on the device (``async_eval``) before token t is handed out, so
     the caller's detokenizing overlaps the model's compute.
     """
-    keys = sampler.keys()
+    if state.keys is None:
+        state.keys = sampler.keys()
+    keys = state.keys
     size = sampler.window
     sequence = mx.array(state.prompt + state.generated, dtype=mx.int32)
     window = repetition_windows(sequence, sequence[:0], size) if size else None
@@ -278,6 +288,16 @@ def plain_steps(
         if produced % 256 == 0:
             mx.clear_cache()
         token = following
+
+
+def resumed_steps(
+    model: Model, state: RequestState, sampler: Sampler, limit: int
+) -> Iterator[list[int]]:
+    """A request resumed from a checkpoint: its generated tokens again (the caches hold all
+    but the last), then plain decoding from there, on the checkpoint's random stream."""
+    yield list(state.generated)
+    if limit > len(state.generated):
+        yield from plain_steps(model, state, sampler, limit - len(state.generated))
 
 
 # -- the engine -----------------------------------------------------------------------------
@@ -310,11 +330,19 @@ class Engine:
         registry: Registry | None = None,
         path: Path | None = None,
         speculator: Speculator | None = None,
+        cache: CacheTier | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
         self.path = path
+        #: The prefix cache tier (RAM, optional SSD); engines of one model may share one.
+        self.cache = cache
+        #: Affine-quantized KV for full-attention layers (4 or 8 bits; None: unquantized).
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         #: The drafter requests use by default (None: plain decoding); see :meth:`use_draft`.
         self.speculator = speculator
 
@@ -402,6 +430,7 @@ class Engine:
         prefill_progress: Progress | None = None,
         ignore_eos: bool = False,
         speculate: bool | Speculator = True,
+        resume: bool = False,
     ) -> Iterator[Event]:
         """Stream a completion: :class:`TextEvent` s, then one :class:`Stats`.
 
@@ -414,6 +443,9 @@ class Engine:
         :param ignore_eos: keep generating through EOS to ``max_tokens`` (benchmarks).
         :param speculate: use the engine's drafter (True), decode plainly (False), or use
             this :class:`~foretell.spec.Speculator`. Speculation never changes greedy output.
+        :param resume: checkpoint this request as it goes and, if an earlier identical request
+            (same prompt and settings) was interrupted, continue it from its last checkpoint
+            (needs a cache with an SSD tier).
         """
         if max_tokens < 1:
             raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -422,8 +454,12 @@ class Engine:
             raise GenerationError("the prompt is empty: there is no token to start from")
         eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
         speculator = self.speculator if speculate is True else (speculate or None)
+        sampler = Sampler(sampling)
+        request = self._request_cache(speculator, resume, {
+            "max_tokens": max_tokens, "sampling": attrs.asdict(sampler.config),
+            "stop": list(StopMatcher(stop).stops), "eos": sorted(eos)})
         return self._run(
-            ids, max_tokens, Sampler(sampling), StopMatcher(stop), prefill_progress, eos, speculator
+            ids, max_tokens, sampler, StopMatcher(stop), prefill_progress, eos, speculator, request
         )
 
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
@@ -439,15 +475,20 @@ class Engine:
         progress: Progress | None,
         eos: frozenset[int],
         speculator: Speculator | None = None,
+        request: RequestCache | None = None,
     ) -> Iterator[Event]:
         # The clock starts when the caller first pulls, as mlx-lm's does.
         started = time.perf_counter()
         mx.reset_peak_memory()
-        state = self._open_request(ids)
+        state = self._open_request(ids, request)
         spec_stats = None
         with mx.stream(generation_stream()):
-            if speculator is None:
+            if state.generated:  # resumed from a checkpoint: replay, then go on decoding
+                steps = resumed_steps(self.model, state, sampler, max_tokens)
+            elif speculator is None:
                 prefill(self.model, ids[state.cached : -1], state.caches, progress)
+                if request is not None:
+                    request.after_prefill(state.held_tokens(), state.caches, state.cached)
                 steps = plain_steps(self.model, state, sampler, max_tokens)
             else:
                 from foretell.spec import SpeculationStats, speculative_steps
@@ -456,19 +497,48 @@ class Engine:
                 steps = speculative_steps(
                     self.target, speculator, state, sampler, max_tokens, spec_stats, progress
                 )
+            if request is not None:
+                steps = request.steps(steps, state)
             events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
             first_at = yield from events
-        stats = self._stats(state, started, first_at)
+            stats = self._stats(state, started, first_at)
+            if request is not None:
+                request.finish(state.held_tokens(), state.caches, completed=True)
         if spec_stats is not None:
             stats = attrs.evolve(stats, speculation=spec_stats.to_dict())
         yield stats
 
-    def _open_request(self, ids: list[int]) -> RequestState:
-        """The request's state, with caches holding as much of the prompt as is known.
+    def make_caches(self) -> list[Any]:
+        """Empty caches for one sequence, in the engine's KV scheme."""
+        caches = self.model.make_caches()
+        if self.kv_bits is not None:
+            from foretell.cache.quantized import quantize_caches
 
-        The prefix cache plugs in here; until then every request starts empty.
-        """
-        return RequestState(prompt=ids, caches=self.model.make_caches(), cached=0)
+            caches = quantize_caches(caches, self.kv_bits, self.kv_group_size)
+        return caches
+
+    def _request_cache(self, speculator: Speculator | None, resume: bool,
+                       settings: dict[str, Any]) -> RequestCache | None:
+        if resume and (self.cache is None or self.cache.ssd is None):
+            raise GenerationError("resume needs a cache with an SSD tier (--cache-dir)")
+        if self.cache is None:
+            return None
+        from foretell.cache.quantized import kv_scheme
+        from foretell.cache.request import RequestCache
+
+        scheme = kv_scheme(self.kv_bits, self.kv_group_size)
+        # Entries of one drafter method or KV scheme never seed another's requests.
+        namespace = f"{speculator.kind if speculator is not None else 'plain'}/{scheme}"
+        return RequestCache(self.cache, namespace, resume=resume, settings=settings)
+
+    def _open_request(self, ids: list[int], request: RequestCache | None = None) -> RequestState:
+        """The request's state, with caches holding as much of the prompt as is known
+        (from the prefix cache, or a checkpoint of this very request)."""
+        if request is None:
+            return RequestState(prompt=ids, caches=self.make_caches(), cached=0)
+        caches, cached, tier, replay, keys = request.open(ids, self.make_caches)
+        return RequestState(prompt=ids, caches=caches, cached=cached, cached_from=tier,
+                            generated=replay, keys=keys)
 
     def _stats(self, state: RequestState, started: float, first_at: float | None) -> Stats:
         ended = time.perf_counter()
@@ -485,6 +555,7 @@ class Engine:
             generation_tps=state.consumed / decode_time if decode_time > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             finish_reason=state.finish_reason or "length",
+            cached_from=state.cached_from,
         )
 
 
@@ -562,6 +633,7 @@ def load(
     *,
     registry: Registry | None = None,
     progress: Progress | None = None,
+    **engine_options: Any,
 ) -> Engine:
     """Load a model directory (or a shipped model by name) once, for many requests.
 
@@ -569,6 +641,7 @@ def load(
     :param registry: the plugin registry to find the architecture in; by default plugins
         are discovered and loaded.
     :param progress: called ``(bytes read, bytes total)`` while the weights load.
+    :param engine_options: passed to :class:`Engine` (``cache=``, ``kv_bits=``, ...).
     """
     from foretell import blas
     from foretell.loading import load_model
@@ -581,4 +654,4 @@ def load(
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)
     model_ = load_model(path, registry, progress=progress)
-    return Engine(model_, tokenizer, registry=registry, path=path)
+    return Engine(model_, tokenizer, registry=registry, path=path, **engine_options)

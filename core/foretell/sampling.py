@@ -31,6 +31,17 @@ class RandomKeys:
         self.seed = secrets.randbits(32) if seed is None else seed
         self._key = mx.random.key(self.seed)
 
+    def state(self) -> list[int]:
+        """The stream's current key (checkpoints store it; :meth:`restored` resumes it)."""
+        return [int(x) for x in self._key.tolist()]
+
+    @classmethod
+    def restored(cls, seed: int | None, state: list[int] | tuple[int, ...]) -> RandomKeys:
+        """The stream of ``seed`` continued from a :meth:`state`."""
+        keys = cls(seed)
+        keys._key = mx.array(list(state), dtype=mx.uint32)
+        return keys
+
     def next(self) -> mx.array:
         # Splitting is a lazy graph op: no host sync on the per-token path.
         pair = mx.random.split(self._key)

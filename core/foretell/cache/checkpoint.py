@@ -111,6 +111,10 @@ class Checkpointer:
         self._held: tuple[tuple[int, ...], Any, tuple[int, ...] | None] | None = None
         self._next = every
 
+    def skip_to(self, generated: int) -> None:
+        """A resumed generation has ``generated`` tokens already: the next point is later."""
+        self._next = generated + self.every
+
     def observe(self, held_tokens: Sequence[int], caches: Sequence[Any], generated: int,
                 keys: Any) -> None:
         """Called after each step with the tokens the caches hold and the random stream.

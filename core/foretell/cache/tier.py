@@ -62,8 +62,11 @@ class CacheTier:
         layout: StorageLayout | None = None,
         ssd_bytes: int = DEFAULT_SSD_BYTES,
         spill_bytes: int = DEFAULT_SPILL_BYTES,
+        checkpoint_every: int = 64,
     ):
         self.codecs = list(codecs)
+        #: Resumable generations are checkpointed every this many generated tokens.
+        self.checkpoint_every = checkpoint_every
         self.ram = PrefixCache(self.codecs, ram_bytes)
         self.ssd = SsdIndex(layout, self.codecs, ssd_bytes) if layout is not None else None
         self._spill = (SpillQueue(self._write, spill_bytes, self._written)
@@ -89,7 +92,7 @@ class CacheTier:
         kv_scheme: str = "plain",
         layout: Callable[..., StorageLayout] | None = None,
         layout_config: Any = None,
-        **caps: int,
+        **caps: Any,
     ) -> CacheTier:
         """A tier over ``cache_dir`` for the model in ``model_dir`` (its config fingerprint
         and tokenizer hash name whose entries are served). ``layout`` is a layout class
@@ -104,6 +107,25 @@ class CacheTier:
         factory = layout or SingleFileLayout
         store = factory(Path(cache_dir).expanduser(), layout_config, identity=identity)
         return cls(codecs, layout=store, **caps)
+
+    @classmethod
+    def for_engine(cls, engine: Any, cache_dir: str | Path | None = None, **options: Any
+                   ) -> CacheTier:
+        """A tier for ``engine``'s model and KV scheme, with every codec its plugins
+        registered; RAM only when ``cache_dir`` is None. Attach it with ``engine.cache =``."""
+        from foretell.cache.codecs import load_codecs
+        from foretell.cache.quantized import kv_scheme
+        from foretell.plugins import load_plugins
+
+        registry = engine.registry if engine.registry is not None else load_plugins().registry
+        codecs = load_codecs(registry)
+        if cache_dir is None:
+            options.pop("layout", None)
+            options.pop("layout_config", None)
+            options.pop("ssd_bytes", None)
+            return cls(codecs, **options)
+        return cls.open(cache_dir, engine.path, codecs=codecs,
+                        kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size), **options)
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -135,13 +157,15 @@ class CacheTier:
 
     def store(self, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> None:
         """Keep the state of ``caches`` after ``tokens`` in RAM now and on disk soon (the
-        caller keeps using its caches: everything held is a zero-copy clone)."""
+        caller keeps using its caches: everything held is a zero-copy clone).
+
+        :raises CodecError: a cache has no codec (nothing is stored then).
+        """
         tokens = tuple(tokens)
-        entry = self.ram.put(tokens, caches, namespace)
+        if not self.ram.put(tokens, caches, namespace):
+            log.debug("cache entry of %d tokens is larger than the RAM cap", len(tokens))
         if self._spill is None:
             return
-        if not entry:
-            log.debug("cache entry of %d tokens is larger than the RAM cap", len(tokens))
         self.persist(snapshot_entry(tokens, caches, self.codecs, namespace))
 
     def persist(self, entry: Entry) -> None:

@@ -1,0 +1,97 @@
+"""What one request does with the cache tier, in the order the engine calls it:
+
+1. ``open``: resume from a checkpoint (``resume=True``), else look up the longest usable
+   prefix; caches come back as clones the request owns.
+2. ``after_prefill``: store the prompt snapshot (a trim-free boundary the next turn can
+   always use, even when the full entry later becomes untrimmable).
+3. ``steps``: with ``resume``, checkpoint every N tokens while the step source runs.
+4. ``finish``: store prompt + generation (the next chat turn reuses it) and drop the
+   request's checkpoints.
+
+Caches that no codec handles (a plugin's own cache kind) are simply not stored: the cold
+tier never takes serving down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from foretell.cache.checkpoint import Checkpointer, checkpoint_namespace, find_checkpoint
+from foretell.cache.tier import CacheTier
+from foretell.errors import CodecError
+from foretell.sampling import RandomKeys
+
+log = logging.getLogger("foretell.cache")
+
+
+class RequestCache:
+    """One request's use of a :class:`CacheTier` (see the module doc for the order)."""
+
+    def __init__(self, tier: CacheTier, namespace: str, *, resume: bool = False,
+                 settings: Mapping[str, Any] | None = None):
+        self.tier = tier
+        self.namespace = namespace
+        self.resume = resume and tier.ssd is not None
+        self.settings = dict(settings or {})
+        self._checkpointer: Checkpointer | None = None
+        self._warned = False
+
+    def open(self, prompt: list[int], make_caches: Callable[[], list[Any]]
+             ) -> tuple[list[Any], int, str | None, list[int], Any]:
+        """``(caches, cached prompt tokens, tier, generated tokens to replay, random
+        stream)``; the last two only when resuming a checkpoint."""
+        if self.resume:
+            namespace = checkpoint_namespace(prompt, self.settings, self.namespace)
+            self._checkpointer = Checkpointer(self.tier, namespace, len(prompt),
+                                              self.tier.checkpoint_every)
+            resumed = find_checkpoint(self.tier, namespace, prompt)
+            if resumed is not None:
+                self._checkpointer.skip_to(len(resumed.generated))
+                keys = None
+                if resumed.mark.key is not None:
+                    keys = RandomKeys.restored(resumed.mark.seed, resumed.mark.key)
+                return resumed.caches, len(prompt), "checkpoint", resumed.generated, keys
+        reuse = self.tier.lookup(prompt, self.namespace)
+        if reuse.caches is None:
+            return make_caches(), 0, None, [], None
+        return reuse.caches, reuse.tokens, reuse.tier, [], None
+
+    def after_prefill(self, held_tokens: list[int], caches: list[Any], cached: int) -> None:
+        if len(held_tokens) > cached:  # nothing new was computed: the tier has it already
+            self._store(held_tokens, caches)
+
+    def steps(self, steps: Iterator[list[int]], state: Any) -> Iterator[list[int]]:
+        """``steps``, checkpointing the request every N tokens when resumable."""
+        if self._checkpointer is None:
+            return steps
+        return self._checkpointed(steps, state)
+
+    def _checkpointed(self, steps: Iterator[list[int]], state: Any) -> Iterator[list[int]]:
+        try:
+            for tokens in steps:
+                yield tokens
+                try:
+                    self._checkpointer.observe(state.held_tokens(), state.caches,
+                                               len(state.generated), state.keys)
+                except CodecError as exc:
+                    self._skip(exc)
+        finally:
+            steps.close()
+
+    def finish(self, held_tokens: list[int], caches: list[Any], completed: bool) -> None:
+        self._store(held_tokens, caches)
+        if completed and self._checkpointer is not None:
+            self._checkpointer.finish()
+
+    def _store(self, tokens: list[int], caches: list[Any]) -> None:
+        try:
+            self.tier.store(tokens, caches, self.namespace)
+        except CodecError as exc:
+            self._skip(exc)
+
+    def _skip(self, exc: CodecError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("not caching this request: %s", exc)

@@ -1,0 +1,145 @@
+"""The engine with a cache tier: a repeated prompt computes only its last token, a fresh
+process restores from disk, and continuing from a restored prefix is token-identical to
+the RAM hit and to the original run (Qwen3, and Gemma 3 after its window wrapped); chat
+turns reuse the previous turn; quantized KV matches mlx-lm's quantized-KV generation;
+an interrupted generation resumes identically (greedy and seeded sampling)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import foretell
+from foretell.cache.tier import CacheTier
+from foretell.config import SamplingConfig
+from foretell.synthetic import make_model_dir
+
+PROMPT = list(range(5, 45))  # 40 tokens: wraps Gemma's 8-token window
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3_text"])
+def model_dir(request, tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def engine_over(model_dir, cache_dir, **options):
+    engine = foretell.load(model_dir, **options)
+    engine.cache = CacheTier.for_engine(engine, cache_dir)
+    return engine
+
+
+def run(engine, prompt=PROMPT, **options):
+    events = list(engine.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **options))
+    tokens = [t for e in events[:-1] for t in e.tokens]
+    return tokens, events[-1]
+
+
+def test_a_repeated_prompt_computes_only_its_last_token_and_says_so(model_dir, tmp_path):
+    engine = engine_over(model_dir, None)
+    first, cold = run(engine)
+    again, warm = run(engine)
+    assert (cold.cached_tokens, cold.cached_from) == (0, None)
+    assert (warm.cached_tokens, warm.cached_from) == (len(PROMPT) - 1, "ram")
+    assert again == first
+    assert warm.to_dict()["cached_from"] == "ram"
+
+
+def test_restore_in_a_fresh_process_continues_token_identically(model_dir, tmp_path):
+    original, _ = run(foretell.load(model_dir))
+    writer = engine_over(model_dir, tmp_path)
+    assert run(writer)[0] == original
+    ram_hit, ram = run(writer)
+    assert writer.cache.close(10).durable
+    restored, ssd = run(engine_over(model_dir, tmp_path))
+    assert ram.cached_from == "ram" and ssd.cached_from == "ssd"
+    assert ssd.cached_tokens == len(PROMPT) - 1
+    assert restored == ram_hit == original
+
+
+def test_a_longer_prompt_reuses_the_stored_prefix(model_dir, tmp_path):
+    engine = engine_over(model_dir, tmp_path)
+    run(engine)
+    longer = [*PROMPT, 7, 8, 9]
+    tokens, stats = run(engine, longer)
+    assert stats.cached_tokens >= len(PROMPT) - 1
+    assert tokens == run(foretell.load(model_dir), longer)[0]
+
+
+def test_the_next_chat_turn_reuses_the_previous_turn(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    engine = engine_over(model_dir, None)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    events = list(engine.generate(messages, max_tokens=8))
+    reply = "".join(e.text for e in events[:-1] if e.type == "text")
+    first = events[-1]
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    second = list(engine.generate(messages, max_tokens=8))[-1]
+    assert second.cached_tokens >= first.prompt_tokens
+    assert second.cached_tokens < second.prompt_tokens
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_kv_greedy_output_matches_mlx_lm(tmp_path, bits):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model_dir = make_model_dir(tmp_path / "m", "qwen3", overrides={
+        "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
+    ours, _ = run(foretell.load(model_dir, kv_bits=bits))
+    reference, _ = load_model(model_dir)
+    steps = generate_step(mx.array(PROMPT), reference, max_tokens=MAX_TOKENS, kv_bits=bits,
+                          kv_group_size=64, quantized_kv_start=0)
+    assert ours == [int(t) for t, _ in steps]
+
+
+def test_quantized_kv_restores_from_disk_token_identically(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m", "qwen3", overrides={
+        "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
+    writer = engine_over(model_dir, tmp_path / "c", kv_bits=4)
+    run(writer)
+    ram_hit, _ = run(writer)
+    assert writer.cache.close(10).durable
+    restored, stats = run(engine_over(model_dir, tmp_path / "c", kv_bits=4))
+    assert stats.cached_from == "ssd" and restored == ram_hit
+    # Another KV scheme never reads these entries.
+    assert run(engine_over(model_dir, tmp_path / "c"))[1].cached_from is None
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(temp=0.8, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_an_interrupted_generation_resumes_identically(model_dir, tmp_path, sampling):
+    uninterrupted, _ = run(foretell.load(model_dir), sampling=sampling)
+    engine = engine_over(model_dir, tmp_path)
+    engine.cache.checkpoint_every = 3
+    stream = engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, sampling=sampling,
+                             resume=True)
+    seen = []
+    for event in stream:  # the process "dies" after 8 tokens: no completion, no cleanup
+        seen += event.tokens
+        if len(seen) >= 8:
+            break
+    assert engine.cache.flush(10).durable
+    resumed, stats = run(engine_over(model_dir, tmp_path), sampling=sampling, resume=True)
+    assert stats.cached_from == "checkpoint"
+    assert resumed == uninterrupted
+    # A completed generation leaves no checkpoint behind.
+    fresh = engine_over(model_dir, tmp_path)
+    assert fresh.cache.ssd.entries() and not any(
+        s.header.namespace.startswith("generation:") for s in fresh.cache.ssd.entries())
+
+
+def test_another_setting_never_resumes_a_checkpoint(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    engine = engine_over(model_dir, tmp_path / "c")
+    engine.cache.checkpoint_every = 2
+    for i, _event in enumerate(engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                              resume=True)):
+        if i >= 6:
+            break
+    engine.cache.flush(10)
+    other = SamplingConfig(temp=0.5, seed=1)
+    _, stats = run(engine_over(model_dir, tmp_path / "c"), sampling=other, resume=True)
+    assert stats.cached_from != "checkpoint"
