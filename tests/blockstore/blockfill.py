@@ -1,0 +1,78 @@
+"""Entries whose tensor rows are a pure function of their tokens, so entries sharing a
+prefix share bytes (as caches extended from one another do), and helpers to inspect a
+block store's directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from foretell.cache.codecs import snapshot_entry
+from foretell.kvcache import KVCache, RotatingKVCache
+
+HEADS, DIM = 2, 8
+
+
+def token_rows(tokens, layer: int, dtype=mx.float32) -> mx.array:
+    """``[1, HEADS, len(tokens), DIM]`` whose row t depends only on tokens[t] and t."""
+    t = np.asarray(tokens, dtype=np.float32)[:, None]
+    pos = np.arange(len(tokens), dtype=np.float32)[:, None]
+    row = np.sin(t * 0.37 + pos * 0.11 + layer + np.arange(DIM, dtype=np.float32) * 0.5)
+    return mx.array(np.stack([row, -row])[None]).astype(dtype)
+
+
+def kv_of(tokens, layers: int = 2, dtype=mx.float32) -> list[KVCache]:
+    caches = []
+    for layer in range(layers):
+        cache = KVCache()
+        if tokens:
+            rows = token_rows(tokens, layer, dtype)
+            cache.update_and_fetch(rows, rows * 2)
+        caches.append(cache)
+    return caches
+
+
+def entry_of(tokens, codecs, layers: int = 2, namespace: str = "", dtype=mx.float32):
+    return snapshot_entry(list(tokens), kv_of(list(tokens), layers, dtype), codecs,
+                          namespace=namespace)
+
+
+def ring_of(n: int, max_size: int, seed: int = 0) -> RotatingKVCache:
+    """A ring fed one token at a time (so it wraps in place, like decoding does)."""
+    cache = RotatingKVCache(max_size)
+    for t in range(n):
+        rows = token_rows([seed + t], t)
+        cache.update_and_fetch(rows, rows + 1)
+    return cache
+
+
+def host(a: mx.array) -> np.ndarray:
+    return np.asarray(a.astype(mx.float32)) if a.dtype == mx.bfloat16 else np.asarray(a)
+
+
+def assert_same_entry(got, want) -> None:
+    assert got is not None
+    assert got.tokens == want.tokens and got.namespace == want.namespace
+    assert len(got.layers) == len(want.layers)
+    for have, expect in zip(got.layers, want.layers):
+        assert (have.codec, have.provider, dict(have.meta)) == (
+            expect.codec, expect.provider, dict(expect.meta))
+        assert set(have.tensors) == set(expect.tensors)
+        for name, array in expect.tensors.items():
+            assert have.tensors[name].dtype == array.dtype
+            assert have.tensors[name].shape == array.shape
+            assert np.array_equal(host(have.tensors[name]), host(array)), name
+
+
+def block_files(layout) -> set[str]:
+    if not layout.data_dir.exists():
+        return set()
+    return {p.name[:-4] for p in layout.data_dir.iterdir() if p.name.endswith(".blk")}
+
+
+def manifest_files(layout) -> list[Path]:
+    if not layout.entries_dir.exists():
+        return []
+    return sorted(p for p in layout.entries_dir.iterdir() if p.name.endswith(".safetensors"))

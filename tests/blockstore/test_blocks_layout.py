@@ -1,0 +1,358 @@
+"""The block store shares blocks between entries, never rewrites one, counts each once,
+collects only what no manifest lists, and serves nothing it cannot verify."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import struct
+
+import mlx.core as mx
+import pytest
+from blockfill import (
+    assert_same_entry,
+    block_files,
+    entry_of,
+    kv_of,
+    manifest_files,
+    ring_of,
+)
+
+from foretell.cache.codecs import snapshot_entry
+from foretell.cache.quantized import QuantizedKVCache
+from foretell.config import FieldError
+from foretell.store.entry import StoreIdentity
+from foretell.store.layout import StorageLayout
+from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+
+# -- registration and the contract ----------------------------------------------------------
+
+
+def test_blocks_layout_is_registered_through_its_entry_point():
+    from foretell.plugins import load_plugins
+    from foretell.registry import Kind
+
+    registry = load_plugins().registry
+    found = registry.get(Kind.LAYOUT, "blocks")
+    assert found.origin.plugin == "blockstore"
+    assert found.load() is BlockStoreLayout
+
+
+def test_blocks_layout_conforms_to_the_storage_layout_protocol(layout):
+    assert isinstance(layout, StorageLayout)
+
+
+@pytest.mark.parametrize("field,value", [("block_tokens", 0), ("block_tokens", 2.5),
+                                         ("lock_timeout_s", -1)])
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(FieldError) as info:
+        BlockStoreConfig(**{field: value})
+    assert info.value.field == field and repr(value) in info.value.message
+
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_written_entry_reads_back_identical(layout, codecs, dtype):
+    entry = entry_of(range(11), codecs, namespace="lora:abc", dtype=dtype)
+    assert layout.write(entry) is True
+    assert_same_entry(layout.read(layout.key_for(entry.tokens, "lora:abc")), entry)
+
+
+def test_a_fresh_layout_reads_what_another_wrote(tmp_path, identity, codecs, layout):
+    entry = entry_of(range(9), codecs)
+    layout.write(entry)
+    other = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=4), identity=identity)
+    [header] = other.scan()
+    assert header.tokens == entry.tokens and header.layers[0].meta == {"offset": 9}
+    assert_same_entry(other.read(header.key), entry)
+
+
+def test_a_wrapped_ring_round_trips_with_its_write_index(layout, codecs):
+    ring = ring_of(23, max_size=10)
+    assert ring.offset > ring.max_size  # wrapped: slots are not positions
+    entry = snapshot_entry(range(23), [kv_of(range(23))[0], ring], codecs)
+    assert layout.write(entry)
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
+
+
+def test_quantized_kv_round_trips(layout, codecs):
+    cache = QuantizedKVCache(bits=4, group_size=32)
+    keys = mx.random.normal((1, 2, 13, 64), key=mx.random.key(1))
+    cache.update_and_fetch(keys, keys * 0.5)
+    entry = snapshot_entry(range(13), [cache], codecs)
+    assert {t.dtype for t in entry.layers[0].tensors.values()} >= {mx.uint32}
+    assert layout.write(entry)
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
+
+
+def test_layers_without_tensors_and_empty_caches_round_trip(layout, codecs):
+    entry = snapshot_entry([], kv_of([]), codecs)
+    assert layout.write(entry)
+    assert_same_entry(layout.read(layout.key_for(())), entry)
+
+
+def test_manifest_is_a_safetensors_file_that_describes_its_blocks(layout, codecs):
+    from safetensors import safe_open
+
+    layout.write(entry_of(range(10), codecs))
+    [path] = manifest_files(layout)
+    with safe_open(str(path), framework="numpy") as f:
+        assert list(f.keys()) == []
+        header = json.loads(f.metadata()["foretell.header"])
+    assert header["block_rows"] == 4 and header["num_tokens"] == 10
+    [group] = header["groups"]
+    assert group["rows"] == 10 and len(group["blocks"]) == 3  # rows 0-3, 4-7, 8-9
+    assert {b[0] for b in group["blocks"]} <= block_files(layout)
+
+
+# -- sharing --------------------------------------------------------------------------------
+
+
+def test_entries_sharing_a_prefix_share_its_whole_blocks(layout, codecs):
+    first, second = entry_of(range(12), codecs), entry_of([*range(9), 50, 51, 52, 53], codecs)
+    layout.write(first)
+    before = layout.bytes_written
+    layout.write(second)
+    # Blocks of rows 0-3 and 4-7 are shared; rows 8-11 and 12 differ.
+    per_block = 4 * first.tensor_bytes // 12
+    assert layout.bytes_reused == 2 * per_block
+    assert layout.bytes_written - before == second.tensor_bytes - 2 * per_block
+    usage = layout.usage()
+    assert usage.logical_bytes > usage.disk_bytes == layout.bytes()
+    assert usage.dedup_ratio > 1
+
+
+def test_a_growing_conversation_only_adds_blocks_and_never_rewrites_one(layout, codecs):
+    layout.write(entry_of(range(8), codecs))
+    stats = {name: os.stat(layout.block_path(name)) for name in block_files(layout)}
+    layout.write(entry_of(range(14), codecs))
+    assert len(block_files(layout)) == len(stats) + 2  # rows 8-11 and 12-13
+    for name, stat in stats.items():
+        now = os.stat(layout.block_path(name))
+        assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+
+
+def test_a_later_checkpoint_of_a_wrapped_ring_reuses_its_unchanged_slot_ranges(layout, codecs):
+    ring = ring_of(14, max_size=12)
+    layout.write(snapshot_entry(range(14), [ring], codecs))
+    for _ in range(14, 16):  # two more tokens overwrite slots 2 and 3 only
+        ring.update_and_fetch(*(2 * [mx.ones((1, 2, 1, 8))]))
+    reused = layout.bytes_reused
+    layout.write(snapshot_entry(range(16), [ring], codecs))
+    per_slot = ring.keys.nbytes // 12
+    # Slot ranges 4-7 and 8-11 (keys and values) are unchanged; slots 0-3 are new.
+    assert layout.bytes_reused - reused == 2 * 4 * per_slot * 2
+
+
+def test_bytes_counts_each_unique_block_once(layout, codecs):
+    for n in (8, 12, 16):
+        layout.write(entry_of(range(n), codecs))
+    on_disk = sum(os.path.getsize(layout.block_path(b)) for b in block_files(layout))
+    manifests = sum(p.stat().st_size for p in manifest_files(layout))
+    assert layout.bytes() == on_disk + manifests
+    assert sum(h.nbytes for h in layout.headers()) > layout.bytes()
+
+
+# -- remove and collect ---------------------------------------------------------------------
+
+
+def test_collect_deletes_only_blocks_no_manifest_lists(layout, codecs):
+    short, long = entry_of(range(8), codecs), entry_of(range(16), codecs)
+    layout.write(short)
+    layout.write(long)
+    shared = block_files(layout)
+    assert layout.remove(layout.key_for(long.tokens))
+    assert layout.collect() > 0
+    assert len(block_files(layout)) == 2  # the short entry's two blocks
+    assert block_files(layout) < shared
+    assert_same_entry(layout.read(layout.key_for(short.tokens)), short)
+
+
+def test_collect_keeps_blocks_another_process_still_uses(tmp_path, identity, codecs, layout):
+    entry = entry_of(range(8), codecs)
+    other = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=4), identity=identity)
+    layout.scan()
+    other.write(entry)  # this layout's index has never seen it
+    layout.collect()
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
+
+
+def test_collect_keeps_blocks_of_a_foreign_identitys_manifest(tmp_path, identity, codecs, layout):
+    foreign = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=4),
+                               identity=StoreIdentity(**{**_fields(identity), "model_id": "x"}))
+    entry = entry_of(range(8), codecs)
+    foreign.write(entry)
+    layout.collect()
+    assert_same_entry(foreign.read(foreign.key_for(entry.tokens)), entry)
+
+
+def test_collect_reaps_interrupted_writes(layout, codecs):
+    layout.write(entry_of(range(8), codecs))
+    (layout.data_dir / ("0" * 64 + ".abc.tmp")).write_bytes(b"partial")
+    (layout.entries_dir / "k.abc.tmp").write_bytes(b"partial")
+    layout.collect()
+    assert not [p for p in layout.directory.rglob("*.tmp")]
+
+
+def test_collect_waits_for_a_write_in_flight_and_then_skips(layout, codecs):
+    quick = BlockStoreLayout(layout.directory.parent.parent, BlockStoreConfig(
+        block_tokens=4, lock_timeout_s=0.05), identity=layout.identity)
+    quick.write(entry_of(range(8), codecs))
+    quick.remove(quick.key_for(range(8)))
+    with layout._flock(exclusive=False):  # a writer between its blocks and its manifest
+        assert quick.collect() == 0
+        assert len(block_files(quick)) == 2
+    assert quick.collect() > 0
+
+
+# -- damage: never served, never a crash ------------------------------------------------------
+
+
+@pytest.fixture
+def stored(layout, codecs):
+    entry = entry_of(range(10), codecs)
+    assert layout.write(entry)
+    return entry, layout.key_for(entry.tokens)
+
+
+def _a_block(layout, index=0) -> str:
+    [path] = manifest_files(layout)
+    header = json.loads(json.loads(path.read_bytes()[8:])["__metadata__"]["foretell.header"])
+    return header["groups"][0]["blocks"][index][0]
+
+
+def test_a_flipped_block_byte_is_never_served(layout, stored, caplog):
+    _entry, key = stored
+    path = layout.block_path(_a_block(layout))
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        assert layout.read(key) is None
+        assert layout.read(key) is None
+    assert len([r for r in caplog.records if "dropped" in r.message]) == 1
+    assert not manifest_files(layout) and not path.exists()
+
+
+def test_a_truncated_block_is_never_served(layout, stored):
+    path = layout.block_path(_a_block(layout, 1))
+    path.write_bytes(path.read_bytes()[:-3])
+    assert layout.read(stored[1]) is None
+
+
+def test_a_missing_block_is_never_served_and_drops_the_entry_on_scan(layout, stored, caplog):
+    os.unlink(layout.block_path(_a_block(layout, 2)))
+    fresh = BlockStoreLayout(layout.directory.parent.parent, layout.config,
+                             identity=layout.identity)
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        assert fresh.scan() == []
+    assert any("missing" in r.message for r in caplog.records)
+    assert layout.read(stored[1]) is None
+
+
+def test_a_foreign_block_under_one_of_our_names_is_never_served(layout, stored, codecs):
+    other = entry_of([7] * 10, codecs)  # same shapes, other bytes
+    layout.write(other)
+    mine, theirs = _a_block_of(layout, stored[0]), _a_block_of(layout, other)
+    layout.block_path(mine).write_bytes(layout.block_path(theirs).read_bytes())
+    assert layout.read(stored[1]) is None
+    assert_same_entry(layout.read(layout.key_for(other.tokens)), other)
+
+
+def _a_block_of(layout, entry) -> str:
+    raw = layout.path(layout.key_for(entry.tokens)).read_bytes()
+    header = json.loads(json.loads(raw[8:])["__metadata__"]["foretell.header"])
+    return header["groups"][0]["blocks"][0][0]
+
+
+def test_every_entry_sharing_a_damaged_block_is_refused(layout, stored, codecs):
+    longer = entry_of(range(14), codecs)
+    layout.write(longer)
+    path = layout.block_path(_a_block_of(layout, stored[0]))
+    path.write_bytes(b"\0" * path.stat().st_size)
+    assert layout.read(stored[1]) is None
+    assert layout.read(layout.key_for(longer.tokens)) is None
+    # The damaged block is gone, so the next write of those bytes stores them afresh.
+    assert layout.write(longer) and layout.read(layout.key_for(longer.tokens)) is not None
+
+
+def test_an_edited_manifest_fails_its_hash(layout, stored):
+    path = layout.path(stored[1])
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'\\"num_tokens\\":10', b'\\"num_tokens\\":11', 1))
+    assert raw != path.read_bytes()
+    assert layout.read(stored[1]) is None and not path.exists()
+
+
+@pytest.mark.parametrize("cut", [3, 8, 40])
+def test_a_truncated_manifest_is_never_served(layout, stored, cut):
+    path = layout.path(stored[1])
+    path.write_bytes(path.read_bytes()[:cut])
+    assert layout.read(stored[1]) is None
+    assert layout.scan() == []
+
+
+def test_garbage_manifest_is_dropped_on_scan(layout, stored):
+    (layout.entries_dir / ("f" * 32 + ".safetensors")).write_bytes(struct.pack("<Q", 2) + b"{}")
+    assert [h.key for h in layout.scan()] == [stored[1]]
+
+
+def test_a_renamed_manifest_does_not_answer_for_another_prompt(layout, stored, codecs):
+    other_key = layout.key_for(range(3))
+    os.rename(layout.path(stored[1]), layout.path(other_key))
+    assert layout.read(other_key) is None
+
+
+def test_an_entry_of_another_identity_is_never_served_and_kept(tmp_path, layout, stored, identity):
+    foreign = BlockStoreLayout(tmp_path, layout.config,
+                               identity=StoreIdentity(**{**_fields(identity), "tokenizer_hash": "zz"}))
+    os.rename(layout.path(stored[1]), foreign.path(stored[1]))  # same directory
+    assert foreign.read(stored[1]) is None
+    assert foreign.path(stored[1]).exists()
+
+
+def test_an_unknown_format_version_is_skipped_and_kept(layout, stored):
+    path = layout.path(stored[1])
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/1"',
+                                 b'"foretell.format_version":"blocks/9"', 1))
+    assert layout.read(stored[1]) is None and layout.scan() == [] and path.exists()
+    # Another version's manifest may list blocks this reader cannot see: keep them all.
+    layout.collect()
+    assert len(block_files(layout)) == 3
+
+
+def _fields(identity: StoreIdentity) -> dict:
+    return {"model_fingerprint": identity.model_fingerprint, "kv_scheme": identity.kv_scheme,
+            "model_id": identity.model_id, "tokenizer_hash": identity.tokenizer_hash,
+            "codec_providers": identity.codec_providers}
+
+
+# -- a failing disk ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EROFS])
+def test_a_failing_disk_warns_once_and_never_raises(layout, codecs, monkeypatch, caplog, err):
+    def fail(*_a, **_k):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr("foretell_blockstore.layout.full_fsync", fail)
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        assert layout.write(entry_of(range(8), codecs)) is False
+        assert layout.write(entry_of(range(9), codecs)) is False
+    assert len(caplog.records) == 1 and layout.io_failures == 2
+    assert not [p for p in layout.directory.rglob("*.tmp")] and not manifest_files(layout)
+
+
+def test_a_failed_rewrite_leaves_the_previous_entry_servable(layout, codecs, monkeypatch):
+    entry = entry_of(range(8), codecs)
+    layout.write(entry)
+    monkeypatch.setattr("foretell_blockstore.layout.os.replace",
+                        lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
+    assert layout.write(entry) is False
+    monkeypatch.undo()
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
