@@ -19,7 +19,7 @@ import mlx.nn as nn
 from foretell.attention import attend, attention_mask
 from foretell.kvcache import KVCache
 from foretell.loading import args_from_config, require_divides
-from foretell.model import PORT_TAPS
+from foretell.model import PORT_MTP, PORT_TAPS
 from foretell.rope import make_rope
 
 
@@ -197,4 +197,8 @@ def build(config: dict[str, Any]) -> QwenModel:
         scaling=args.rope_config,
         max_position_embeddings=args.max_position_embeddings,
     )
-    return QwenModel(args, head_dim=args.head_dim, qk_norm=True, bias=False, rope=rope)
+    model = QwenModel(args, head_dim=args.head_dim, qk_norm=True, bias=False, rope=rope)
+    if isinstance(config.get("mtp_config"), dict):
+        # The checkpoint declares an MTP head beside its weights (foretell_qwen.mtp reads it).
+        model.capabilities = QwenModel.capabilities | {PORT_MTP}
+    return model

@@ -186,14 +186,17 @@ def _rounds(
         context = mx.array(recent, dtype=mx.int32) if size else None
         drafts = window[0, 1:]
         windows = repetition_windows(context, drafts, size) if size else None
-        scores = sampler.scores(logits, windows)
+        scores = sampler.scores(logits, windows)[None]  # [B = 1, n + 1, V]
         key = keys.next() if keys is not None else None
         if sampler.greedy or token_match:
-            accepted, chosen = _match(sampler, scores, drafts, key)
+            accepted, chosen = _match(sampler, scores, drafts[None], key)
         else:
-            accepted, chosen = _reject(sampler, scores, drafts, draft.q if draft else None, key)
+            q = draft.q if draft is not None else None
+            accepted, chosen = accept_or_resample(
+                sampler.probabilities(scores), drafts[None], q, key
+            )
         # The one host sync of the round.
-        values = mx.concatenate([accepted.reshape(1), chosen.reshape(1), drafts]).tolist()
+        values = mx.concatenate([accepted, chosen, drafts]).tolist()
         a, token = values[0], values[1]
         kept = values[2 : 2 + a] + [token]
         if n:
@@ -219,39 +222,55 @@ def _rounds(
 def _match(
     sampler: Sampler, scores: mx.array, drafts: mx.array, key: mx.array | None
 ) -> tuple[mx.array, mx.array]:
-    """Keep drafts while they equal the target's own choice (its argmax when greedy)."""
-    chosen = sampler.sample(scores, key)  # [n + 1]
-    accepted = _prefix_length(drafts == chosen[:-1])
-    return accepted, chosen[accepted]
+    """Keep drafts while they equal the target's own choice (its argmax when greedy).
+
+    ``scores`` ``[B, n + 1, V]``, ``drafts`` ``[B, n]``; returns ``[B]`` accepted counts and
+    ``[B]`` tokens the target chose after them.
+    """
+    B, rows, vocab = scores.shape
+    chosen = sampler.sample(scores.reshape(B * rows, vocab), key).reshape(B, rows)
+    accepted = prefix_length(drafts == chosen[:, :-1])
+    return accepted, mx.take_along_axis(chosen, accepted[:, None], axis=1)[:, 0]
 
 
-def _reject(
-    sampler: Sampler, scores: mx.array, drafts: mx.array, q: mx.array | None, key: mx.array
+def accept_or_resample(
+    p: mx.array, drafts: mx.array, q: mx.array | None, key: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """Rejection sampling: keep draft i with probability min(1, p_i(d_i) / q_i(d_i))."""
-    p = sampler.probabilities(scores)  # [n + 1, V]
-    n, vocab = drafts.size, p.shape[-1]
+    """Rejection sampling over ``[B]`` rows: keep draft i with probability
+    ``min(1, p_i(d_i) / q_i(d_i))``; then draw the target's token from the residual.
+
+    ``p`` ``[B, n + 1, V]`` target distributions, ``drafts`` ``[B, n]``, ``q`` ``[B, n, V]``
+    (None: point masses on the drafts). Returns accepted counts and chosen tokens, ``[B]``.
+    """
+    B, rows, vocab = p.shape
     accept_key, resample_key = mx.random.split(key)
-    rows = mx.arange(n)
-    p_d = p[rows, drafts]
-    if q is None:  # deterministic drafts: q is the point mass on each
-        q_rows = (mx.arange(vocab)[None, :] == drafts[:, None]).astype(p.dtype)
-    else:
-        q_rows = q[0].astype(p.dtype)
-    q_d = q_rows[rows, drafts]
-    u = mx.random.uniform(shape=(n,), key=accept_key)
-    accepted = _prefix_length(u * q_d < p_d)
+    if q is None:
+        q = (mx.arange(vocab)[None, None, :] == drafts[..., None]).astype(p.dtype)
+    q = q.astype(p.dtype)
+    p_d = mx.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    q_d = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = mx.random.uniform(shape=drafts.shape, key=accept_key)
+    accepted = prefix_length(u * q_d < p_d)
     # After a full acceptance the extra token comes from p itself (q is zero there).
-    q_next = mx.concatenate([q_rows, mx.zeros((1, vocab), p.dtype)])[accepted]
-    p_next = p[accepted]
-    residual = mx.maximum(p_next - q_next, 0.0)
-    residual = mx.where(mx.sum(residual) > 0, residual, p_next)
-    chosen = mx.random.categorical(mx.log(residual), key=resample_key).astype(mx.int32)
+    q_padded = mx.concatenate([q, mx.zeros((B, 1, vocab), p.dtype)], axis=1)
+    at = accepted[:, None, None]
+    p_next = mx.take_along_axis(p, at, axis=1)[:, 0]
+    q_next = mx.take_along_axis(q_padded, at, axis=1)[:, 0]
+    weights = residual(p_next, q_next)
+    chosen = mx.random.categorical(mx.log(weights), key=resample_key).astype(mx.int32)
     return accepted, chosen
 
 
-def _prefix_length(ok: mx.array) -> mx.array:
-    return mx.sum(mx.cumprod(ok.astype(mx.int32))).astype(mx.int32)
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """``max(p - q, 0)`` (unnormalized; a draw normalizes). Where p <= q everywhere the row
+    was accepted with certainty, so any fallback is unreachable; p keeps the draw defined."""
+    weights = mx.maximum(p - q, 0.0)
+    return mx.where(mx.sum(weights, axis=-1, keepdims=True) > 0, weights, p)
+
+
+def prefix_length(ok: mx.array) -> mx.array:
+    """``[B, n]`` booleans to ``[B]`` lengths of their all-true prefixes."""
+    return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=-1), axis=-1).astype(mx.int32)
 
 
 def _join(parts: list[mx.array]) -> mx.array | None:

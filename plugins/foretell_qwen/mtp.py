@@ -1,0 +1,176 @@
+"""Qwen-MTP: the target's own multi-token-prediction head as its drafter (``--draft mtp``).
+
+The head (Qwen3-Next's ``mtp.*`` layout, read from the file ``config.json``'s
+``mtp_config`` names beside the weights) sees, at position t, the target's final-normed
+hidden state h_t and the embedding of token t+1, and predicts token t+2:
+
+    x = fc(concat(pre_fc_norm_embedding(embed(x[t+1])), pre_fc_norm_hidden(h[t])))
+    x = layers.0(x)                 # one Qwen3 decoder layer with its own KV cache
+    logits = target.logits(norm(x))  # the target's embedding and head, shared
+
+Every position of the sequence passes through the head once, with the target's real hidden
+state, so its cache matches training. For k > 1 the head chains itself, using its own
+output as the next hidden state (it was trained one step deep, so later drafts are weaker);
+those chained positions are rolled back after each round.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from foretell.attention import attention_mask
+from foretell.kvcache import KVCache, trim_all
+from foretell.model import PORT_MTP
+from foretell.rope import make_rope
+from foretell.spec import PORT_HIDDEN, Draft, Feed, PairingError, Target, draft_keys
+from foretell_qwen.qwen3 import Attention, DecoderLayer
+
+#: Positions per head forward while absorbing a long prompt (bounds activation memory).
+CHUNK = 2048
+
+
+class MTPHead(nn.Module):
+    """The ``mtp.*`` subtree: two input norms, the merging ``fc``, one layer, a final norm."""
+
+    def __init__(self, args: Any):
+        super().__init__()
+        H = args.hidden_size
+        rope = make_rope(
+            args.head_dim,
+            base=args.rope_base,
+            scaling=args.rope_config,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+        attention = Attention(args, head_dim=args.head_dim, qk_norm=True, bias=False, rope=rope)
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = [DecoderLayer(args, attention)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+
+    def __call__(self, embedded: mx.array, hidden: mx.array, cache: Any) -> mx.array:
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        x = self.layers[0](x, attention_mask(x.shape[1], cache), cache)
+        return self.norm(x)
+
+
+def load_head(target: Target) -> MTPHead:
+    """The target's MTP head; :class:`PairingError` when the target has none."""
+    from foretell.loading import (
+        quantize_like_checkpoint,
+        read_config,
+        should_unpack_quantized,
+        unpack_quantized,
+    )
+
+    args = getattr(target.model, "args", None)
+    if target.model.model_type != "qwen3" or args is None:
+        raise PairingError(
+            f"draft provider 'mtp' cannot draft for target {target.name}: its MTP head is "
+            f"the Qwen3 layout, the target is '{target.model.model_type}'"
+        )
+    path = Path(target.path) if target.path is not None else None
+    mtp = read_config(path).get("mtp_config") if path is not None else None
+    if not isinstance(mtp, dict) or "file" not in mtp:
+        raise PairingError(
+            f"draft provider 'mtp' cannot draft for target {target.name}: its config.json "
+            "declares no MTP head (mtp_config)"
+        )
+    file = path / mtp["file"]
+    if not file.is_file():
+        raise PairingError(
+            f"draft provider 'mtp' cannot draft for target {target.name}: {file} is missing"
+        )
+    prefix = mtp.get("prefix", "mtp.")
+    weights = {k.removeprefix(prefix): v for k, v in mx.load(str(file)).items()}
+    head = MTPHead(args)
+    if "quantization" in mtp:
+        quantize_like_checkpoint(head, {"quantization": mtp["quantization"]}, weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise PairingError(f"{file}: does not fit the target's MTP head: {exc}") from exc
+    if should_unpack_quantized(head):
+        unpack_quantized(head)
+    head.eval()
+    mx.eval(head.parameters())
+    return head
+
+
+class MTPProvider:
+    requires = frozenset({PORT_HIDDEN, PORT_MTP})
+
+    def __init__(self) -> None:
+        self.head: MTPHead | None = None
+
+    def prepare(self, target: Target) -> None:
+        self.head = load_head(target)
+
+    def open(self, target: Target, sampler: Any) -> MTPSource:
+        return MTPSource(self.head, target.model, sampler)
+
+
+class MTPSource:
+    def __init__(self, head: MTPHead, target: Any, sampler: Any):
+        self.head = head
+        self.target = target
+        self.sampler = sampler
+        self.keys = draft_keys(sampler)
+        self.caches = [KVCache()]
+        #: The head's output at the sequence's newest absorbed position (predicts what
+        #: follows the sequence), or None before any position was absorbed.
+        self.last: mx.array | None = None
+        self._chained = 0
+
+    def _absorb(self, feed: Feed) -> None:
+        hidden = feed.hidden
+        if hidden is None or hidden.shape[1] == 0:
+            return
+        m = hidden.shape[1]
+        paired = mx.array([feed.tokens[len(feed.tokens) - m :]], dtype=mx.int32)
+        for lo in range(0, m, CHUNK):
+            out = self.head(
+                self.target.embed(paired[:, lo : lo + CHUNK]), hidden[:, lo : lo + CHUNK], self.caches[0]
+            )
+        self.last = out[:, -1:, :]
+
+    def prefill(self, feed: Feed) -> None:
+        self._absorb(feed)
+        if self.last is not None:
+            mx.eval(self.last, self.caches[0].state)
+
+    def draft(self, feed: Feed, n: int) -> Draft:
+        self._absorb(feed)
+        if self.last is None:
+            return Draft.of([])
+        sampler, out = self.sampler, self.last
+        tokens, dists = [], []
+        for i in range(n):
+            scores = sampler.scores(self.target.logits(out[:, -1, :]))
+            if sampler.greedy:
+                token = mx.argmax(scores, axis=-1).astype(mx.int32)
+            else:
+                token = sampler.sample(scores, self.keys.next())
+                dists.append(sampler.probabilities(scores))
+            tokens.append(token)
+            if i < n - 1:
+                out = self.head(self.target.embed(token[:, None]), out, self.caches[0])
+        self._chained = n - 1
+        q = mx.stack(dists, axis=1) if dists else None
+        return Draft(mx.stack(tokens, axis=1), q)
+
+    def commit(self, accepted: int) -> None:
+        # Chained positions used the head's own output for h; the real states arrive next.
+        trim_all(self.caches, self._chained)
+        self._chained = 0
+
+    def close(self) -> None:
+        self.caches = []
+        self.last = None
