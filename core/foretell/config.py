@@ -84,16 +84,20 @@ def at_most(hi: float):
 # -- the run configuration ---------------------------------------------------------------
 
 
+#: Token counts index MLX arrays, whose indices are 32-bit: a larger one fails deep in MLX.
+INT32_MAX = 2**31 - 1
+
+
 @attrs.frozen(kw_only=True)
 class SamplingConfig:
     """How the next token is chosen. ``temp = 0`` is greedy (argmax)."""
 
     temp: float = attrs.field(default=0.0, validator=at_least(0.0), metadata={"help": "sampling temperature; 0 is greedy"})
     top_p: float = attrs.field(default=1.0, validator=[greater_than(0.0), at_most(1.0)], metadata={"help": "nucleus sampling mass; 1 disables"})
-    top_k: int = attrs.field(default=0, validator=at_least(0), metadata={"help": "keep the k most likely tokens; 0 disables"})
+    top_k: int = attrs.field(default=0, validator=[at_least(0), at_most(INT32_MAX)], metadata={"help": "keep the k most likely tokens; 0 disables"})
     min_p: float = attrs.field(default=0.0, validator=[at_least(0.0), at_most(1.0)], metadata={"help": "drop tokens below min_p x the top probability; 0 disables"})
     repetition_penalty: float = attrs.field(default=1.0, validator=greater_than(0.0), metadata={"help": "divide logits of recent tokens by this; 1 disables"})
-    repetition_context_size: int = attrs.field(default=20, validator=at_least(1), metadata={"help": "how many recent tokens the penalty sees"})
+    repetition_context_size: int = attrs.field(default=20, validator=[at_least(1), at_most(INT32_MAX)], metadata={"help": "how many recent tokens the penalty sees"})
     # MLX's PRNG key is an unsigned 64-bit integer.
     seed: int | None = attrs.field(default=None, validator=[at_least(0), less_than(2**64)], metadata={"help": "random seed, 0 <= seed < 2**64; the same seed reproduces a run"})
 

@@ -233,3 +233,15 @@ def test_chat_reports_a_non_utf8_line_and_carries_on(model_dir, capsys, monkeypa
     assert code == 0
     assert "stdin: not UTF-8 text (byte 0xff at offset 4)" in err
     assert [turn["prompt"][-1]["content"] for turn in seen] == ["fine"]
+
+
+@pytest.mark.parametrize("flag", ["--top-k", "--repetition-context-size"])
+def test_token_counts_beyond_mlx_indices_are_refused_naming_the_flag(flag, model_dir, capsys):
+    code, _, err = run_main(["run", "--model", str(model_dir), flag, str(2**64 - 1)], capsys)
+    assert code == 1
+    assert one_line_error(err).endswith(f"must be <= 2147483647, got {2**64 - 1} (set by {flag})")
+
+
+def test_an_undecodable_file_name_is_shown_not_a_crash(model_dir, capsys):
+    code, _, err = run_main(["run", "--model", str(model_dir), "--config", "\udcff.toml"], capsys)
+    assert code == 1 and "\\xff.toml" in one_line_error(err)

@@ -1,4 +1,4 @@
-"""The reference CLI: ``foretell run | chat | bench | plugins``.
+"""The reference CLI: ``foretell run | chat | bench | plugins | cache``.
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser
 it adds carries ``handler(args) -> int``. Errors a user can hit exit non-zero with one
@@ -23,6 +23,7 @@ COMMANDS = (
     "foretell.cli.chat_cmd",
     "foretell.cli.bench_cmd",
     "foretell.cli.plugins_cmd",
+    "foretell.cli.cache_cmd",
 )
 
 
@@ -30,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but bad input is one line on stderr, not a usage block."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,13 +58,19 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FORETELL_DEBUG"):
             raise
         with contextlib.suppress(BrokenPipeError):
-            print(f"foretell: error: {exc}", file=sys.stderr)
+            print(f"foretell: error: {printable(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         _discard_stdout()
         return PIPE_CLOSED
+
+
+def printable(text: str) -> str:
+    """``text`` with the bytes of an undecodable argument (a file name, say) shown as
+    ``\\xNN``: it names what the user typed without failing to print."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 #: 128 + SIGPIPE: what a shell reports for a program whose reader went away.
