@@ -185,7 +185,7 @@ def _structure_selected(
     except ForetellError as exc:
         raise FieldError("kind", str(exc)) from exc
     rest = {k: v for k, v in body.items() if k != "kind"}
-    if contribution.config is None:
+    if contribution.config is None or not attrs.fields(contribution.config):
         if rest:
             raise FieldError(sorted(rest)[0], f"unknown field: {kind.value} '{name}' takes no options")
         return name, None
@@ -221,8 +221,9 @@ def error_lines(exc: BaseException, path: str) -> Iterator[str]:
         yield f"{_join(path, exc.field)}: {exc.message}"
     elif isinstance(exc, ForbiddenExtraKeysError):
         known = sorted(a.name for a in attrs.fields(exc.cl)) if attrs.has(exc.cl) else []
+        listing = f"known: {', '.join(known)}" if known else "this section takes no options"
         for key in sorted(exc.extra_fields):
-            yield f"{_join(path, key)}: unknown field (known: {', '.join(known)})"
+            yield f"{_join(path, key)}: unknown field ({listing})"
     elif isinstance(exc, KeyError):
         yield f"{path}: required field missing"
     elif isinstance(exc, (WrongType, TypeError, ValueError)):

@@ -216,6 +216,7 @@ class PluginSet:
             for item in record.contributions:
                 registry.add(item)
         registry.failures = [r for r in self.records if r.status == FAILED]
+        registry.disabled = [r.name for r in self.records if r.status == DISABLED]
         self.registry = registry
 
 

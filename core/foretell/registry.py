@@ -160,6 +160,8 @@ class Registry:
         self.replacements: list[Replacement] = []
         #: Filled by the loader: plugins that failed, consulted when a lookup misses.
         self.failures: list[Any] = []
+        #: Filled by the loader: installed plugins the environment switches kept unloaded.
+        self.disabled: list[str] = []
 
     def add(self, item: Contribution) -> None:
         key = (item.kind, item.name)
@@ -195,7 +197,17 @@ class Registry:
         if found is not None:
             return found
         installed = ", ".join(self.names(kind)) or "none"
+        if name in self.disabled:
+            raise UnknownContribution(
+                f"{kind.value} '{name}': plugin '{name}' is installed but disabled "
+                "(FORETELL_DISABLE_PLUGINS / FORETELL_LOAD_PLUGINS); enable it to use it"
+            )
         message = f"no {kind.value} named '{name}' is installed (installed: {installed})"
+        if self.disabled:
+            # Its contributions are unknown until it loads; one of them may be this name.
+            message += (
+                f"; disabled plugins, which may provide it: {', '.join(sorted(self.disabled))}"
+            )
         failed = [f for f in self.failures if f.error is not None]
         if failed:
             # The selected name may belong to a plugin that failed: surface its own error.
