@@ -20,6 +20,11 @@ def foretell_register_cache_codecs(register):
         summary="sliding-window ring cache; trimmable only before it wraps",
     )
     register(
+        "sliding-kv",
+        "foretell.cache.codecs:SlidingKVCodec",
+        summary="sliding window plus a rollback reserve, in time order (speculative targets)",
+    )
+    register(
         "quantized-kv",
         "foretell.cache.quantized:QuantizedKVCodec",
         summary="affine-quantized KV cache (4/8-bit, groups along head_dim; --kv-bits)",

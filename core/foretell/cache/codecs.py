@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from foretell.errors import CodecError
-from foretell.kvcache import KVCache, RotatingKVCache
+from foretell.kvcache import KVCache, RotatingKVCache, SlidingKVCache
 from foretell.registry import Kind, Registry
 from foretell.store.entry import Entry, LayerHeader, LayerState
 
@@ -120,6 +120,36 @@ class RotatingKVCodec:
     def minimum_reusable_offset(self, meta: Mapping[str, Any]) -> int:
         # A wrapped ring has lost its oldest tokens: it can serve only its exact length.
         return 0 if self.header_trimmable(meta) else int(meta["offset"])
+
+
+class SlidingKVCodec:
+    """:class:`~foretell.kvcache.SlidingKVCache` (a sliding window with a rollback reserve,
+    what speculation runs sliding-window layers on): the held tokens in time order."""
+
+    name = "sliding-kv"
+    provider_id = "foretell.baseline/sliding-kv@1"
+
+    def matches(self, cache: Any) -> bool:
+        return type(cache) is SlidingKVCache
+
+    def snapshot(self, cache: SlidingKVCache) -> tuple[Tensors, Meta]:
+        return dict(zip(("keys", "values"), cache.state)), cache.meta
+
+    def load(self, tensors: Mapping[str, mx.array], meta: Mapping[str, Any]) -> SlidingKVCache:
+        return SlidingKVCache.from_state(_pair(self.name, tensors), dict(meta))
+
+    def clone(self, cache: SlidingKVCache) -> SlidingKVCache:
+        return self.load(*self.snapshot(cache))
+
+    def _trimmable(self, meta: Mapping[str, Any]) -> int:
+        offset, held, window = int(meta["offset"]), int(meta["held"]), int(meta["max_size"])
+        return offset if held == offset else max(0, held - (window - 1))
+
+    def header_trimmable(self, meta: Mapping[str, Any]) -> bool:
+        return self._trimmable(meta) > 0
+
+    def minimum_reusable_offset(self, meta: Mapping[str, Any]) -> int:
+        return int(meta["offset"]) - self._trimmable(meta)
 
 
 # -- selecting codecs and applying them to a whole sequence --------------------------------

@@ -25,7 +25,7 @@ plain step, so such a request degrades to plain decoding and never corrupts its 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -117,8 +117,13 @@ def speculative_steps(
     limit: int,
     stats: SpeculationStats,
     progress: Progress | None = None,
+    *,
+    after_prefill: Callable[[list[int], list[Any], int], None] | None = None,
 ) -> Iterator[list[int]]:
-    """Prefill both sides, then yield each round's tokens (accepted drafts + the target's)."""
+    """Prefill both sides, then yield each round's tokens (accepted drafts + the target's).
+
+    ``after_prefill(held tokens, caches, cached)`` runs once the target's prompt is in (the
+    prefix cache snapshots it there)."""
     from foretell.generate import plain_steps, prefill
 
     model = target.model
@@ -127,6 +132,8 @@ def speculative_steps(
     # Sliding-window layers keep enough history to undo a round (invariant 3).
     add_rollback_reserve(state.caches, speculator.max_tokens)
     hidden = prefill(model, prompt[state.cached : -1], state.caches, progress, keep_hidden=wants_hidden)
+    if after_prefill is not None:
+        after_prefill(state.held_tokens(), state.caches, state.cached)
     if wants_hidden and state.cached:
         # The prefix cache restores the target's KV, not the hidden states this drafter
         # reads over the prompt: this request decodes plainly (correct, just not faster).
