@@ -495,7 +495,8 @@ class Engine:
 
                 spec_stats = SpeculationStats(drafter=speculator.kind)
                 steps = speculative_steps(
-                    self.target, speculator, state, sampler, max_tokens, spec_stats, progress
+                    self.target, speculator, state, sampler, max_tokens, spec_stats, progress,
+                    after_prefill=request.after_prefill if request is not None else None,
                 )
             if request is not None:
                 steps = request.steps(steps, state)
