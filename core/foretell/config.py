@@ -102,12 +102,53 @@ class SamplingConfig:
     seed: int | None = attrs.field(default=None, validator=[at_least(0), less_than(2**64)], metadata={"help": "random seed, 0 <= seed < 2**64; the same seed reproduces a run"})
 
 
+#: ``[draft] kind`` values that name no provider: speculation off, or the model's measured best.
+DRAFT_NONE, DRAFT_AUTO = "none", "auto"
+
+
+@attrs.frozen(kw_only=True)
+class DraftSettings:
+    """The ``[draft]`` fields every drafter shares (the rest are the provider's own)."""
+
+    num_tokens: int = attrs.field(default=4, validator=[at_least(1), at_most(16)], metadata={"help": "the most tokens drafted per round (--num-draft-tokens)"})
+    adaptive: bool = attrs.field(default=True, metadata={"help": "choose the draft length per round from measured acceptance and cost"})
+    acceptance: str = attrs.field(default="rejection", metadata={"help": "sampled verification: 'rejection' (exact, accepts more) or 'token-match' (mlx-lm's rule)"})
+
+    @acceptance.validator
+    def _acceptance(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in ("rejection", "token-match"):
+            raise FieldError(attribute.name, f"must be 'rejection' or 'token-match', got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class DraftSection:
-    """``[draft]``: which draft provider speculative decoding uses, and its own options."""
+    """``[draft]``: which draft provider speculative decoding uses, and its own options.
+
+    ``kind = "none"`` turns speculation off; ``"auto"`` (the default) uses the drafter
+    measured best for the model on this kind of machine, where one is known.
+    """
 
     kind: str
+    settings: DraftSettings = attrs.Factory(DraftSettings)
     options: Any = None  # an instance of the provider's registered config class
+
+
+def _kv_bits(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value not in (4, 8):
+        raise FieldError(attribute.name, f"must be 4 or 8, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class CacheSection:
+    """``[cache]``: the prefix cache tier (docs/cache-storage.md)."""
+
+    dir: str | None = attrs.field(default=None, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
+    max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB"})
+    ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
+    layout: str = attrs.field(default="single-file", metadata={"help": "storage layout of the SSD tier (see `foretell plugins`)"})
+    kv_bits: int | None = attrs.field(default=None, validator=_kv_bits, metadata={"help": "quantize full-attention KV to 4 or 8 bits"})
+    resume: bool = attrs.field(default=False, metadata={"help": "checkpoint the generation and continue an interrupted identical one"})
+    checkpoint_every: int = attrs.field(default=64, validator=at_least(1), metadata={"help": "tokens between generation checkpoints"})
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +160,7 @@ class RunConfig:
     chat: bool = attrs.field(default=False, metadata={"help": "apply the model's chat template to the prompt (`foretell chat` always does)"})
     sampling: SamplingConfig = attrs.Factory(SamplingConfig)
     draft: DraftSection | None = None
+    cache: CacheSection = attrs.Factory(CacheSection)
 
 
 # -- the converter -------------------------------------------------------------------------
@@ -159,13 +201,24 @@ def make_converter(registry: Registry) -> cattrs.Converter:
     # A predicate, not a class hook: class hooks also catch subclasses, and plugin config
     # classes structured inside would loop back here (reference/plugin-anchors.md §6.4).
     def structure_draft(body: Any, _t: type) -> DraftSection:
-        name, options = _structure_selected(conv, registry, Kind.DRAFT, body)
-        return DraftSection(kind=name, options=options)
+        if not isinstance(body, Mapping):
+            raise WrongType(f"expected a table with a 'kind' key, got {body!r}")
+        shared = {a.name for a in attrs.fields(DraftSettings)}
+        settings = conv.structure({k: v for k, v in body.items() if k in shared}, DraftSettings)
+        rest = {k: v for k, v in body.items() if k not in shared}
+        if rest.get("kind") in (DRAFT_NONE, DRAFT_AUTO):
+            extra = sorted(set(rest) - {"kind"})
+            if extra:
+                raise FieldError(extra[0], f"unknown field: draft kind '{rest['kind']}' takes no options")
+            return DraftSection(kind=rest["kind"], settings=settings)
+        name, options = _structure_selected(conv, registry, Kind.DRAFT, rest)
+        return DraftSection(kind=name, settings=settings, options=options)
 
     conv.register_structure_hook_func(lambda t: t is DraftSection, structure_draft)
     conv.register_unstructure_hook(
         DraftSection,
-        lambda d: {"kind": d.kind, **(conv.unstructure(d.options) if d.options is not None else {})},
+        lambda d: {"kind": d.kind, **conv.unstructure(d.settings),
+                   **(conv.unstructure(d.options) if d.options is not None else {})},
     )
     return conv
 

@@ -78,7 +78,7 @@ def capped_engine(tiny, monkeypatch):
         return real(self, prompt, **options)
 
     monkeypatch.setattr(foretell.Engine, "generate", capped)
-    monkeypatch.setattr(run_cmd, "open_engine", lambda model, registry, quiet: engine)
+    monkeypatch.setattr(run_cmd, "open_engine", lambda model, registry, quiet, **_: engine)
     return path
 
 

@@ -127,6 +127,21 @@ class CacheTier:
         return cls.open(cache_dir, engine.path, codecs=codecs,
                         kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size), **options)
 
+    @classmethod
+    def from_section(cls, engine: Any, section: Any) -> CacheTier:
+        """A tier for ``engine`` as a ``[cache]`` section (:class:`foretell.config.CacheSection`)
+        describes it; the storage layout is looked up by name among the plugins'."""
+        from foretell.plugins import load_plugins
+        from foretell.registry import Kind
+
+        registry = engine.registry if engine.registry is not None else load_plugins().registry
+        contribution = registry.get(Kind.LAYOUT, section.layout)
+        return cls.for_engine(
+            engine, section.dir, ram_bytes=int(section.ram_gb * GiB),
+            ssd_bytes=int(section.max_gb * GiB), checkpoint_every=section.checkpoint_every,
+            layout=contribution.load(),
+            layout_config=contribution.config() if contribution.config is not None else None)
+
     # -- lookup -----------------------------------------------------------------------------
 
     def lookup(self, prompt: Sequence[int], namespace: str = "") -> Reuse:

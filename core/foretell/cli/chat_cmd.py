@@ -36,7 +36,16 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     registry, config = run_config(args)
-    engine = open_engine(config.model, registry, quiet=False)
+    # Each turn's prompt + reply stays in RAM (and on disk with --cache-dir), so the next
+    # turn computes only what is new.
+    engine = open_engine(config.model, registry, quiet=False, cache=config.cache, ram_cache=True)
+    from foretell.cli.cache_cmd import flushing
+
+    with flushing(engine.cache):
+        return converse(args, config, engine)
+
+
+def converse(args: argparse.Namespace, config: Any, engine: Any) -> int:
     if not engine.tokenizer.has_chat_template:
         raise ChatTemplateError(
             f"{engine.path}: this model has no chat template, so it cannot chat; "
@@ -107,5 +116,5 @@ def run(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
         err.write(
             f"({stats.generated_tokens} tokens, {stats.generation_tps:.1f} tok/s, "
-            f"TTFT {stats.ttft_s:.2f}s)\n"
+            f"TTFT {stats.ttft_s:.2f}s, {stats.cached_tokens} prompt tokens cached)\n"
         )

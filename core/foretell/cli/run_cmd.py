@@ -92,6 +92,15 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="how many recent tokens the penalty sees (default: 20)",
     )
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep computed prompt prefixes on disk here and reuse them")
+    p.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
+                   help="byte cap of the cache directory, GiB (default: 32)")
+    p.add_argument("--kv-bits", type=int, default=None, metavar="N",
+                   help="quantize the KV cache to 4 or 8 bits (default: off)")
+    p.add_argument("--resume", action="store_const", const=True, default=None,
+                   help="checkpoint the generation; rerun the same command after a crash to "
+                   "continue it (needs --cache-dir)")
 
 
 _FLAG_FIELDS = {
@@ -105,6 +114,10 @@ _FLAG_FIELDS = {
     "seed": "sampling.seed",
     "repetition_penalty": "sampling.repetition_penalty",
     "repetition_context_size": "sampling.repetition_context_size",
+    "cache_dir": "cache.dir",
+    "cache_max_gb": "cache.max_gb",
+    "kv_bits": "cache.kv_bits",
+    "resume": "cache.resume",
 }
 
 
@@ -129,8 +142,10 @@ def run_config(args: argparse.Namespace):
     return registry, config
 
 
-def open_engine(model: str | None, registry: Any, *, quiet: bool):
-    """Load the model once, with a progress line while a person waits."""
+def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = None,
+                ram_cache: bool = False):
+    """Load the model once, with a progress line while a person waits; with a ``[cache]``
+    section, its KV scheme and a cache tier (RAM only unless it names a directory)."""
     from foretell import blas
 
     blas.preload()  # before anything below imports mlx (docs/blas.md)
@@ -138,8 +153,14 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool):
     from foretell.generate import load
 
     path = model_path(model)  # a bad name fails before anything heavy
+    kv_bits = cache.kv_bits if cache is not None else None
     with ProgressLine.for_terminal(f"loading {path.name}", quiet=quiet) as bar:
-        return load(path, registry=registry, progress=bar)
+        engine = load(path, registry=registry, progress=bar, kv_bits=kv_bits)
+    if cache is not None and (cache.dir is not None or ram_cache):
+        from foretell.cache.tier import CacheTier
+
+        engine.cache = CacheTier.from_section(engine, cache)
+    return engine
 
 
 def model_path(model: str | None, flag: str = "--model"):
@@ -167,7 +188,10 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
     stops = [text.unescape(text.checked(s, "--stop")) for s in args.stop]
     registry, config = run_config(args)
-    engine = open_engine(config.model, registry, quiet=args.json)
+    if config.cache.resume and config.cache.dir is None:
+        raise ConfigError(args.config or "command line",
+                          ["cache.resume: needs a cache directory (--cache-dir DIR)"])
+    engine = open_engine(config.model, registry, quiet=args.json, cache=config.cache)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
     from foretell.cli.progress import ProgressLine
     from foretell.generate import PREFILL_CHUNK
@@ -185,22 +209,26 @@ def run(args: argparse.Namespace) -> int:
         stop=stops,
         chat=config.chat,
         prefill_progress=prefill_progress,
+        resume=config.cache.resume,
     )
     out = sys.stdout
     if not args.json and out.isatty():
         out.write(f"{DIM}{prompt}{UNDIM}" + ("\n" if config.chat else ""))
         out.flush()
     stats = None
-    for event in events:
-        if event.type == "stats":
-            stats = event
-        bar.close()
-        if args.json:
-            out.write(json.dumps(event.to_dict(), ensure_ascii=False) + "\n")
-            out.flush()
-        elif event.type == "text" and event.text:
-            out.write(event.text)
-            out.flush()
+    from foretell.cli.cache_cmd import flushing
+
+    with flushing(engine.cache, quiet=args.json):
+        for event in events:
+            if event.type == "stats":
+                stats = event
+            bar.close()
+            if args.json:
+                out.write(json.dumps(event.to_dict(), ensure_ascii=False) + "\n")
+                out.flush()
+            elif event.type == "text" and event.text:
+                out.write(event.text)
+                out.flush()
     if not args.json:
         out.write("\n")
         out.flush()
@@ -248,5 +276,7 @@ def report(stats: Any) -> None:
         f"Generation: {stats.generated_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
         file=sys.stderr,
     )
+    if stats.cached_tokens:
+        print(f"Cached: {stats.cached_tokens} prompt tokens ({stats.cached_from})", file=sys.stderr)
     print(f"TTFT: {stats.ttft_s:.3f} s", file=sys.stderr)
     print(f"Peak memory: {stats.peak_memory_gb:.3f} GB", file=sys.stderr)

@@ -1,0 +1,275 @@
+"""``foretell cache ls|stats|verify|gc|clear --cache-dir DIR``: look after a cache directory.
+
+Without ``--model`` every single-file entry under the directory is examined under the
+identity it claims (model, tokenizer, KV scheme), so one directory shared by several models
+is listed whole; with ``--model`` only that model's entries (in ``--layout``) are.
+``verify`` reads every entry back with every checksum and reports the bad ones (they are
+deleted, as a read during serving would); it exits 1 if any was bad. ``--json`` prints one
+JSON object.
+
+Also here: :func:`flushing`, the bounded durability wait ``run`` and ``chat`` do on exit,
+SIGINT and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from foretell.errors import ForetellError
+
+#: How long ``run``/``chat`` wait on exit (or SIGINT/SIGTERM) for queued cache writes.
+FLUSH_TIMEOUT_S = 10.0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cache", help="list, check and clean a cache directory")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    for name, summary in (
+        ("ls", "list stored entries"),
+        ("stats", "entries and bytes per model and KV scheme"),
+        ("verify", "read every entry with every checksum; report (and delete) bad ones"),
+        ("gc", "delete interrupted writes and evict to --max-gb"),
+        ("clear", "delete every entry"),
+    ):
+        a = actions.add_parser(name, help=summary)
+        a.add_argument("--cache-dir", required=True, metavar="DIR", help="the cache directory")
+        a.add_argument("--model", "-m", default=None,
+                       help="only this model's entries (directory or shipped name)")
+        a.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+                       help="with --model: the KV scheme's entries")
+        a.add_argument("--layout", default="single-file",
+                       help="with --model: the storage layout (default: single-file)")
+        a.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "gc":
+            a.add_argument("--max-gb", type=float, default=None,
+                           help="evict least recently used entries down to this many GiB")
+        a.set_defaults(handler=globals()[f"cmd_{name}"])
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+
+
+# -- which layouts ------------------------------------------------------------------------
+
+
+def layouts(args: argparse.Namespace) -> list[Any]:
+    """The layouts to act on: the model's, or one per identity found in the directory."""
+    from foretell.cache.codecs import load_codecs
+    from foretell.plugins import load_plugins
+    from foretell.registry import Kind
+    from foretell.store.entry import StoreIdentity
+    from foretell.store.single_file import SingleFileLayout
+
+    root = Path(args.cache_dir).expanduser()
+    if not root.is_dir():
+        raise ForetellError(f"--cache-dir {args.cache_dir}: no such directory")
+    registry = load_plugins().registry
+    providers = [c.provider_id for c in load_codecs(registry)]
+    if args.model is not None:
+        from foretell.cache.quantized import kv_scheme
+        from foretell.cli.run_cmd import model_path
+
+        path = model_path(args.model)
+        identity = StoreIdentity.for_model_dir(path, model_id=path.name, codec_providers=providers,
+                                               kv_scheme=kv_scheme(args.kv_bits))
+        contribution = registry.get(Kind.LAYOUT, args.layout)
+        config = contribution.config() if contribution.config is not None else None
+        return [contribution.load()(root, config, identity=identity)]
+    found = []
+    for identity in claimed_identities(root, providers):
+        found.append(SingleFileLayout(root, identity=identity))
+    return found
+
+
+def claimed_identities(root: Path, providers: list[str]) -> list[Any]:
+    """Every identity some single-file entry under ``root`` claims in its header."""
+    from foretell.store import format as fmt
+    from foretell.store.entry import StoreIdentity
+
+    seen = {}
+    for path in sorted(root.glob(f"*/*{fmt.SUFFIX}")):
+        fields = _claimed_fields(path)
+        if fields is None:
+            continue
+        try:
+            identity = StoreIdentity(
+                model_fingerprint=fields["model_fingerprint"], kv_scheme=fields["kv_scheme"],
+                model_id=fields["model_id"], tokenizer_hash=fields["tokenizer_hash"],
+                codec_providers=providers)
+        except (KeyError, TypeError, ValueError):
+            continue
+        if identity.directory == path.parent.name:
+            seen[(identity.directory, identity.model_id, identity.tokenizer_hash)] = identity
+    return list(seen.values())
+
+
+def _claimed_fields(path: Path) -> dict[str, Any] | None:
+    import struct
+
+    try:
+        with open(path, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            if length > 100_000_000:
+                return None
+            meta = json.loads(fh.read(length))["__metadata__"]
+        return json.loads(meta["foretell.header"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def _orphans(root: Path) -> list[Path]:
+    return sorted(root.glob("*/*.tmp"))
+
+
+# -- the actions ----------------------------------------------------------------------------
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = []
+    for layout in layouts(args):
+        for h in layout.scan():
+            rows.append({
+                "model_id": layout.identity.model_id, "directory": layout.identity.directory,
+                "key": h.key, "namespace": h.namespace, "tokens": len(h.tokens),
+                "bytes": h.nbytes, "last_used": h.last_used,
+                "codecs": sorted({la.codec for la in h.layers}),
+            })
+    if args.json:
+        print(json.dumps({"entries": rows}))
+        return 0
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["last_used"]))
+        print(f"{r['key']}  {r['tokens']:>7} tok  {_size(r['bytes']):>9}  {when}  "
+              f"{r['model_id']}  {r['namespace'] or '-'}")
+    if not rows:
+        print("no entries")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    groups = []
+    for layout in layouts(args):
+        headers = layout.scan()
+        groups.append({"model_id": layout.identity.model_id,
+                       "directory": layout.identity.directory, "entries": len(headers),
+                       "bytes": sum(h.nbytes for h in headers),
+                       "tokens": sum(len(h.tokens) for h in headers)})
+    root = Path(args.cache_dir).expanduser()
+    summary = {"cache_dir": str(root), "models": groups,
+               "entries": sum(g["entries"] for g in groups),
+               "bytes": sum(g["bytes"] for g in groups),
+               "interrupted_writes": len(_orphans(root))}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    for g in groups:
+        print(f"{g['model_id']} ({g['directory']}): {g['entries']} entries, "
+              f"{_size(g['bytes'])}, {g['tokens']} tokens")
+    print(f"total: {summary['entries']} entries, {_size(summary['bytes'])}; "
+          f"{summary['interrupted_writes']} interrupted writes")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from foretell.store import format as fmt
+
+    root = Path(args.cache_dir).expanduser()
+    before = {p for p in root.glob(f"*/*{fmt.SUFFIX}")}
+    good, bad = 0, []
+    checked = set()
+    for layout in layouts(args):
+        for h in layout.scan():
+            checked.add(layout.path(h.key))
+            if layout.read(h.key) is None:
+                bad.append({"key": h.key, "path": str(layout.path(h.key)), "reason": "unreadable"})
+            else:
+                good += 1
+    # Files the scans deleted (damaged headers) or that no identity could claim.
+    for path in sorted(before - checked):
+        if not path.exists():
+            bad.append({"key": path.stem, "path": str(path), "reason": "corrupt header"})
+        elif args.model is None and _claimed_fields(path) is None:
+            bad.append({"key": path.stem, "path": str(path), "reason": "not a foretell entry"})
+    report = {"verified": good, "bad": bad}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for b in bad:
+            print(f"bad: {b['path']} ({b['reason']})")
+        print(f"{good} entries verified, {len(bad)} bad")
+    return 1 if bad else 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from foretell.cache.codecs import load_codecs
+    from foretell.cache.ssd import SsdIndex
+    from foretell.plugins import load_plugins
+
+    codecs = load_codecs(load_plugins().registry)
+    freed = evicted = 0
+    for layout in layouts(args):
+        freed += layout.collect()
+        if args.max_gb is not None:
+            index = SsdIndex(layout, codecs, int(args.max_gb * (1 << 30)))
+            before = layout.bytes()
+            index.scan()
+            evicted += index.evictions
+            freed += before - layout.bytes()
+    report = {"freed_bytes": freed, "evicted": evicted}
+    print(json.dumps(report) if args.json else
+          f"freed {_size(freed)}; evicted {evicted} entries")
+    return 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    removed = 0
+    for layout in layouts(args):
+        for h in layout.scan():
+            removed += bool(layout.remove(h.key))
+    root = Path(args.cache_dir).expanduser()
+    if args.model is None:
+        for orphan in _orphans(root):
+            with contextlib.suppress(OSError):
+                orphan.unlink()
+    print(json.dumps({"removed": removed}) if args.json else f"removed {removed} entries")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# -- durability on exit -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def flushing(tier: Any, timeout: float = FLUSH_TIMEOUT_S, quiet: bool = False) -> Iterator[None]:
+    """Run the body; then (also after SIGINT or SIGTERM) wait up to ``timeout`` seconds
+    for queued cache writes, and say on stderr if the cache is not durable."""
+    if tier is None:
+        yield
+        return
+
+    def terminate(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        report = tier.close(timeout)
+        if tier.ssd is not None and not report.durable and not quiet:
+            print(f"foretell: warning: the cache is not durable (pending {report.pending}, "
+                  f"dropped {report.dropped}, failed {report.failed}, missing {report.missing})",
+                  file=sys.stderr)
