@@ -92,6 +92,16 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="how many recent tokens the penalty sees (default: 20)",
     )
+    p.add_argument("--draft", default=None, metavar="KIND",
+                   help="speculative decoding with this draft provider (see `foretell plugins`); "
+                   "'none' turns it off; default 'auto': the drafter measured best for the "
+                   "model on this kind of machine, if it names one")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="draft with this model (a directory or shipped name): --draft two-model")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="the most tokens drafted per round (default: 4; adaptive below that)")
+    p.add_argument("--draft-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="an option of the draft provider, e.g. max_ngram=3 (repeatable)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="keep computed prompt prefixes on disk here and reuse them")
     p.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
@@ -130,16 +140,55 @@ def run_config(args: argparse.Namespace):
     for attr, field in _FLAG_FIELDS.items():
         if hasattr(args, attr):
             overrides[field] = (getattr(args, attr), "--" + attr.replace("_", "-"))
+    overrides.update(draft_overrides(args))
     registry = load_plugins().registry
     config = load_run_config(registry, args.config, overrides)
-    if config.draft is not None:
-        raise ConfigError(
-            args.config or "command line",
-            [
-                f"draft: speculative decoding ('{config.draft.kind}') is not wired into the CLI yet; remove [draft]"
-            ],
-        )
     return registry, config
+
+
+def draft_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """``[draft]`` fields set by ``--draft``, ``--draft-model``, ``--num-draft-tokens`` and
+    ``--draft-option KEY=VALUE`` (VALUE read as a TOML value, else as a string)."""
+    from foretell.config import tomllib
+
+    out: dict[str, tuple[Any, str]] = {}
+    if getattr(args, "draft", None) is not None:
+        out["draft.kind"] = (args.draft, "--draft")
+    if getattr(args, "draft_model", None) is not None:
+        if getattr(args, "draft", None) in (None, "auto"):
+            out["draft.kind"] = ("two-model", "--draft-model")
+        out["draft.model"] = (args.draft_model, "--draft-model")
+    if getattr(args, "num_draft_tokens", None) is not None:
+        out["draft.num_tokens"] = (args.num_draft_tokens, "--num-draft-tokens")
+    for item in getattr(args, "draft_option", None) or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("command line", [f"--draft-option {item!r}: expected KEY=VALUE"])
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[f"draft.{key.strip()}"] = (value, "--draft-option")
+    return out
+
+
+def apply_draft(engine: Any, section: Any, registry: Any) -> None:
+    """Speculate as ``[draft]`` says: a named provider, ``none``, or ``auto`` (unset)."""
+    from foretell.config import DRAFT_AUTO, DRAFT_NONE, DraftSettings
+    from foretell.spec.auto import measured_drafter
+
+    kind = section.kind if section is not None else DRAFT_AUTO
+    settings = section.settings if section is not None else DraftSettings()
+    options = section.options if section is not None else None
+    if kind == DRAFT_NONE:
+        return
+    if kind == DRAFT_AUTO:
+        chosen = measured_drafter(engine.path, registry)
+        if chosen is None:
+            return
+        kind, options = chosen
+    engine.use_draft(kind, options, max_tokens=settings.num_tokens, adaptive=settings.adaptive,
+                     acceptance=settings.acceptance)
 
 
 def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = None,
@@ -192,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(args.config or "command line",
                           ["cache.resume: needs a cache directory (--cache-dir DIR)"])
     engine = open_engine(config.model, registry, quiet=args.json, cache=config.cache)
+    apply_draft(engine, config.draft, registry)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
     from foretell.cli.progress import ProgressLine
     from foretell.generate import PREFILL_CHUNK

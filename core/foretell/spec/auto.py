@@ -1,0 +1,52 @@
+"""``--draft auto``: the drafter measured best for a model on this kind of machine.
+
+A model directory may carry ``speculation.json``, written from benchmark runs
+(``foretell bench --speculation``; the shipped demo's comes from docs/benchmarks.md)::
+
+    {"best": {"cpu": {"kind": "two-model", "options": {"model": "demo-draft"}},
+              "gpu": {"kind": "mtp", "options": {}}},
+     "measured": "where the figures are"}
+
+``cpu`` is chosen on MLX's CPU device, ``gpu`` on any GPU (CUDA measured; Metal takes the
+same entry until it is measured there). No file, or no entry for this machine: no drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from foretell.errors import ConfigError
+
+FILE = "speculation.json"
+
+
+def machine_kind() -> str:
+    return "cpu" if mx.default_device() == mx.cpu else "gpu"
+
+
+def measured_drafter(model_dir: Path | None, registry: Any) -> tuple[str, Any] | None:
+    """``(kind, options)`` for this machine from ``model_dir/speculation.json``, or None."""
+    from foretell.config import make_converter, structure
+    from foretell.registry import Kind
+
+    if model_dir is None or not (Path(model_dir) / FILE).is_file():
+        return None
+    path = Path(model_dir) / FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entry = data["best"].get(machine_kind())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise ConfigError(str(path), [f"best: cannot be read ({exc})"]) from exc
+    if entry is None:
+        return None
+    kind = entry.get("kind")
+    if kind not in registry.names(Kind.DRAFT):
+        return None  # measured with a drafter this installation lacks (e.g. contrib n-gram)
+    config = registry.get(Kind.DRAFT, kind).config
+    raw = entry.get("options") or {}
+    options = structure(make_converter(registry), raw, config, str(path)) if config else None
+    return kind, options
