@@ -32,8 +32,8 @@ def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, cap
     assert model["model"] == "tiny-qwen3"
     assert model["prompt_tokens"] == 12 and model["generated_tokens"] == 6
     assert model["interleaved"] is True
-    (row,) = model["rows"]
-    assert row["scenario"] == "greedy"
+    row = model["rows"][0]
+    assert row["scenario"] == "greedy" and row["baseline"] == "mlx-lm"
     for side in ("foretell", "mlx_lm"):
         # EOS is ignored on both sides, so each generated exactly what was asked.
         assert row[side]["generated"] == 6
@@ -124,7 +124,7 @@ def test_sequential_mode_reports_the_same_shape(tiny_model, tmp_path):
     assert code == 0
     (model,) = json.loads(out.read_text())["models"]
     assert model["interleaved"] is False
-    (row,) = model["rows"]
+    row = model["rows"][0]
     assert row["decode_ratio_ci95"] is None  # rounds do not pair up
     assert len(row["foretell"]["runs"]) == len(row["mlx_lm"]["runs"]) == 2
     assert row["foretell"]["generated"] == row["mlx_lm"]["generated"] == 4
@@ -145,3 +145,63 @@ def test_paired_ratio_interval_comes_from_the_rounds_and_widens_with_their_sprea
     assert hi == pytest.approx(math.exp(statistics.fmean(logs) + half))
     assert lo < 1.0 < hi
     assert bench.paired_ratio_ci(runs([1]), runs([1]), "decode_tps") is None
+
+
+@pytest.fixture(scope="module")
+def cpu_report(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-cpu") / "report.json"
+    code = cli_main(
+        ["bench", "--model", str(tiny_model), "--prompt-tokens", "8", "--generate", "4",
+         "--repeats", "2", "--json", str(out)]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_on_the_cpu_mlx_lm_also_runs_on_foretells_openblas(cpu_report):
+    (model,) = cpu_report["models"]
+    runtime = model["runtime"]
+    if runtime["foretell"]["backend"] != "cpu" or not runtime["foretell"]["blas_status"]["loaded"]:
+        pytest.skip("the same-BLAS row exists where foretell runs on the CPU with OpenBLAS")
+    as_installed, same_blas = model["rows"]
+    assert (as_installed["baseline"], same_blas["baseline"]) == ("mlx-lm", bench.SAME_BLAS)
+    # what users get: mlx-lm on MLX's reference BLAS; the engine's own gain: the same OpenBLAS
+    assert runtime["mlx-lm"]["blas_status"]["loaded"] is None
+    assert runtime[bench.SAME_BLAS]["blas_status"]["loaded"] == (
+        runtime["foretell"]["blas_status"]["loaded"]
+    )
+    assert same_blas["foretell"] == as_installed["foretell"]  # one foretell side, two baselines
+    assert same_blas["decode_ratio"] == pytest.approx(
+        same_blas["foretell"]["decode_tps"] / same_blas["mlx_lm"]["decode_tps"]
+    )
+    assert len(same_blas["mlx_lm"]["runs"]) == 2
+
+
+def test_the_table_labels_which_blas_each_mlx_lm_row_ran_on(cpu_report):
+    table = bench.render(cpu_report)
+    assert "mlx-lm on" in table
+    if len(cpu_report["models"][0]["rows"]) == 2:
+        assert "its BLAS" in table and "OpenBLAS" in table and f"{bench.SAME_BLAS}:" in table
+
+
+def test_json_without_a_file_prints_the_report_on_stdout(tiny_model, capsys):
+    code = cli_main(["bench", "--model", str(tiny_model), "--prompt-tokens", "8",
+                     "--generate", "3", "--repeats", "1", "--json"])
+    assert code == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["models"][0]["rows"][0]["foretell"]["generated"] == 3
+    assert "round 1/1: decode tok/s foretell" in captured.err  # progress per round
+
+
+def test_without_mlx_lm_the_error_names_the_extra_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mlx_lm" else real(name, *a)
+    )
+    assert cli_main(["bench", "--synthetic", "30m"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "mlx-lm, which is not installed" in err and "pip install '.[bench]'" in err

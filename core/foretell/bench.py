@@ -37,6 +37,9 @@ from typing import Any
 import attrs
 
 SIDES = ("foretell", "mlx-lm")
+#: On the CPU a third side: mlx-lm on the same OpenBLAS foretell binds, so the table shows
+#: the engine's own gain apart from the BLAS's (the mlx-lm row is what users get).
+SAME_BLAS = "mlx-lm+openblas"
 #: Default synthetic cache: random weights are made once per (shape, dtype).
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foretell" / "bench"
 
@@ -238,7 +241,10 @@ def _summary(runs: list[Timing], peak_memory_gb: float) -> dict[str, Any]:
 
 
 def _measure(
-    sides: dict[str, SideProcess], scenario: str, repeats: int
+    sides: dict[str, SideProcess],
+    scenario: str,
+    repeats: int,
+    progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, dict[str, Any]]:
     """A warm-up run per side, then ``repeats`` rounds in which each side runs once, the
     order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
@@ -251,6 +257,8 @@ def _measure(
     for i in range(repeats):
         for side in order if i % 2 == 0 else order[::-1]:
             runs[side].append(sides[side].run(scenario))
+        speeds = ", ".join(f"{side} {runs[side][-1].decode_tps:.1f}" for side in order)
+        progress(f"  {scenario} round {i + 1}/{repeats}: decode tok/s {speeds}")
     return {side: _summary(runs[side], sides[side].peak_memory_gb()) for side in sides}
 
 
@@ -327,6 +335,10 @@ def prompt_ids(model: Path, length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
+def _wants_same_blas(runtime: dict[str, Any]) -> bool:
+    return runtime["backend"] == "cpu" and bool(runtime["blas_status"]["loaded"])
+
+
 def compare(
     model: Path,
     *,
@@ -336,33 +348,44 @@ def compare(
     repeats: int,
     scenarios: Sequence[str] = ("greedy",),
     interleave: bool = True,
+    progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Both sides on one model: per scenario, each side's medians and foretell/mlx-lm.
 
     ``interleave`` keeps both sides loaded and alternates their timed runs; without it
-    each side runs all of its repeats alone (one model copy in memory at a time).
+    each side runs all of its repeats alone (one model copy in memory at a time). When
+    foretell runs on the CPU with OpenBLAS, mlx-lm also runs on that OpenBLAS
+    (:data:`SAME_BLAS`) and each scenario gets a second row against it.
     """
     job = {"model": str(model), "prompt": prompt_ids(model, prompt_tokens),
            "max_tokens": max_tokens}
     measured: dict[str, dict[str, Any]] = {name: {} for name in scenarios}
     procs: dict[str, SideProcess] = {}
     with tempfile.TemporaryDirectory(prefix="foretell-bench-") as scratch:
-        for group in [list(SIDES)] if interleave else [[side] for side in SIDES]:
+        groups = [list(SIDES)] if interleave else [[side] for side in SIDES]
+        for group in groups:
             running: dict[str, SideProcess] = {}
             try:
-                for side in group:
+                for side in group:  # may grow by SAME_BLAS once foretell reports its BLAS
                     running[side] = procs[side] = SideProcess(side, job, Path(scratch))
+                    if side == "foretell" and _wants_same_blas(procs[side].runtime):
+                        (group if interleave else groups).append(
+                            SAME_BLAS if interleave else [SAME_BLAS]
+                        )
                 for name in scenarios:
-                    measured[name].update(_measure(running, name, repeats))
+                    measured[name].update(_measure(running, name, repeats, progress))
             finally:
                 for proc in running.values():
                     proc.close()
     rows = []
-    for name in scenarios:
-        ours, theirs = (measured[name][side] for side in SIDES)
+    baselines = [b for b in ("mlx-lm", SAME_BLAS) if b in procs]
+    for name, baseline in ((n, b) for n in scenarios for b in baselines):
+        ours, theirs = measured[name]["foretell"], measured[name][baseline]
         rows.append(
             {
                 "scenario": name,
+                # mlx-lm as it installs, or on foretell's OpenBLAS (the engine's own gain)
+                "baseline": baseline,
                 "foretell": ours,
                 "mlx_lm": theirs,
                 "prefill_ratio": _ratio(ours["prefill_tps"], theirs["prefill_tps"]),
@@ -383,8 +406,8 @@ def compare(
         "generated_tokens": max_tokens,
         "repeats": repeats,
         "interleaved": interleave,
-        "load_s": {side: procs[side].load_s for side in SIDES},
-        "runtime": {side: procs[side].runtime for side in SIDES},
+        "load_s": {side: proc.load_s for side, proc in procs.items()},
+        "runtime": {side: proc.runtime for side, proc in procs.items()},
         "rows": rows,
     }
 
@@ -481,6 +504,7 @@ def run_bench(
                 max_tokens=max_tokens,
                 repeats=repeats,
                 interleave=interleave,
+                progress=progress,
             )
         )
         on_model(report)
@@ -507,12 +531,14 @@ def render(report: dict[str, Any]) -> str:
             f"BLAS     foretell: {ours['blas']}",
             f"         mlx-lm:   {theirs['blas']}",
         ]
+        if SAME_BLAS in runtime:
+            lines.append(f"         {SAME_BLAS}: {runtime[SAME_BLAS]['blas']}")
     header = (
-        f"{'model':<10} {'scenario':<10} {'prompt':>6} {'gen':>5} "
+        f"{'model':<10} {'scenario':<10} {'mlx-lm on':<10} {'prompt':>6} {'gen':>5} "
         f"{'prefill tok/s':>27} {'decode tok/s':>27} {'decode ratio':>13} {'accept':>7}"
     )
     sub = (
-        f"{'':<10} {'':<10} {'':>6} {'':>5} "
+        f"{'':<10} {'':<10} {'':<10} {'':>6} {'':>5} "
         + f"{'foretell  mlx-lm   ratio':>27} " * 2
         + f"{'95% CI':>13}"
     )
@@ -522,8 +548,9 @@ def render(report: dict[str, Any]) -> str:
             accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else ""
             ci = row.get("decode_ratio_ci95")
             shown_ci = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
+            blas = "OpenBLAS" if row.get("baseline") == SAME_BLAS else "its BLAS"
             lines.append(
-                f"{model['model']:<10} {row['scenario']:<10} {model['prompt_tokens']:>6} "
+                f"{model['model']:<10} {row['scenario']:<10} {blas:<10} {model['prompt_tokens']:>6} "
                 f"{model['generated_tokens']:>5} "
                 f"{_cell(row, 'prefill')} {_cell(row, 'decode')} {shown_ci:>13} {accept:>7}"
             )

@@ -35,14 +35,30 @@ def add_parser(sub) -> None:
                         "runs (holds one copy of the model in memory instead of two)")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="also write the full report (every run) as JSON")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="the full report (every run) as JSON: on stdout instead of the table, "
+                        "or, given FILE, written there beside the table")
     p.set_defaults(handler=run)
+
+
+#: What `pip install .` lacks for `foretell bench`: the reference it measures against.
+BENCH_EXTRA = "pip install '.[bench]' (from the foretell checkout; installs mlx-lm)"
+
+
+def require_mlx_lm() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("mlx_lm") is None:
+        raise BenchError(
+            f"foretell bench compares against mlx-lm, which is not installed: {BENCH_EXTRA}"
+        )
 
 
 def run(args) -> int:
     from foretell import bench
     from foretell.cli.run_cmd import model_path
+
+    require_mlx_lm()
 
     for name in ("prompt_tokens", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
@@ -60,10 +76,12 @@ def run(args) -> int:
         models.append((preset, bench.synthetic_model(preset, args.dtype, cache_dir)))
     if not models:
         raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
+    to_file = Path(args.json) if args.json not in (None, "-") else None
+
     def save(report: dict) -> None:
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2))
+        if to_file is not None:
+            to_file.parent.mkdir(parents=True, exist_ok=True)
+            to_file.write_text(json.dumps(report, indent=2))
 
     try:
         report = bench.run_bench(
@@ -77,5 +95,5 @@ def run(args) -> int:
         )
     except RuntimeError as exc:
         raise BenchError(str(exc)) from exc
-    print(bench.render(report))
+    print(json.dumps(report, indent=2) if args.json == "-" else bench.render(report))
     return 0
