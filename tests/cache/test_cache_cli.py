@@ -1,0 +1,123 @@
+"""``foretell run --cache-dir`` end to end, ``--resume`` after ``kill -9``, a full disk
+mid-run, and ``foretell cache ls|stats|verify|gc|clear``."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from foretell.cli import main
+from foretell.synthetic import make_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("cli") / "qwen3", "qwen3")
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["run", "--json", *argv]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    return json.loads(lines[-1])
+
+
+def cache_json(capsys, *argv) -> tuple[int, dict]:
+    code = main(["cache", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_a_second_run_reuses_the_first_runs_prompt_from_disk(model_dir, tmp_path, capsys):
+    args = ["--model", str(model_dir), "--prompt", "The quick brown fox", "--max-tokens", "5",
+            "--cache-dir", str(tmp_path)]
+    first = run_json(capsys, *args)
+    second = run_json(capsys, *args)
+    assert (first["cached_tokens"], first["cached_from"]) == (0, None)
+    assert second["cached_tokens"] == second["prompt_tokens"] - 1
+    assert second["cached_from"] == "ssd"
+
+
+def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
+    run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
+             "--max-tokens", "4", "--cache-dir", str(tmp_path))
+    code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path))
+    assert code == 0 and len(listing["entries"]) == 1
+    entry = listing["entries"][0]
+    code, stats = cache_json(capsys, "stats", "--cache-dir", str(tmp_path))
+    assert stats["entries"] == 1 and stats["bytes"] == entry["bytes"]
+    assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (0, {"verified": 1, "bad": []})
+
+    path = next(tmp_path.glob("*/*.safetensors"))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    (path.parent / "deadbeef.1234.tmp").write_bytes(b"partial")
+    code, report = cache_json(capsys, "verify", "--cache-dir", str(tmp_path))
+    assert code == 1 and report["verified"] == 0 and len(report["bad"]) == 1
+    assert not path.exists()
+
+    code, _ = cache_json(capsys, "gc", "--cache-dir", str(tmp_path))
+    assert code == 0
+    run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
+             "--max-tokens", "4", "--cache-dir", str(tmp_path))
+    assert cache_json(capsys, "clear", "--cache-dir", str(tmp_path)) == (0, {"removed": 1})
+    assert cache_json(capsys, "ls", "--cache-dir", str(tmp_path)) == (0, {"entries": []})
+
+
+def test_a_cache_directory_that_does_not_exist_is_one_error(tmp_path, capsys):
+    assert main(["cache", "ls", "--cache-dir", str(tmp_path / "nope")]) == 1
+    assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_a_full_disk_mid_run_completes_the_run_with_one_warning(model_dir, tmp_path, capsys,
+                                                                  monkeypatch, caplog):
+    def full(*_args, **_kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with caplog.at_level(logging.WARNING):
+        code = main(["run", "--model", str(model_dir), "--prompt", "hello there",
+                     "--max-tokens", "5", "--cache-dir", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0 and "Generation: 5 tokens" in captured.err
+    assert sum("disk full or unwritable" in r.message for r in caplog.records) == 1
+    assert "the cache is not durable" in captured.err
+
+
+def foretell_cmd(*argv) -> list[str]:
+    return [sys.executable, "-m", "foretell", *argv]
+
+
+def test_resume_after_kill_9_continues_identically(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("[cache]\ncheckpoint_every = 4\n")
+    args = ["run", "--max-tokens", "120", "--prompt", "def fibonacci(n):", "--config", str(config)]
+    env = {**os.environ, "FORETELL_DEBUG": "1"}
+    uninterrupted = subprocess.run(foretell_cmd(*args), capture_output=True, env=env, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr.decode()
+    cache = tmp_path / "cache"
+    resumable = [*args, "--cache-dir", str(cache), "--resume"]
+    victim = subprocess.Popen(foretell_cmd(*resumable), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    try:  # kill -9 as soon as a checkpoint (an entry past the prompt snapshot) is on disk
+        while time.monotonic() < deadline and victim.poll() is None:
+            if len(list(cache.glob("*/*.safetensors"))) >= 2:
+                break
+            time.sleep(0.02)
+        assert victim.poll() is None, "the run finished before it could be killed"
+        victim.send_signal(signal.SIGKILL)
+    finally:
+        victim.wait()
+    resumed = subprocess.run(foretell_cmd(*resumable), capture_output=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    assert b"(checkpoint)" in resumed.stderr
+    assert resumed.stdout == uninterrupted.stdout
