@@ -1,19 +1,21 @@
 """The shipped demo family: loads in foretell and mlx-lm alike, and `foretell run` uses it."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load_model as mlx_lm_load_model
+from mlx_lm.generate import generate_step
 from safetensors import safe_open
 
 from foretell.cli.run_cmd import DEFAULT_PROMPT
-from foretell.generate import DEMO_DIR, resolve_model_path, shipped_models
-from foretell.loading import load_model, unpack_quantized
+from foretell.generate import DEMO_DIR, Engine, resolve_model_path, shipped_models
+from foretell.loading import load_model
 from foretell.plugins import load_plugins
 from foretell.tokenizer import Tokenizer
 
@@ -38,14 +40,6 @@ def shipped(registry):
     return get
 
 
-def greedy(step, prompt, n):
-    logits = step(mx.array([prompt]))
-    tokens = [int(mx.argmax(logits[0, -1]).item())]
-    while len(tokens) < n:
-        tokens.append(int(mx.argmax(step(mx.array([[tokens[-1]]]))[0, -1]).item()))
-    return tokens
-
-
 def test_the_family_is_shipped_and_names_resolve():
     assert shipped_models() == ["demo", "demo-draft", "demo-gemma"]
     assert resolve_model_path(None) == DEMO_DIR / "demo"
@@ -66,23 +60,102 @@ def test_target_is_at_least_eight_times_the_draft(shipped):
     assert count("demo") >= 8 * count("demo-draft")
 
 
+def engine_tokens(model, tokenizer, prompt, n):
+    engine = Engine(model, tokenizer)
+    events = engine.generate(prompt, max_tokens=n, ignore_eos=True, speculate=False)
+    return [t for e in events if e.type == "text" for t in e.tokens]
+
+
+def mlx_lm_tokens(model, prompt, n):
+    """What mlx-lm itself produces with its own model and generation loop (greedy)."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def parity_prompt(name, tokenizer):
+    # demo-gemma's prompt runs past its 256-token window, so the sliding rings wrap. MLX's
+    # CPU quantized matmul has no fast path, so the others keep the prompt short.
+    prompt = tokenizer.encode(SNIPPET * (12 if name == "demo-gemma" else 2))
+    assert name != "demo-gemma" or len(prompt) > 256
+    return prompt
+
+
+@pytest.fixture(scope="module")
+def packed(registry):
+    """A shipped model loaded with FORETELL_CPU_UNPACK=0 (the bit-parity switch): quantized
+    layers stay packed on the CPU too, so foretell runs the kernels mlx-lm runs."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("FORETELL_CPU_UNPACK", "0")
+                loaded[name] = load_model(DEMO_DIR / name, registry)
+        return loaded[name]
+
+    return get
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["demo", "demo-draft", "demo-gemma"])
-def test_greedy_completion_matches_mlx_lm(name, shipped):
+def test_packed_generation_is_mlx_lm_bit_for_bit(name, packed):
+    """With packed weights, foretell's prompt logits and greedy generation are mlx-lm's as
+    mlx-lm runs (mlx_lm.load + generate_step), exactly."""
     path = DEMO_DIR / name
-    prompt = Tokenizer.from_dir(path).encode(SNIPPET * 12)
-    if name == "demo-gemma":  # past the 256-token sliding window, so the rings wrap
-        assert len(prompt) > 256
-    # MLX's CPU quantized matmul takes minutes over these prompts, so both sides run the same
-    # unpacked float32 weights (foretell's CPU default); packed-path parity is pinned on tiny
-    # models in tests/models/test_parity.py.
-    ours = shipped(name)
-    theirs, _ = mlx_lm_load_model(Path(path))
-    if mx.default_device() == mx.cpu:
-        unpack_quantized(theirs)
-    our_caches, their_caches = ours.make_caches(), make_prompt_cache(theirs)
-    got = greedy(lambda t: ours.logits(ours.forward(t, our_caches)[0]), prompt, 32)
-    want = greedy(lambda t: theirs(t, cache=their_caches), prompt, 32)
-    assert got == want
+    tokenizer = Tokenizer.from_dir(path)
+    prompt = parity_prompt(name, tokenizer)
+    ours = packed(name)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in ours.named_modules())
+    theirs, _ = mlx_lm.load(str(path))
+    head = mx.array([prompt[:32]])
+    assert mx.array_equal(ours(head), theirs(head))
+    assert engine_tokens(ours, tokenizer, prompt, 24) == mlx_lm_tokens(theirs, prompt, 24)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the GPU default path is packed")
+@pytest.mark.parametrize("name", ["demo", "demo-draft", "demo-gemma"])
+def test_default_cpu_path_is_mlx_lm_on_the_float32_dequantized_checkpoint(
+    name, shipped, tmp_path
+):
+    """What the fast CPU default is: mlx-lm running the checkpoint with its quantized layers
+    dequantized to float32 (written here with mx.dequantize, read by mlx-lm's own loader).
+    It is not mlx-lm on the bf16 checkpoint, which computes in bf16 (docs/generation.md)."""
+    path = DEMO_DIR / name
+    tokenizer = Tokenizer.from_dir(path)
+    prompt = tokenizer.encode(SNIPPET * 12)
+    theirs, _ = mlx_lm.load(str(write_float32_checkpoint(path, tmp_path / name)))
+    head = mx.array([prompt[:32]])
+    assert float(mx.abs(shipped(name)(head) - theirs(head)).max()) <= 1e-4 * float(
+        mx.abs(theirs(head)).max()
+    )
+    assert engine_tokens(shipped(name), tokenizer, prompt, 32) == mlx_lm_tokens(
+        theirs, prompt, 32
+    )
+
+
+def write_float32_checkpoint(source, target):
+    """The model directory ``source`` with its quantized layers dequantized to float32
+    (mx.dequantize) and every other tensor as stored."""
+    config = json.loads((source / "config.json").read_text())
+    quantization = config.pop("quantization")
+    config.pop("quantization_config", None)
+    weights = mx.load(str(source / "model.safetensors"))
+    dense = {}
+    for name, tensor in weights.items():
+        prefix = name.rsplit(".", 1)[0]
+        if f"{prefix}.scales" not in weights:
+            dense[name] = tensor
+        elif name.endswith(".weight"):
+            dense[name] = mx.dequantize(
+                tensor, weights[f"{prefix}.scales"], weights[f"{prefix}.biases"],
+                quantization["group_size"], quantization["bits"],
+            ).astype(mx.float32)
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.suffix == ".json" and file.name != "config.json":
+            shutil.copy(file, target / file.name)
+    (target / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(target / "model.safetensors"), dense)
+    return target
 
 
 def test_mtp_head_ships_beside_the_target_in_the_qwen3_next_layout():

@@ -70,6 +70,13 @@ CASES = {
     # them packed, so both execution paths are held to the oracle.
     "qwen3-4bit-packed": ("qwen3", {"packed": True}, 4),
     "gemma4_text-4bit-packed": ("gemma4_text", {"packed": True}, 4),
+    # bf16 scales (as the demo models and most mlx-community checkpoints have) run in bf16
+    # in mlx-lm; packed, foretell runs the same kernels. The unpacked CPU default computes
+    # in float32 instead (tests/demo pins what it equals).
+    "qwen3-4bit-bfloat16-packed": ("qwen3", {"packed": True, "torch_dtype": "bfloat16"}, 4),
+    "gemma3_text-4bit-bfloat16-packed": (
+        "gemma3_text", {"packed": True, "torch_dtype": "bfloat16"}, 4
+    ),
 }
 
 
