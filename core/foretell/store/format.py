@@ -23,7 +23,6 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import attrs
@@ -82,9 +81,23 @@ class StoredHeader:
         return self.fields["namespace"]
 
 
+def _crc32_function() -> Any:
+    # ISA-L's CRC-32 is the same function as zlib's (same values, same files), measured
+    # 2.6x faster here (7.0 vs 2.7 GiB/s); used when the optional `isal` wheel is installed.
+    try:
+        from isal import isal_zlib
+
+        return isal_zlib.crc32
+    except ImportError:
+        return zlib.crc32
+
+
+_crc32 = _crc32_function()
+
+
 def checksum(data: Any) -> str:
-    """CRC-32 as 8 hex digits: ~2.9 GB/s here, 5x BLAKE2b (docs/cache-storage.md)."""
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    """CRC-32 as 8 hex digits: 2.7 GiB/s with zlib, 7 GiB/s with isal (docs/cache-storage.md)."""
+    return f"{_crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def header_hash(header_json: str) -> str:
@@ -277,31 +290,69 @@ def check_identity(fields: dict[str, Any], identity: StoreIdentity) -> None:
             raise ForeignEntry(f"codec provider {layer['provider']!r} is not loaded here")
 
 
-def read_layers(fh: BinaryIO, header: StoredHeader) -> list[LayerState]:
-    """Every tensor of the entry, each checked against its CRC-32 before it is used.
+def read_layers(fh: BinaryIO, header: StoredHeader, *, verify: bool = True) -> list[LayerState]:
+    """Every tensor of the entry, each checked against its CRC-32 before it is returned.
+
+    MLX's own loader reads the tensors straight into the arrays it returns (no host buffer
+    to copy from); checksums run on a thread pool over zero-copy views while the next
+    tensor loads, so verification overlaps the reading. ``verify=False`` exists for the
+    benchmark that measures what verification costs; serving always verifies.
 
     :raises CorruptEntry: a tensor's bytes are short or do not match their checksum.
     """
-    return [
-        LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
-                   tensors=dict(_read_tensors(fh, header.data_start, table)))
-        for layer, table in zip(header.layers, header.slots)
-    ]
+    import mlx.core as mx
+
+    try:
+        loaded = mx.load(fh.name, format="safetensors", stream=mx.cpu)
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise CorruptEntry(f"its tensors cannot be loaded: {exc}") from None
+    # The path may have been replaced (an atomic rewrite) since ``fh`` was opened: then the
+    # bytes are another version's, not damage. Say so instead of deleting a good file.
+    if os.stat(fh.name).st_ino != os.fstat(fh.fileno()).st_ino:
+        raise FileReplaced(fh.name)
+    layers, checks = [], []
+    for layer, table in zip(header.layers, header.slots):
+        tensors = {}
+        for tname, slot in table.items():
+            array = loaded.get(slot.name)
+            if array is None or tuple(array.shape) != slot.shape or dtype_code(array) != slot.dtype:
+                raise CorruptEntry(f"tensor {slot.name} disagrees with the verified header")
+            raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
+            mx.eval(raw)  # reads this tensor; the previous one is being checksummed
+            if verify:
+                checks.append((slot, _pool().submit(_checksum_view, raw)))
+            tensors[tname] = array
+        layers.append(LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
+                                 tensors=tensors))
+    for slot, future in checks:
+        if future.result() != slot.crc32:
+            raise CorruptEntry(f"tensor {slot.name} fails its checksum")
+    return layers
 
 
-def _read_tensors(fh: BinaryIO, data_start: int, table: dict[str, TensorSlot]
-                  ) -> Iterator[tuple[str, mx.array]]:
+class FileReplaced(OSError):
+    """The entry's file was atomically replaced while it was being read; read it again."""
+
+
+def _checksum_view(array: mx.array) -> str:
     import numpy as np
 
-    for tname, slot in table.items():
-        nbytes = slot.end - slot.begin
-        buf = np.empty(nbytes, dtype=np.uint8)
-        fh.seek(data_start + slot.begin)
-        if fh.readinto(memoryview(buf)) != nbytes:
-            raise CorruptEntry(f"tensor {slot.name} is truncated")
-        if checksum(buf) != slot.crc32:
-            raise CorruptEntry(f"tensor {slot.name} fails its checksum")
-        yield tname, array_from_bytes(buf, slot.dtype, slot.shape, slot.name)
+    host = np.asarray(array)  # an evaluated array: a view of its memory, no MLX work here
+    return checksum(memoryview(host).cast("B") if host.size else b"")
+
+
+_POOL: Any = None
+
+
+def _pool() -> Any:
+    # zlib's and isal's CRC release the GIL, so checksums of several tensors run in parallel.
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                   thread_name_prefix="foretell-crc")
+    return _POOL
 
 
 def array_from_bytes(buf: Any, dtype: str, shape: tuple[int, ...], name: str) -> mx.array:
