@@ -124,6 +124,9 @@ class BlockStoreLayout:
         self.entries_dir = self.directory / "entries"
         self.data_dir = self.directory / "data"
         self._index: dict[str, _Indexed] | None = None
+        #: manifest name -> ((inode, size, mtime), block ids), so collect() re-reads only
+        #: manifests that are new since the last one.
+        self._parsed: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
         self._lock = threading.Lock()
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
@@ -403,12 +406,21 @@ class BlockStoreLayout:
         """Ids of every block a manifest in the directory lists, foreign identities
         included; None if some manifest cannot be read (then nothing may be deleted)."""
         live: set[str] = set()
+        seen: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
         for name in self._listdir(self.entries_dir):
             if not name.endswith(SUFFIX):
                 continue
             try:
-                raw = (self.entries_dir / name).read_bytes()
-                live.update(ref.id for ref in mf.parse(raw).blocks)
+                stat = os.stat(self.entries_dir / name)
+                # A landed manifest never changes in place (rewrites rename a new file over
+                # it), so one parsed before with the same inode, size and mtime is reused.
+                version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+                cached = self._parsed.get(name)
+                if cached is None or cached[0] != version:
+                    raw = (self.entries_dir / name).read_bytes()
+                    cached = (version, frozenset(ref.id for ref in mf.parse(raw).blocks))
+                seen[name] = cached
+                live.update(cached[1])
             except FileNotFoundError:
                 continue
             except CorruptEntry as exc:
@@ -418,6 +430,7 @@ class BlockStoreLayout:
                 log.warning("block store %s: cannot tell which blocks %s uses (%s); no "
                             "block is collected", self.directory, name, exc)
                 return None
+        self._parsed = seen
         return live
 
     def _reap_interrupted_writes(self) -> None:

@@ -84,8 +84,8 @@ class SsdIndex:
             return sorted(self._index.values(), key=lambda s: s.header.last_used)
 
     def bytes(self) -> int:
-        with self._lock:
-            return sum(s.header.nbytes for s in self._index.values())
+        """Bytes the layout counts for what it serves (shared blocks once: invariant 10)."""
+        return self.layout.bytes()
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -152,12 +152,16 @@ class SsdIndex:
             new = self._add(header)
             if new is None:
                 return durable
+            removed = self.evictions
             for old_key, old in list(self._index.items()):
                 if old_key != key and old.header.namespace == entry.namespace and can_serve(
                         new.tokens, trimmable=new.trimmable, min_offset=new.min_offset,
                         old_tokens=old.tokens):
                     self._remove(old_key)
+                    removed -= 1
         self._evict_to_cap(keep=(key,))
+        if removed != self.evictions:  # free what only the removed entries used (blocks)
+            self.layout.collect()
         return durable
 
     def remove(self, key: str) -> None:
@@ -170,13 +174,15 @@ class SsdIndex:
 
     def _evict_to_cap(self, keep: Sequence[str]) -> None:
         with self._lock:
-            total = sum(s.header.nbytes for s in self._index.values())
+            # The layout's figure, re-read after each removal: an entry sharing blocks with
+            # others frees only what no other entry uses.
+            total = self.layout.bytes()
             for stored in sorted(self._index.values(), key=lambda s: s.header.last_used):
                 if total <= self.max_bytes:
                     break
                 if stored.header.key in keep:
                     continue
                 self._remove(stored.header.key)
-                total -= stored.header.nbytes
+                total = self.layout.bytes()
                 self.evictions += 1
 
