@@ -241,7 +241,7 @@ def _structure_selected(
     if contribution.config is None or not attrs.fields(contribution.config):
         if rest:
             raise FieldError(sorted(rest)[0], f"unknown field: {kind.value} '{name}' takes no options")
-        return name, None
+        return name, None if contribution.config is None else contribution.config()
     return name, conv.structure(rest, contribution.config)
 
 
