@@ -137,6 +137,16 @@ class PrefixCache:
                     best, length = entry, n
         return best, length
 
+    def exact(self, tokens: Sequence[int], namespace: str) -> bool:
+        """Whether an entry holds exactly ``tokens`` (marks it recently used)."""
+        tokens = tuple(tokens)
+        with self._lock:
+            for key, entry in self._entries.items():
+                if entry.namespace == namespace and entry.tokens == tokens:
+                    self._entries.move_to_end(key)
+                    return True
+        return False
+
     def take(self, entry: PrefixEntry, length: int) -> list[Any]:
         """Fresh clones of ``entry``'s caches trimmed to ``length`` tokens; marks it used."""
         with self._lock:

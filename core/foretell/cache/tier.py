@@ -177,11 +177,21 @@ class CacheTier:
         :raises CodecError: a cache has no codec (nothing is stored then).
         """
         tokens = tuple(tokens)
-        if not self.ram.put(tokens, caches, namespace):
+        # The same tokens give the same state: a repeat (a RAM hit that computed only the
+        # last prompt token) is already held, and rewriting it would only cost disk time.
+        held = self.ram.exact(tokens, namespace)
+        on_disk = self.ssd is not None and self.ssd.find_exact(tokens, namespace) is not None
+        if held and (self.ssd is None or on_disk or self._is_dirty(namespace, tokens)):
+            return
+        if not held and not self.ram.put(tokens, caches, namespace):
             log.debug("cache entry of %d tokens is larger than the RAM cap", len(tokens))
-        if self._spill is None:
+        if self._spill is None or on_disk:
             return
         self.persist(snapshot_entry(tokens, caches, self.codecs, namespace))
+
+    def _is_dirty(self, namespace: str, tokens: tuple[int, ...]) -> bool:
+        with self._lock:
+            return (namespace, tokens) in self._dirty
 
     def persist(self, entry: Entry) -> None:
         """Queue ``entry`` for the SSD tier (no RAM copy): generation checkpoints."""

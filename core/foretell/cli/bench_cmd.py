@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", action="append", default=[], metavar="PATH",
                    help="a model directory (or shipped model name); repeatable")
     p.add_argument("--synthetic", default="", metavar="SHAPES",
-                   help="random-weight Qwen3 shapes, comma-separated: 30m,150m,0.6b,4b")
+                   help="random-weight shapes the architecture plugins name, comma-separated "
+                        "(qwen3's: 30m,150m,0.6b,4b); MODEL_TYPE:SHAPE picks the architecture")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of synthetic weights (bfloat16 on a GPU; default float32)")
     p.add_argument("--prompt-tokens", type=int, default=128, metavar="N",
@@ -30,11 +31,26 @@ def add_parser(sub) -> None:
                    help="tokens each side generates (EOS ignored)")
     p.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed runs after one warm-up; the median is reported")
+    p.add_argument("--speculation", action="store_true",
+                   help="add the speculation rows: plain, two-model, self-draft, MTP, n-gram on "
+                        "a code-editing prompt, sampled (vs mlx-lm's speculative decoding)")
+    p.add_argument("--draft-model", default="demo-draft", metavar="PATH",
+                   help="the two-model rows' draft (default: the shipped demo-draft)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="N",
+                   help="draft tokens per round on both sides (default 4)")
+    p.add_argument("--scenario", action="append", default=None, metavar="NAME",
+                   help="run only these rows (repeatable): greedy or a speculation row")
     p.add_argument("--sequential", action="store_true",
                    help="run one side after the other instead of alternating their timed "
                         "runs (holds one copy of the model in memory instead of two)")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
+    p.add_argument("--cache", action="store_true",
+                   help="the prefix-cache rows instead: TTFT cold / RAM hit / SSD restore in a "
+                        "fresh process, restore vs dd, mlx-lm prompt-cache files, decode "
+                        "during a background write (foretell.cache.bench)")
+    p.add_argument("--cache-prompt-tokens", type=int, default=4096, metavar="N",
+                   help="with --cache: the long prompt's length (default 4096)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the full report (every run) as JSON: on stdout instead of the table, "
                         "or, given FILE, written there beside the table")
@@ -66,17 +82,36 @@ def run(args) -> int:
     models = [(Path(m).name or m, model_path(m)) for m in args.model]
     cache_dir = args.cache_dir or bench.CACHE_DIR
     for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):
-        from foretell.synthetic import QWEN3_PRESETS
+        from foretell.synthetic import presets
 
-        if preset not in QWEN3_PRESETS:
+        shapes = presets()
+        model_type, _, name = preset.rpartition(":")
+        if (model_type, name) not in {(t, n) for n, t in shapes.items()} | {("", n) for n in shapes}:
             raise BenchError(
-                f"--synthetic {preset}: unknown shape (known: {', '.join(QWEN3_PRESETS)})"
+                f"--synthetic {preset}: unknown shape "
+                f"(known: {', '.join(f'{n} ({t})' for n, t in shapes.items())})"
             )
         print(f"synthetic {preset} ({args.dtype}) in {cache_dir}", file=sys.stderr)
-        models.append((preset, bench.synthetic_model(preset, args.dtype, cache_dir)))
+        models.append((name, bench.synthetic_model(preset, args.dtype, cache_dir)))
     if not models:
         raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
     to_file = Path(args.json) if args.json not in (None, "-") else None
+    if args.cache:
+        from foretell.cache import bench as cache_bench
+
+        report = cache_bench.run_cache_bench(
+            models, prompt_tokens=args.cache_prompt_tokens, repeats=args.repeats,
+            decode_tokens=args.max_tokens,
+            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if to_file is not None:
+            to_file.write_text(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2) if args.json == "-" else cache_bench.render(report))
+        return 0
+    scenarios = list(args.scenario or (["greedy"] + (list(bench.SPECULATION) if args.speculation else [])))
+    known = [s.name for s in bench.SCENARIOS]
+    unknown = [s for s in scenarios if s not in known]
+    if unknown:
+        raise BenchError(f"--scenario {unknown[0]}: unknown (known: {', '.join(known)})")
 
     def save(report: dict) -> None:
         if to_file is not None:
@@ -90,6 +125,9 @@ def run(args) -> int:
             max_tokens=args.max_tokens,
             repeats=args.repeats,
             interleave=not args.sequential,
+            scenarios=scenarios,
+            draft={"draft_model": str(model_path(args.draft_model, "--draft-model")),
+                   "num_draft_tokens": args.num_draft_tokens},
             progress=lambda line: print(line, file=sys.stderr, flush=True),
             on_model=save,
         )

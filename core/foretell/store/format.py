@@ -335,10 +335,9 @@ class FileReplaced(OSError):
 
 
 def _checksum_view(array: mx.array) -> str:
-    import numpy as np
-
-    host = np.asarray(array)  # an evaluated array: a view of its memory, no MLX work here
-    return checksum(memoryview(host).cast("B") if host.size else b"")
+    # An evaluated, contiguous array: its buffer is read in place, no MLX work and no numpy
+    # (importing numpy cost a fresh process 0.14 s before its first restore).
+    return checksum(memoryview(array).cast("B") if array.size else b"")
 
 
 _POOL: Any = None
