@@ -135,6 +135,33 @@ class BlockStoreLayout:
         self.bytes_written = 0
         self.bytes_reused = 0
 
+    @classmethod
+    def stored_identities(cls, root: str | Path, codec_providers: Sequence[str]
+                          ) -> list[StoreIdentity]:
+        """Every identity some manifest under ``root`` claims (``foretell cache`` without
+        ``--model`` acts on each); damaged manifests claim nothing. A store left with blocks
+        but no manifest gets an identity serving nothing, so ``collect()`` still frees it."""
+        seen = {}
+        for store in sorted(Path(root).glob("*/blocks-v1/data")):
+            fingerprint, _, scheme = store.parent.parent.name.partition("-")
+            with contextlib.suppress(ValueError):
+                seen[(store.parent.parent.name, "", "")] = StoreIdentity(
+                    model_fingerprint=fingerprint, kv_scheme=scheme or "plain", model_id="",
+                    tokenizer_hash="", codec_providers=codec_providers)
+        for path in sorted(Path(root).glob(f"*/blocks-v1/entries/*{SUFFIX}")):
+            try:
+                fields = mf.parse(path.read_bytes()).fields
+                identity = StoreIdentity(
+                    model_fingerprint=fields["model_fingerprint"],
+                    kv_scheme=fields["kv_scheme"], model_id=fields["model_id"],
+                    tokenizer_hash=fields["tokenizer_hash"], codec_providers=codec_providers)
+            except (OSError, CorruptEntry, UnknownVersion, KeyError, TypeError, ValueError):
+                continue
+            if identity.directory == path.parent.parent.parent.name:
+                seen.pop((identity.directory, "", ""), None)
+                seen[(identity.directory, identity.model_id, identity.tokenizer_hash)] = identity
+        return list(seen.values())
+
     # -- keys and paths ----------------------------------------------------------------
 
     def key_for(self, tokens: Sequence[int], namespace: str = "") -> str:

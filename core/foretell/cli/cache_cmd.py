@@ -81,9 +81,16 @@ def layouts(args: argparse.Namespace) -> list[Any]:
         contribution = registry.get(Kind.LAYOUT, args.layout)
         config = contribution.config() if contribution.config is not None else None
         return [contribution.load()(root, config, identity=identity)]
-    found = []
-    for identity in claimed_identities(root, providers):
-        found.append(SingleFileLayout(root, identity=identity))
+    found = [SingleFileLayout(root, identity=identity)
+             for identity in claimed_identities(root, providers)]
+    # Other layouts (the block store) say which identities they hold under the root.
+    for name in registry.names(Kind.LAYOUT):
+        contribution = registry.get(Kind.LAYOUT, name)
+        factory = contribution.load()
+        discover = getattr(factory, "stored_identities", None)
+        if discover is not None:
+            config = contribution.config() if contribution.config is not None else None
+            found += [factory(root, config, identity=i) for i in discover(root, providers)]
     return found
 
 
@@ -156,22 +163,28 @@ def cmd_stats(args: argparse.Namespace) -> int:
     groups = []
     for layout in layouts(args):
         headers = layout.scan()
+        logical, disk = sum(h.nbytes for h in headers), layout.bytes()
+        # bytes: what the entries hold; disk_bytes: what they take (shared blocks once).
         groups.append({"model_id": layout.identity.model_id,
-                       "directory": layout.identity.directory, "entries": len(headers),
-                       "bytes": sum(h.nbytes for h in headers),
+                       "directory": layout.identity.directory, "layout": type(layout).__name__,
+                       "entries": len(headers), "bytes": logical, "disk_bytes": disk,
+                       "dedup_ratio": round(logical / disk, 3) if disk else 1.0,
                        "tokens": sum(len(h.tokens) for h in headers)})
     root = Path(args.cache_dir).expanduser()
     summary = {"cache_dir": str(root), "models": groups,
                "entries": sum(g["entries"] for g in groups),
                "bytes": sum(g["bytes"] for g in groups),
+               "disk_bytes": sum(g["disk_bytes"] for g in groups),
                "interrupted_writes": len(_orphans(root))}
     if args.json:
         print(json.dumps(summary))
         return 0
     for g in groups:
-        print(f"{g['model_id']} ({g['directory']}): {g['entries']} entries, "
-              f"{_size(g['bytes'])}, {g['tokens']} tokens")
-    print(f"total: {summary['entries']} entries, {_size(summary['bytes'])}; "
+        print(f"{g['model_id']} ({g['directory']}, {g['layout']}): {g['entries']} entries, "
+              f"{_size(g['bytes'])} ({_size(g['disk_bytes'])} on disk, dedup "
+              f"{g['dedup_ratio']:.2f}x), {g['tokens']} tokens")
+    print(f"total: {summary['entries']} entries, {_size(summary['bytes'])} "
+          f"({_size(summary['disk_bytes'])} on disk); "
           f"{summary['interrupted_writes']} interrupted writes")
     return 0
 
@@ -180,10 +193,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from foretell.store import format as fmt
 
     root = Path(args.cache_dir).expanduser()
+    found = layouts(args)
     before = {p for p in root.glob(f"*/*{fmt.SUFFIX}")}
+    for layout in found:  # each layout's own entry files (block-store manifests)
+        before |= set(layout.path("k").parent.glob(f"*{layout.path('k').suffix}"))
     good, bad = 0, []
     checked = set()
-    for layout in layouts(args):
+    for layout in found:
         for h in layout.scan():
             checked.add(layout.path(h.key))
             if layout.read(h.key) is None:

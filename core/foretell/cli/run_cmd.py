@@ -106,6 +106,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="keep computed prompt prefixes on disk here and reuse them")
     p.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
                    help="byte cap of the cache directory, GiB (default: 32)")
+    p.add_argument("--cache-layout", default=None, metavar="NAME",
+                   help="storage layout of the cache directory (see `foretell plugins`)")
     p.add_argument("--kv-bits", type=int, default=None, metavar="N",
                    help="quantize the KV cache to 4 or 8 bits (default: off)")
     p.add_argument("--resume", action="store_const", const=True, default=None,
@@ -126,6 +128,7 @@ _FLAG_FIELDS = {
     "repetition_context_size": "sampling.repetition_context_size",
     "cache_dir": "cache.dir",
     "cache_max_gb": "cache.max_gb",
+    "cache_layout": "cache.layout",
     "kv_bits": "cache.kv_bits",
     "resume": "cache.resume",
 }

@@ -1,0 +1,63 @@
+"""``foretell run --cache-layout blocks`` reuses prompts from block-store entries, and
+``foretell cache stats|verify|gc`` act on them: logical vs on-disk bytes, damaged blocks
+reported, unreferenced blocks freed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from foretell.cli import main
+from foretell.synthetic import make_model_dir
+
+# Long enough (well over 2 blocks of 256 tokens) that its continuation shares whole blocks.
+PROMPT = "".join(f"def f{i}(n):\n    return n * {i} + f{i - 1}(n - 1)\n" for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("cli") / "qwen3", "qwen3")
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["run", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def cache_json(capsys, *argv) -> tuple[int, dict]:
+    code = main(["cache", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, capsys):
+    base = ["--model", str(model_dir), "--max-tokens", "3", "--cache-dir", str(tmp_path),
+            "--cache-layout", "blocks"]
+    first = run_json(capsys, *base, "--prompt", PROMPT)
+    again = run_json(capsys, *base, "--prompt", PROMPT)
+    assert first["cached_tokens"] == 0
+    assert again["cached_tokens"] == again["prompt_tokens"] - 1 and again["cached_from"] == "ssd"
+    other = run_json(capsys, *base, "--prompt", PROMPT + "def g(n):\n    return 0\n")
+    assert other["prompt_tokens"] > 600 and other["cached_tokens"] > 512
+    assert list(tmp_path.glob("*/blocks-v1/entries/*.safetensors"))
+    assert not list(tmp_path.glob("*/*.safetensors"))  # nothing in the single-file layout
+
+    code, stats = cache_json(capsys, "stats", "--cache-dir", str(tmp_path))
+    [group] = stats["models"]
+    assert code == 0 and group["layout"] == "BlockStoreLayout" and group["entries"] >= 2
+    assert group["disk_bytes"] < group["bytes"] and group["dedup_ratio"] > 1
+    assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (
+        0, {"verified": group["entries"], "bad": []})
+
+    block = max(tmp_path.glob("*/blocks-v1/data/*.blk"), key=lambda p: p.stat().st_size)
+    raw = bytearray(block.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    block.write_bytes(bytes(raw))
+    code, report = cache_json(capsys, "verify", "--cache-dir", str(tmp_path))
+    assert code == 1 and report["bad"] and report["verified"] < group["entries"]
+
+    code, gc = cache_json(capsys, "gc", "--cache-dir", str(tmp_path))
+    assert code == 0 and gc["freed_bytes"] > 0  # the dropped entries' other blocks
+    code, after = cache_json(capsys, "verify", "--cache-dir", str(tmp_path))
+    assert code == 0 and after["bad"] == []
