@@ -304,13 +304,17 @@ def runtime_info() -> dict[str, Any]:
 
 
 def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR) -> Path:
-    """A random-weight Qwen3 directory of a named shape, made once and reused.
+    """A random-weight model directory of a named shape (``"30m"`` or
+    ``"model_type:30m"``, :func:`foretell.synthetic.make_preset_dir`), made once and reused.
 
     Made in its own process so the weights' memory (GPU memory under CUDA) is not held by
     this one while the sides run; written to a temporary name and renamed, so an
     interrupted run never leaves a half-written model to be reused.
     """
-    path = Path(cache_dir) / f"qwen3-{preset}-{dtype}-seed0"
+    from foretell.synthetic import presets
+
+    model_type, _, name = preset.rpartition(":")
+    path = Path(cache_dir) / f"{model_type or presets()[name]}-{name}-{dtype}-seed0"
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,10 +34,13 @@ def foretell_register_architectures(register: Registrar) -> None:
     Called once per plugin when plugins load, before any model is opened.
 
     :param register: call ``register(model_type, "package.module:builder", summary=...,
-        config=None, min_api=1, replaces=False)`` once per architecture. The factory is a
-        ``"module:attr"`` string imported only when a model of that type is loaded; it must
-        name a callable ``builder(config: dict) -> Model`` that returns an object
-        implementing :class:`foretell.model.Model`.
+        config=None, min_api=1, replaces=False, synthetic=None)`` once per architecture. The
+        factory is a ``"module:attr"`` string imported only when a model of that type is
+        loaded; it must name a callable ``builder(config: dict) -> Model`` that returns an
+        object implementing :class:`foretell.model.Model`. ``synthetic``, also a
+        ``"module:attr"`` string, names a :class:`foretell.synthetic.SyntheticSpec` (a tiny
+        ``config.json``, named shapes, checkpoint quirks): with it, tests and ``foretell
+        bench --synthetic`` make random-weight models of the architecture.
     :returns: nothing; contributions go through ``register``.
     """
 

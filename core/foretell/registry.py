@@ -64,6 +64,9 @@ class Contribution:
     summary: str = ""
     min_api: int = 1
     replaces: bool = False
+    #: Architectures only: ``"module:attr"`` naming a :class:`foretell.synthetic.SyntheticSpec`,
+    #: how to make a tiny random-weight checkpoint of this architecture for tests and bench.
+    synthetic: str | None = None
     origin: Origin
 
     @property
@@ -72,15 +75,22 @@ class Contribution:
 
     def load(self) -> Any:
         """Import and return the factory object; errors name the plugin."""
-        module_name, _, attr = self.factory.partition(":")
+        return self._import(self.factory, "factory")
+
+    def load_synthetic(self) -> Any:
+        """Import and return the synthetic-checkpoint spec (None if it registered none)."""
+        return None if self.synthetic is None else self._import(self.synthetic, "synthetic spec")
+
+    def _import(self, ref: str, what: str) -> Any:
+        module_name, _, attr = ref.partition(":")
         try:
             obj = importlib.import_module(module_name)
             for part in attr.split("."):
                 obj = getattr(obj, part)
         except Exception as exc:
             raise PluginError(
-                f"{self.label} from {self.origin.describe()}: cannot import its factory "
-                f"'{self.factory}': {type(exc).__name__}: {exc}"
+                f"{self.label} from {self.origin.describe()}: cannot import its {what} "
+                f"'{ref}': {type(exc).__name__}: {exc}"
             ) from exc
         return obj
 
@@ -102,12 +112,20 @@ class Registrar:
         summary: str = "",
         min_api: int = 1,
         replaces: bool = False,
+        synthetic: str | None = None,
     ) -> None:
         where = f"{self._origin.describe()} registering {self._kind.value} '{name}'"
         if not isinstance(name, str) or not name:
             raise PluginError(f"{where}: the name must be a non-empty string")
         if not isinstance(factory, str) or not _FACTORY.match(factory):
             raise PluginError(f"{where}: factory must be a 'module:attr' string, got {factory!r}")
+        if synthetic is not None:
+            if self._kind is not Kind.ARCHITECTURE:
+                raise PluginError(f"{where}: synthetic= is for architectures only")
+            if not isinstance(synthetic, str) or not _FACTORY.match(synthetic):
+                raise PluginError(
+                    f"{where}: synthetic must be a 'module:attr' string, got {synthetic!r}"
+                )
         if config is not None and not attrs.has(config):
             raise PluginError(f"{where}: config must be an attrs class, got {config!r}")
         if min_api > PLUGIN_API:
@@ -124,6 +142,7 @@ class Registrar:
                 summary=summary,
                 min_api=min_api,
                 replaces=replaces,
+                synthetic=synthetic,
                 origin=self._origin,
             )
         )

@@ -17,12 +17,17 @@ import copy
 import functools
 import json
 import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from foretell.registry import Registry
 
 EOS = "<|im_end|>"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", EOS)
@@ -35,152 +40,30 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_BASE: dict[str, dict[str, Any]] = {
-    "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": TOKENIZER_VOCAB,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": True,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "torch_dtype": "float32",
-    },
-    "qwen2": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": TOKENIZER_VOCAB,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "sliding_window": 32768,
-        "use_sliding_window": False,
-        "torch_dtype": "float32",
-    },
-    "gemma3_text": {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "vocab_size": TOKENIZER_VOCAB,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0,
-        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-        "sliding_window": 8,
-        "sliding_window_pattern": 2,
-        "max_position_embeddings": 32768,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    },
-    "gemma4_text": {
-        "architectures": ["Gemma4ForCausalLM"],
-        "model_type": "gemma4_text",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "global_head_dim": 32,
-        "num_kv_shared_layers": 2,
-        "hidden_size_per_layer_input": 16,
-        "vocab_size": TOKENIZER_VOCAB,
-        "vocab_size_per_layer_input": TOKENIZER_VOCAB,
-        "rms_norm_eps": 1e-6,
-        "sliding_window": 8,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        "rope_parameters": {
-            "full_attention": {
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1_000_000.0,
-                "rope_type": "proportional",
-            },
-            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
-        },
-        "final_logit_softcapping": 30.0,
-        "use_double_wide_mlp": True,
-        "attention_k_eq_v": False,
-        "enable_moe_block": False,
-        "max_position_embeddings": 131072,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    },
-}
-
-#: Named Qwen3 shapes. 30m/150m are the shapes of the project's CPU anchor figures; 0.6b
-#: and 4b are the real Qwen3-0.6B / Qwen3-4B shapes (random weights).
-QWEN3_PRESETS: dict[str, dict[str, Any]] = {
-    "30m": {
-        "hidden_size": 512,
-        "num_hidden_layers": 4,
-        "intermediate_size": 1536,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 32000,
-    },
-    "150m": {
-        "hidden_size": 1024,
-        "num_hidden_layers": 8,
-        "intermediate_size": 3584,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 32000,
-    },
-    "0.6b": {
-        "hidden_size": 1024,
-        "num_hidden_layers": 28,
-        "intermediate_size": 3072,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-    },
-    "4b": {
-        "hidden_size": 2560,
-        "num_hidden_layers": 36,
-        "intermediate_size": 9728,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-    },
-}
-
-MODEL_TYPES = tuple(_BASE)
-
-# Gemma 3 stores RMSNorm weights as offsets from one (the norm multiplies by 1 + w).
-_OFFSET_NORMS = frozenset({"gemma3_text"})
+#: Gemma-style post-block norms get this gain (see :func:`_random_weights`).
 POST_NORM_GAIN = 8.0
+
+
+@attrs.frozen(kw_only=True)
+class SyntheticSpec:
+    """How to make tiny random-weight checkpoints of one architecture.
+
+    An architecture plugin registers one with ``register(model_type, factory,
+    synthetic="module:SPEC")``; tests and ``foretell bench --synthetic`` then get models of
+    that architecture without core naming it.
+    """
+
+    #: A real-looking, tiny ``config.json`` (its ``model_type`` is the registered one).
+    config: Mapping[str, Any]
+    #: Named shapes laid over ``config`` (``foretell bench --synthetic NAME``).
+    presets: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    #: The checkpoint stores RMSNorm weights as ``gain - norm_offset`` (Gemma 3 keeps
+    #: offsets from one: its norm multiplies by ``1 + w``).
+    norm_offset: float = 0.0
+    #: ``finalize(config, overrides) -> config``: fields derived after the overrides, e.g.
+    #: one layer type per layer when the layer count changed.
+    finalize: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A model reads tokens one at a time and
@@ -231,24 +114,66 @@ def token_id(token: str) -> int:
     return next(t["id"] for t in vocab if t["content"] == token)
 
 
+def _registry(registry: Registry | None) -> Registry:
+    if registry is not None:
+        return registry
+    from foretell.plugins import load_plugins
+
+    return load_plugins().registry
+
+
+def spec_for(model_type: str, registry: Registry | None = None) -> SyntheticSpec:
+    """The synthetic spec the architecture plugin for ``model_type`` registered."""
+    from foretell.registry import Kind
+
+    registry = _registry(registry)
+    spec = registry.get(Kind.ARCHITECTURE, model_type).load_synthetic()
+    if spec is None:
+        raise ValueError(
+            f"no synthetic config for '{model_type}': its plugin registers none "
+            f"(known: {', '.join(model_types(registry))})"
+        )
+    return spec
+
+
+def model_types(registry: Registry | None = None) -> list[str]:
+    """Every installed architecture that registered a synthetic spec."""
+    from foretell.registry import Kind
+
+    return sorted(
+        item.name for item in _registry(registry)
+        if item.kind is Kind.ARCHITECTURE and item.synthetic is not None
+    )
+
+
+def presets(registry: Registry | None = None) -> dict[str, str]:
+    """Every named shape, ``{name: model_type}`` (the first architecture to name it wins)."""
+    registry = _registry(registry)
+    found: dict[str, str] = {}
+    for model_type in model_types(registry):
+        for name in spec_for(model_type, registry).presets:
+            found.setdefault(name, model_type)
+    return found
+
+
 def model_config(
-    model_type: str, overrides: dict[str, Any] | None = None, *, preset: str | None = None
+    model_type: str,
+    overrides: dict[str, Any] | None = None,
+    *,
+    preset: str | None = None,
+    registry: Registry | None = None,
 ) -> dict[str, Any]:
     """A real-looking ``config.json`` dict: the tiny base, a named shape, then overrides."""
-    if model_type not in _BASE:
-        raise ValueError(f"no synthetic config for '{model_type}' (known: {', '.join(_BASE)})")
-    config = copy.deepcopy(_BASE[model_type])
+    spec = spec_for(model_type, registry)
+    config = copy.deepcopy(dict(spec.config))
     if preset is not None:
-        if model_type != "qwen3" or preset not in QWEN3_PRESETS:
-            raise ValueError(
-                f"unknown preset '{preset}' for {model_type} (qwen3: {', '.join(QWEN3_PRESETS)})"
-            )
-        config.update(QWEN3_PRESETS[preset])
+        if preset not in spec.presets:
+            known = ", ".join(spec.presets) or "none"
+            raise ValueError(f"unknown preset '{preset}' for {model_type} (known: {known})")
+        config.update(copy.deepcopy(dict(spec.presets[preset])))
     config.update(overrides or {})
-    if model_type == "gemma4_text" and "layer_types" not in (overrides or {}):
-        pattern = _BASE["gemma4_text"]["layer_types"][:3]
-        layers = config["num_hidden_layers"]
-        config["layer_types"] = (pattern * (layers // 3 + 1))[:layers]
+    if spec.finalize is not None:
+        config = spec.finalize(config, dict(overrides or {}))
     eos = token_id(EOS)
     config.setdefault("eos_token_id", eos)
     config.setdefault("bos_token_id", token_id("<|endoftext|>"))
@@ -256,11 +181,10 @@ def model_config(
 
 
 def _random_weights(
-    model: nn.Module, model_type: str, config: dict[str, Any], seed: int, dtype: mx.Dtype
+    model: nn.Module, spec: SyntheticSpec, config: dict[str, Any], seed: int, dtype: mx.Dtype
 ) -> dict[str, mx.array]:
     """Draw every parameter of ``model``; scales keep activations and logits lively."""
     hidden = config["hidden_size"]
-    offset_norms = model_type in _OFFSET_NORMS
     params = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))
     weights = {}
@@ -272,7 +196,7 @@ def _random_weights(
             # outputs the residual stays so close to it that greedy decoding repeats the
             # input token forever. Louder post-block norms keep continuations varied.
             gain = POST_NORM_GAIN if ".post_" in name else 1.0
-            value = gain * (1.0 + noise * 0.1) - (1.0 if offset_norms else 0.0)
+            value = gain * (1.0 + noise * 0.1) - spec.norm_offset
         elif leaf == "layer_scalar":
             value = mx.ones(param.shape)
         elif leaf == "bias":
@@ -284,13 +208,6 @@ def _random_weights(
             value = noise / math.sqrt(param.shape[-1])
         weights[name] = value.astype(dtype)
     return weights
-
-
-def _architecture(model_type: str) -> Any:
-    from foretell.plugins import load_plugins
-    from foretell.registry import Kind
-
-    return load_plugins().registry.get(Kind.ARCHITECTURE, model_type).load()
 
 
 def make_model_dir(
@@ -305,24 +222,30 @@ def make_model_dir(
     quantize_layers: dict[str, Any] | None = None,
     group_size: int = 64,
     shard_bytes: int | None = None,
+    registry: Registry | None = None,
 ) -> Path:
     """Write a complete random-weight model directory and return its path.
 
-    :param model_type: one of :data:`MODEL_TYPES`.
+    :param model_type: an installed architecture with a synthetic spec (:func:`model_types`).
     :param overrides: config.json fields to change (sizes, windows, ...).
     :param quantize_bits: 4 or 8 to store MLX affine-quantized layers, as
         ``mlx_lm.convert -q`` does (every layer whose input width ``group_size`` divides).
-    :param preset: a named Qwen3 shape from :data:`QWEN3_PRESETS`.
+    :param preset: a named shape of that architecture (:attr:`SyntheticSpec.presets`).
     :param quantize_layers: per-layer overrides written into ``quantization`` (module path
         -> ``{"group_size", "bits"}`` or ``False`` to keep that layer dense).
     :param shard_bytes: split the weights into shards of about this size, with an index.
+    :param registry: where the architecture is found (default: the installed plugins).
     """
+    from foretell.registry import Kind
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model_config(model_type, overrides, preset=preset)
+    registry = _registry(registry)
+    spec = spec_for(model_type, registry)
+    config = model_config(model_type, overrides, preset=preset, registry=registry)
     config["torch_dtype"] = dtype
-    model = _architecture(model_type)(config)
-    weights = _random_weights(model, model_type, config, seed, getattr(mx, dtype))
+    model = registry.get(Kind.ARCHITECTURE, model_type).load()(config)
+    weights = _random_weights(model, spec, config, seed, getattr(mx, dtype))
     if config.get("tie_word_embeddings"):
         # A tied checkpoint has no head; sanitize lets models that infer tying from the
         # checkpoint (Gemma 3) drop theirs before quantizing.
@@ -414,5 +337,12 @@ def _write_tokenizer_files(path: Path, config: dict[str, Any]) -> None:
 def make_preset_dir(
     path: str | Path, preset: str, *, seed: int = 0, dtype: str = "float32", **kwargs: Any
 ) -> Path:
-    """A Qwen3 model directory of a named shape ("30m", "150m", "0.6b", "4b")."""
-    return make_model_dir(path, "qwen3", preset=preset, seed=seed, dtype=dtype, **kwargs)
+    """A model directory of a named shape (e.g. "30m"), of
+    whichever installed architecture names it; ``"model_type:name"`` picks one."""
+    model_type, _, name = preset.rpartition(":")
+    if not model_type:
+        shapes = presets(kwargs.get("registry"))
+        if preset not in shapes:
+            raise ValueError(f"unknown preset '{preset}' (known: {', '.join(shapes) or 'none'})")
+        model_type = shapes[preset]
+    return make_model_dir(path, model_type, preset=name, seed=seed, dtype=dtype, **kwargs)

@@ -9,9 +9,11 @@ def foretell_register_architectures(register):
         "gemma3_text",
         "foretell_gemma.gemma3_text:build",
         summary="Gemma 3 text decoder (interleaved sliding/global attention)",
+        synthetic="foretell_gemma.synthetic:GEMMA3_TEXT",
     )
     register(
         "gemma4_text",
         "foretell_gemma.gemma4_text:build",
         summary="Gemma 4 dense text decoder (KV sharing, per-layer inputs, partial RoPE)",
+        synthetic="foretell_gemma.synthetic:GEMMA4_TEXT",
     )

@@ -6,8 +6,10 @@ import foretell
 
 @foretell.hookimpl
 def foretell_register_architectures(register):
-    register("qwen3", "foretell_qwen.qwen3:build", summary="Qwen3 dense decoder (q/k RMSNorm)")
-    register("qwen2", "foretell_qwen.qwen2:build", summary="Qwen2 / Qwen2.5 dense decoder")
+    register("qwen3", "foretell_qwen.qwen3:build", summary="Qwen3 dense decoder (q/k RMSNorm)",
+             synthetic="foretell_qwen.synthetic:QWEN3")
+    register("qwen2", "foretell_qwen.qwen2:build", summary="Qwen2 / Qwen2.5 dense decoder",
+             synthetic="foretell_qwen.synthetic:QWEN2")
 
 
 @foretell.hookimpl

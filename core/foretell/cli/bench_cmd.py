@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
                    help="a model directory (or shipped model name); repeatable")
     p.add_argument("--synthetic", default="", metavar="SHAPES",
                    help="random-weight shapes the architecture plugins name, comma-separated "
-                        "(qwen3's: 30m,150m,0.6b,4b); MODEL_TYPE:SHAPE picks the architecture")
+                        "(e.g. 30m,150m); MODEL_TYPE:SHAPE picks the architecture")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of synthetic weights (bfloat16 on a GPU; default float32)")
     p.add_argument("--prompt-tokens", type=int, default=128, metavar="N",
