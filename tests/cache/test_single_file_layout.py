@@ -369,3 +369,12 @@ def test_config_errors_name_the_field(value):
     with pytest.raises(FieldError) as info:
         SingleFileConfig(orphan_age_s=value)
     assert info.value.field == "orphan_age_s" and "must be a number >= 0" in info.value.message
+
+
+def test_the_accelerated_checksum_is_zlibs_crc32():
+    import zlib
+
+    from foretell.store import format as fmt
+
+    data = bytes(range(256)) * 1000
+    assert fmt.checksum(data) == f"{zlib.crc32(data):08x}"

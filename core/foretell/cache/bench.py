@@ -177,8 +177,11 @@ def _decode_under_writes(engine: Any, tier: Any, donor: Any, scratch: Path,
     short = list(donor.tokens[:32])
     speeds: dict[str, list[float]] = {"idle": [], "writing": []}
     written = []
-    for _ in range(args.repeats):
-        speeds["idle"].append(_generate(engine, short, args.decode_tokens).generation_tps)
+    for i in range(2 * args.repeats):
+        # Alternating order (idle, writing / writing, idle), so drift hits both alike.
+        if (i % 2 == 0) == (i % 4 < 2):
+            speeds["idle"].append(_generate(engine, short, args.decode_tokens).generation_tps)
+            continue
         stop = threading.Event()
         count = [0]
         writer = threading.Thread(target=_write_until, args=(layout, entry, stop, count),
