@@ -123,6 +123,7 @@ def test_default_cpu_path_is_mlx_lm_on_the_float32_dequantized_checkpoint(
     tokenizer = Tokenizer.from_dir(path)
     prompt = tokenizer.encode(SNIPPET * 12)
     theirs, _ = mlx_lm.load(str(write_float32_checkpoint(path, tmp_path / name)))
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in shipped(name).named_modules())
     head = mx.array([prompt[:32]])
     assert float(mx.abs(shipped(name)(head) - theirs(head)).max()) <= 1e-4 * float(
         mx.abs(theirs(head)).max()
