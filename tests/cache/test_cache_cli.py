@@ -121,3 +121,28 @@ def test_resume_after_kill_9_continues_identically(tmp_path):
     assert resumed.returncode == 0, resumed.stderr.decode()
     assert b"(checkpoint)" in resumed.stderr
     assert resumed.stdout == uninterrupted.stdout
+
+
+class RecordingTier:
+    ssd = object()
+
+    def __init__(self):
+        self.closed_with = None
+
+    def close(self, timeout):
+        from foretell.cache.spill import FlushReport
+
+        self.closed_with = timeout
+        return FlushReport(durable=False, pending=1, dropped=0, failed=0, missing=0)
+
+
+def test_sigterm_flushes_the_cache_with_a_bounded_wait_and_says_it_is_not_durable(capsys):
+    from foretell.cli.cache_cmd import flushing
+
+    tier = RecordingTier()
+    with pytest.raises(KeyboardInterrupt), flushing(tier, timeout=1.5):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the signal interrupts this
+    assert tier.closed_with == 1.5
+    assert "not durable (pending 1" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
