@@ -291,6 +291,10 @@ def should_unpack_quantized(model: nn.Module) -> bool:
     model decoded at 3.5 tok/s packed and 33 tok/s unpacked (OpenBLAS sgemv) on a 2-core
     x86 machine (docs/blas.md). GPUs keep the packed weights, which is what makes them fast
     there. ``FORETELL_CPU_UNPACK=0`` keeps them packed on the CPU too.
+
+    Unpacked, the model computes in float32. With bfloat16/float16 scales mlx-lm computes
+    in that dtype through MLX's quantized kernel, which no dense matmul reproduces, so only
+    the packed path is mlx-lm bit for bit (docs/decisions.md has the measurements).
     """
     if mx.default_device() != mx.cpu or os.environ.get("FORETELL_CPU_UNPACK", "1") == "0":
         return False
