@@ -49,9 +49,68 @@ def attention_mask(n_queries: int, cache: Any = None, window: int | None = None)
 def attend(
     queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
 ) -> mx.array:
-    """Fused attention over ``[B, heads, L, dim]`` arrays (grouped KV heads allowed)."""
+    """Attention over ``[B, heads, L, dim]`` arrays (grouped KV heads allowed): the fused
+    kernel, except for short multi-token queries on CUDA (see :func:`use_matmul_attention`)."""
     if isinstance(keys, tuple):  # affine-quantized KV: (packed, scales, biases)
         from foretell.cache.quantized import quantized_attend
 
         return quantized_attend(queries, keys, values, scale=scale, mask=mask)
+    if use_matmul_attention(queries.shape[2]):
+        return matmul_attention(queries, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+#: Queries up to this many tokens take :func:`matmul_attention` on CUDA (verify windows;
+#: prefill chunks are long enough to amortize the fused kernel's planning).
+MATMUL_MAX_QUERIES = 32
+_MATMUL_MODE: str | None = None
+
+
+def use_matmul_attention(n_queries: int) -> bool:
+    """Whether ``n_queries`` new tokens attend through plain matmuls instead of the fused
+    kernel.
+
+    Measured on an H200 (mlx-cuda 0.32.4): the fused kernel is re-planned whenever the key
+    length changes and the query has more than one token, 38 ms per call against 0.09 ms
+    when the length repeats, which made a speculative round cost ~100 ms whatever its
+    length; matmul + mask + softmax costs 1.6 ms for the same 3-token forward. Metal and the
+    CPU keep the fused kernel. ``FORETELL_ATTENTION=fused|matmul`` forces either path
+    (``matmul`` also for single-token decode), for measuring.
+    """
+    global _MATMUL_MODE
+    if _MATMUL_MODE is None:
+        import os
+
+        forced = os.environ.get("FORETELL_ATTENTION", "auto")
+        if forced not in ("auto", "fused", "matmul", "matmul-all"):
+            forced = "auto"
+        if forced == "auto":
+            forced = "matmul" if mx.cuda.is_available() and mx.default_device() == mx.gpu else "fused"
+        _MATMUL_MODE = forced
+    if _MATMUL_MODE == "fused":
+        return False
+    if _MATMUL_MODE == "matmul-all":
+        return True
+    return 1 < n_queries <= MATMUL_MAX_QUERIES
+
+
+def matmul_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
+) -> mx.array:
+    """Softmax attention written as matmuls, with the fused kernel's mask semantics
+    (``"causal"`` aligned to the newest key). Scores accumulate in float32."""
+    B, heads, L, dim = queries.shape
+    kv_heads, S = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    q = (queries * scale).reshape(B, kv_heads, group, L, dim)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, kv, group, L, S]
+    if isinstance(mask, str):
+        mask = causal_mask(L, S - L)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        else:
+            scores = scores + mask
+    weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
+    out = weights @ values[:, :, None]  # [B, kv, group, L, dim]
+    return out.reshape(B, heads, L, dim)

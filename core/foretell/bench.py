@@ -58,6 +58,10 @@ class Scenario:
     name: str
     foretell: Runner
     mlx_lm: Runner
+    #: Which of the job's prompts it runs on: ``random`` ids, or ``code`` / ``edit`` text.
+    prompt: str = "random"
+    #: The runners also take the job (draft model, draft length...) as a fourth argument.
+    with_job: bool = False
 
 
 def _foretell_greedy(engine: Any, prompt: list[int], max_tokens: int) -> Steps:
@@ -76,9 +80,22 @@ def _mlx_lm_greedy(loaded: Any, prompt: list[int], max_tokens: int) -> Steps:
     return None
 
 
+def _speculation_scenarios() -> tuple[Scenario, ...]:
+    from foretell.spec import bench as spec_bench
+
+    return tuple(
+        Scenario(row, foretell=spec_bench.foretell_runner(row),
+                 mlx_lm=spec_bench.mlx_lm_runner(row), prompt=prompt, with_job=True)
+        for row, prompt in spec_bench.ROWS.items()
+    )
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("greedy", foretell=_foretell_greedy, mlx_lm=_mlx_lm_greedy),
+    *_speculation_scenarios(),
 )
+#: ``--speculation`` rows (foretell's drafters against plain decoding and mlx-lm's).
+SPECULATION = tuple(s.name for s in SCENARIOS if s.with_job)
 
 
 # -- one side, in its own process -----------------------------------------------------------
@@ -165,9 +182,19 @@ def _worker_loop() -> int:
             continue
         scenario = scenarios[request["scenario"]]
         runner = scenario.foretell if side == "foretell" else scenario.mlx_lm
-        timing = time_run(runner(loaded, job["prompt"], job["max_tokens"]), len(job["prompt"]))
+        prompt = job["prompts"][scenario.prompt] if scenario.prompt != "random" else job["prompt"]
+        extra = (job,) if scenario.with_job else ()
+        timing = time_run(runner(loaded, prompt, job["max_tokens"], *extra), len(prompt))
         reply(attrs.asdict(timing))
     return 0
+
+
+#: A side's process: the BLAS is bound before this module (whose imports may pull in mlx)
+#: is imported; FORETELL_BLAS=reference keeps MLX's own.
+WORKER = (
+    "from foretell import blas; blas.preload(); "
+    "from foretell.bench import _worker_loop; raise SystemExit(_worker_loop())"
+)
 
 
 class SideProcess:
@@ -182,7 +209,7 @@ class SideProcess:
             env["FORETELL_BLAS"] = "reference"  # mlx-lm as it installs: MLX's own BLAS
         self._stderr = open(scratch / f"{side}-stderr.txt", "w+")  # closed by close()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "foretell.bench", "--worker"],
+            [sys.executable, "-c", WORKER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -353,8 +380,11 @@ def compare(
     scenarios: Sequence[str] = ("greedy",),
     interleave: bool = True,
     progress: Callable[[str], None] = lambda _: None,
+    draft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Both sides on one model: per scenario, each side's medians and foretell/mlx-lm.
+
+    ``draft`` (``{"draft_model": ..., "num_draft_tokens": ...}``) feeds the speculation rows.
 
     ``interleave`` keeps both sides loaded and alternates their timed runs; without it
     each side runs all of its repeats alone (one model copy in memory at a time). When
@@ -362,7 +392,16 @@ def compare(
     (:data:`SAME_BLAS`) and each scenario gets a second row against it.
     """
     job = {"model": str(model), "prompt": prompt_ids(model, prompt_tokens),
-           "max_tokens": max_tokens}
+           "max_tokens": max_tokens, **(draft or {})}
+    if any(name in SPECULATION for name in scenarios):
+        from foretell.spec.bench import code_prompts, runnable
+        from foretell.tokenizer import Tokenizer
+
+        job["prompts"] = code_prompts(Tokenizer.from_dir(model), prompt_tokens)
+        kept = runnable(model, scenarios, job.get("draft_model"))
+        for name in sorted(set(scenarios) - set(kept)):
+            progress(f"  {label}: skipping {name} (this model cannot run it)")
+        scenarios = kept
     measured: dict[str, dict[str, Any]] = {name: {} for name in scenarios}
     procs: dict[str, SideProcess] = {}
     with tempfile.TemporaryDirectory(prefix="foretell-bench-") as scratch:
@@ -401,6 +440,10 @@ def compare(
                     else None
                 ),
                 "acceptance": ours["extras"].get("acceptance"),
+                "tokens_per_forward": ours["extras"].get("tokens_per_forward"),
+                "mlx_lm_from_draft": theirs["extras"].get("from_draft"),
+                # Against plain foretell on the same prompt, in this run.
+                "vs_plain": _vs_plain(measured, name),
             }
         )
     return {
@@ -441,6 +484,14 @@ def paired_ratio_ci(
     mean = statistics.fmean(logs)
     half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return [math.exp(mean - half), math.exp(mean + half)]
+
+
+def _vs_plain(measured: dict[str, dict[str, Any]], name: str) -> float | None:
+    plain = "plain-edit" if name.endswith("-edit") else "plain"
+    if name not in SPECULATION or plain not in measured or name == plain:
+        return None
+    return _ratio(measured[name]["foretell"]["decode_tps"],
+                  measured[plain]["foretell"]["decode_tps"])
 
 
 def _ratio(ours: float, theirs: float) -> float | None:
@@ -493,6 +544,8 @@ def run_bench(
     interleave: bool = True,
     progress: Callable[[str], None] = lambda _: None,
     on_model: Callable[[dict[str, Any]], None] = lambda _: None,
+    scenarios: Sequence[str] = ("greedy",),
+    draft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compare every model; ``on_model`` sees the report after each one (to save partial
     results before a time limit cuts the run short)."""
@@ -509,6 +562,8 @@ def run_bench(
                 repeats=repeats,
                 interleave=interleave,
                 progress=progress,
+                scenarios=scenarios,
+                draft=draft,
             )
         )
         on_model(report)
@@ -538,11 +593,12 @@ def render(report: dict[str, Any]) -> str:
         if SAME_BLAS in runtime:
             lines.append(f"         {SAME_BLAS}: {runtime[SAME_BLAS]['blas']}")
     header = (
-        f"{'model':<10} {'scenario':<10} {'mlx-lm on':<10} {'prompt':>6} {'gen':>5} "
+        f"{'model':<10} {'scenario':<20} {'mlx-lm on':<10} {'prompt':>6} {'gen':>5} "
         f"{'prefill tok/s':>27} {'decode tok/s':>27} {'decode ratio':>13} {'accept':>7}"
+        f" {'tok/fwd':>7} {'vs plain':>8}"
     )
     sub = (
-        f"{'':<10} {'':<10} {'':<10} {'':>6} {'':>5} "
+        f"{'':<10} {'':<20} {'':<10} {'':>6} {'':>5} "
         + f"{'foretell  mlx-lm   ratio':>27} " * 2
         + f"{'95% CI':>13}"
     )
@@ -550,13 +606,17 @@ def render(report: dict[str, Any]) -> str:
     for model in report["models"]:
         for row in model["rows"]:
             accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else ""
+            per_forward = row.get("tokens_per_forward")
+            per_forward = f"{per_forward:.2f}" if per_forward is not None else ""
+            vs_plain = f"{row['vs_plain']:.2f}x" if row.get("vs_plain") is not None else ""
             ci = row.get("decode_ratio_ci95")
             shown_ci = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
             blas = "OpenBLAS" if row.get("baseline") == SAME_BLAS else "its BLAS"
             lines.append(
-                f"{model['model']:<10} {row['scenario']:<10} {blas:<10} {model['prompt_tokens']:>6} "
+                f"{model['model']:<10} {row['scenario']:<20} {blas:<10} {model['prompt_tokens']:>6} "
                 f"{model['generated_tokens']:>5} "
                 f"{_cell(row, 'prefill')} {_cell(row, 'decode')} {shown_ci:>13} {accept:>7}"
+                f" {per_forward:>7} {vs_plain:>8}"
             )
     return "\n".join(lines)
 

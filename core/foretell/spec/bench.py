@@ -1,0 +1,180 @@
+"""Speculation rows for ``foretell bench --speculation``.
+
+Every row runs on both sides in the same run, on the same weights and prompt ids:
+
+| row | foretell | mlx-lm |
+|---|---|---|
+| ``plain`` | plain decoding | plain decoding |
+| ``two-model`` | the two-model drafter, ``--draft-model`` | ``speculative_generate_step``, same draft |
+| ``self`` | the target drafting for itself (upper bound) | the same, self-drafting |
+| ``mtp`` | the target's MTP head (if it has one) | plain (mlx-lm has no MTP drafter) |
+| ``plain-edit`` / ``ngram-edit`` | plain / prompt lookup on a code-editing prompt | plain |
+| ``two-model-t0.8`` / ``-match`` | sampled two-model, rejection / token-match | speculative, temp 0.8 |
+
+The code prompts are Python from the standard library (what the demo family was trained
+on): ``code`` continues a module, ``edit`` asks to rewrite code that is in the prompt (the
+output repeats it), where prompt lookup shines.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+SAMPLED = 0.8
+_SPECULATORS: dict[tuple[Any, ...], Any] = {}
+_MLX_DRAFTS: dict[str, Any] = {}
+
+
+def code_prompts(tokenizer: Any, length: int) -> dict[str, list[int]]:
+    """``code`` and ``edit`` prompts of about ``length`` tokens, as token ids."""
+    import json.decoder
+    import textwrap
+
+    source = inspect.getsource(json.decoder)
+    ids = tokenizer.encode(source, add_special_tokens=False)[:length]
+    code = ids
+    snippet = textwrap.dedent(inspect.getsource(json.decoder.JSONObject))
+    body = tokenizer.encode(snippet, add_special_tokens=False)
+    head = "# Same function, reformatted; behaviour unchanged.\n"
+    lead = "\n".join(snippet.splitlines()[:2]) + "\n"
+    tail = tokenizer.encode("\n\n" + head + lead, add_special_tokens=False)
+    budget = max(length - len(tail), 16)
+    edit = body[:budget] + tail
+    return {"code": code, "edit": edit}
+
+
+# -- foretell side ------------------------------------------------------------------------
+
+
+def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None = None,
+                acceptance: str = "rejection") -> Any:
+    from foretell.registry import Kind
+
+    key = (kind, model, acceptance)
+    if key not in _SPECULATORS:
+        config = engine.registry.get(Kind.DRAFT, kind).config
+        options = config(model=model) if model is not None else (config() if config else None)
+        _SPECULATORS[key] = engine.use_draft(
+            kind, options, max_tokens=job["num_draft_tokens"], acceptance=acceptance
+        )
+        engine.use_draft(None)
+    return _SPECULATORS[key]
+
+
+def _foretell(engine: Any, prompt: list[int], max_tokens: int, speculate: Any,
+              temp: float = 0.0):
+    from foretell.config import SamplingConfig
+
+    sampling = SamplingConfig(temp=temp, seed=0) if temp else None
+    stats = None
+    for event in engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True,
+                                 speculate=speculate, sampling=sampling):
+        if event.type == "text" and event.tokens:
+            yield len(event.tokens)
+        elif event.type == "stats":
+            stats = event
+    spec = stats.speculation if stats is not None else None
+    if not spec:
+        return None
+    return {"acceptance": spec["acceptance"],
+            "tokens_per_forward": spec["tokens_per_target_forward"],
+            "mean_k": spec["mean_k"]}
+
+
+def foretell_runner(row: str):
+    def run(engine: Any, prompt: list[int], max_tokens: int, job: dict[str, Any]):
+        draft = job.get("draft_model")
+        if row in ("plain", "plain-edit"):
+            return (yield from _foretell(engine, prompt, max_tokens, False))
+        if row == "two-model":
+            spec = _speculator(engine, job, "two-model", draft)
+        elif row == "self":
+            spec = _speculator(engine, job, "two-model", job["model"])
+        elif row == "mtp":
+            spec = _speculator(engine, job, "mtp")
+        elif row == "ngram-edit":
+            spec = _speculator(engine, job, "ngram")
+        elif row == "two-model-t0.8":
+            spec = _speculator(engine, job, "two-model", draft)
+            return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
+        elif row == "two-model-t0.8-match":
+            spec = _speculator(engine, job, "two-model", draft, "token-match")
+            return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
+        else:
+            raise KeyError(row)
+        return (yield from _foretell(engine, prompt, max_tokens, spec))
+
+    return run
+
+
+# -- mlx-lm side --------------------------------------------------------------------------
+
+
+def mlx_lm_runner(row: str):
+    def run(loaded: Any, prompt: list[int], max_tokens: int, job: dict[str, Any]):
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        model, tokenizer = loaded
+        kwargs: dict[str, Any] = {}
+        draft = None
+        if row in ("two-model", "two-model-t0.8", "two-model-t0.8-match"):
+            draft = _mlx_draft(job["draft_model"])
+        elif row == "self":
+            draft = model
+        if draft is not None:
+            kwargs.update(draft_model=draft, num_draft_tokens=job["num_draft_tokens"])
+        if row.startswith("two-model-t0.8"):
+            kwargs["sampler"] = make_sampler(temp=SAMPLED)
+        total = drafted = 0
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                        **kwargs):
+            total += 1
+            drafted += bool(getattr(response, "from_draft", False))
+            yield 1
+        return {"from_draft": drafted / total} if draft is not None and total else None
+
+    return run
+
+
+def _mlx_draft(path: str) -> Any:
+    if path not in _MLX_DRAFTS:
+        from mlx_lm import load
+
+        from foretell.generate import resolve_model_path
+
+        _MLX_DRAFTS[path] = load(str(resolve_model_path(path)))[0]
+    return _MLX_DRAFTS[path]
+
+
+def runnable(model: Any, rows: list[str], draft_model: str | None) -> list[str]:
+    """The rows this target can run: MTP needs its head, two-model a draft of its vocabulary."""
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    draft_vocab = None
+    if draft_model is not None:
+        draft_vocab = json.loads((Path(draft_model) / "config.json").read_text()).get("vocab_size")
+    keep = []
+    for row in rows:
+        if row == "mtp" and not isinstance(config.get("mtp_config"), dict):
+            continue
+        if row.startswith("two-model") and draft_vocab != config.get("vocab_size"):
+            continue
+        keep.append(row)
+    return keep
+
+
+#: Row -> which prompt it runs on.
+ROWS = {
+    "plain": "code",
+    "two-model": "code",
+    "self": "code",
+    "mtp": "code",
+    "plain-edit": "edit",
+    "ngram-edit": "edit",
+    "two-model-t0.8": "code",
+    "two-model-t0.8-match": "code",
+}

@@ -1,0 +1,38 @@
+"""The verifier's CUDA attention path (matmuls + mask + softmax) computes what the fused
+kernel does, for every mask kind the caches hand out, with grouped KV heads."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from foretell import attention
+from foretell.attention import causal_mask, matmul_attention
+
+
+@pytest.mark.parametrize("L, prior, window", [(1, 20, None), (3, 40, None), (5, 0, None),
+                                              (4, 9, 8), (7, 3, 8)])
+@pytest.mark.parametrize("mask_kind", ["causal", "array"])
+def test_matmul_attention_matches_the_fused_kernel(L, prior, window, mask_kind):
+    keys_ = mx.random.split(mx.random.key(L * 100 + prior), 3)
+    q = mx.random.normal((1, 8, L, 16), key=keys_[0])
+    k = mx.random.normal((1, 2, prior + L, 16), key=keys_[1])
+    v = mx.random.normal((1, 2, prior + L, 16), key=keys_[2])
+    if L == 1:
+        mask = None
+    elif mask_kind == "causal" and window is None:
+        mask = "causal"
+    else:
+        mask = causal_mask(L, prior, window)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    ours = matmul_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np.array(ours), np.array(fused), rtol=1e-5, atol=1e-5)
+
+
+def test_only_short_multi_token_queries_take_the_matmul_path_when_on(monkeypatch):
+    monkeypatch.setattr(attention, "_MATMUL_MODE", "matmul")
+    assert [attention.use_matmul_attention(n) for n in (1, 2, 32, 33, 2048)] == [
+        False, True, True, False, False]
+    monkeypatch.setattr(attention, "_MATMUL_MODE", "fused")
+    assert not any(attention.use_matmul_attention(n) for n in (1, 2, 32))
