@@ -38,7 +38,10 @@ def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, cap
         # EOS is ignored on both sides, so each generated exactly what was asked.
         assert row[side]["generated"] == 6
         assert len(row[side]["runs"]) == 1
-        assert row[side]["prefill_tps"] > 0 and row[side]["decode_tps"] > 0
+        (timed,) = row[side]["runs"]
+        # both sides clocked alike: the prompt over the time to the first token
+        assert timed["prefill_tps"] == pytest.approx(12 / timed["ttft_s"])
+        assert row[side]["decode_tps"] == timed["decode_tps"]  # the median of one run
     assert row["prefill_ratio"] == pytest.approx(
         row["foretell"]["prefill_tps"] / row["mlx_lm"]["prefill_tps"]
     )

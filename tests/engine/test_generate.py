@@ -151,13 +151,25 @@ def test_streamed_text_is_the_decoded_tokens(engine):
     assert text == engine.tokenizer.decode(tokens)
 
 
+def test_speeds_are_the_prompt_over_ttft_and_the_rest_over_the_time_after_it(engine, monkeypatch):
+    ticks = [10.0, 12.0, 16.0]  # request start, first token, end
+
+    def clock():
+        return ticks.pop(0) if len(ticks) > 1 else ticks[0]
+
+    monkeypatch.setattr(gen.time, "perf_counter", clock)
+    _, _, stats = run(engine, max_tokens=6)
+    assert stats.ttft_s == 2.0
+    assert stats.prompt_tps == (stats.prompt_tokens - stats.cached_tokens) / 2.0
+    assert stats.generation_tps == 6 / 4.0  # every generated token over the time after the first
+
+
 def test_stats_describe_the_request(engine):
     _, tokens, stats = run(engine, max_tokens=6)
     assert stats.prompt_tokens == len(engine.encode_prompt(PROMPT))
     assert stats.cached_tokens == 0
     assert stats.generated_tokens == 6
-    assert stats.ttft_s > 0 and stats.prompt_tps > 0 and stats.generation_tps > 0
-    assert stats.peak_memory_gb > 0
+    assert stats.peak_memory_gb == mx.get_peak_memory() / 1e9  # this request's peak
     assert set(stats.to_dict()) >= {
         "type",
         "prompt_tokens",

@@ -185,17 +185,38 @@ def test_chunked_calls_match_mlx_lm_chunk_for_chunk(pair):
     assert start == len(sequence)
 
 
-def test_taps_return_the_requested_layer_outputs(pair):
-    model, _ = pair
+def test_taps_return_the_requested_layer_outputs(pair, monkeypatch):
+    model, reference = pair
     last = len(model.layers) - 1
     hidden, tapped = model.forward(mx.array([PROMPT]), taps=(0, last))
     assert sorted(tapped) == [0, last]
-    assert tapped[0].shape == hidden.shape
     assert mx.array_equal(model.model.norm(tapped[last]), hidden)
+    # tap 0 is the first block's output, as mlx-lm's own first block computes it
+    _, block_out = first_block_io(reference, mx.array([PROMPT]), monkeypatch)
+    assert relative_error(tapped[0], block_out) <= 1e-4
 
 
-def test_embed_is_what_the_first_layer_sees(pair):
+def first_block_io(reference, tokens, monkeypatch):
+    """What mlx-lm's first decoder block receives and returns when it runs ``tokens``."""
+    first = reference.layers[0]
+    seen = []
+    real_call = type(first).__call__
+
+    def spy(self, x, *args, **kwargs):
+        out = real_call(self, x, *args, **kwargs)
+        if self is first and not seen:
+            seen.append((x, out[0] if isinstance(out, tuple) else out))
+        return out
+
+    monkeypatch.setattr(type(first), "__call__", spy)
+    reference(tokens)
+    monkeypatch.undo()
+    return seen[0]
+
+
+def test_embed_is_what_the_first_layer_sees(pair, monkeypatch):
     model, reference = pair
     tokens = mx.array([PROMPT[:3]])
-    assert model.embed(tokens).shape == (1, 3, model.args.hidden_size)
+    block_in, _ = first_block_io(reference, tokens, monkeypatch)
+    assert relative_error(model.embed(tokens), block_in) <= 1e-6
     assert "taps" in model.capabilities and model.vocab_size == model.args.vocab_size
