@@ -222,3 +222,28 @@ def test_foreign_entries_in_the_directory_are_never_served(layout, codecs, ident
     writer.store(range(12), [filled_kv(12)])
     assert writer.flush(10).durable
     assert tier_over(layout, codecs).lookup([*range(12), 1]).tier is None
+
+
+def registered_layouts():
+    from foretell.plugins import load_plugins
+    from foretell.registry import Kind
+
+    registry = load_plugins().registry
+    return [registry.get(Kind.LAYOUT, name) for name in registry.names(Kind.LAYOUT)]
+
+
+@pytest.mark.parametrize("contribution", registered_layouts(), ids=lambda c: c.name)
+def test_the_tier_restores_identically_over_every_registered_layout(
+        tmp_path, identity, codecs, contribution):
+    def open_tier():
+        config = contribution.config() if contribution.config is not None else None
+        return CacheTier(codecs, layout=contribution.load()(tmp_path, config, identity=identity))
+
+    caches = [filled_kv(20), filled_rotating(12, max_size=16)]
+    writer = open_tier()
+    writer.store(range(12), [filled_kv(12), caches[1]])
+    writer.store([*range(12), *range(50, 58)], [caches[0], filled_rotating(20, max_size=16)])
+    assert writer.close(10).durable
+    reuse = open_tier().lookup([*range(12), 99])  # restart-0: the snapshot still serves
+    assert (reuse.tokens, reuse.tier) == (12, "ssd")
+    np.testing.assert_array_equal(host(reuse.caches[1].state[0]), host(caches[1].state[0]))
