@@ -31,7 +31,11 @@ RUN_FLAGS = {
     "--stop": "text",
     "--model": "text",
     "--config": "text",
+    "--draft": "draft",
+    "--num-draft-tokens": "int",
+    "--draft-option": "text",
 }
+# Not driven here: --cache-dir and friends would write into whatever path was drawn.
 SWITCHES = ["--chat", "--no-chat", "--json"]
 
 
@@ -47,7 +51,8 @@ texts = st.one_of(
     st.binary(max_size=12).map(os.fsdecode),
     st.sampled_from(["-", "", "\\n", "\\t", "/etc", "-x", "demo"]),
 ).map(lambda t: t.replace("\x00", ""))  # argv is C strings: a NUL cannot reach us
-VALUES = {"int": ints, "float": floats, "text": texts}
+drafts = st.one_of(st.sampled_from(["none", "auto", "ngram", "two-model", "mtp"]), texts)
+VALUES = {"int": ints, "float": floats, "text": texts, "draft": drafts}
 
 
 @st.composite
@@ -78,7 +83,11 @@ def capped_engine(tiny, monkeypatch):
         return real(self, prompt, **options)
 
     monkeypatch.setattr(foretell.Engine, "generate", capped)
-    monkeypatch.setattr(run_cmd, "open_engine", lambda model, registry, quiet, **_: engine)
+    def reopen(model, registry, quiet, **options):
+        engine.use_draft(None)  # what an earlier example chose must not leak into this one
+        return engine
+
+    monkeypatch.setattr(run_cmd, "open_engine", reopen)
     return path
 
 
