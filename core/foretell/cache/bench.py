@@ -295,12 +295,18 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
             row: dict[str, Any] = {"model": name, "prompt_tokens": prompt_tokens}
             row["prime"] = _run_phase("prime", model, directory, prompt_file, *common)
             progress(f"{name}: SSD restore in fresh processes (page cache warm, then evicted)")
-            row["restore_warm"] = _run_phase("restore", model, directory, prompt_file, *common)
-            row["restore_evicted"] = _run_phase("restore", model, directory, prompt_file,
-                                                *common, "--evict")
+            runs: dict[str, list[dict[str, Any]]] = {"warm": [], "evicted": []}
+            for _ in range(repeats):  # alternating, each in a fresh process
+                runs["warm"].append(_run_phase("restore", model, directory, prompt_file, *common))
+                runs["evicted"].append(_run_phase("restore", model, directory, prompt_file,
+                                                  *common, "--evict"))
+            row["restore_warm"] = _median_run(runs["warm"])
+            row["restore_evicted"] = _median_run(runs["evicted"])
             path = entry_files(directory)[-1]
-            row["dd_warm"] = dd_read(path, cold=False)
-            row["dd_evicted"] = dd_read(path, cold=True)
+            for kind, cold in (("dd_warm", False), ("dd_evicted", True)):
+                reads = [dd_read(path, cold=cold) for _ in range(repeats)]
+                row[kind] = {"seconds": _median([r["seconds"] for r in reads]),
+                             "gb_per_s": _median([r["gb_per_s"] for r in reads])}
             rows.append(row)
             progress(render_row(row))
         finally:
@@ -308,6 +314,15 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
     from foretell.bench import runtime_info
 
     return {"machine": machine_info(), "runtime": runtime_info(), "rows": rows}
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-field medians of several restore runs, with the runs kept beside them."""
+    numeric = [k for k, v in runs[0].items() if isinstance(v, float)]
+    summary = dict(runs[0])
+    summary.update({k: _median([r[k] for r in runs if r[k] is not None]) for k in numeric})
+    summary["runs"] = runs
+    return summary
 
 
 def render_row(row: dict[str, Any]) -> str:
