@@ -12,8 +12,13 @@ import pytest
 import foretell
 from foretell import errors
 
-#: Internal to the config structurer: caught there and rendered into a ConfigError.
-INTERNAL = {"foretell.config.FieldError", "foretell.config.WrongType"}
+#: Never reach a user as themselves: the config structurer renders the first two into a
+#: ConfigError; the store's FileReplaced is an OSError, handled like any failed read.
+INTERNAL = {
+    "foretell.config.FieldError",
+    "foretell.config.WrongType",
+    "foretell.store.format.FileReplaced",
+}
 
 
 def core_modules() -> list[str]:
