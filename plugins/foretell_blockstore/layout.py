@@ -26,8 +26,8 @@ import os
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Iterator, Sequence
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,6 @@ SUFFIX = ".safetensors"
 BLOCK_SUFFIX = ".blk"
 #: entry_key's format version for this layout (keys never collide with another format's).
 KEY_VERSION = 101
-#: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
-_IOV_MAX = 1024
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -186,16 +184,22 @@ class BlockStoreLayout:
             with self._flock(exclusive=False):
                 self.entries_dir.mkdir(parents=True, exist_ok=True)
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-                listed, wrote = [], False
-                for group in groups:
-                    refs = []
-                    for begin, end in group.spans(rows):
-                        data = mf.block_bytes(entry, group, begin, end)
-                        ref = mf.block_ref(data)
-                        wrote |= self._store_block(ref, data)
-                        refs.append(ref)
-                        del data
-                    listed.append((group, refs))
+                hosts = mf.host_views(entry)
+                jobs = [(group, [_pool().submit(self._store_block, hosts, group, b, e)
+                                 for b, e in group.spans(rows)]) for group in groups]
+                # Every job finishes before the lock is released, failed or not.
+                futures.wait([job for _group, group_jobs in jobs for job in group_jobs])
+                listed = [(group, [job.result() for job in group_jobs])
+                          for group, group_jobs in jobs]
+                wrote = False
+                for _group, stored in listed:
+                    for ref, new in stored:
+                        wrote |= new
+                        if new:
+                            self.bytes_written += ref.nbytes
+                        else:
+                            self.bytes_reused += ref.nbytes
+                listed = [(group, [ref for ref, _new in stored]) for group, stored in listed]
                 if wrote:  # the blocks' names are durable before a manifest can list them
                     _fsync_dir(self.data_dir)
                 raw = mf.render(entry, self.identity, rows, time.time(), listed)
@@ -369,21 +373,24 @@ class BlockStoreLayout:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _store_block(self, ref: mf.BlockRef, data: Any) -> bool:
-        """Write one block unless it exists (it is never rewritten); True if written."""
+    def _store_block(self, hosts: dict, group: mf.Group, begin: int, end: int
+                     ) -> tuple[mf.BlockRef, bool]:
+        """Rows ``[begin, end)`` of ``group`` as one block, written unless a block of the
+        same bytes exists (it is never rewritten); runs on the pool. True if written."""
+        data = mf.block_bytes(hosts, group, begin, end)
+        header = mf.block_header(group, begin, end)
+        ref = mf.block_ref(header, data)
         final = self.block_path(ref.id)
         if os.path.exists(final):
-            self.bytes_reused += ref.nbytes
-            return False
+            return ref, False
         tmp = self.data_dir / f"{ref.id}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            _write_durably(tmp, data)
+            _write_durably(tmp, header, data)
             os.replace(tmp, final)  # a racing writer of the same id wrote the same bytes
         except BaseException:
             unlink_quietly(tmp)
             raise
-        self.bytes_written += ref.nbytes
-        return True
+        return ref, True
 
     def _load_manifest(self, key: str) -> mf.Manifest:
         with open(self.path(key), "rb") as fh:
@@ -396,26 +403,65 @@ class BlockStoreLayout:
         return manifest
 
     def _assemble(self, manifest: mf.Manifest) -> list[LayerState]:
-        import numpy as np
+        """Load every block (MLX reads the files), join each tensor's pieces along its row
+        axis, all in one evaluation (each one is a hand-off to MLX's thread); then every
+        block's CRC-32 runs on the pool, and all pass before anything is returned."""
+        import mlx.core as mx
 
-        hosts = {}
+        parts: dict[tuple[int, str], list[mx.array]] = {}
+        blocks = []
         for group, refs in manifest.groups:
-            for spec in group.tensors:
-                hosts[(spec.layer, spec.name)] = mf.host_buffer(spec)
             for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
-                _read_block(self.block_path(ref.id), ref,
-                            mf.destinations(group, begin, end, hosts))
-        layers = []
+                pieces = self._load_block(ref, group, begin, end)
+                blocks.append((ref, pieces))
+                for spec, piece in zip(group.tensors, pieces):
+                    parts.setdefault((spec.layer, spec.name), []).append(piece)
+        layers, arrays = [], []
         for index, (layer, table) in enumerate(zip(manifest.layers,
                                                    manifest.fields["layers"])):
             tensors = {}
             for name, tensor in table["tensors"].items():
                 spec = mf.TensorSpec(index, name, tensor["dtype"], tuple(tensor["shape"]))
-                buffer = hosts.get((index, name), np.empty(0, dtype=np.uint8))
-                tensors[name] = mf.to_array(buffer, spec)
+                tensors[name] = _join(parts.get((index, name)), spec)
+                arrays.append(tensors[name])
             layers.append(LayerState(codec=layer.codec, provider=layer.provider,
                                      meta=layer.meta, tensors=tensors))
+        mx.eval(arrays, [piece for _ref, pieces in blocks for piece in pieces])
+        checks = [(ref, _pool().submit(mf.pieces_checksum, pieces)) for ref, pieces in blocks]
+        for ref, check in checks:
+            if check.result() != ref.crc32:
+                raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
         return layers
+
+    def _load_block(self, ref: mf.BlockRef, group: mf.Group, begin: int, end: int
+                    ) -> list[Any]:
+        """One block's pieces, not yet evaluated (bfloat16 viewed as uint16 for the checksum).
+
+        :raises _BadBlock: missing, of another size, or not the pieces its manifest lists.
+        """
+        import mlx.core as mx
+
+        path = self.block_path(ref.id)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
+        if size != ref.nbytes:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
+        try:
+            loaded = mx.load(str(path), format="safetensors", stream=mx.cpu)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} cannot be loaded: {exc}") from None
+        pieces = []
+        for i, spec in enumerate(group.tensors):
+            piece = loaded.get(str(i))
+            if (piece is None or tuple(piece.shape) != mf.piece_shape(spec, begin, end)
+                    or fmt.dtype_code(piece) != spec.dtype):
+                raise _BadBlock(ref.id, f"block {ref.id[:16]} holds other tensors")
+            pieces.append(piece.view(mx.uint16) if piece.dtype == mx.bfloat16 else piece)
+        if len(loaded) != len(pieces):
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} holds other tensors")
+        return pieces
 
     def _drop(self, key: str, reason: str, *, bad_block: str | None = None) -> None:
         """Never serve this entry again: delete its manifest (and a damaged block, which
@@ -546,38 +592,36 @@ class _LockBusy(Exception):
     pass
 
 
-def _read_block(path: Path, ref: mf.BlockRef, runs: list[memoryview]) -> None:
-    """Read one block straight into its tensors' buffers and verify its size and CRC-32.
-
-    :raises _BadBlock: missing, of another size, or failing its checksum.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except FileNotFoundError:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
-    try:
-        if os.fstat(fd).st_size != ref.nbytes:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
-        offset = 0
-        for start in range(0, len(runs), _IOV_MAX):
-            batch = runs[start:start + _IOV_MAX]
-            want = sum(r.nbytes for r in batch)
-            if os.preadv(fd, batch, offset) != want:
-                raise _BadBlock(ref.id, f"block {ref.id[:16]} is truncated")
-            offset += want
-    finally:
-        os.close(fd)
-    crc = 0
-    for run in runs:
-        crc = zlib.crc32(run, crc)
-    if f"{crc & 0xFFFFFFFF:08x}" != ref.crc32:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+_POOL: Any = None
 
 
-def _write_durably(path: Path, data: Any) -> None:
+def _pool() -> Any:
+    # hashlib, CRC-32 (zlib or isal), copies and file I/O release the GIL: blocks of one
+    # entry are hashed, checksummed and written in parallel.
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                   thread_name_prefix="foretell-blocks")
+    return _POOL
+
+
+def _join(parts: list[Any] | None, spec: mf.TensorSpec) -> Any:
+    """A tensor from its pieces in row order (its stored dtype again); empty if none."""
+    import mlx.core as mx
+
+    if parts is None:
+        return mf.empty_array(spec)
+    whole = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+    return whole.view(mx.bfloat16) if spec.dtype == "BF16" else whole
+
+
+def _write_durably(path: Path, *chunks: Any) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
     try:
-        fmt.write_all(fd, data)
+        for chunk in chunks:
+            fmt.write_all(fd, chunk)
         full_fsync(fd)
     finally:
         os.close(fd)

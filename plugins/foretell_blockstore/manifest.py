@@ -47,7 +47,11 @@ FORMAT_VERSION = "blocks/1"
 _VERSION_KEY = "foretell.format_version"
 _HEADER_KEY = "foretell.header"
 _HASH_KEY = "foretell.header_hash"
+_BLOCK_KEY = "foretell.block"
 _BLOCK_ID = re.compile(r"^[0-9a-f]{64}$")
+_MX_DTYPES = {"BOOL": "bool_", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+              "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "F16": "float16",
+              "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
                "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 
@@ -107,15 +111,22 @@ def plan_groups(entry: Entry) -> tuple[Group, ...]:
     return tuple(Group(rows, tuple(specs)) for rows, specs in sorted(by_rows.items()))
 
 
-def block_bytes(entry: Entry, group: Group, begin: int, end: int) -> np.ndarray:
+def host_views(entry: Entry) -> dict[tuple[int, str], np.ndarray]:
+    """Numpy views of every tensor's memory (evaluating them: call on the MLX thread)."""
+    return {(index, name): fmt.host_array(array)
+            for index, layer in enumerate(entry.layers) for name, array in layer.tensors.items()}
+
+
+def block_bytes(hosts: dict[tuple[int, str], np.ndarray], group: Group, begin: int,
+                end: int) -> np.ndarray:
     """Rows ``[begin, end)`` of every tensor of ``group``, packed into one host buffer
-    (one copy out of the arrays' memory, strided or not)."""
+    (one copy out of the arrays' memory, strided or not; ``hosts`` from :func:`host_views`)."""
     import numpy as np
 
     out = np.empty(group.block_bytes(begin, end), dtype=np.uint8)
     offset = 0
     for spec in group.tensors:
-        host = fmt.host_array(entry.layers[spec.layer].tensors[spec.name])
+        host = hosts[(spec.layer, spec.name)]
         piece = host[..., begin:end, :] if host.ndim >= 2 else host
         nbytes = piece.nbytes
         np.copyto(out[offset:offset + nbytes].view(piece.dtype).reshape(piece.shape), piece)
@@ -123,39 +134,46 @@ def block_bytes(entry: Entry, group: Group, begin: int, end: int) -> np.ndarray:
     return out
 
 
-def block_ref(data: np.ndarray) -> BlockRef:
-    return BlockRef(hashlib.sha256(data).hexdigest(), int(data.nbytes), fmt.checksum(data))
+def piece_shape(spec: TensorSpec, begin: int, end: int) -> tuple[int, ...]:
+    return (*spec.shape[:-2], end - begin, spec.shape[-1]) if len(spec.shape) >= 2 else spec.shape
 
 
-def destinations(group: Group, begin: int, end: int,
-                 hosts: dict[tuple[int, str], np.ndarray]) -> list[memoryview]:
-    """Where a block's bytes go, in block order: for each tensor of the group, the rows
-    ``[begin, end)`` of each leading index (contiguous runs of its host buffer), so one
-    ``preadv`` puts a block straight into place with no intermediate copy."""
-    import numpy as np
-
-    runs = []
-    for spec in group.tensors:
-        dest = hosts[(spec.layer, spec.name)]
-        if dest.ndim < 2:
-            runs.append(memoryview(dest.reshape(-1)))
-            continue
-        for lead in np.ndindex(dest.shape[:-2]):
-            runs.append(memoryview(dest[lead][begin:end].reshape(-1)))
-    return runs
+def block_header(group: Group, begin: int, end: int) -> bytes:
+    """The safetensors header of one block file: its pieces ``"0"``, ``"1"``... in group
+    order. A function of the group's dtypes and shapes alone, so equal bytes still give
+    equal block files, and a reader can check a block's size before opening it."""
+    index: dict[str, Any] = {"__metadata__": {_BLOCK_KEY: FORMAT_VERSION}}
+    offset = 0
+    for i, spec in enumerate(group.tensors):
+        nbytes = spec.piece_bytes(begin, end)
+        index[str(i)] = {"dtype": spec.dtype, "shape": list(piece_shape(spec, begin, end)),
+                         "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    body = json.dumps(index, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
 
 
-def host_buffer(spec: TensorSpec) -> np.ndarray:
-    """An empty host buffer for one tensor: its shape, the last axis counted in bytes."""
-    import numpy as np
+def block_ref(header: bytes, data: np.ndarray) -> BlockRef:
+    """A block's name (SHA-256 of the whole file), size, and the CRC-32 of its tensor bytes
+    (what reads verify, over the arrays MLX loads)."""
+    digest = hashlib.sha256(header)
+    digest.update(data)
+    return BlockRef(digest.hexdigest(), len(header) + int(data.nbytes), fmt.checksum(data))
 
-    shape = spec.shape if spec.shape else (1,)
-    return np.empty((*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype]), dtype=np.uint8)
+
+def pieces_checksum(pieces: list[mx.array]) -> str:
+    """CRC-32 over evaluated, contiguous arrays in order (memory read in place)."""
+    crc = fmt.checksum(b"")
+    for piece in pieces:
+        crc = fmt.checksum(memoryview(piece).cast("B") if piece.size else b"", crc)
+    return crc
 
 
-def to_array(buffer: np.ndarray, spec: TensorSpec) -> mx.array:
-    return fmt.array_from_bytes(buffer.reshape(-1), spec.dtype, spec.shape,
-                                f"layers.{spec.layer}.{spec.name}")
+def empty_array(spec: TensorSpec) -> mx.array:
+    import mlx.core as mx
+
+    return mx.zeros(spec.shape, dtype=getattr(mx, _MX_DTYPES[spec.dtype]))
 
 
 # -- the manifest ---------------------------------------------------------------------------
@@ -278,7 +296,8 @@ def _parse_fields(fields: dict[str, Any]) -> Manifest:
         refs = tuple(BlockRef(str(i), int(n), str(c)) for i, n, c in group["blocks"])
         spans = list(built.spans(block_rows))
         if len(refs) != len(spans) or any(
-                not _BLOCK_ID.match(ref.id) or ref.nbytes != built.block_bytes(*span)
+                not _BLOCK_ID.match(ref.id)
+                or ref.nbytes != len(block_header(built, *span)) + built.block_bytes(*span)
                 for ref, span in zip(refs, spans)):
             raise CorruptEntry("a block list does not cover its tensors exactly")
         groups.append((built, refs))

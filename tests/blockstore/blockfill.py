@@ -76,3 +76,15 @@ def manifest_files(layout) -> list[Path]:
     if not layout.entries_dir.exists():
         return []
     return sorted(p for p in layout.entries_dir.iterdir() if p.name.endswith(".safetensors"))
+
+
+def listed_blocks(layout, entry) -> list[str]:
+    """The block ids an entry's manifest lists, in order."""
+    from foretell_blockstore import manifest as mf
+
+    raw = layout.path(layout.key_for(entry.tokens, entry.namespace)).read_bytes()
+    return [ref.id for ref in mf.parse(raw).blocks]
+
+
+def sizes(layout, ids) -> int:
+    return sum(layout.block_path(i).stat().st_size for i in ids)

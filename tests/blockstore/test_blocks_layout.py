@@ -16,8 +16,10 @@ from blockfill import (
     block_files,
     entry_of,
     kv_of,
+    listed_blocks,
     manifest_files,
     ring_of,
+    sizes,
 )
 
 from foretell.cache.codecs import snapshot_entry
@@ -115,12 +117,14 @@ def test_manifest_is_a_safetensors_file_that_describes_its_blocks(layout, codecs
 def test_entries_sharing_a_prefix_share_its_whole_blocks(layout, codecs):
     first, second = entry_of(range(12), codecs), entry_of([*range(9), 50, 51, 52, 53], codecs)
     layout.write(first)
-    before = layout.bytes_written
+    before, written = block_files(layout), layout.bytes_written
     layout.write(second)
     # Blocks of rows 0-3 and 4-7 are shared; rows 8-11 and 12 differ.
-    per_block = 4 * first.tensor_bytes // 12
-    assert layout.bytes_reused == 2 * per_block
-    assert layout.bytes_written - before == second.tensor_bytes - 2 * per_block
+    shared = set(listed_blocks(layout, second)) & before
+    assert shared == set(listed_blocks(layout, first)[:2])
+    assert layout.bytes_reused == sizes(layout, shared)
+    assert layout.bytes_written - written == sizes(layout, block_files(layout) - before)
+    assert len(block_files(layout) - before) == 2
     usage = layout.usage()
     assert usage.logical_bytes > usage.disk_bytes == layout.bytes()
     assert usage.dedup_ratio > 1
@@ -138,14 +142,18 @@ def test_a_growing_conversation_only_adds_blocks_and_never_rewrites_one(layout, 
 
 def test_a_later_checkpoint_of_a_wrapped_ring_reuses_its_unchanged_slot_ranges(layout, codecs):
     ring = ring_of(14, max_size=12)
-    layout.write(snapshot_entry(range(14), [ring], codecs))
+    first = snapshot_entry(range(14), [ring], codecs)
+    layout.write(first)
     for _ in range(14, 16):  # two more tokens overwrite slots 2 and 3 only
         ring.update_and_fetch(*(2 * [mx.ones((1, 2, 1, 8))]))
-    reused = layout.bytes_reused
-    layout.write(snapshot_entry(range(16), [ring], codecs))
-    per_slot = ring.keys.nbytes // 12
-    # Slot ranges 4-7 and 8-11 (keys and values) are unchanged; slots 0-3 are new.
-    assert layout.bytes_reused - reused == 2 * 4 * per_slot * 2
+    before, reused = block_files(layout), layout.bytes_reused
+    second = snapshot_entry(range(16), [ring], codecs)
+    layout.write(second)
+    # Slot ranges 4-7 and 8-11 are unchanged; slots 0-3 are a new block.
+    assert listed_blocks(layout, second)[1:] == listed_blocks(layout, first)[1:]
+    assert len(block_files(layout) - before) == 1
+    assert layout.bytes_reused - reused == sizes(layout, listed_blocks(layout, first)[1:])
+    assert_same_entry(layout.read(layout.key_for(second.tokens)), second)
 
 
 def test_bytes_counts_each_unique_block_once(layout, codecs):
@@ -225,11 +233,12 @@ def _a_block(layout, index=0) -> str:
     return header["groups"][0]["blocks"][index][0]
 
 
-def test_a_flipped_block_byte_is_never_served(layout, stored, caplog):
+@pytest.mark.parametrize("where", [-5, 20], ids=["tensor-bytes", "block-header"])
+def test_a_flipped_block_byte_is_never_served(layout, stored, caplog, where):
     _entry, key = stored
     path = layout.block_path(_a_block(layout))
     raw = bytearray(path.read_bytes())
-    raw[5] ^= 0x40
+    raw[where] ^= 0x40
     path.write_bytes(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         assert layout.read(key) is None
