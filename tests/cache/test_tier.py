@@ -247,3 +247,16 @@ def test_the_tier_restores_identically_over_every_registered_layout(
     reuse = open_tier().lookup([*range(12), 99])  # restart-0: the snapshot still serves
     assert (reuse.tokens, reuse.tier) == (12, "ssd")
     np.testing.assert_array_equal(host(reuse.caches[1].state[0]), host(caches[1].state[0]))
+
+
+def test_bfloat16_states_written_behind_restore_bit_exactly(layout, codecs):
+    import mlx.core as mx
+
+    caches = [filled_kv(20, dtype=mx.bfloat16), filled_rotating(20, max_size=16, dtype=mx.bfloat16)]
+    stored_tier(layout, codecs, range(20), caches).close()
+    reuse = tier_over(layout, codecs).lookup([*range(20), 1])
+    assert reuse.tier == "ssd"
+    for got, want in zip(reuse.caches, caches):
+        for a, b in zip(got.state, want.state):
+            assert a.dtype == mx.bfloat16
+            np.testing.assert_array_equal(host(a.view(mx.uint16)), host(b.view(mx.uint16)))

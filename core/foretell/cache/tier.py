@@ -197,8 +197,7 @@ class CacheTier:
         """Queue ``entry`` for the SSD tier (no RAM copy): generation checkpoints."""
         if self._spill is None:
             return
-        # The worker must never run MLX work: slice views are evaluated here, on the owner.
-        mx.eval([t for layer in entry.layers for t in layer.tensors.values()])
+        entry = _ready_for_worker(entry)
         with self._lock:
             self._dirty[(entry.namespace, entry.tokens)] = entry.namespace
         self._spill.submit(entry)
@@ -311,6 +310,19 @@ class CacheTier:
                 "io_failures": self.ssd.layout.io_failures, "pending": self._spill.pending(),
             }
         return out
+
+
+def _ready_for_worker(entry: Entry) -> Entry:
+    """``entry`` with every tensor evaluated here, on the thread that owns MLX, so the spill
+    worker only reads memory and never runs an MLX op: slices are evaluated views, and a
+    strided bfloat16 view (numpy cannot read it without an MLX op) is made contiguous."""
+    layers = []
+    for layer in entry.layers:
+        tensors = {name: mx.contiguous(t) if t.dtype == mx.bfloat16 else t
+                   for name, t in layer.tensors.items()}
+        layers.append(attrs.evolve(layer, tensors=tensors))
+    mx.eval([t for layer in layers for t in layer.tensors.values()])
+    return attrs.evolve(entry, layers=layers)
 
 
 #: Namespaces of in-flight generation checkpoints start with this; they never seed prompts.

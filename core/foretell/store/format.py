@@ -119,6 +119,9 @@ def host_array(array: mx.array) -> Any:
     import numpy as np
 
     if array.dtype == mx.bfloat16:  # numpy has no bfloat16; the bytes are what matter
+        raw = memoryview(array)
+        if raw.c_contiguous:  # read in place: no MLX op, so a writer thread may call this
+            return np.frombuffer(raw.cast("B"), dtype=np.uint16).reshape(array.shape)
         array = array.view(mx.uint16)
     return np.asarray(array)
 
