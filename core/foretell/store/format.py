@@ -321,10 +321,9 @@ def read_layers(fh: BinaryIO, header: StoredHeader, *, verify: bool = True) -> l
             array = loaded.get(slot.name)
             if array is None or tuple(array.shape) != slot.shape or dtype_code(array) != slot.dtype:
                 raise CorruptEntry(f"tensor {slot.name} disagrees with the verified header")
-            raw = array.view(mx.uint16) if array.dtype == mx.bfloat16 else array
-            mx.eval(raw)  # reads this tensor; the previous one is being checksummed
+            mx.eval(array)  # reads this tensor; the previous one is being checksummed
             if verify:
-                checks.append((slot, _pool().submit(_checksum_view, raw)))
+                checks.append((slot, _pool().submit(_checksum_view, array)))
             tensors[tname] = array
         layers.append(LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
                                  tensors=tensors))
