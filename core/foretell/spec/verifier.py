@@ -147,6 +147,131 @@ def speculative_steps(
         _call(speculator, "close", source.close)
 
 
+#: Tokens a plain stretch decodes (pipelined, like plain decoding) before the policy is
+#: asked again whether drafting pays.
+PLAIN_STRETCH = 8
+
+
+@attrs.define
+class _Round:
+    """One verify round in flight: what was fed and the lazy results of its one sync."""
+
+    k: int
+    n: int
+    hidden: mx.array
+    values: mx.array  # [accepted, chosen, drafts...]
+
+
+class _Verifier:
+    """One request's rounds: draft, verify, accept, roll back, feed the source."""
+
+    def __init__(self, model, speculator, source, state, sampler, stats):
+        self.model, self.speculator, self.source = model, speculator, source
+        self.state, self.sampler, self.stats = state, sampler, stats
+        self.caches = state.caches
+        self.policy = DraftLengthPolicy(speculator.max_tokens, adaptive=speculator.adaptive)
+        self.keys = sampler.keys()
+        self.size = sampler.window
+        self.wants_hidden = speculator.wants_hidden
+        self.token_match = speculator.acceptance == "token-match"
+        sequence = state.prompt + state.generated
+        self.recent = sequence[-self.size :] if self.size else []
+        self.pending = sequence[-1]
+        self.feed_tokens: list[int] = []
+        self.feed_hidden: list[mx.array] = []
+
+    # -- speculative rounds ---------------------------------------------------------------
+
+    def launch(self, k: int) -> _Round | None:
+        """Draft up to ``k`` tokens and queue their verification; None if nothing drafted."""
+        feed = Feed(self.feed_tokens, _join(self.feed_hidden) if self.wants_hidden else None)
+        draft = _call(self.speculator, "draft", self.source.draft, feed, k)
+        self.feed_tokens, self.feed_hidden = [], []
+        if draft.size > k:
+            raise DraftError(f"{self.speculator.label()} proposed {draft.size} tokens; asked for {k}")
+        if draft.size == 0:
+            _call(self.speculator, "commit", self.source.commit, 0)
+            return None
+        n = draft.size
+        window = mx.concatenate(
+            [mx.array([[self.pending]], dtype=mx.int32), draft.tokens.astype(mx.int32)], axis=1
+        )
+        hidden, _ = self.model.forward(window, self.caches)
+        logits = self.model.logits(hidden)[0]  # [n + 1, V]
+        drafts = window[0, 1:]
+        windows = None
+        if self.size:
+            windows = repetition_windows(mx.array(self.recent, dtype=mx.int32), drafts, self.size)
+        scores = self.sampler.scores(logits, windows)[None]  # [B = 1, n + 1, V]
+        key = self.keys.next() if self.keys is not None else None
+        if self.sampler.greedy or self.token_match:
+            accepted, chosen = _match(self.sampler, scores, drafts[None], key)
+        else:
+            accepted, chosen = accept_or_resample(
+                self.sampler.probabilities(scores), drafts[None], draft.q, key
+            )
+        values = mx.concatenate([accepted, chosen, drafts])
+        mx.async_eval(values)
+        return _Round(k=k, n=n, hidden=hidden, values=values)
+
+    def finish(self, round_: _Round) -> list[int]:
+        """The round's one host sync; roll back to the accepted prefix."""
+        values = round_.values.tolist()
+        a, token = values[0], values[1]
+        kept = values[2 : 2 + a] + [token]
+        trim_all(self.caches, round_.n - a)
+        _call(self.speculator, "commit", self.source.commit, a)
+        self.stats.record(round_.k, round_.n, a)
+        self._extend(kept, round_.hidden[:, : a + 1] if self.wants_hidden else None)
+        return kept
+
+    def abandon(self, round_: _Round) -> None:
+        """A queued round nobody will read: its drafts leave the caches."""
+        trim_all(self.caches, round_.n)
+        _call(self.speculator, "commit", self.source.commit, 0)
+
+    def _extend(self, kept: list[int], hidden: mx.array | None) -> None:
+        self.feed_tokens.extend(kept)
+        if hidden is not None:
+            self.feed_hidden.append(hidden)
+        if self.size:
+            self.recent = (self.recent + kept)[-self.size :]
+        self.pending = kept[-1]
+        self.state.generated.extend(kept)
+
+    # -- plain stretches ------------------------------------------------------------------
+
+    def plain_stretch(self, count: int) -> Iterator[list[int]]:
+        """``count`` plain decoding steps, each queued before the last one is read (as
+        plain decoding does); the drafter hears of them in its next feed."""
+        model, sampler, size = self.model, self.sampler, self.size
+        window = mx.array([self.recent], dtype=mx.int32) if size else None
+
+        def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+            nonlocal window
+            hidden, _ = model.forward(tokens, self.caches)
+            logits = model.logits(hidden[:, -1, :])
+            key = self.keys.next() if self.keys is not None else None
+            token = sampler(logits, window, key)
+            if window is not None:
+                window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
+            return token, hidden
+
+        token, hidden = step(mx.array([[self.pending]], dtype=mx.int32))
+        mx.async_eval(token)
+        for i in range(count):
+            following = None
+            if i + 1 < count:
+                following = step(token[:, None])
+                mx.async_eval(following[0])
+            value = token.item()
+            self.stats.record(0, 0, 0)
+            self._extend([value], hidden if self.wants_hidden else None)
+            yield [value]
+            if following is not None:
+                token, hidden = following
+
+
 def _rounds(
     model: Any,
     speculator: Speculator,
@@ -156,74 +281,48 @@ def _rounds(
     limit: int,
     stats: SpeculationStats,
 ) -> Iterator[list[int]]:
-    caches = state.caches
-    policy = DraftLengthPolicy(speculator.max_tokens, adaptive=speculator.adaptive)
-    keys = sampler.keys()
-    size = sampler.window
-    wants_hidden = speculator.wants_hidden
-    token_match = speculator.acceptance == "token-match"
-    sequence = state.prompt + state.generated
-    recent = sequence[-size:] if size else []
-    pending = sequence[-1]
-    feed_tokens: list[int] = []
-    feed_hidden: list[mx.array] = []
+    """Rounds until ``limit`` tokens; the next round is queued before this one's tokens are
+    handed out, so the caller's streaming overlaps the device's work."""
+    v = _Verifier(model, speculator, source, state, sampler, stats)
     produced = 0
+    in_flight: _Round | None = None
+
+    def choose() -> int:
+        # Drafting past max_tokens is wasted; drafting past what caches can undo is unsafe.
+        k = v.policy.choose(limit - produced - 1)
+        return k if k and stay_trimmable(v.caches, k + 1) else 0
+
     last = time.perf_counter()
-    while produced < limit:
-        # Drafting past max_tokens is wasted; drafting past what the caches can undo is unsafe.
-        k = policy.choose(limit - produced - 1)
-        if k and not stay_trimmable(caches, k + 1):
-            k = 0
-        draft = None
-        if k:
-            feed = Feed(feed_tokens, _join(feed_hidden) if wants_hidden else None)
-            draft = _call(speculator, "draft", source.draft, feed, k)
-            feed_tokens, feed_hidden = [], []
-            if draft.size > k:
-                raise DraftError(f"{speculator.label()} proposed {draft.size} tokens; asked for {k}")
-            if draft.size == 0:
-                _call(speculator, "commit", source.commit, 0)
-                draft = None
-        n = 0 if draft is None else draft.size
-        window = mx.array([[pending]], dtype=mx.int32)
-        if draft is not None:
-            window = mx.concatenate([window, draft.tokens.astype(mx.int32)], axis=1)
-        hidden, _ = model.forward(window, caches)
-        logits = model.logits(hidden)[0]  # [n + 1, V]
-        context = mx.array(recent, dtype=mx.int32) if size else None
-        drafts = window[0, 1:]
-        windows = repetition_windows(context, drafts, size) if size else None
-        scores = sampler.scores(logits, windows)[None]  # [B = 1, n + 1, V]
-        key = keys.next() if keys is not None else None
-        if sampler.greedy or token_match:
-            accepted, chosen = _match(sampler, scores, drafts[None], key)
-        else:
-            q = draft.q if draft is not None else None
-            accepted, chosen = accept_or_resample(
-                sampler.probabilities(scores), drafts[None], q, key
-            )
-        # The one host sync of the round.
-        values = mx.concatenate([accepted, chosen, drafts]).tolist()
-        a, token = values[0], values[1]
-        kept = values[2 : 2 + a] + [token]
-        if n:
-            trim_all(caches, n - a)
-            _call(speculator, "commit", source.commit, a)
-        now = time.perf_counter()
-        policy.observe(n, a, now - last)
-        last = now
-        stats.record(k, n, a)
-        feed_tokens.extend(kept)
-        if wants_hidden:
-            feed_hidden.append(hidden[:, : a + 1])
-        if size:
-            recent = (recent + kept)[-size:]
-        pending = token
-        produced += len(kept)
-        state.generated.extend(kept)
-        yield kept
-        if stats.rounds % 256 == 0:
-            mx.clear_cache()
+    try:
+        while produced < limit:
+            if in_flight is None:
+                k = choose()
+                in_flight = v.launch(k) if k else None
+            if in_flight is None:  # a plain stretch: the drafter does not pay, or had nothing
+                count = min(PLAIN_STRETCH, limit - produced)
+                started = time.perf_counter()
+                for tokens in v.plain_stretch(count):
+                    produced += 1
+                    yield tokens
+                now = time.perf_counter()
+                v.policy.observe(0, 0, (now - started) / count)
+                last = now
+                continue
+            round_, in_flight = in_flight, None
+            kept = v.finish(round_)
+            now = time.perf_counter()
+            v.policy.observe(round_.n, len(kept) - 1, now - last)
+            last = now
+            produced += len(kept)
+            if produced < limit:
+                k = choose()
+                in_flight = v.launch(k) if k else None
+            yield kept
+            if stats.rounds % 256 == 0:
+                mx.clear_cache()
+    finally:
+        if in_flight is not None:
+            v.abandon(in_flight)
 
 
 def _match(

@@ -1,0 +1,120 @@
+"""Measure what shapes the verifier's attention on this machine (not a test).
+
+    python -m foretell.spec.probe [--model demo] [--json FILE]
+
+1. The raw fused kernel with a 3-token query while the key length changes every call, and
+   while it repeats, beside :func:`foretell.attention.matmul_attention` on the same shapes.
+2. A 3-token target forward at growing offsets (a verify window), fused vs matmul.
+3. Single-token decode latency over many steps (mean, p99, max: the "stalls"), fused vs
+   matmul, by forcing ``FORETELL_ATTENTION`` per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _timed(fn, reps: int) -> list[float]:
+    import mlx.core as mx
+
+    out = []
+    for i in range(reps):
+        start = time.perf_counter()
+        mx.eval(fn(i))
+        out.append((time.perf_counter() - start) * 1000)
+    return out
+
+
+def _summary(ms: list[float]) -> dict[str, float]:
+    ordered = sorted(ms)
+    return {"mean_ms": statistics.fmean(ms), "median_ms": statistics.median(ms),
+            "p99_ms": ordered[int(0.99 * (len(ordered) - 1))], "max_ms": ordered[-1]}
+
+
+def raw_kernel(dtype: str = "bfloat16", reps: int = 60) -> dict[str, object]:
+    import mlx.core as mx
+
+    from foretell.attention import matmul_attention
+
+    dt = getattr(mx, dtype)
+    q = mx.random.normal((1, 16, 3, 128)).astype(dt)
+    kv = mx.random.normal((1, 8, 1200, 128)).astype(dt)
+    mx.eval(q, kv)
+
+    def fused(lk):
+        return lambda i: mx.fast.scaled_dot_product_attention(
+            q, kv[:, :, : lk(i)], kv[:, :, : lk(i)], scale=0.088, mask="causal")
+
+    def matmul(lk):
+        return lambda i: matmul_attention(q, kv[:, :, : lk(i)], kv[:, :, : lk(i)], scale=0.088,
+                                          mask="causal")
+
+    growing, fixed = (lambda i: 1000 + i), (lambda i: 1000)
+    return {
+        "fused_changing_lk": _summary(_timed(fused(growing), reps)),
+        "fused_fixed_lk": _summary(_timed(fused(fixed), reps)),
+        "matmul_changing_lk": _summary(_timed(matmul(growing), reps)),
+    }
+
+
+def _forward_probe(model_dir: str, mode: str, reps: int) -> dict[str, object]:
+    import mlx.core as mx
+
+    from foretell import attention
+    from foretell.generate import load, prefill
+
+    attention._MATMUL_MODE = mode
+    engine = load(model_dir)
+    model = engine.model
+    prompt = list(range(1, 1001))
+    caches = model.make_caches()
+    prefill(model, prompt, caches)
+    window = mx.array([[5, 6, 7]], dtype=mx.int32)
+
+    def verify(_i):
+        hidden, _ = model.forward(window, caches)
+        for c in caches:  # keep one of the three: the offset grows by one per call
+            c.trim(2)
+        return model.logits(hidden)
+
+    verify_ms = _timed(verify, reps)
+    token = mx.array([[9]], dtype=mx.int32)
+
+    def decode(_i):
+        hidden, _ = model.forward(token, caches)
+        return model.logits(hidden)
+
+    decode_ms = _timed(decode, reps * 8)
+    return {"verify3_growing_offset": _summary(verify_ms[5:]),
+            "decode1": _summary(decode_ms[5:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from foretell import blas
+
+    blas.preload()
+    ap = argparse.ArgumentParser(prog="python -m foretell.spec.probe")
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import mlx.core as mx
+
+    report: dict[str, object] = {"device": str(mx.default_device()), "mlx": mx.__version__,
+                                 "raw_kernel": raw_kernel(reps=args.reps)}
+    for mode in ("fused", "matmul", "matmul-all"):
+        report[f"forward_{mode}"] = _forward_probe(args.model, mode, args.reps)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
