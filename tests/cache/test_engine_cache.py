@@ -143,3 +143,12 @@ def test_another_setting_never_resumes_a_checkpoint(tmp_path):
     other = SamplingConfig(temp=0.5, seed=1)
     _, stats = run(engine_over(model_dir, tmp_path / "c"), sampling=other, resume=True)
     assert stats.cached_from != "checkpoint"
+
+
+def test_engines_of_one_model_share_one_tier(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    first, second = foretell.load(model_dir), foretell.load(model_dir)
+    first.cache = second.cache = CacheTier.for_engine(first, None)
+    original, _ = run(first)
+    shared, stats = run(second)
+    assert stats.cached_from == "ram" and shared == original
