@@ -52,6 +52,8 @@ SUFFIX = ".safetensors"
 BLOCK_SUFFIX = ".blk"
 #: entry_key's format version for this layout (keys never collide with another format's).
 KEY_VERSION = 101
+#: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
+_IOV_MAX = 1024
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -403,65 +405,36 @@ class BlockStoreLayout:
         return manifest
 
     def _assemble(self, manifest: mf.Manifest) -> list[LayerState]:
-        """Load every block (MLX reads the files), join each tensor's pieces along its row
-        axis, all in one evaluation (each one is a hand-off to MLX's thread); then every
-        block's CRC-32 runs on the pool, and all pass before anything is returned."""
+        """Read every block straight into its tensors' MLX-owned buffers, blocks in parallel
+        on the pool, each checking its header and the CRC-32 of its tensor bytes; all pass
+        before anything is returned."""
         import mlx.core as mx
 
-        parts: dict[tuple[int, str], list[mx.array]] = {}
-        blocks = []
+        specs = [spec for group, _refs in manifest.groups for spec in group.tensors]
+        buffers = {(s.layer, s.name): b for s, b in zip(specs, mf.host_buffers(specs))}
+        flats = {key: flat for key, (_array, flat) in buffers.items()}
+        jobs = []
         for group, refs in manifest.groups:
             for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
-                pieces = self._load_block(ref, group, begin, end)
-                blocks.append((ref, pieces))
-                for spec, piece in zip(group.tensors, pieces):
-                    parts.setdefault((spec.layer, spec.name), []).append(piece)
+                jobs.append(_pool().submit(
+                    _read_block, self.block_path(ref.id), ref, mf.block_header(group, begin, end),
+                    mf.destinations(group, begin, end, flats)))
+        futures.wait(jobs)
+        for job in jobs:
+            job.result()  # raises _BadBlock for the first damaged block, in order
         layers, arrays = [], []
         for index, (layer, table) in enumerate(zip(manifest.layers,
                                                    manifest.fields["layers"])):
             tensors = {}
             for name, tensor in table["tensors"].items():
                 spec = mf.TensorSpec(index, name, tensor["dtype"], tuple(tensor["shape"]))
-                tensors[name] = _join(parts.get((index, name)), spec)
+                found = buffers.get((index, name))
+                tensors[name] = mf.to_array(found[0], spec) if found else mf.empty_array(spec)
                 arrays.append(tensors[name])
             layers.append(LayerState(codec=layer.codec, provider=layer.provider,
                                      meta=layer.meta, tensors=tensors))
-        mx.eval(arrays, [piece for _ref, pieces in blocks for piece in pieces])
-        checks = [(ref, _pool().submit(mf.pieces_checksum, pieces)) for ref, pieces in blocks]
-        for ref, check in checks:
-            if check.result() != ref.crc32:
-                raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+        mx.eval(arrays)
         return layers
-
-    def _load_block(self, ref: mf.BlockRef, group: mf.Group, begin: int, end: int
-                    ) -> list[Any]:
-        """One block's pieces, not yet evaluated (bfloat16 viewed as uint16 for the checksum).
-
-        :raises _BadBlock: missing, of another size, or not the pieces its manifest lists.
-        """
-        import mlx.core as mx
-
-        path = self.block_path(ref.id)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
-        if size != ref.nbytes:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
-        try:
-            loaded = mx.load(str(path), format="safetensors", stream=mx.cpu)
-        except (RuntimeError, ValueError, OSError) as exc:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} cannot be loaded: {exc}") from None
-        pieces = []
-        for i, spec in enumerate(group.tensors):
-            piece = loaded.get(str(i))
-            if (piece is None or tuple(piece.shape) != mf.piece_shape(spec, begin, end)
-                    or fmt.dtype_code(piece) != spec.dtype):
-                raise _BadBlock(ref.id, f"block {ref.id[:16]} holds other tensors")
-            pieces.append(piece.view(mx.uint16) if piece.dtype == mx.bfloat16 else piece)
-        if len(loaded) != len(pieces):
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} holds other tensors")
-        return pieces
 
     def _drop(self, key: str, reason: str, *, bad_block: str | None = None) -> None:
         """Never serve this entry again: delete its manifest (and a damaged block, which
@@ -607,14 +580,37 @@ def _pool() -> Any:
     return _POOL
 
 
-def _join(parts: list[Any] | None, spec: mf.TensorSpec) -> Any:
-    """A tensor from its pieces in row order (its stored dtype again); empty if none."""
-    import mlx.core as mx
+def _read_block(path: Path, ref: mf.BlockRef, header: bytes, runs: list[memoryview]) -> None:
+    """Read one block: its header must be the one its manifest implies, its tensor bytes go
+    straight into ``runs`` (in file order) and must match the manifest's CRC-32.
 
-    if parts is None:
-        return mf.empty_array(spec)
-    whole = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
-    return whole.view(mx.bfloat16) if spec.dtype == "BF16" else whole
+    :raises _BadBlock: missing, of another size, another header, or failing its checksum.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
+    try:
+        if os.fstat(fd).st_size != ref.nbytes:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
+        seen = bytearray(len(header))
+        iovecs = [memoryview(seen), *runs]
+        offset = 0
+        for start in range(0, len(iovecs), _IOV_MAX):
+            batch = iovecs[start:start + _IOV_MAX]
+            want = sum(v.nbytes for v in batch)
+            if os.preadv(fd, batch, offset) != want:
+                raise _BadBlock(ref.id, f"block {ref.id[:16]} is truncated")
+            offset += want
+    finally:
+        os.close(fd)
+    if seen != header:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
+    crc = None
+    for run in runs:
+        crc = fmt.checksum(run, crc)
+    if crc != ref.crc32:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 
 
 def _write_durably(path: Path, *chunks: Any) -> None:

@@ -162,12 +162,45 @@ def block_ref(header: bytes, data: np.ndarray) -> BlockRef:
     return BlockRef(digest.hexdigest(), len(header) + int(data.nbytes), fmt.checksum(data))
 
 
-def pieces_checksum(pieces: list[mx.array]) -> str:
-    """CRC-32 over evaluated, contiguous arrays in order (memory read in place)."""
-    crc = fmt.checksum(b"")
-    for piece in pieces:
-        crc = fmt.checksum(memoryview(piece).cast("B") if piece.size else b"", crc)
-    return crc
+def destinations(group: Group, begin: int, end: int,
+                 flats: dict[tuple[int, str], memoryview]) -> list[memoryview]:
+    """Where a block's tensor bytes go, in file order: for each tensor of the group, the
+    rows ``[begin, end)`` of each leading index, as slices of the tensor's flat byte buffer
+    (``flats``), so one ``preadv`` puts a block straight into place."""
+    runs = []
+    for spec in group.tensors:
+        flat = flats[(spec.layer, spec.name)]
+        if len(spec.shape) < 2:
+            runs.append(flat)
+            continue
+        row = spec.shape[-1] * _ITEM_BYTES[spec.dtype]  # one row of one leading index
+        span = spec.rows * row
+        for lead in range(0, len(flat), span):
+            runs.append(flat[lead + begin * row:lead + end * row])
+    return runs
+
+
+def host_buffers(specs: list[TensorSpec]) -> list[tuple[mx.array, memoryview]]:
+    """Fresh MLX-owned buffers, one per tensor (uint8: its shape, the last axis counted in
+    bytes), each with a writable flat view of the same memory: blocks are read straight
+    into the arrays that are returned, with no copy after the read."""
+    import mlx.core as mx
+    import numpy as np
+
+    buffers = []
+    for spec in specs:
+        shape = spec.shape if spec.shape else (1,)
+        buffers.append(mx.zeros((*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype]),
+                                dtype=mx.uint8, stream=mx.cpu))
+    mx.eval(buffers)
+    return [(buffer, memoryview(np.asarray(buffer)).cast("B")) for buffer in buffers]
+
+
+def to_array(buffer: mx.array, spec: TensorSpec) -> mx.array:
+    """The tensor a filled :func:`host_buffers` buffer holds (a view of it, no copy)."""
+    import mlx.core as mx
+
+    return buffer.view(getattr(mx, _MX_DTYPES[spec.dtype])).reshape(spec.shape)
 
 
 def empty_array(spec: TensorSpec) -> mx.array:
