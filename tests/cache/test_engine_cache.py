@@ -152,3 +152,20 @@ def test_engines_of_one_model_share_one_tier(tmp_path):
     original, _ = run(first)
     shared, stats = run(second)
     assert stats.cached_from == "ram" and shared == original
+
+
+def test_caches_holding_tokens_the_sequence_does_not_name_are_not_stored(tmp_path, caplog):
+    import logging
+
+    from foretell.cache.codecs import load_codecs
+    from foretell.cache.request import RequestCache
+    from foretell.kvcache import KVCache
+    from foretell.plugins import load_plugins
+
+    tier = CacheTier(load_codecs(load_plugins().registry))
+    request = RequestCache(tier, "plain/plain")
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, 6, 16)), mx.zeros((1, 2, 6, 16)))
+    with caplog.at_level(logging.WARNING):
+        request.finish([1, 2, 3, 4, 5], [cache], completed=True)  # 6 held, 5 named
+    assert len(tier.ram) == 0 and "not caching" in caplog.text

@@ -132,7 +132,8 @@ class Checkpointer:
                                       offset=len(tokens))
                 self.tier.persist(snapshot_entry(tokens, [*entry, mark], self.tier.codecs,
                                                  self.namespace))
-        if generated >= self._next and len(held_tokens) > self.prompt_tokens:
+        consistent = all(c.offset == len(held_tokens) for c in caches)
+        if generated >= self._next and len(held_tokens) > self.prompt_tokens and consistent:
             self._next = generated + self.every
             tokens = tuple(held_tokens)
             clones = clone_caches(caches, self.tier.codecs)

@@ -86,12 +86,17 @@ class RequestCache:
             self._checkpointer.finish()
 
     def _store(self, tokens: list[int], caches: list[Any]) -> None:
+        if any(c.offset != len(tokens) for c in caches):
+            # A step source left tokens in the caches that the sequence does not name (an
+            # unverified draft in flight): storing them under these tokens would be a lie.
+            self._skip(f"the caches hold {caches[0].offset} tokens, the sequence {len(tokens)}")
+            return
         try:
             self.tier.store(tokens, caches, self.namespace)
         except CodecError as exc:
             self._skip(exc)
 
-    def _skip(self, exc: CodecError) -> None:
+    def _skip(self, exc: Exception | str) -> None:
         if not self._warned:
             self._warned = True
             log.warning("not caching this request: %s", exc)
