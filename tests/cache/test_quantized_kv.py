@@ -110,3 +110,11 @@ def test_only_empty_full_attention_caches_are_quantized():
 def test_bits_other_than_4_or_8_are_refused():
     with pytest.raises(ValueError, match="4 or 8"):
         QuantizedKVCache(3)
+
+
+def test_a_head_dim_the_group_size_does_not_divide_is_one_clear_error():
+    from foretell.errors import GenerationError
+
+    cache = QuantizedKVCache(4, 64)
+    with pytest.raises(GenerationError, match="head_dim \\(16\\).*group size 64"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 16)), mx.zeros((1, 2, 3, 16)))

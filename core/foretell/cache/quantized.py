@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from foretell.attention import Mask
-from foretell.errors import CodecError
+from foretell.errors import CodecError, GenerationError
 from foretell.kvcache import KVCache
 
 Triple = tuple[mx.array, mx.array, mx.array]  # packed uint32, scales, biases
@@ -57,6 +57,11 @@ class QuantizedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         first = self.offset == 0
+        if first and (keys.shape[-1] % self.group_size or values.shape[-1] % self.group_size):
+            raise GenerationError(
+                f"--kv-bits {self.bits}: this model's head_dim ({keys.shape[-1]}) is not a "
+                f"multiple of the KV quantization group size {self.group_size}; run it "
+                "without --kv-bits")
         qk, qv = self._quantize(keys), self._quantize(values)
         start, end = self.offset, self.offset + keys.shape[2]
         if self.keys is None or end > self.keys[0].shape[2]:
