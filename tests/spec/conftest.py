@@ -26,9 +26,17 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def registry():
-    from foretell.plugins import load_plugins
+    """Every installed plugin, plus contrib's n-gram drafter when it is not installed (it
+    is importable from the checkout, see pyproject's pythonpath)."""
+    import foretell_ngram
 
-    return load_plugins().registry
+    from foretell.plugins import load_plugins
+    from foretell.registry import Kind
+
+    plugins = load_plugins()
+    if "ngram" not in plugins.registry.names(Kind.DRAFT):
+        plugins.register(foretell_ngram, "ngram")
+    return plugins.registry
 
 
 @pytest.fixture(scope="session")
