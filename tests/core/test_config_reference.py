@@ -51,3 +51,42 @@ def test_a_plugins_config_class_is_documented_through_the_registry(foretell_plug
 def test_third_party_options_stay_in_their_own_docs(foretell_plugins):
     with foretell_plugins.temporary(ToyDrafter(), name="toy-plugin"):
         assert "WindowOptions" not in render_config(foretell_plugins.registry)
+
+
+def documented_sections(page: str) -> dict[tuple[str, str | None], dict[str, str]]:
+    """``{(section, provider): {key: default}}`` for every table the page says a run config
+    reads (sections "not read from the run config" are skipped)."""
+    found: dict[tuple[str, str | None], dict[str, str]] = {}
+    section, provider = None, None
+    for line in page.splitlines():
+        if line.startswith("## "):
+            section = "" if line == "## Top level" else None
+            if line.startswith("## `["):
+                section = line.split("`[")[1].split("]")[0]
+            provider = None
+        elif line.startswith("### `") and section is not None:
+            provider = line.split("`")[1]
+        elif line.startswith("| `") and section is not None:
+            key, _type, default = (cell.strip() for cell in line.strip("|").split("|")[:3])
+            found.setdefault((section, provider), {})[key.strip("`")] = default
+    return found
+
+
+def test_every_documented_key_is_accepted_where_the_page_puts_it(tmp_path):
+    from foretell.plugins import PluginSwitches, load_plugins
+
+    registry = load_plugins(switches=PluginSwitches()).registry
+    sections = documented_sections(render_config())
+    assert ("draft", "two-model") in sections and ("sampling", None) in sections
+    for (section, provider), keys in sections.items():
+        values = {k: d.strip("`") for k, d in keys.items() if d.startswith("`")}
+        if section == "draft":
+            if provider is None:
+                continue  # the shared keys are checked with each provider
+            values = {**{k: d.strip("`") for k, d in sections[("draft", None)].items()
+                         if d.startswith("`")}, **values, "kind": f'"{provider}"'}
+        body = "\n".join(f"{k} = {v}" for k, v in values.items())
+        text = f"[{section}]\n{body}\n" if section else body + "\n"
+        path = tmp_path / "run.toml"
+        path.write_text(text)
+        config.load_run_config(registry, path)  # raises, naming the key, if the page lies
