@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cachefill import feed, filled_kv, filled_rotating
+from hypothesis import given
+from hypothesis import strategies as st
 
-from foretell.cache.prefix import PrefixCache, can_serve, usable_length
+from foretell.cache.prefix import PrefixCache, can_serve, common_prefix, usable_length
 
 WINDOW = 16
 
@@ -157,3 +159,11 @@ def test_can_serve_requires_a_prefix_and_a_trim_that_reaches_it():
 def test_an_empty_prompt_tail_gets_nothing(ram):
     ram.put(range(10), kv_entry(10))
     assert ram.lookup([0])[1] == 0
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+def test_common_prefix_counts_the_shared_leading_tokens(a, b):
+    expected = 0
+    while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+        expected += 1
+    assert common_prefix(a, tuple(b)) == expected

@@ -30,12 +30,24 @@ from foretell.store.entry import Entry
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
+    """How many leading tokens ``a`` and ``b`` share.
+
+    Slice comparisons run in C: the usual case (a stored prefix of the prompt) is one
+    comparison, any other a binary search, instead of a Python loop over every token of
+    every indexed entry.
+    """
+    a, b = tuple(a), tuple(b)
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def usable_length(prompt: Sequence[int], tokens: Sequence[int], *, trimmable: bool,
@@ -128,6 +140,7 @@ class PrefixCache:
     def best(self, prompt: Sequence[int], namespace: str) -> tuple[PrefixEntry | None, int]:
         """The entry serving the most of ``prompt`` and how much it serves (no clone made)."""
         best, length = None, 0
+        prompt = tuple(prompt)
         with self._lock:
             for entry in self._entries.values():
                 if entry.namespace != namespace:

@@ -92,6 +92,7 @@ class SsdIndex:
     def find(self, prompt: Sequence[int], namespace: str) -> tuple[Stored | None, int]:
         """The stored entry serving the most of ``prompt`` (index only, no bytes read)."""
         best, length = None, 0
+        prompt = tuple(prompt)
         with self._lock:
             for stored in self._index.values():
                 if stored.header.namespace != namespace:
