@@ -93,6 +93,33 @@ def _forward_probe(model_dir: str, mode: str, reps: int) -> dict[str, object]:
             "decode1": _summary(decode_ms[5:])}
 
 
+def identity(model_dir: str, tokens: int = 256) -> dict[str, object]:
+    """Greedy output of each drafter against plain decoding on this device (first
+    difference, or None), on stdlib code prompts."""
+    from foretell.generate import load
+    from foretell.spec.bench import code_prompts
+
+    engine = load(model_dir)
+    prompts = code_prompts(engine.tokenizer, 512)
+    out: dict[str, object] = {}
+    for kind in ("two-model", "mtp", "ngram"):
+        try:
+            speculator = engine.use_draft(kind)
+        except Exception as exc:  # a drafter this model cannot use
+            out[kind] = f"skipped: {exc}"
+            continue
+        for name, prompt in prompts.items():
+            plain = [t for e in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
+                                                speculate=False) if e.type == "text"
+                     for t in e.tokens]
+            spec = [t for e in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
+                                               speculate=speculator) if e.type == "text"
+                    for t in e.tokens]
+            first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+            out[f"{kind}/{name}"] = {"identical": plain == spec, "first_difference": first}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from foretell import blas
 
@@ -101,8 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--identity", action="store_true",
+                    help="instead: greedy output of each drafter vs plain decoding")
     args = ap.parse_args(argv)
     import mlx.core as mx
+
+    if args.identity:
+        print(json.dumps(identity(args.model), indent=2))
+        return 0
 
     report: dict[str, object] = {"device": str(mx.default_device()), "mlx": mx.__version__,
                                  "raw_kernel": raw_kernel(reps=args.reps)}
