@@ -146,3 +146,21 @@ def test_sigterm_flushes_the_cache_with_a_bounded_wait_and_says_it_is_not_durabl
     assert tier.closed_with == 1.5
     assert "not durable (pending 1" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def chat_notes(model_dir, monkeypatch, capsys, *extra) -> list[int]:
+    """Prompt tokens cached per turn, from ``foretell chat``'s notes on stderr."""
+    import io
+    import re
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hello there\nand again\n")))
+    assert main(["chat", "--model", str(model_dir), "--max-tokens", "4", *extra]) == 0
+    return [int(n) for n in re.findall(r"(\d+) prompt tokens cached", capsys.readouterr().err)]
+
+
+def test_chat_turns_reuse_the_previous_turn_and_a_restart_reuses_the_disk(
+        model_dir, tmp_path, monkeypatch, capsys):
+    first, second = chat_notes(model_dir, monkeypatch, capsys, "--cache-dir", str(tmp_path))
+    assert first == 0 and second > 0
+    restarted = chat_notes(model_dir, monkeypatch, capsys, "--cache-dir", str(tmp_path))
+    assert restarted[0] > 0 and restarted[1] >= second
