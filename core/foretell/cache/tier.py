@@ -73,7 +73,7 @@ class CacheTier:
                        if self.ssd is not None else None)
         self._lock = threading.Lock()
         #: States handed to ``store`` and not yet known to be on disk.
-        self._dirty: dict[Key, str] = {}
+        self._dirty: set[Key] = set()
         self._failed = 0
         #: Checkpoint namespaces whose generation finished: late writes there are removed.
         self._finished: set[str] = set()
@@ -199,7 +199,7 @@ class CacheTier:
             return
         entry = _ready_for_worker(entry)
         with self._lock:
-            self._dirty[(entry.namespace, entry.tokens)] = entry.namespace
+            self._dirty.add((entry.namespace, entry.tokens))
         self._spill.submit(entry)
 
     def _write(self, entry: Entry) -> bool:
@@ -209,7 +209,7 @@ class CacheTier:
         key = (entry.namespace, entry.tokens)
         with self._lock:
             if outcome == "stored":
-                self._dirty.pop(key, None)
+                self._dirty.discard(key)
             elif outcome == "failed":
                 self._failed += 1
             finished = entry.namespace in self._finished
@@ -232,8 +232,7 @@ class CacheTier:
         """The generation of ``namespace`` completed: delete its checkpoints, now and late."""
         with self._lock:
             self._finished.add(namespace)
-            for key in [k for k in self._dirty if k[0] == namespace]:
-                del self._dirty[key]
+            self._dirty = {k for k in self._dirty if k[0] != namespace}
         for stored in self.checkpoints(namespace):
             self.ssd.remove(stored.header.key)
 
@@ -293,7 +292,7 @@ class CacheTier:
 
     def _clean(self, key: Key) -> None:
         with self._lock:
-            self._dirty.pop(key, None)
+            self._dirty.discard(key)
 
     # -- reporting ----------------------------------------------------------------------------
 
