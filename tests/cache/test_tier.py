@@ -260,3 +260,22 @@ def test_bfloat16_states_written_behind_restore_bit_exactly(layout, codecs):
         for a, b in zip(got.state, want.state):
             assert a.dtype == mx.bfloat16
             np.testing.assert_array_equal(host(a.view(mx.uint16)), host(b.view(mx.uint16)))
+
+
+def test_lookups_while_the_spill_worker_writes_never_see_a_partial_state(layout, codecs):
+    tier = tier_over(layout, codecs)
+    reference = {}
+    for i in range(12):
+        tokens = [*range(8), *range(100 * i, 100 * i + 4)]
+        caches = [filled_kv(12 + i)]
+        caches[0].trim(i)
+        reference[tuple(tokens)] = host(caches[0].state[0])
+        tier.store(tokens, caches)
+        fresh = tier_over(layout, codecs)  # sees whatever the worker has renamed so far
+        for stored in fresh.ssd.entries():
+            entry = fresh.ssd.read(stored)
+            assert entry is not None
+            np.testing.assert_array_equal(host(entry.layers[0].tensors["keys"]),
+                                          reference[stored.tokens])
+    assert tier.flush(10).durable
+    assert len(tier_over(layout, codecs).ssd.entries()) == 12
