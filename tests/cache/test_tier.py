@@ -279,3 +279,16 @@ def test_lookups_while_the_spill_worker_writes_never_see_a_partial_state(layout,
                                           reference[stored.tokens])
     assert tier.flush(10).durable
     assert len(tier_over(layout, codecs).ssd.entries()) == 12
+
+
+def test_a_ram_hit_keeps_the_stored_copy_from_being_evicted_first(layout, codecs):
+    tier = tier_over(layout, codecs)
+    for start in (0, 100):
+        tier.store(range(start, start + 16), [filled_kv(16)])
+        assert tier.flush(10).durable
+    unit = max(s.header.nbytes for s in tier.ssd.entries())
+    tier.lookup([*range(0, 16), 1])  # the older entry is used again, from RAM
+    tier.ssd.max_bytes = 2 * unit + unit // 2
+    tier.store(range(200, 216), [filled_kv(16)])
+    assert tier.flush(10).durable
+    assert sorted(s.tokens[0] for s in tier.ssd.entries()) == [0, 200]

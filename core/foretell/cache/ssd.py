@@ -114,6 +114,16 @@ class SsdIndex:
             stored = self._index.get(key)
         return stored if stored is not None and stored.tokens == tuple(tokens) else None
 
+    def touch(self, tokens: Sequence[int], namespace: str) -> None:
+        """A RAM hit used this state: its stored copy is recently used too (in this process's
+        eviction order; on disk, last use is the file's last read or write)."""
+        stored = self.find_exact(tokens, namespace)
+        if stored is not None:
+            with self._lock:
+                if stored.header.key in self._index:
+                    self._index[stored.header.key] = attrs.evolve(
+                        stored, header=attrs.evolve(stored.header, last_used=time.time()))
+
     def covers(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether some stored entry can restore exactly ``tokens``."""
         with self._lock:

@@ -166,6 +166,8 @@ class CacheTier:
             self.ram.misses += 1
             return Reuse(None, 0, None)
         self.ram.hits += 1
+        if self.ssd is not None:
+            self.ssd.touch(entry.tokens, namespace)
         return Reuse(self.ram.take(entry, length), length, "ram")
 
     # -- storing ----------------------------------------------------------------------------
