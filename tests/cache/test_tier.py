@@ -292,3 +292,12 @@ def test_a_ram_hit_keeps_the_stored_copy_from_being_evicted_first(layout, codecs
     tier.store(range(200, 216), [filled_kv(16)])
     assert tier.flush(10).durable
     assert sorted(s.tokens[0] for s in tier.ssd.entries()) == [0, 200]
+
+
+def test_a_state_already_held_is_not_written_again(layout, codecs):
+    tier = tier_over(layout, codecs)
+    tier.store(range(16), [filled_kv(16)])
+    assert tier.flush(10).durable
+    tier.store(range(16), [filled_kv(16)])  # a RAM hit that computed only the last token
+    tier.flush(10)
+    assert tier.ssd.writes == 1
