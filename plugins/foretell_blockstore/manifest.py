@@ -13,14 +13,17 @@ own group cut by slot range; a later checkpoint of the same ring rewrites only t
 ranges new tokens overwrote. Tensors of fewer than 2 dims are one row. The layout needs
 no knowledge of the codec: cutting decides only what dedupes, never what is served.
 
-**Identity.** A block is named by the SHA-256 of its bytes (docs/block-store.md has the
+**Identity.** A block is named by the SHA-256 of its file (docs/block-store.md has the
 measurement that chose it over a token hash chain): equal bytes are stored once, and a
 reader always gets back exactly the bytes that were written. The manifest records each
-block's size and CRC-32, which every read verifies (CRC-32 is 2.4x cheaper than SHA-256).
+block's size and the CRC-32 of its tensor bytes, which every read verifies (CRC-32 is
+2.5x cheaper than SHA-256).
 
-**Manifest.** A safetensors file with no tensors whose ``__metadata__`` holds the header
-JSON (identity, tokens, per-layer codec meta, every tensor's dtype and shape, and each
-group's block list) and its BLAKE2b-128 hash, as the single-file format does.
+**Files.** A block is a safetensors file whose tensors ``"0"``, ``"1"``... are its pieces;
+its header depends only on the group's dtypes and shapes, so a reader knows it exactly. A
+manifest is a safetensors file with no tensors whose ``__metadata__`` holds the header JSON
+(identity, tokens, per-layer codec meta, every tensor's dtype and shape, and each group's
+block list) and its BLAKE2b-128 hash, as the single-file format does.
 """
 
 from __future__ import annotations

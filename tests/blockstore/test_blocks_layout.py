@@ -111,6 +111,21 @@ def test_manifest_is_a_safetensors_file_that_describes_its_blocks(layout, codecs
     assert {b[0] for b in group["blocks"]} <= block_files(layout)
 
 
+def test_a_block_is_a_safetensors_file_of_its_pieces(layout, codecs):
+    import numpy as np
+    from safetensors import safe_open
+
+    entry = entry_of(range(10), codecs)
+    layout.write(entry)
+    second = listed_blocks(layout, entry)[1]  # rows 4-7 of every tensor
+    with safe_open(str(layout.block_path(second)), framework="numpy") as f:
+        assert f.metadata() == {"foretell.block": "blocks/1"}
+        pieces = [f.get_tensor(str(i)) for i in range(4)]  # 2 layers x keys, values
+    want = [np.asarray(layer.tensors[name][..., 4:8, :])
+            for layer in entry.layers for name in ("keys", "values")]
+    assert all(np.array_equal(a, b) for a, b in zip(pieces, want))
+
+
 # -- sharing --------------------------------------------------------------------------------
 
 
@@ -196,6 +211,36 @@ def test_collect_keeps_blocks_of_a_foreign_identitys_manifest(tmp_path, identity
     foreign.write(entry)
     layout.collect()
     assert_same_entry(foreign.read(foreign.key_for(entry.tokens)), entry)
+
+
+def test_collect_follows_a_rewritten_manifest(layout, codecs):
+    layout.write(entry_of(range(8), codecs))
+    layout.collect()  # parses (and remembers) the first version
+    old = block_files(layout)
+    rewrite = entry_of(range(8), codecs, dtype=mx.bfloat16)  # same key, other bytes
+    layout.write(rewrite)
+    layout.collect()
+    assert block_files(layout) == set(listed_blocks(layout, rewrite)) and not old & block_files(layout)
+    assert_same_entry(layout.read(layout.key_for(rewrite.tokens)), rewrite)
+
+
+def test_a_read_racing_remove_and_collect_returns_none_quietly(layout, codecs, caplog,
+                                                                monkeypatch):
+    entry = entry_of(range(8), codecs)
+    layout.write(entry)
+    key = layout.key_for(entry.tokens)
+    load = layout._load_manifest
+
+    def load_then_lose_the_race(k):
+        manifest = load(k)
+        layout.remove(k)  # another thread evicts the entry and collects its blocks
+        layout.collect()
+        return manifest
+
+    monkeypatch.setattr(layout, "_load_manifest", load_then_lose_the_race)
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        assert layout.read(key) is None
+    assert not caplog.records
 
 
 def test_collect_reaps_interrupted_writes(layout, codecs):
