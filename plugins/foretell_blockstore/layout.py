@@ -43,7 +43,7 @@ from foretell.store.entry import (
     entry_key,
 )
 from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
-from foretell.store.single_file import full_fsync, unlink_quietly
+from foretell.store.single_file import full_fsync, log_io_failure, unlink_quietly
 from foretell_blockstore import manifest as mf
 
 log = logging.getLogger("foretell.store")
@@ -187,7 +187,7 @@ class BlockStoreLayout:
                 self.entries_dir.mkdir(parents=True, exist_ok=True)
                 self.data_dir.mkdir(parents=True, exist_ok=True)
                 hosts = mf.host_views(entry)
-                jobs = [(group, [_pool().submit(self._store_block, hosts, group, b, e)
+                jobs = [(group, [fmt.io_pool().submit(self._store_block, hosts, group, b, e)
                                  for b, e in group.spans(rows)]) for group in groups]
                 # Every job finishes before the lock is released, failed or not.
                 futures.wait([job for _group, group_jobs in jobs for job in group_jobs])
@@ -416,7 +416,7 @@ class BlockStoreLayout:
         jobs = []
         for group, refs in manifest.groups:
             for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
-                jobs.append(_pool().submit(
+                jobs.append(fmt.io_pool().submit(
                     _read_block, self.block_path(ref.id), ref, mf.block_header(group, begin, end),
                     mf.destinations(group, begin, end, flats)))
         futures.wait(jobs)
@@ -545,13 +545,7 @@ class BlockStoreLayout:
 
     def _io_failed(self, exc: OSError, action: str) -> None:
         self.io_failures += 1
-        if self._warned:
-            log.debug("cannot %s: %s", action, exc)
-            return
-        self._warned = True
-        log.warning("cannot %s: %s (disk full or unwritable?). Cache entries are not being "
-                    "persisted; generation continues. Further failures are logged at debug "
-                    "level until a write succeeds.", action, exc.strerror or exc)
+        self._warned = log_io_failure(exc, action, warned=self._warned)
 
 
 class _BadBlock(Exception):
@@ -563,21 +557,6 @@ class _BadBlock(Exception):
 
 class _LockBusy(Exception):
     pass
-
-
-_POOL: Any = None
-
-
-def _pool() -> Any:
-    # hashlib, CRC-32 (zlib or isal), copies and file I/O release the GIL: blocks of one
-    # entry are hashed, checksummed and written in parallel.
-    global _POOL
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                                   thread_name_prefix="foretell-blocks")
-    return _POOL
 
 
 def _read_block(path: Path, ref: mf.BlockRef, header: bytes, runs: list[memoryview]) -> None:

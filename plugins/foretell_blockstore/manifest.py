@@ -28,6 +28,7 @@ block list) and its BLAKE2b-128 hash, as the single-file format does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -144,12 +145,17 @@ def piece_shape(spec: TensorSpec, begin: int, end: int) -> tuple[int, ...]:
 def block_header(group: Group, begin: int, end: int) -> bytes:
     """The safetensors header of one block file: its pieces ``"0"``, ``"1"``... in group
     order. A function of the group's dtypes and shapes alone, so equal bytes still give
-    equal block files, and a reader can check a block's size before opening it."""
+    equal block files, and a reader knows a block's header and size before opening it."""
+    return _block_header(group, end - begin)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_header(group: Group, rows: int) -> bytes:
     index: dict[str, Any] = {"__metadata__": {_BLOCK_KEY: FORMAT_VERSION}}
     offset = 0
     for i, spec in enumerate(group.tensors):
-        nbytes = spec.piece_bytes(begin, end)
-        index[str(i)] = {"dtype": spec.dtype, "shape": list(piece_shape(spec, begin, end)),
+        nbytes = spec.piece_bytes(0, rows)
+        index[str(i)] = {"dtype": spec.dtype, "shape": list(piece_shape(spec, 0, rows)),
                          "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     body = json.dumps(index, separators=(",", ":")).encode()

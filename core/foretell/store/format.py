@@ -323,7 +323,7 @@ def read_layers(fh: BinaryIO, header: StoredHeader, *, verify: bool = True) -> l
                 raise CorruptEntry(f"tensor {slot.name} disagrees with the verified header")
             mx.eval(array)  # reads this tensor; the previous one is being checksummed
             if verify:
-                checks.append((slot, _pool().submit(_checksum_view, array)))
+                checks.append((slot, io_pool().submit(_checksum_view, array)))
             tensors[tname] = array
         layers.append(LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
                                  tensors=tensors))
@@ -346,8 +346,9 @@ def _checksum_view(array: mx.array) -> str:
 _POOL: Any = None
 
 
-def _pool() -> Any:
-    # zlib's and isal's CRC release the GIL, so checksums of several tensors run in parallel.
+def io_pool() -> Any:
+    """The store's worker threads. zlib's and isal's CRC, hashlib and file I/O release the
+    GIL, so checksums of several tensors (and a block store's blocks) run in parallel."""
     global _POOL
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor

@@ -276,13 +276,19 @@ class SingleFileLayout:
 
     def _io_failed(self, exc: OSError, action: str) -> None:
         self.io_failures += 1
-        if self._warned:
-            log.debug("cannot %s: %s", action, exc)
-            return
-        self._warned = True
+        self._warned = log_io_failure(exc, action, warned=self._warned)
+
+
+def log_io_failure(exc: OSError, action: str, *, warned: bool) -> bool:
+    """Log a cache I/O failure: a warning for the first of an outage, debug level after
+    that until a write succeeds (invariant 9). Returns True (the outage has been warned of)."""
+    if warned:
+        log.debug("cannot %s: %s", action, exc)
+    else:
         log.warning("cannot %s: %s (disk full or unwritable?). Cache entries are not being "
                     "persisted; generation continues. Further failures are logged at debug "
                     "level until a write succeeds.", action, exc.strerror or exc)
+    return True
 
 
 def full_fsync(fd: int) -> None:
