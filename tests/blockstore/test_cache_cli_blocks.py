@@ -61,3 +61,13 @@ def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, caps
     assert code == 0 and gc["freed_bytes"] > 0  # the dropped entries' other blocks
     code, after = cache_json(capsys, "verify", "--cache-dir", str(tmp_path))
     assert code == 0 and after["bad"] == []
+
+
+def test_toml_cache_layout_selects_the_block_store(model_dir, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    cache = tmp_path / "cache"
+    config.write_text(f'[cache]\ndir = "{cache}"\nlayout = "blocks"\n')
+    run_json(capsys, "--config", str(config), "--model", str(model_dir), "--max-tokens", "2",
+             "--prompt", "def f(x):")
+    assert list(cache.glob("*/blocks-v1/entries/*.safetensors"))
+    assert not list(cache.glob("*/*.safetensors"))
