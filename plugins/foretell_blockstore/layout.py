@@ -498,9 +498,15 @@ class BlockStoreLayout:
     @contextlib.contextmanager
     def _flock(self, *, exclusive: bool, timeout: float | None = None):
         """``flock`` on the directory's lock file; released by the kernel if we die.
-        Each call opens its own descriptor, so threads of one process exclude each other."""
-        import fcntl
-
+        Each call opens its own descriptor, so threads of one process exclude each other.
+        Without ``fcntl`` (Windows) writers go ahead and ``collect()`` never deletes."""
+        try:
+            import fcntl
+        except ImportError:
+            if exclusive:
+                raise _LockBusy() from None
+            yield
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
