@@ -9,7 +9,7 @@ Every row runs on both sides in the same run, on the same weights and prompt ids
 | ``self`` | the target drafting for itself (upper bound) | the same, self-drafting |
 | ``mtp`` | the target's MTP head (if it has one) | plain (mlx-lm has no MTP drafter) |
 | ``plain-edit`` / ``ngram-edit`` | plain / prompt lookup on a code-editing prompt | plain |
-| ``two-model-t0.8`` / ``-match`` | sampled two-model, rejection / token-match | speculative, temp 0.8 |
+| ``two-model-t0.8`` / ``-match`` | sampled two-model at a fixed k, rejection / token-match | speculative, temp 0.8 |
 
 The code prompts are Python from the standard library (what the demo family was trained
 on): ``code`` continues a module, ``edit`` asks to rewrite code that is in the prompt (the
@@ -48,15 +48,16 @@ def code_prompts(tokenizer: Any, length: int) -> dict[str, list[int]]:
 
 
 def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None = None,
-                acceptance: str = "rejection") -> Any:
+                acceptance: str = "rejection", adaptive: bool = True) -> Any:
     from foretell.registry import Kind
 
-    key = (kind, model, acceptance)
+    key = (kind, model, acceptance, adaptive)
     if key not in _SPECULATORS:
         config = engine.registry.get(Kind.DRAFT, kind).config
         options = config(model=model) if model is not None else (config() if config else None)
         _SPECULATORS[key] = engine.use_draft(
-            kind, options, max_tokens=job["num_draft_tokens"], acceptance=acceptance
+            kind, options, max_tokens=job["num_draft_tokens"], acceptance=acceptance,
+            adaptive=adaptive,
         )
         engine.use_draft(None)
     return _SPECULATORS[key]
@@ -96,10 +97,11 @@ def foretell_runner(row: str):
         elif row == "ngram-edit":
             spec = _speculator(engine, job, "ngram")
         elif row == "two-model-t0.8":
-            spec = _speculator(engine, job, "two-model", draft)
+            # A fixed draft length, so the two acceptance rules are compared like for like.
+            spec = _speculator(engine, job, "two-model", draft, adaptive=False)
             return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
         elif row == "two-model-t0.8-match":
-            spec = _speculator(engine, job, "two-model", draft, "token-match")
+            spec = _speculator(engine, job, "two-model", draft, "token-match", adaptive=False)
             return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
         else:
             raise KeyError(row)

@@ -293,13 +293,17 @@ def _rounds(
         return k if k and stay_trimmable(v.caches, k + 1) else 0
 
     last = time.perf_counter()
+    wanted = False  # the last choice asked for drafts (and the drafter may have had none)
     try:
         while produced < limit:
             if in_flight is None:
                 k = choose()
+                wanted = k > 0
                 in_flight = v.launch(k) if k else None
-            if in_flight is None:  # a plain stretch: the drafter does not pay, or had nothing
-                count = min(PLAIN_STRETCH, limit - produced)
+            if in_flight is None:
+                # A plain stretch when drafting does not pay; a single step when the drafter
+                # merely had nothing (prompt lookup without a match may have one next token).
+                count = min(1 if wanted else PLAIN_STRETCH, limit - produced)
                 started = time.perf_counter()
                 for tokens in v.plain_stretch(count):
                     produced += 1
@@ -316,6 +320,7 @@ def _rounds(
             produced += len(kept)
             if produced < limit:
                 k = choose()
+                wanted = k > 0
                 in_flight = v.launch(k) if k else None
             yield kept
             if stats.rounds % 256 == 0:

@@ -1,0 +1,66 @@
+"""The adaptive draft length follows what the drafter and the machine measure: a drafter
+that does not pay is switched off (plain steps), one that pays drafts long."""
+
+from __future__ import annotations
+
+import random
+
+from foretell.spec.policy import PROBE_EVERY, DraftLengthPolicy
+
+
+def _simulate(acceptance: float, plain_s: float, draft_token_s: float, verify_s: float,
+              rounds: int = 400, seed: int = 0) -> list[int]:
+    """Run the policy against a simulated drafter; return the k it chose per round."""
+    rng = random.Random(seed)
+    policy = DraftLengthPolicy(6)
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose(100)
+        chosen.append(k)
+        if k == 0:
+            policy.observe(0, 0, plain_s)
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        policy.observe(k, accepted, verify_s + k * draft_token_s)
+    return chosen
+
+
+def _tokens_per_second(acceptance, plain_s, draft_token_s, verify_s, chosen):
+    tokens = seconds = 0.0
+    for k in chosen:
+        if k == 0:
+            tokens, seconds = tokens + 1, seconds + plain_s
+        else:
+            expected = sum(acceptance**j for j in range(1, k + 1)) + 1
+            tokens, seconds = tokens + expected, seconds + verify_s + k * draft_token_s
+    return tokens / seconds
+
+
+def test_a_drafter_that_never_agrees_is_switched_off_within_five_percent():
+    chosen = _simulate(acceptance=0.0, plain_s=0.010, draft_token_s=0.004, verify_s=0.012)
+    late = chosen[100:]
+    assert sum(k == 0 for k in late) / len(late) > 1 - 2 / PROBE_EVERY
+    speed = _tokens_per_second(0.0, 0.010, 0.004, 0.012, late)
+    assert speed >= 0.95 * (1 / 0.010)
+
+
+def test_a_cheap_accurate_drafter_drafts_long():
+    chosen = _simulate(acceptance=0.95, plain_s=0.010, draft_token_s=0.001, verify_s=0.012)
+    late = chosen[100:]
+    assert sorted(late)[len(late) // 2] >= 5
+
+
+def test_a_costly_drafter_is_used_only_where_it_pays():
+    # Drafting one token costs as much as a plain step: even 80% acceptance cannot pay.
+    chosen = _simulate(acceptance=0.8, plain_s=0.010, draft_token_s=0.010, verify_s=0.011)
+    late = chosen[100:]
+    assert sum(k == 0 for k in late) / len(late) > 0.8
+
+
+def test_without_adaptation_the_policy_drafts_the_most_it_may():
+    policy = DraftLengthPolicy(4, adaptive=False)
+    policy.observe(4, 0, 1.0)
+    policy.observe(0, 0, 0.001)
+    assert [policy.choose(limit) for limit in (10, 3, 0)] == [4, 3, 0]
