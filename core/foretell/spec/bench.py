@@ -180,3 +180,95 @@ ROWS = {
     "two-model-t0.8": "code",
     "two-model-t0.8-match": "code",
 }
+
+
+# -- foretell alone: every drafter against plain decoding, alternating -------------------
+
+
+def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens: int,
+                  repeats: int, draft_model: str, num_draft_tokens: int,
+                  progress=lambda _line: None) -> dict[str, Any]:
+    """foretell's rows in one process, each round running every row once (order flipping
+    per round), so drift lands on all of them; ratios are against ``plain`` on the same
+    prompt. mlx-lm is not involved (``foretell bench --speculation`` adds it)."""
+    import statistics
+
+    from foretell.bench import machine_info, runtime_info, time_run
+    from foretell.generate import load, resolve_model_path
+
+    engine = load(model)
+    path = resolve_model_path(model)
+    job = {"model": str(path), "draft_model": str(resolve_model_path(draft_model)),
+           "num_draft_tokens": num_draft_tokens}
+    prompts = code_prompts(engine.tokenizer, prompt_tokens)
+    rows = [r for r in runnable(path, rows, job["draft_model"])]
+    runs: dict[str, list[Any]] = {row: [] for row in rows}
+
+    def once(row: str):
+        prompt = prompts[ROWS[row]]
+        return time_run(foretell_runner(row)(engine, prompt, max_tokens, job), len(prompt))
+
+    for row in rows:  # warm-up: compile, load drafters
+        once(row)
+    for i in range(repeats):
+        for row in rows if i % 2 == 0 else rows[::-1]:
+            runs[row].append(once(row))
+        progress(f"round {i + 1}/{repeats}: " + ", ".join(
+            f"{row} {runs[row][-1].decode_tps:.1f}" for row in rows))
+    table = []
+    for row in rows:
+        decode = statistics.median(r.decode_tps for r in runs[row])
+        plain = "plain-edit" if ROWS[row] == "edit" else "plain"
+        base = statistics.median(r.decode_tps for r in runs[plain]) if plain in runs else None
+        paired = [a.decode_tps / b.decode_tps for a, b in zip(runs[row], runs.get(plain, []))
+                  if b.decode_tps > 0]
+        table.append({
+            "row": row, "decode_tps": decode,
+            "vs_plain": decode / base if base else None,
+            "vs_plain_paired_median": statistics.median(paired) if paired else None,
+            "extras": runs[row][-1].extras,
+            "runs": [r.decode_tps for r in runs[row]],
+        })
+    return {"machine": machine_info(), "runtime": runtime_info(), "model": model,
+            "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
+            "repeats": repeats, "rows": table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from foretell import blas
+
+    blas.preload()
+    ap = argparse.ArgumentParser(prog="python -m foretell.spec.bench",
+                                 description=foretell_only.__doc__)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--draft-model", default="demo-draft")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--generate", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--row", action="append", default=None, choices=list(ROWS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    report = foretell_only(
+        args.model, args.row or list(ROWS), prompt_tokens=args.prompt_tokens,
+        max_tokens=args.generate, repeats=args.repeats, draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        progress=lambda line: print(line, file=sys.stderr, flush=True))
+    for row in report["rows"]:
+        ex = row["extras"] or {}
+        ratio = f"{row['vs_plain']:.2f}x" if row["vs_plain"] else "-"
+        print(f"{row['row']:<22} {row['decode_tps']:8.1f} tok/s  vs plain {ratio:>6}  "
+              f"accept {ex.get('acceptance', 0):.0%}  tok/fwd {ex.get('tokens_per_forward', 1):.2f}"
+              f"  mean k {ex.get('mean_k', 0):.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

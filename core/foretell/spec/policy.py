@@ -6,20 +6,28 @@ draft position ``i`` is accepted once every earlier one was. The policy picks th
 ``0..max_k`` with the best ``E(k) / T(k)``; ``k = 0`` is a plain decoding step, so a drafter
 that does not pay is switched off rather than slowing the request down.
 
-``T`` is a straight line ``c0 + c1 * n`` (n = tokens actually drafted) fitted to the
-round times seen so far, with old rounds fading, so it follows what the machine does now
-(a GPU where verifying 8 tokens costs little more than 1, a CPU where drafting costs the
-draft model's compute). Until both a plain and a drafted round have been timed, the
-policy drafts ``max_k``; afterwards it probes a neighbouring ``k`` now and then so its
-picture stays current.
+``T`` is the least-squares line through the running mean round time of each draft length
+seen (n = tokens actually drafted; 0 = a plain step), each mean following new rounds
+quickly, so the model tracks what the machine does now (a GPU where verifying 8 tokens
+costs little more than 1, a CPU where drafting costs the draft model's compute) and a
+one-off slow round fades. The first drafted rounds draft ``max_k`` (the very first is a
+warm-up and is not timed), then one plain stretch is timed; afterwards the policy probes a
+neighbouring ``k`` now and then so its picture stays current.
 """
 
 from __future__ import annotations
 
-#: Weight kept by old observations per new one (a memory of about 50 rounds).
+#: Weight kept by old acceptance observations per new one (a memory of about 50 rounds).
 DECAY = 0.98
+#: Weight a new round time gets in its draft length's running mean: an outlier (a kernel
+#: compiled on first use, a busy host) fades within a few rounds.
+TIME_WEIGHT = 0.25
+#: Strength of each draft position's prior, in rounds.
+PRIOR_ROUNDS = 2.0
 #: Every this many rounds, try a k other than the best one.
 PROBE_EVERY = 16
+#: Drafted rounds timed before the first choice; the very first is a warm-up, not timed.
+WARMUP_ROUNDS = 3
 
 
 class DraftLengthPolicy:
@@ -28,19 +36,27 @@ class DraftLengthPolicy:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
         self.adaptive = adaptive
-        # Beta(1, 1) prior on each position's acceptance.
-        self._offered = [2.0] * max_k
-        self._accepted = [1.0] * max_k
-        # Weighted sums for the least-squares line T(n) = c0 + c1 n.
-        self._w = self._wn = self._wnn = self._wt = self._wnt = 0.0
-        self._plain_seen = self._drafted_seen = False
+        # Observed (decayed) counts per draft position; priors are added in acceptance().
+        self._offered = [0.0] * max_k
+        self._accepted = [0.0] * max_k
+        #: Running mean round time by tokens drafted (0: a plain step).
+        self._time: dict[int, float] = {}
+        self._drafted_rounds = 0
         self._rounds = 0
         self._best = max_k
 
     # -- the model --------------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
-        return [a / o for a, o in zip(self._accepted, self._offered)]
+        """Per position, the chance a draft is kept once every earlier one was. Each
+        position's prior is the position before it (2 rounds' worth; the first: 1/2), so a
+        position rarely reached borrows from its neighbour instead of sitting at 1/2, which
+        would keep a good drafter from ever trying longer drafts."""
+        rates, prior = [], 0.5
+        for accepted, offered in zip(self._accepted, self._offered):
+            prior = (accepted + PRIOR_ROUNDS * prior) / (offered + PRIOR_ROUNDS)
+            rates.append(prior)
+        return rates
 
     def expected_tokens(self, k: int) -> float:
         total, chain = 1.0, 1.0
@@ -50,15 +66,17 @@ class DraftLengthPolicy:
         return total
 
     def round_time(self, n: int) -> float | None:
-        """The fitted seconds of a round drafting ``n`` tokens, or None before a fit."""
-        if not (self._plain_seen and self._drafted_seen):
+        """Seconds of a round drafting ``n`` tokens: the line through the measured means
+        (least squares), or None before a plain and a drafted round were timed."""
+        if 0 not in self._time or len(self._time) < 2:
             return None
-        det = self._w * self._wnn - self._wn**2
-        if det <= 1e-12:
-            return None
-        c1 = (self._w * self._wnt - self._wn * self._wt) / det
-        c0 = (self._wt - c1 * self._wn) / self._w
-        return max(c0 + max(c1, 0.0) * n, 1e-9)
+        xs = list(self._time)
+        ys = [self._time[x] for x in xs]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
+        slope = max(slope, 0.0)
+        return max(mean_y + slope * (n - mean_x), 1e-9)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -68,11 +86,9 @@ class DraftLengthPolicy:
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
-        if not self.adaptive:
+        if not self.adaptive or self._drafted_rounds < WARMUP_ROUNDS:
             return limit
-        if not self._drafted_seen:
-            return limit
-        if not self._plain_seen:
+        if 0 not in self._time:
             return 0
         rates = [self.expected_tokens(k) / self.round_time(k) for k in range(self.max_k + 1)]
         self._best = max(range(self.max_k + 1), key=rates.__getitem__)
@@ -88,13 +104,9 @@ class DraftLengthPolicy:
             self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
             if i >= accepted:
                 break
-        n = float(drafted)
-        self._w = self._w * DECAY + 1.0
-        self._wn = self._wn * DECAY + n
-        self._wnn = self._wnn * DECAY + n * n
-        self._wt = self._wt * DECAY + seconds
-        self._wnt = self._wnt * DECAY + n * seconds
         if drafted:
-            self._drafted_seen = True
-        else:
-            self._plain_seen = True
+            self._drafted_rounds += 1
+            if self._drafted_rounds == 1:
+                return  # the first drafted round pays one-off costs (kernels, buffers)
+        old = self._time.get(drafted)
+        self._time[drafted] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
