@@ -2,41 +2,41 @@
 
 Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`Feed`,
 :class:`Draft`, :class:`Target`, :class:`PairingError`, :data:`PORT_HIDDEN`,
-:func:`draft_keys`.
+:data:`PORT_MTP`, :func:`draft_keys`.
+
+Names resolve on first use, so importing this package (or running ``python -m
+foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before MLX loads
+(docs/blas.md).
 """
 
-from foretell.model import PORT_MTP
-from foretell.spec.contract import (
-    PORT_HIDDEN,
-    Draft,
-    DraftError,
-    DraftProvider,
-    DraftSource,
-    Feed,
-    PairingError,
-    Target,
-)
-from foretell.spec.verifier import (
-    SpeculationStats,
-    Speculator,
-    draft_keys,
-    make_speculator,
-    speculative_steps,
-)
+from __future__ import annotations
 
-__all__ = [
-    "PORT_HIDDEN",
-    "PORT_MTP",
-    "Draft",
-    "DraftError",
-    "DraftProvider",
-    "DraftSource",
-    "Feed",
-    "PairingError",
-    "SpeculationStats",
-    "Speculator",
-    "Target",
-    "draft_keys",
-    "make_speculator",
-    "speculative_steps",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "PORT_MTP": "foretell.model",
+    "PORT_HIDDEN": "foretell.spec.contract",
+    "Draft": "foretell.spec.contract",
+    "DraftError": "foretell.spec.contract",
+    "DraftProvider": "foretell.spec.contract",
+    "DraftSource": "foretell.spec.contract",
+    "Feed": "foretell.spec.contract",
+    "PairingError": "foretell.spec.contract",
+    "Target": "foretell.spec.contract",
+    "SpeculationStats": "foretell.spec.verifier",
+    "Speculator": "foretell.spec.verifier",
+    "draft_keys": "foretell.spec.verifier",
+    "make_speculator": "foretell.spec.verifier",
+    "speculative_steps": "foretell.spec.verifier",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'foretell.spec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
