@@ -487,7 +487,9 @@ def paired_ratio_ci(
 
 
 def _vs_plain(measured: dict[str, dict[str, Any]], name: str) -> float | None:
-    plain = "plain-edit" if name.endswith("-edit") else "plain"
+    from foretell.spec.bench import plain_row
+
+    plain = plain_row(name)
     if name not in SPECULATION or plain not in measured or name == plain:
         return None
     return _ratio(measured[name]["foretell"]["decode_tps"],

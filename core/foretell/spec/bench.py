@@ -4,7 +4,7 @@ Every row runs on both sides in the same run, on the same weights and prompt ids
 
 | row | foretell | mlx-lm |
 |---|---|---|
-| ``plain`` | plain decoding | plain decoding |
+| ``plain`` (``plain-t0.8``) | plain decoding (sampled at 0.8) | the same |
 | ``two-model`` | the two-model drafter, ``--draft-model`` | ``speculative_generate_step``, same draft |
 | ``self`` | the target drafting for itself (upper bound) | the same, self-drafting |
 | ``mtp`` | the target's MTP head (if it has one) | plain (mlx-lm has no MTP drafter) |
@@ -88,6 +88,8 @@ def foretell_runner(row: str):
         draft = job.get("draft_model")
         if row in ("plain", "plain-edit"):
             return (yield from _foretell(engine, prompt, max_tokens, False))
+        if row == "plain-t0.8":
+            return (yield from _foretell(engine, prompt, max_tokens, False, SAMPLED))
         if row == "two-model":
             spec = _speculator(engine, job, "two-model", draft)
         elif row == "self":
@@ -127,7 +129,7 @@ def mlx_lm_runner(row: str):
             draft = model
         if draft is not None:
             kwargs.update(draft_model=draft, num_draft_tokens=job["num_draft_tokens"])
-        if row.startswith("two-model-t0.8"):
+        if row.endswith("t0.8") or "-t0.8-" in row:
             kwargs["sampler"] = make_sampler(temp=SAMPLED)
         total = drafted = 0
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
@@ -177,9 +179,18 @@ ROWS = {
     "mtp": "code",
     "plain-edit": "edit",
     "ngram-edit": "edit",
+    "plain-t0.8": "code",
     "two-model-t0.8": "code",
     "two-model-t0.8-match": "code",
 }
+
+
+def plain_row(row: str) -> str:
+    """The plain-decoding row a speculation row is compared with: same prompt, same
+    sampling."""
+    if ROWS.get(row) == "edit":
+        return "plain-edit"
+    return "plain-t0.8" if "t0.8" in row else "plain"
 
 
 # -- foretell alone: every drafter against plain decoding, alternating -------------------
@@ -218,7 +229,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     table = []
     for row in rows:
         decode = statistics.median(r.decode_tps for r in runs[row])
-        plain = "plain-edit" if ROWS[row] == "edit" else "plain"
+        plain = plain_row(row)
         base = statistics.median(r.decode_tps for r in runs[plain]) if plain in runs else None
         paired = [a.decode_tps / b.decode_tps for a, b in zip(runs[row], runs.get(plain, []))
                   if b.decode_tps > 0]
