@@ -1,0 +1,74 @@
+"""``--draft`` and friends resolve through the registry and typed config; ``auto`` uses the
+model's measured best drafter for this machine kind; ``--json`` stats show the drafter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+
+from foretell.cli.run_cmd import apply_draft, draft_overrides
+from foretell.config import load_run_config
+from foretell.errors import ConfigError
+from foretell.spec.auto import machine_kind
+
+
+def _args(**kw):
+    base = dict(draft=None, draft_model=None, num_draft_tokens=None, draft_option=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _config(registry, **kw):
+    return load_run_config(registry, None, draft_overrides(_args(**kw)))
+
+
+def test_draft_model_selects_two_model_with_that_model(registry, model_dirs):
+    config = _config(registry, draft_model=str(model_dirs["qwen3"]), num_draft_tokens=3)
+    assert config.draft.kind == "two-model"
+    assert config.draft.options.model == str(model_dirs["qwen3"])
+    assert config.draft.settings.num_tokens == 3
+
+
+def test_draft_options_are_typed_by_the_provider(registry):
+    config = _config(registry, draft="ngram", draft_option=["max_ngram=2", "min_ngram=1"])
+    assert (config.draft.options.max_ngram, config.draft.options.min_ngram) == (2, 1)
+    with pytest.raises(ConfigError, match=r"draft.max_ngram: .*\(set by --draft-option\)"):
+        _config(registry, draft="ngram", draft_option=["max_ngram='x'"])
+    with pytest.raises(ConfigError, match="draft.depth: unknown field"):
+        _config(registry, draft="ngram", draft_option=["depth=2"])
+    with pytest.raises(ConfigError, match="draft.num_tokens: must be >= 1"):
+        _config(registry, draft="ngram", num_draft_tokens=0)
+
+
+def test_none_turns_speculation_off_and_auto_follows_the_measured_file(
+    registry, engines, model_dirs, tmp_path
+):
+    engine = engines["qwen3"]
+    apply_draft(engine, _config(registry, draft="none").draft, registry)
+    assert engine.speculator is None
+    # No speculation.json beside the model: auto means plain decoding.
+    apply_draft(engine, None, registry)
+    assert engine.speculator is None
+    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured")
+    (model / "speculation.json").write_text(json.dumps({"best": {machine_kind(): {
+        "kind": "two-model", "options": {"model": str(model_dirs["qwen3-other"])}}}}))
+    path, engine.path = engine.path, model
+    try:
+        apply_draft(engine, None, registry)
+        assert engine.speculator.kind == "two-model"
+        assert engine.speculator.provider.path == model_dirs["qwen3-other"]
+        stats = list(engine.generate([3, 4, 5], max_tokens=6))[-1]
+        assert stats.to_dict()["speculation"]["drafter"] == "two-model"
+    finally:
+        engine.path = path
+        engine.use_draft(None)
+
+
+def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
+    from foretell.generate import DEMO_DIR
+
+    best = json.loads((DEMO_DIR / "demo" / "speculation.json").read_text())["best"]
+    assert set(best) == {"cpu", "gpu"} and best["cpu"]["kind"] == "two-model"
