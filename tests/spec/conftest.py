@@ -29,7 +29,6 @@ def registry():
     """Every installed plugin, plus contrib's n-gram drafter when it is not installed (it
     is importable from the checkout, see pyproject's pythonpath)."""
     import foretell_ngram
-
     from foretell.plugins import load_plugins
     from foretell.registry import Kind
 
