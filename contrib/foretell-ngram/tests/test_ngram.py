@@ -1,10 +1,10 @@
 import random
 
 import pytest
-from foretell_ngram import NgramConfig
-from foretell_ngram.lookup import NgramProvider
 
 from foretell.spec import Feed
+from foretell_ngram import NgramConfig
+from foretell_ngram.lookup import NgramProvider
 
 
 def _source(**config):
