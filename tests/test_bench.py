@@ -208,3 +208,23 @@ def test_without_mlx_lm_the_error_names_the_extra_to_install(monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "mlx-lm, which is not installed" in err and "pip install '.[bench]'" in err
+
+
+def test_saved_reports_carry_no_machine_local_paths(tmp_path):
+    import site
+    import tempfile
+    from pathlib import Path
+
+    import foretell
+
+    package = Path(foretell.__file__).resolve().parent
+    lib = Path(site.getsitepackages()[0]) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+    report = {"path": str(package / "demo" / "demo"),
+              "runtime": [{"blas": f"OpenBLAS ZEN, 1 thread(s): {lib}"}],
+              "scratch": str(Path(tempfile.gettempdir()) / "foretell-bench-x"),
+              "cache": str(Path.home() / ".cache" / "foretell"), "n": 3}
+    assert bench.portable(report) == {
+        "path": "<site-packages>/foretell/demo/demo",
+        "runtime": [{"blas": "OpenBLAS ZEN, 1 thread(s): <site-packages>/cmeel.prefix/lib/libopenblas.so.0"}],
+        "scratch": "<tmp>/foretell-bench-x",
+        "cache": "~/.cache/foretell", "n": 3}

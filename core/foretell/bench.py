@@ -496,6 +496,35 @@ def _vs_plain(measured: dict[str, dict[str, Any]], name: str) -> float | None:
                   measured[plain]["foretell"]["decode_tps"])
 
 
+def portable(report: Any) -> Any:
+    """``report`` with machine-local paths replaced by placeholders, so a saved report can
+    be committed and compared across machines: the foretell package -> ``<site-packages>/
+    foretell`` (also from a checkout), site-packages -> ``<site-packages>``, the temporary
+    directory -> ``<tmp>``, the home directory -> ``~``."""
+    import site
+    import sysconfig
+
+    package = Path(__file__).resolve().parent
+    prefixes = [(str(package), "<site-packages>/foretell")]
+    for root in {sysconfig.get_paths()["purelib"], *site.getsitepackages()}:
+        prefixes.append((str(Path(root).resolve()), "<site-packages>"))
+        prefixes.append((str(root), "<site-packages>"))
+    prefixes += [(tempfile.gettempdir(), "<tmp>"), (str(Path.home()), "~")]
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            for prefix, placeholder in prefixes:
+                value = value.replace(prefix, placeholder)
+            return value
+        if isinstance(value, dict):
+            return {key: clean(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [clean(item) for item in value]
+        return value
+
+    return clean(report)
+
+
 def _ratio(ours: float, theirs: float) -> float | None:
     return ours / theirs if theirs > 0 else None
 

@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     _print(results, args.block_tokens)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        from foretell.bench import portable
+
+        Path(args.json).write_text(json.dumps(portable(results), indent=1))
     return 0
 
 

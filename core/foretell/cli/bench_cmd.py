@@ -104,8 +104,8 @@ def run(args) -> int:
             decode_tokens=args.max_tokens,
             progress=lambda line: print(line, file=sys.stderr, flush=True))
         if to_file is not None:
-            to_file.write_text(json.dumps(report, indent=2))
-        print(json.dumps(report, indent=2) if args.json == "-" else cache_bench.render(report))
+            to_file.write_text(json.dumps(bench.portable(report), indent=2))
+        print(json.dumps(bench.portable(report), indent=2) if args.json == "-" else cache_bench.render(report))
         return 0
     scenarios = list(args.scenario or (["greedy"] + (list(bench.SPECULATION) if args.speculation else [])))
     known = [s.name for s in bench.SCENARIOS]
@@ -116,7 +116,7 @@ def run(args) -> int:
     def save(report: dict) -> None:
         if to_file is not None:
             to_file.parent.mkdir(parents=True, exist_ok=True)
-            to_file.write_text(json.dumps(report, indent=2))
+            to_file.write_text(json.dumps(bench.portable(report), indent=2))
 
     try:
         report = bench.run_bench(
@@ -133,5 +133,5 @@ def run(args) -> int:
         )
     except RuntimeError as exc:
         raise BenchError(str(exc)) from exc
-    print(json.dumps(report, indent=2) if args.json == "-" else bench.render(report))
+    print(json.dumps(bench.portable(report), indent=2) if args.json == "-" else bench.render(report))
     return 0

@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     from foretell import blas
 
     blas.preload()
+    from foretell.bench import portable
+
     ap = argparse.ArgumentParser(prog="python -m foretell.spec.bench",
                                  description=foretell_only.__doc__)
     ap.add_argument("--model", default="demo")
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
               f"  mean k {ex.get('mean_k', 0):.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+            json.dump(portable(report), fh, indent=2)
     return 0
 
 
