@@ -26,7 +26,7 @@ from foretell.attention import attention_mask
 from foretell.kvcache import KVCache, trim_all
 from foretell.model import PORT_MTP
 from foretell.rope import make_rope
-from foretell.spec import PORT_HIDDEN, Draft, Feed, PairingError, Target, draft_keys
+from foretell.spec import PORT_HIDDEN, Draft, Drafting, Feed, PairingError, Target, draft_keys
 from foretell_qwen.qwen3 import Attention, DecoderLayer
 
 #: Positions per head forward while absorbing a long prompt (bounds activation memory).
@@ -150,21 +150,13 @@ class MTPSource:
         self._absorb(feed)
         if self.last is None:
             return Draft.of([])
-        sampler, out = self.sampler, self.last
-        tokens, dists = [], []
+        out, drafting = self.last, Drafting(self.sampler, self.keys)
         for i in range(n):
-            scores = sampler.scores(self.target.logits(out[:, -1, :]))
-            if sampler.greedy:
-                token = mx.argmax(scores, axis=-1).astype(mx.int32)
-            else:
-                token = sampler.sample(scores, self.keys.next())
-                dists.append(sampler.probabilities(scores))
-            tokens.append(token)
+            token = drafting.add(self.target.logits(out[:, -1, :]))
             if i < n - 1:
                 out = self.head(self.target.embed(token[:, None]), out, self.caches[0])
         self._chained = n - 1
-        q = mx.stack(dists, axis=1) if dists else None
-        return Draft(mx.stack(tokens, axis=1), q)
+        return drafting.draft()
 
     def commit(self, accepted: int) -> None:
         # Chained positions used the head's own output for h; the real states arrive next.

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from foretell.generate import prefill, resolve_model_path
 from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.spec import Draft, Feed, PairingError, Target, draft_keys
+from foretell.spec import Draft, Drafting, Feed, PairingError, Target, draft_keys
 from foretell.tokenizer import Tokenizer
 
 #: Tokens one round may add to the draft's caches beyond the sequence (the verifier's cap).
@@ -81,24 +81,15 @@ class TwoModelSource:
         if not stay_trimmable(self.caches, n):
             self._drafted = 0
             return Draft.of([])  # a cache that could not roll back: the target steps alone
-        sampler = self.sampler
         x = mx.array([todo[-1:]], dtype=mx.int32)
-        tokens, dists = [], []
+        drafting = Drafting(self.sampler, self.keys)
         for _ in range(n):
             hidden, _ = self.model.forward(x, self.caches)
-            scores = sampler.scores(self.model.logits(hidden[:, -1, :]))
-            if sampler.greedy:
-                token = mx.argmax(scores, axis=-1).astype(mx.int32)
-            else:
-                token = sampler.sample(scores, self.keys.next())
-                dists.append(sampler.probabilities(scores))
-            tokens.append(token)
-            x = token[:, None]
+            x = drafting.add(self.model.logits(hidden[:, -1, :]))[:, None]
         # The last draft was not fed: the caches hold the sequence plus n - 1 drafts.
         self.fed = len(self.sequence) + n - 1
         self._drafted = n
-        q = mx.stack(dists, axis=1) if dists else None
-        return Draft(mx.stack(tokens, axis=1), q)
+        return drafting.draft()
 
     def commit(self, accepted: int) -> None:
         fed_drafts = max(self._drafted - 1, 0)

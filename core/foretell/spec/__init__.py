@@ -2,7 +2,7 @@
 
 Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`Feed`,
 :class:`Draft`, :class:`Target`, :class:`PairingError`, :data:`PORT_HIDDEN`,
-:data:`PORT_MTP`, :func:`draft_keys`.
+:data:`PORT_MTP`, :func:`draft_keys`, :class:`Drafting`.
 
 Names resolve on first use, so importing this package (or running ``python -m
 foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before MLX loads
@@ -24,6 +24,7 @@ _WHERE = {
     "Feed": "foretell.spec.contract",
     "PairingError": "foretell.spec.contract",
     "Target": "foretell.spec.contract",
+    "Drafting": "foretell.spec.verifier",
     "SpeculationStats": "foretell.spec.verifier",
     "Speculator": "foretell.spec.verifier",
     "draft_keys": "foretell.spec.verifier",

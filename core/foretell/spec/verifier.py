@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.sampling import RandomKeys, Sampler, repetition_windows
-from foretell.spec.contract import PORT_HIDDEN, DraftError, Feed, Target
+from foretell.spec.contract import PORT_HIDDEN, Draft, DraftError, Feed, Target
 from foretell.spec.policy import DraftLengthPolicy
 
 if TYPE_CHECKING:
@@ -400,6 +400,30 @@ def _call(speculator: Speculator, what: str, fn: Any, *args: Any) -> Any:
         raise DraftError(
             f"{speculator.label()} failed in {what}(): {type(exc).__name__}: {exc}"
         ) from exc
+
+
+class Drafting:
+    """Collects one draft token by token for a source that drafts autoregressively:
+    ``add(logits)`` picks the next token with the request's sampling settings (the argmax
+    when greedy; a draw from the processed distribution, recorded as ``q``, when sampling)
+    and returns it as ``[B]``; ``draft()`` is the :class:`Draft` so far."""
+
+    def __init__(self, sampler: Sampler, keys: RandomKeys | None):
+        self.sampler, self.keys = sampler, keys
+        self._tokens: list[mx.array] = []
+        self._q: list[mx.array] = []
+
+    def add(self, logits: mx.array) -> mx.array:
+        scores = self.sampler.scores(logits)
+        token = self.sampler.sample(scores, self.keys.next() if self.keys is not None else None)
+        if not self.sampler.greedy:
+            self._q.append(self.sampler.probabilities(scores))
+        self._tokens.append(token)
+        return token
+
+    def draft(self) -> Draft:
+        q = mx.stack(self._q, axis=1) if self._q else None
+        return Draft(mx.stack(self._tokens, axis=1), q)
 
 
 def draft_keys(sampler: Sampler) -> RandomKeys | None:
