@@ -98,19 +98,26 @@ def matmul_attention(
     queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
 ) -> mx.array:
     """Softmax attention written as matmuls, with the fused kernel's mask semantics
-    (``"causal"`` aligned to the newest key). Scores accumulate in float32."""
+    (``"causal"`` aligned to the newest key).
+
+    Everything between the inputs and the output runs in float32, as the fused kernel's
+    single-token path does: the scaled query, the scores, the softmax and the weighted sum
+    of values. Rounding the scores to bfloat16 (the matmul's natural output dtype) moved a
+    verify window's logits far enough from single-token decode's to change greedy tokens
+    within a dozen steps on the H200 (docs/speculation.md, "Greedy identity on CUDA")."""
     B, heads, L, dim = queries.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    q = (queries * scale).reshape(B, kv_heads, group, L, dim)
-    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # [B, kv, group, L, S]
+    f32 = mx.float32
+    q = (queries.astype(f32) * scale).reshape(B, kv_heads, group, L, dim)
+    scores = q @ keys.astype(f32)[:, :, None].swapaxes(-1, -2)  # [B, kv, group, L, S]
     if isinstance(mask, str):
         mask = causal_mask(L, S - L)
     if mask is not None:
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+            scores = mx.where(mask, scores, mx.array(-mx.inf, f32))
         else:
-            scores = scores + mask
-    weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
-    out = weights @ values[:, :, None]  # [B, kv, group, L, dim]
-    return out.reshape(B, heads, L, dim)
+            scores = scores + mask.astype(f32)
+    weights = mx.softmax(scores, axis=-1)
+    out = weights @ values.astype(f32)[:, :, None]  # [B, kv, group, L, dim]
+    return out.reshape(B, heads, L, dim).astype(queries.dtype)

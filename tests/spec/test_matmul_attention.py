@@ -36,3 +36,22 @@ def test_only_short_multi_token_queries_take_the_matmul_path_when_on(monkeypatch
         False, True, True, False, False]
     monkeypatch.setattr(attention, "_MATMUL_MODE", "fused")
     assert not any(attention.use_matmul_attention(n) for n in (1, 2, 32))
+
+
+def test_bfloat16_inputs_attend_in_float32_like_the_single_token_kernel():
+    """A verify window's attention must not round its scores to bfloat16: with scores of a
+    few units, that rounding alone moves the softmax weights by percents, and greedy tokens
+    of a bf16 target then differ from single-token decode (which scores in float32)."""
+    keys_ = mx.random.split(mx.random.key(7), 3)
+    q = (mx.random.normal((1, 8, 4, 64), key=keys_[0])).astype(mx.bfloat16)
+    k = (mx.random.normal((1, 2, 300, 64), key=keys_[1])).astype(mx.bfloat16)
+    v = (mx.random.normal((1, 2, 300, 64), key=keys_[2])).astype(mx.bfloat16)
+    mask = causal_mask(4, 296)
+    reference = matmul_attention(q.astype(mx.float32), k.astype(mx.float32),
+                                 v.astype(mx.float32), scale=0.5, mask=mask)
+    ours = matmul_attention(q, k, v, scale=0.5, mask=mask)
+    assert ours.dtype == mx.bfloat16
+    error = np.abs(np.array(ours.astype(mx.float32)) - np.array(reference))
+    scale = np.abs(np.array(reference)).max()
+    # one bfloat16 rounding of the output (2**-8 relative), nothing more
+    assert error.max() <= scale * 2.0**-8

@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def _timed(fn, reps: int) -> list[float]:
@@ -93,30 +94,64 @@ def _forward_probe(model_dir: str, mode: str, reps: int) -> dict[str, object]:
             "decode1": _summary(decode_ms[5:])}
 
 
-def identity(model_dir: str, tokens: int = 256) -> dict[str, object]:
-    """Greedy output of each drafter against plain decoding on this device (first
-    difference, or None), on stdlib code prompts."""
+def _margins(engine: Any, context: list[int], window: int = 4) -> dict[str, object]:
+    """The next token's logits after ``context`` two ways: a single-token step over a cache
+    of ``context[:-1]`` (plain decoding's shape) and the last row of a ``window``-token
+    forward (a verify window's shape). Their top-2 gaps say whether a difference there is a
+    near-tie under kernel rounding or a real disagreement."""
+    import mlx.core as mx
+
+    from foretell.generate import prefill
+
+    def last_logits(split: int) -> mx.array:
+        caches = engine.model.make_caches()
+        prefill(engine.model, context[:split], caches)
+        hidden, _ = engine.model.forward(mx.array([context[split:]], dtype=mx.int32), caches)
+        return engine.model.logits(hidden)[0, -1].astype(mx.float32)
+
+    out: dict[str, object] = {}
+    rows = {"decode1": last_logits(len(context) - 1),
+            f"window{window}": last_logits(len(context) - window)}
+    for name, row in rows.items():
+        top = mx.argsort(-row)[:2].tolist()
+        out[name] = {"top2": top, "gap": float(row[top[0]] - row[top[1]])}
+    a, b = rows.values()
+    out["max_abs_diff"] = float(mx.max(mx.abs(a - b)))
+    return out
+
+
+def identity(model_dir: str, tokens: int = 256, kinds: tuple[str, ...] = ("two-model", "mtp",
+             "ngram")) -> dict[str, object]:
+    """Greedy output of each drafter against plain decoding on this device: the first
+    difference (or None) and, there, both forward shapes' top-2 logit gaps."""
     from foretell.generate import load
     from foretell.spec.bench import code_prompts
 
     engine = load(model_dir)
     prompts = code_prompts(engine.tokenizer, 512)
     out: dict[str, object] = {}
-    for kind in ("two-model", "mtp", "ngram"):
+    plains: dict[str, list[int]] = {}
+    for name, prompt in prompts.items():
+        plains[name] = [t for e in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
+                                                   speculate=False) if e.type == "text"
+                        for t in e.tokens]
+    for kind in kinds:
         try:
             speculator = engine.use_draft(kind)
         except Exception as exc:  # a drafter this model cannot use
             out[kind] = f"skipped: {exc}"
             continue
         for name, prompt in prompts.items():
-            plain = [t for e in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
-                                                speculate=False) if e.type == "text"
-                     for t in e.tokens]
+            plain = plains[name]
             spec = [t for e in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
                                                speculate=speculator) if e.type == "text"
                     for t in e.tokens]
             first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
-            out[f"{kind}/{name}"] = {"identical": plain == spec, "first_difference": first}
+            row: dict[str, object] = {"identical": plain == spec, "first_difference": first}
+            if first is not None:
+                row["plain_token"], row["spec_token"] = plain[first], spec[first]
+                row["at_difference"] = _margins(engine, list(prompt) + plain[:first])
+            out[f"{kind}/{name}"] = row
     return out
 
 
