@@ -25,7 +25,7 @@ def __getattr__(name: str):
     if name in ("load", "Engine"):
         # The engine imports mlx; the BLAS must be bound first, or MLX keeps the reference
         # one for the life of the process (docs/blas.md).
-        from foretell import blas
+        from foretell.platform import blas
 
         blas.preload()
         from foretell import generate

@@ -155,7 +155,7 @@ def _worker_loop() -> int:
     """One side's process: load the model named on the first stdin line, then time one
     run per request line. Replies are JSON lines on the original stdout; anything a
     library prints goes to stderr, so it can never be mistaken for a reply."""
-    from foretell import blas
+    from foretell.platform import blas
 
     blas.preload()  # before mlx is imported; FORETELL_BLAS=reference keeps MLX's own
     import mlx.core as mx
@@ -192,7 +192,7 @@ def _worker_loop() -> int:
 #: A side's process: the BLAS is bound before this module (whose imports may pull in mlx)
 #: is imported; FORETELL_BLAS=reference keeps MLX's own.
 WORKER = (
-    "from foretell import blas; blas.preload(); "
+    "from foretell.platform import blas; blas.preload(); "
     "from foretell.bench import _worker_loop; raise SystemExit(_worker_loop())"
 )
 
@@ -295,7 +295,7 @@ def runtime_info() -> dict[str, Any]:
 
     import mlx.core as mx
 
-    from foretell import blas
+    from foretell.platform import blas
 
     if mx.cuda.is_available():
         backend = "cuda"

@@ -644,8 +644,8 @@ def load(
     :param progress: called ``(bytes read, bytes total)`` while the weights load.
     :param engine_options: passed to :class:`Engine` (``cache=``, ``kv_bits=``, ...).
     """
-    from foretell import blas
     from foretell.loading import load_model
+    from foretell.platform import blas
 
     blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)
     path = resolve_model_path(model)

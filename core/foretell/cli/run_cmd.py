@@ -198,7 +198,7 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = N
                 ram_cache: bool = False):
     """Load the model once, with a progress line while a person waits; with a ``[cache]``
     section, its KV scheme and a cache tier (RAM only unless it names a directory)."""
-    from foretell import blas
+    from foretell.platform import blas
 
     blas.preload()  # before anything below imports mlx (docs/blas.md)
     from foretell.cli.progress import ProgressLine

@@ -1,0 +1,11 @@
+"""Old path of :mod:`foretell.platform.blas`, kept so existing imports work.
+
+This module *is* that one (the same module object), so names, private helpers and
+monkeypatching behave as before (docs/decisions.md, "Old module paths").
+"""
+
+import sys
+
+from foretell.platform import blas
+
+sys.modules[__name__] = blas

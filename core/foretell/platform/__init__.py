@@ -1,0 +1,7 @@
+"""Per-platform facts the engine needs before it starts.
+
+- :mod:`foretell.platform.blas`: puts an optimized BLAS under MLX on Linux CPU; called
+  where the engine starts (``preload()``), never on ``import foretell``.
+
+Nothing here runs on import.
+"""
