@@ -5,7 +5,7 @@ Registered as the architectures' ``synthetic=`` spec; imported only when one is 
 
 from typing import Any
 
-from foretell.synthetic import TOKENIZER_VOCAB, SyntheticSpec
+from foretell.tools import TOKENIZER_VOCAB, SyntheticSpec
 
 GEMMA3_TEXT = SyntheticSpec(
     config={

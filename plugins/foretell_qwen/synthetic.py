@@ -3,7 +3,7 @@
 Registered as the architectures' ``synthetic=`` spec; imported only when one is made.
 """
 
-from foretell.synthetic import TOKENIZER_VOCAB, SyntheticSpec
+from foretell.tools import TOKENIZER_VOCAB, SyntheticSpec
 
 #: Named Qwen3 shapes. 30m/150m are the shapes of the project's CPU anchor figures; 0.6b
 #: and 4b are the real Qwen3-0.6B / Qwen3-4B shapes (random weights).

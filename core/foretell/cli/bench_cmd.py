@@ -71,8 +71,8 @@ def require_mlx_lm() -> None:
 
 
 def run(args) -> int:
-    from foretell import bench
     from foretell.cli.run_cmd import model_path
+    from foretell.tools import bench
 
     require_mlx_lm()
 
@@ -82,7 +82,7 @@ def run(args) -> int:
     models = [(Path(m).name or m, model_path(m)) for m in args.model]
     cache_dir = args.cache_dir or bench.CACHE_DIR
     for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):
-        from foretell.synthetic import presets
+        from foretell.tools.synthetic import presets
 
         shapes = presets()
         model_type, _, name = preset.rpartition(":")

@@ -1,0 +1,32 @@
+"""Tooling around the engine, not the engine: benchmarks and synthetic models.
+
+- :mod:`foretell.tools.bench`: ``foretell bench``, foretell against mlx-lm in one run.
+- :mod:`foretell.tools.synthetic`: random-weight model directories of any installed
+  architecture that registers a :class:`SyntheticSpec`.
+
+Plugin authors import from here: :class:`SyntheticSpec`, :data:`TOKENIZER_VOCAB`,
+:func:`make_model_dir`, :func:`make_preset_dir`. Names resolve on first use, so importing
+this package imports no MLX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "SyntheticSpec": "foretell.tools.synthetic",
+    "TOKENIZER_VOCAB": "foretell.tools.synthetic",
+    "make_model_dir": "foretell.tools.synthetic",
+    "make_preset_dir": "foretell.tools.synthetic",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'foretell.tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
