@@ -1,11 +1,11 @@
 """foretell: fast LLM inference on MLX, a minimal core plus plugins.
 
 The core defines four extension points (model architectures, draft providers, KV-cache
-codecs, storage layouts) as pluggy hook specs in :mod:`foretell.hookspecs`; plugins
+codecs, storage layouts) as pluggy hook specs in :mod:`foretell.plugin.hookspecs`; plugins
 register contributions through the ``foretell.plugins`` entry-point group.
 
 Importing this package is cheap and changes nothing in the process: pytest loads
-foretell's plugin (``foretell.pytest_plugin``) in every session of every environment that
+foretell's plugin (``foretell.plugin.pytest_plugin``) in every session of every environment that
 has foretell installed. The engine starts on first use of :func:`foretell.load` or
 :class:`foretell.Engine`, and that is where the CPU's optimized BLAS is put under MLX.
 """
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 #: higher minimum is refused with both versions named. Bump on incompatible changes.
 PLUGIN_API = 1
 
-from foretell.hookspecs import hookimpl  # noqa: E402
+from foretell.plugin.hookspecs import hookimpl  # noqa: E402
 
 __all__ = ["PLUGIN_API", "Engine", "__version__", "hookimpl", "load"]
 

@@ -1,48 +1,11 @@
-"""Core's own contributions: baseline KV-cache codecs and the single-file storage layout.
+"""Old path of :mod:`foretell.plugin.baseline`, kept so existing imports work.
 
-Registered as a core-internal plugin before any entry point, the way pytest registers its
-``_pytest`` modules; they go through the same hooks a third party uses.
+This module *is* that one (the same module object), so names, private helpers and
+monkeypatching behave as before (docs/decisions.md, "Old module paths").
 """
 
-from foretell.hookspecs import hookimpl
+import sys
 
+from foretell.plugin import baseline
 
-@hookimpl
-def foretell_register_cache_codecs(register):
-    register(
-        "kv",
-        "foretell.cache.codecs:StandardKVCodec",
-        summary="growable, trimmable KV cache (full attention layers)",
-    )
-    register(
-        "rotating-kv",
-        "foretell.cache.codecs:RotatingKVCodec",
-        summary="sliding-window ring cache; trimmable only before it wraps",
-    )
-    register(
-        "sliding-kv",
-        "foretell.cache.codecs:SlidingKVCodec",
-        summary="sliding window plus a rollback reserve, in time order (speculative targets)",
-    )
-    register(
-        "quantized-kv",
-        "foretell.cache.quantized:QuantizedKVCodec",
-        summary="affine-quantized KV cache (4/8-bit, groups along head_dim; --kv-bits)",
-    )
-    register(
-        "generation",
-        "foretell.cache.checkpoint:GenerationCodec",
-        summary="where an in-flight generation stood (crash-resumable checkpoints)",
-    )
-
-
-@hookimpl
-def foretell_register_storage_layouts(register):
-    from foretell.store.single_file import SingleFileConfig
-
-    register(
-        "single-file",
-        "foretell.store.single_file:SingleFileLayout",
-        config=SingleFileConfig,
-        summary="one safetensors file per cache entry, written atomically",
-    )
+sys.modules[__name__] = baseline

@@ -25,7 +25,7 @@ from cattrs.errors import (
 )
 
 from foretell.errors import ConfigError, ForetellError
-from foretell.registry import Kind, Registry
+from foretell.plugin.registry import Kind, Registry
 
 if sys.version_info >= (3, 11):
     import tomllib

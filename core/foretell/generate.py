@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from foretell.cache.tier import CacheTier
     from foretell.config import SamplingConfig
     from foretell.model import Model
-    from foretell.registry import Registry
+    from foretell.plugin.registry import Registry
     from foretell.spec import Speculator, Target
 
 #: Prompt tokens per prefill forward pass; bounds activation memory on long prompts.
@@ -650,7 +650,7 @@ def load(
     blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)
     path = resolve_model_path(model)
     if registry is None:
-        from foretell.plugins import load_plugins
+        from foretell.plugin.loader import load_plugins
 
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)

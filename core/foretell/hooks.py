@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pluggy
 
-from foretell import hookspecs
-from foretell.registry import Kind
+from foretell.plugin import hookspecs
+from foretell.plugin.registry import Kind
 
 
 def new_plugin_manager() -> pluggy.PluginManager:

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from foretell.errors import ModelLoadError, UnknownContribution
 from foretell.model import Model
-from foretell.registry import Kind, Registry
+from foretell.plugin.registry import Kind, Registry
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -396,6 +396,6 @@ def materialize(model: nn.Module, progress: Callable[[int, int], None] | None = 
 
 def load(path: str | Path, *, lazy: bool = False) -> Model:
     """:func:`load_model` with the installed plugins (entry points, env switches apply)."""
-    from foretell.plugins import load_plugins
+    from foretell.plugin.loader import load_plugins
 
     return load_model(path, load_plugins().registry, lazy=lazy)

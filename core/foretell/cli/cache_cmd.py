@@ -61,8 +61,8 @@ def add_parser(sub: Any) -> None:
 def layouts(args: argparse.Namespace) -> list[Any]:
     """The layouts to act on: the model's, or one per identity found in the directory."""
     from foretell.cache.codecs import load_codecs
-    from foretell.plugins import load_plugins
-    from foretell.registry import Kind
+    from foretell.plugin.loader import load_plugins
+    from foretell.plugin.registry import Kind
     from foretell.store.entry import StoreIdentity
     from foretell.store.single_file import SingleFileLayout
 
@@ -225,7 +225,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from foretell.cache.codecs import load_codecs
     from foretell.cache.ssd import SsdIndex
-    from foretell.plugins import load_plugins
+    from foretell.plugin.loader import load_plugins
 
     codecs = load_codecs(load_plugins().registry)
     freed = evicted = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from foretell.plugins import LOADED, PluginSet, load_plugins
+from foretell.plugin.loader import LOADED, PluginSet, load_plugins
 
 
 def add_parser(sub) -> None:

@@ -137,7 +137,7 @@ _FLAG_FIELDS = {
 def run_config(args: argparse.Namespace):
     """The plugin registry and the run config from ``--config`` plus flags."""
     from foretell.config import load_run_config
-    from foretell.plugins import load_plugins
+    from foretell.plugin.loader import load_plugins
 
     overrides = {}
     for attr, field in _FLAG_FIELDS.items():

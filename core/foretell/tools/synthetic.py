@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 if TYPE_CHECKING:
-    from foretell.registry import Registry
+    from foretell.plugin.registry import Registry
 
 EOS = "<|im_end|>"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", EOS)
@@ -117,14 +117,14 @@ def token_id(token: str) -> int:
 def _registry(registry: Registry | None) -> Registry:
     if registry is not None:
         return registry
-    from foretell.plugins import load_plugins
+    from foretell.plugin.loader import load_plugins
 
     return load_plugins().registry
 
 
 def spec_for(model_type: str, registry: Registry | None = None) -> SyntheticSpec:
     """The synthetic spec the architecture plugin for ``model_type`` registered."""
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
 
     registry = _registry(registry)
     spec = registry.get(Kind.ARCHITECTURE, model_type).load_synthetic()
@@ -138,7 +138,7 @@ def spec_for(model_type: str, registry: Registry | None = None) -> SyntheticSpec
 
 def model_types(registry: Registry | None = None) -> list[str]:
     """Every installed architecture that registered a synthetic spec."""
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
 
     return sorted(
         item.name for item in _registry(registry)
@@ -236,7 +236,7 @@ def make_model_dir(
     :param shard_bytes: split the weights into shards of about this size, with an index.
     :param registry: where the architecture is found (default: the installed plugins).
     """
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

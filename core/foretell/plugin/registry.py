@@ -1,0 +1,242 @@
+"""Contributions and the registry that holds them.
+
+A contribution is a frozen descriptor: what a plugin offers for one extension point, with a
+lazily imported factory, so listing plugins never imports a heavy dependency.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from foretell import PLUGIN_API
+from foretell.errors import ContributionConflict, PluginError, UnknownContribution
+
+
+class Kind(str, enum.Enum):
+    """The four extension points; the value is what ``foretell plugins`` prints."""
+
+    ARCHITECTURE = "architecture"
+    DRAFT = "draft"
+    CODEC = "codec"
+    LAYOUT = "layout"
+
+    @property
+    def hook_name(self) -> str:
+        return {
+            Kind.ARCHITECTURE: "foretell_register_architectures",
+            Kind.DRAFT: "foretell_register_draft_providers",
+            Kind.CODEC: "foretell_register_cache_codecs",
+            Kind.LAYOUT: "foretell_register_storage_layouts",
+        }[self]
+
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@attrs.frozen(kw_only=True)
+class Origin:
+    """Which plugin a contribution came from, stamped by the core, not by the plugin."""
+
+    plugin: str
+    distribution: str | None = None
+    version: str | None = None
+    builtin: bool = False
+
+    def describe(self) -> str:
+        dist = f"{self.distribution} {self.version}" if self.distribution else "no distribution"
+        return f"plugin '{self.plugin}' ({dist})"
+
+
+@attrs.frozen(kw_only=True)
+class Contribution:
+    """One named implementation of one extension point."""
+
+    kind: Kind
+    name: str
+    factory: str
+    config: type | None = None
+    summary: str = ""
+    min_api: int = 1
+    replaces: bool = False
+    #: Architectures only: ``"module:attr"`` naming a :class:`foretell.tools.SyntheticSpec`,
+    #: how to make a tiny random-weight checkpoint of this architecture for tests and bench.
+    synthetic: str | None = None
+    origin: Origin
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.value}:{self.name}"
+
+    def load(self) -> Any:
+        """Import and return the factory object; errors name the plugin."""
+        return self._import(self.factory, "factory")
+
+    def load_synthetic(self) -> Any:
+        """Import and return the synthetic-checkpoint spec (None if it registered none)."""
+        return None if self.synthetic is None else self._import(self.synthetic, "synthetic spec")
+
+    def _import(self, ref: str, what: str) -> Any:
+        module_name, _, attr = ref.partition(":")
+        try:
+            obj = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:
+            raise PluginError(
+                f"{self.label} from {self.origin.describe()}: cannot import its {what} "
+                f"'{ref}': {type(exc).__name__}: {exc}"
+            ) from exc
+        return obj
+
+
+class Registrar:
+    """The ``register`` callable a registration hook receives, bound to one plugin and kind."""
+
+    def __init__(self, kind: Kind, origin: Origin, sink: Callable[[Contribution], None]):
+        self._kind = kind
+        self._origin = origin
+        self._sink = sink
+
+    def __call__(
+        self,
+        name: str,
+        factory: str,
+        *,
+        config: type | None = None,
+        summary: str = "",
+        min_api: int = 1,
+        replaces: bool = False,
+        synthetic: str | None = None,
+    ) -> None:
+        where = f"{self._origin.describe()} registering {self._kind.value} '{name}'"
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{where}: the name must be a non-empty string")
+        if not isinstance(factory, str) or not _FACTORY.match(factory):
+            raise PluginError(f"{where}: factory must be a 'module:attr' string, got {factory!r}")
+        if synthetic is not None:
+            if self._kind is not Kind.ARCHITECTURE:
+                raise PluginError(f"{where}: synthetic= is for architectures only")
+            if not isinstance(synthetic, str) or not _FACTORY.match(synthetic):
+                raise PluginError(
+                    f"{where}: synthetic must be a 'module:attr' string, got {synthetic!r}"
+                )
+        if config is not None and not attrs.has(config):
+            raise PluginError(f"{where}: config must be an attrs class, got {config!r}")
+        if min_api > PLUGIN_API:
+            raise PluginError(
+                f"{where}: needs plugin API {min_api}, this foretell provides {PLUGIN_API}; "
+                "upgrade foretell or install an older version of the plugin"
+            )
+        self._sink(
+            Contribution(
+                kind=self._kind,
+                name=name,
+                factory=factory,
+                config=config,
+                summary=summary,
+                min_api=min_api,
+                replaces=replaces,
+                synthetic=synthetic,
+                origin=self._origin,
+            )
+        )
+
+
+@attrs.define
+class Conflict:
+    first: Contribution
+    second: Contribution
+
+    def message(self) -> str:
+        label = self.first.label
+        return (
+            f"{label} is contributed by both {self.first.origin.describe()} and "
+            f"{self.second.origin.describe()}. Uninstall one, disable one with "
+            f"FORETELL_DISABLE_PLUGINS={self.second.origin.plugin}, or, if "
+            f"'{self.second.origin.plugin}' is meant to replace a built-in, register it "
+            "with replaces=True."
+        )
+
+
+@attrs.define
+class Replacement:
+    winner: Contribution
+    replaced: Contribution
+
+
+class Registry:
+    """Every loaded contribution, by kind and name; the only place the engine looks them up."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[Kind, str], Contribution] = {}
+        self.conflicts: dict[tuple[Kind, str], Conflict] = {}
+        self.replacements: list[Replacement] = []
+        #: Filled by the loader: plugins that failed, consulted when a lookup misses.
+        self.failures: list[Any] = []
+        #: Filled by the loader: installed plugins the environment switches kept unloaded.
+        self.disabled: list[str] = []
+
+    def add(self, item: Contribution) -> None:
+        key = (item.kind, item.name)
+        if key in self.conflicts:
+            return
+        current = self._items.get(key)
+        if current is None:
+            self._items[key] = item
+            return
+        # A third party may replace a built-in only by saying so; anything else is an error.
+        if item.replaces and current.origin.builtin and not item.origin.builtin:
+            self._items[key] = item
+            self.replacements.append(Replacement(winner=item, replaced=current))
+            return
+        if current.replaces and item.origin.builtin and not current.origin.builtin:
+            self.replacements.append(Replacement(winner=current, replaced=item))
+            return
+        self.conflicts[key] = Conflict(first=current, second=item)
+        del self._items[key]
+
+    def __iter__(self) -> Iterator[Contribution]:
+        return iter(self._items.values())
+
+    def names(self, kind: Kind) -> list[str]:
+        return sorted(name for k, name in self._items if k is kind)
+
+    def get(self, kind: Kind, name: str) -> Contribution:
+        """The contribution selected by ``name``; errors explain why it is not available."""
+        key = (kind, name)
+        if key in self.conflicts:
+            raise ContributionConflict(self.conflicts[key].message())
+        found = self._items.get(key)
+        if found is not None:
+            return found
+        installed = ", ".join(self.names(kind)) or "none"
+        if name in self.disabled:
+            raise UnknownContribution(
+                f"{kind.value} '{name}': plugin '{name}' is installed but disabled "
+                "(FORETELL_DISABLE_PLUGINS / FORETELL_LOAD_PLUGINS); enable it to use it"
+            )
+        message = f"no {kind.value} named '{name}' is installed (installed: {installed})"
+        if self.disabled:
+            # Its contributions are unknown until it loads; one of them may be this name.
+            message += (
+                f"; disabled plugins, which may provide it: {', '.join(sorted(self.disabled))}"
+            )
+        failed = [f for f in self.failures if f.error is not None]
+        if failed:
+            # The selected name may belong to a plugin that failed: surface its own error.
+            first = failed[0]
+            details = "; ".join(f"plugin '{f.name}' failed to load: {f.error}" for f in failed)
+            raise UnknownContribution(f"{message}; {details}") from first.exception
+        hint = {
+            Kind.ARCHITECTURE: "install a plugin that provides this model_type",
+            Kind.DRAFT: "install a plugin that provides this draft kind",
+            Kind.CODEC: "install a plugin that provides this codec",
+            Kind.LAYOUT: "install a plugin that provides this storage layout",
+        }[kind]
+        raise UnknownContribution(f"{message}; {hint} (see `foretell plugins`)")
