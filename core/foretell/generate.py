@@ -483,7 +483,7 @@ class Engine:
         state = self._open_request(ids, request)
         spec_stats = None
         with mx.stream(generation_stream()):
-            if state.generated:  # resumed from a checkpoint: replay, then go on decoding
+            if state.generated and speculator is None:  # resumed: replay, then go on decoding
                 steps = resumed_steps(self.model, state, sampler, max_tokens)
             elif speculator is None:
                 prefill(self.model, ids[state.cached : -1], state.caches, progress)
@@ -497,6 +497,7 @@ class Engine:
                 steps = speculative_steps(
                     self.target, speculator, state, sampler, max_tokens, spec_stats, progress,
                     after_prefill=request.after_prefill if request is not None else None,
+                    link=request.draft_link(speculator) if request is not None else None,
                 )
             if request is not None:
                 steps = request.steps(steps, state)
@@ -644,7 +645,7 @@ def load(
     :param progress: called ``(bytes read, bytes total)`` while the weights load.
     :param engine_options: passed to :class:`Engine` (``cache=``, ``kv_bits=``, ...).
     """
-    from foretell.loading import load_model
+    from foretell.model.loading import load_model
     from foretell.platform import blas
 
     blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)

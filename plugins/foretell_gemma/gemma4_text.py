@@ -26,12 +26,17 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from foretell.attention import attend, attention_mask
 from foretell.errors import ModelLoadError
-from foretell.kvcache import KVCache, RotatingKVCache
-from foretell.loading import args_from_config, require_divides
-from foretell.model import PORT_TAPS
-from foretell.rope import make_rope
+from foretell.model import (
+    PORT_TAPS,
+    KVCache,
+    RotatingKVCache,
+    args_from_config,
+    attend,
+    attention_mask,
+    make_rope,
+    require_divides,
+)
 from foretell_gemma.layers import MLP, geglu
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -22,10 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from foretell.attention import attention_mask
-from foretell.kvcache import KVCache, trim_all
-from foretell.model import PORT_MTP
-from foretell.rope import make_rope
+from foretell.model import PORT_MTP, KVCache, attention_mask, make_rope, trim_all
 from foretell.spec import PORT_HIDDEN, Draft, Drafting, Feed, PairingError, Target, draft_keys
 from foretell_qwen.qwen3 import Attention, DecoderLayer
 
@@ -63,7 +60,7 @@ class MTPHead(nn.Module):
 
 def load_head(target: Target) -> MTPHead:
     """The target's MTP head; :class:`PairingError` when the target has none."""
-    from foretell.loading import (
+    from foretell.model import (
         quantize_like_checkpoint,
         read_config,
         should_unpack_quantized,

@@ -7,8 +7,7 @@ from typing import Any
 
 import attrs
 
-from foretell.loading import args_from_config, require_divides
-from foretell.rope import make_rope
+from foretell.model import args_from_config, make_rope, require_divides
 from foretell_qwen.qwen3 import QwenModel
 
 

@@ -16,11 +16,16 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from foretell.attention import attend, attention_mask
-from foretell.kvcache import KVCache
-from foretell.loading import args_from_config, require_divides
-from foretell.model import PORT_MTP, PORT_TAPS
-from foretell.rope import make_rope
+from foretell.model import (
+    PORT_MTP,
+    PORT_TAPS,
+    KVCache,
+    args_from_config,
+    attend,
+    attention_mask,
+    make_rope,
+    require_divides,
+)
 
 
 @attrs.frozen(kw_only=True)

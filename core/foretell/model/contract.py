@@ -2,7 +2,7 @@
 
 An architecture builder (registered with ``foretell_register_architectures``) takes the
 parsed ``config.json`` and returns a :class:`Model`. Weights are loaded by the core
-(:mod:`foretell.loading`): the model exposes its parameters as an ``mlx.nn.Module`` and a
+(:mod:`foretell.model.loading`): the model exposes its parameters as an ``mlx.nn.Module`` and a
 ``sanitize`` step maps checkpoint names onto them.
 
 Shapes: ``tokens`` is ``int32 [B, L]``; hidden states are ``[B, L, hidden_size]``;

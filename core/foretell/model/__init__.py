@@ -1,0 +1,62 @@
+"""The model contract and the building blocks architectures are made of.
+
+Architecture plugins import from here:
+
+- the contract (:mod:`~foretell.model.contract`): :class:`Model`, :class:`Cache`,
+  :data:`PORT_TAPS`, :data:`PORT_MTP`;
+- KV caches (:mod:`~foretell.model.kvcache`): :class:`KVCache`, :class:`RotatingKVCache`,
+  :class:`SlidingKVCache`, :func:`add_rollback_reserve`, :func:`can_trim`,
+  :func:`stay_trimmable`, :func:`trim_all`;
+- attention (:mod:`~foretell.model.attention`): :func:`attend`, :func:`attention_mask`,
+  :func:`causal_mask`, :data:`Mask`;
+- RoPE (:mod:`~foretell.model.rope`): :func:`make_rope`, :class:`RoPE`;
+- loading (:mod:`~foretell.model.loading`): :func:`load_model`, :func:`read_config`,
+  :func:`args_from_config`, :func:`require_divides`, and for checkpoint quirks
+  :func:`quantize_like_checkpoint`, :func:`should_unpack_quantized`,
+  :func:`unpack_quantized`.
+
+Names resolve on first use, so importing this package imports no MLX: on the CPU the BLAS
+must be bound before MLX loads (docs/blas.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "Cache": "foretell.model.contract",
+    "Model": "foretell.model.contract",
+    "PORT_MTP": "foretell.model.contract",
+    "PORT_TAPS": "foretell.model.contract",
+    "KVCache": "foretell.model.kvcache",
+    "RotatingKVCache": "foretell.model.kvcache",
+    "SlidingKVCache": "foretell.model.kvcache",
+    "add_rollback_reserve": "foretell.model.kvcache",
+    "can_trim": "foretell.model.kvcache",
+    "stay_trimmable": "foretell.model.kvcache",
+    "trim_all": "foretell.model.kvcache",
+    "Mask": "foretell.model.attention",
+    "attend": "foretell.model.attention",
+    "attention_mask": "foretell.model.attention",
+    "causal_mask": "foretell.model.attention",
+    "RoPE": "foretell.model.rope",
+    "make_rope": "foretell.model.rope",
+    "args_from_config": "foretell.model.loading",
+    "load_model": "foretell.model.loading",
+    "quantize_like_checkpoint": "foretell.model.loading",
+    "read_config": "foretell.model.loading",
+    "require_divides": "foretell.model.loading",
+    "should_unpack_quantized": "foretell.model.loading",
+    "unpack_quantized": "foretell.model.loading",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'foretell.model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

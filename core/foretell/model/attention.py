@@ -1,0 +1,123 @@
+"""Attention pieces every architecture shares: causal / sliding-window masks and the
+fused scaled-dot-product call.
+
+A mask is ``None`` (one query: it may see every key it is given), the string
+``"causal"`` (``mx.fast.scaled_dot_product_attention`` aligns it to the newest key, so it
+is right whatever the cache holds before the queries), or a boolean array
+``[queries, keys]`` where ``True`` means "may attend".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+Mask = mx.array | str | None
+
+
+def causal_mask(n_queries: int, n_prior: int = 0, window: int | None = None) -> mx.array:
+    """Boolean mask for ``n_queries`` new tokens that follow ``n_prior`` keys.
+
+    Query ``i`` sits at key position ``n_prior + i``; it may read key ``j`` when
+    ``j <= n_prior + i`` and, with a ``window``, when fewer than ``window`` positions
+    separate them (the token itself counts, so it sees ``window`` keys at most).
+    """
+    key_pos = mx.arange(n_prior + n_queries)[None]
+    query_pos = mx.arange(n_prior, n_prior + n_queries)[:, None]
+    mask = query_pos >= key_pos
+    if window is not None:
+        mask = mask & (query_pos - key_pos < window)
+    return mask
+
+
+def attention_mask(n_queries: int, cache: Any = None, window: int | None = None) -> Mask:
+    """The mask for ``n_queries`` new tokens attending through ``cache``.
+
+    A cache knows which keys it will hand back, so it builds the mask (see
+    :meth:`foretell.model.kvcache.KVCache.mask`); without one, every key is a new token.
+    """
+    if cache is not None:
+        return cache.mask(n_queries)
+    if n_queries == 1:
+        return None
+    if window is not None and n_queries > window:
+        return causal_mask(n_queries, 0, window)
+    return "causal"
+
+
+def attend(
+    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
+) -> mx.array:
+    """Attention over ``[B, heads, L, dim]`` arrays (grouped KV heads allowed): the fused
+    kernel, except for short multi-token queries on CUDA (see :func:`use_matmul_attention`)."""
+    if isinstance(keys, tuple):  # affine-quantized KV: (packed, scales, biases)
+        from foretell.cache.quantized import quantized_attend
+
+        return quantized_attend(queries, keys, values, scale=scale, mask=mask)
+    if use_matmul_attention(queries.shape[2]):
+        return matmul_attention(queries, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+#: Queries up to this many tokens take :func:`matmul_attention` on CUDA (verify windows;
+#: prefill chunks are long enough to amortize the fused kernel's planning).
+MATMUL_MAX_QUERIES = 32
+_MATMUL_MODE: str | None = None
+
+
+def use_matmul_attention(n_queries: int) -> bool:
+    """Whether ``n_queries`` new tokens attend through plain matmuls instead of the fused
+    kernel.
+
+    Measured on an H200 (mlx-cuda 0.32.4): the fused kernel is re-planned whenever the key
+    length changes and the query has more than one token, 38 ms per call against 0.09 ms
+    when the length repeats, which made a speculative round cost ~100 ms whatever its
+    length; matmul + mask + softmax costs 1.6 ms for the same 3-token forward. Metal and the
+    CPU keep the fused kernel. ``FORETELL_ATTENTION=fused|matmul`` forces either path
+    (``matmul`` also for single-token decode), for measuring.
+    """
+    global _MATMUL_MODE
+    if _MATMUL_MODE is None:
+        import os
+
+        forced = os.environ.get("FORETELL_ATTENTION", "auto")
+        if forced not in ("auto", "fused", "matmul", "matmul-all"):
+            forced = "auto"
+        if forced == "auto":
+            forced = "matmul" if mx.cuda.is_available() and mx.default_device() == mx.gpu else "fused"
+        _MATMUL_MODE = forced
+    if _MATMUL_MODE == "fused":
+        return False
+    if _MATMUL_MODE == "matmul-all":
+        return True
+    return 1 < n_queries <= MATMUL_MAX_QUERIES
+
+
+def matmul_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
+) -> mx.array:
+    """Softmax attention written as matmuls, with the fused kernel's mask semantics
+    (``"causal"`` aligned to the newest key).
+
+    Everything between the inputs and the output runs in float32, as the fused kernel's
+    single-token path does: the scaled query, the scores, the softmax and the weighted sum
+    of values. Rounding the scores to bfloat16 (the matmul's natural output dtype) moved a
+    verify window's logits far enough from single-token decode's to change greedy tokens
+    within a dozen steps on the H200 (docs/speculation.md, "Greedy identity on CUDA")."""
+    B, heads, L, dim = queries.shape
+    kv_heads, S = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    f32 = mx.float32
+    q = (queries.astype(f32) * scale).reshape(B, kv_heads, group, L, dim)
+    scores = q @ keys.astype(f32)[:, :, None].swapaxes(-1, -2)  # [B, kv, group, L, S]
+    if isinstance(mask, str):
+        mask = causal_mask(L, S - L)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, f32))
+        else:
+            scores = scores + mask.astype(f32)
+    weights = mx.softmax(scores, axis=-1)
+    out = weights @ values.astype(f32)[:, :, None]  # [B, kv, group, L, dim]
+    return out.reshape(B, heads, L, dim).astype(queries.dtype)
