@@ -10,10 +10,18 @@ def _positive(_inst, attribute, value):
         raise ValueError(f"'{attribute.name}' must be >= 1, got {value!r}")
 
 
+def _non_negative(_inst, attribute, value):
+    if value < 0:
+        raise ValueError(f"'{attribute.name}' must be >= 0, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class NgramConfig:
-    max_ngram: int = attrs.field(default=3, validator=_positive)
+    #: The deepest suffix match looked up; a match this deep proposes every token asked for.
+    max_ngram: int = attrs.field(default=4, validator=_positive)
     min_ngram: int = attrs.field(default=1, validator=_positive)
+    #: A shallower match of ``s`` tokens proposes at most ``tokens_per_match * s``; 0: no limit.
+    tokens_per_match: int = attrs.field(default=2, validator=_non_negative)
 
     def __attrs_post_init__(self):
         if self.min_ngram > self.max_ngram:
