@@ -173,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
 
-    from foretell import blas
+    from foretell.platform import blas
 
     blas.preload()  # before mlx: the CPU forward passes need the optimized BLAS
     import mlx.core as mx
 
     from foretell.cache.codecs import RotatingKVCodec, StandardKVCodec
     from foretell.generate import resolve_model_path
-    from foretell.loading import load
+    from foretell.model.loading import load
     from foretell.store.entry import StoreIdentity
     from foretell.store.single_file import SingleFileLayout
     from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     _print(results, args.block_tokens)
     if args.json:
-        from foretell.bench import portable
+        from foretell.tools.bench import portable
 
         Path(args.json).write_text(json.dumps(portable(results), indent=1))
     return 0

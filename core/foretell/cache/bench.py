@@ -143,7 +143,7 @@ def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str,
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-        from foretell.kvcache import KVCache as OurKV
+        from foretell.model.kvcache import KVCache as OurKV
     except ImportError:
         return None
     if not all(type(c) is OurKV for c in caches):
@@ -250,7 +250,7 @@ PHASES: dict[str, Callable[..., dict[str, Any]]] = {"prime": phase_prime,
 
 
 def _worker(argv: Sequence[str]) -> int:
-    from foretell import blas
+    from foretell.platform import blas
 
     blas.preload()  # before mlx is imported (docs/blas.md)
     parser = argparse.ArgumentParser()
@@ -287,7 +287,7 @@ def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *ext
 def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, repeats: int,
                     decode_tokens: int, work_dir: Path | None = None,
                     progress: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
-    from foretell.bench import machine_info, prompt_ids
+    from foretell.tools.bench import machine_info, prompt_ids
 
     rows = []
     for name, model in models:
@@ -317,7 +317,7 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
             progress(render_row(row))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    from foretell.bench import runtime_info
+    from foretell.tools.bench import runtime_info
 
     return {"machine": machine_info(), "runtime": runtime_info(), "rows": rows}
 

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from foretell.errors import CodecError
-from foretell.kvcache import KVCache, RotatingKVCache, SlidingKVCache
-from foretell.registry import Kind, Registry
+from foretell.model.kvcache import KVCache, RotatingKVCache, SlidingKVCache
+from foretell.plugin.registry import Kind, Registry
 from foretell.store.entry import Entry, LayerHeader, LayerState
 
 Tensors = dict[str, mx.array]

@@ -19,9 +19,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from foretell.attention import Mask
 from foretell.errors import CodecError, GenerationError
-from foretell.kvcache import KVCache
+from foretell.model.attention import Mask
+from foretell.model.kvcache import KVCache
 
 Triple = tuple[mx.array, mx.array, mx.array]  # packed uint32, scales, biases
 _PARTS = ("packed", "scales", "biases")

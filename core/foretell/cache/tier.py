@@ -27,7 +27,7 @@ from foretell.cache.codecs import CacheCodec, restore_caches, snapshot_entry
 from foretell.cache.prefix import PrefixCache
 from foretell.cache.spill import FlushReport, SpillQueue
 from foretell.cache.ssd import SsdIndex
-from foretell.kvcache import trim_all
+from foretell.model.kvcache import trim_all
 from foretell.store.entry import Entry, StoreIdentity
 from foretell.store.layout import StorageLayout
 
@@ -131,8 +131,8 @@ class CacheTier:
     def from_section(cls, engine: Any, section: Any) -> CacheTier:
         """A tier for ``engine`` as a ``[cache]`` section (:class:`foretell.config.CacheSection`)
         describes it; the storage layout is looked up by name among the plugins'."""
+        from foretell.plugin.registry import Kind
         from foretell.plugins import load_plugins
-        from foretell.registry import Kind
 
         registry = engine.registry if engine.registry is not None else load_plugins().registry
         contribution = registry.get(Kind.LAYOUT, section.layout)

@@ -31,7 +31,7 @@ def machine_kind() -> str:
 def measured_drafter(model_dir: Path | None, registry: Any) -> tuple[str, Any] | None:
     """``(kind, options)`` for this machine from ``model_dir/speculation.json``, or None."""
     from foretell.config import make_converter, structure
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
 
     if model_dir is None or not (Path(model_dir) / FILE).is_file():
         return None

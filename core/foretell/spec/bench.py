@@ -49,7 +49,7 @@ def code_prompts(tokenizer: Any, length: int) -> dict[str, list[int]]:
 
 def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None = None,
                 acceptance: str = "rejection", adaptive: bool = True) -> Any:
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
 
     key = (kind, model, acceptance, adaptive)
     if key not in _SPECULATORS:
@@ -204,8 +204,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     prompt. mlx-lm is not involved (``foretell bench --speculation`` adds it)."""
     import statistics
 
-    from foretell.bench import machine_info, runtime_info, time_run
     from foretell.generate import load, resolve_model_path
+    from foretell.tools.bench import machine_info, runtime_info, time_run
 
     engine = load(model)
     path = resolve_model_path(model)
@@ -250,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from foretell import blas
+    from foretell.platform import blas
 
     blas.preload()
-    from foretell.bench import portable
+    from foretell.tools.bench import portable
 
     ap = argparse.ArgumentParser(prog="python -m foretell.spec.bench",
                                  description=foretell_only.__doc__)

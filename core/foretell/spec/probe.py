@@ -39,7 +39,7 @@ def _summary(ms: list[float]) -> dict[str, float]:
 def raw_kernel(dtype: str = "bfloat16", reps: int = 60) -> dict[str, object]:
     import mlx.core as mx
 
-    from foretell.attention import matmul_attention
+    from foretell.model.attention import matmul_attention
 
     dt = getattr(mx, dtype)
     q = mx.random.normal((1, 16, 3, 128)).astype(dt)
@@ -65,8 +65,8 @@ def raw_kernel(dtype: str = "bfloat16", reps: int = 60) -> dict[str, object]:
 def _forward_probe(model_dir: str, mode: str, reps: int) -> dict[str, object]:
     import mlx.core as mx
 
-    from foretell import attention
     from foretell.generate import load, prefill
+    from foretell.model import attention
 
     attention._MATMUL_MODE = mode
     engine = load(model_dir)
@@ -156,7 +156,7 @@ def identity(model_dir: str, tokens: int = 256, kinds: tuple[str, ...] = ("two-m
 
 
 def main(argv: list[str] | None = None) -> int:
-    from foretell import blas
+    from foretell.platform import blas
 
     blas.preload()
     ap = argparse.ArgumentParser(prog="python -m foretell.spec.probe")
