@@ -115,7 +115,7 @@ class CacheTier:
         registered; RAM only when ``cache_dir`` is None. Attach it with ``engine.cache =``."""
         from foretell.cache.codecs import load_codecs
         from foretell.cache.quantized import kv_scheme
-        from foretell.plugins import load_plugins
+        from foretell.plugin.loader import load_plugins
 
         registry = engine.registry if engine.registry is not None else load_plugins().registry
         codecs = load_codecs(registry)
@@ -131,8 +131,8 @@ class CacheTier:
     def from_section(cls, engine: Any, section: Any) -> CacheTier:
         """A tier for ``engine`` as a ``[cache]`` section (:class:`foretell.config.CacheSection`)
         describes it; the storage layout is looked up by name among the plugins'."""
+        from foretell.plugin.loader import load_plugins
         from foretell.plugin.registry import Kind
-        from foretell.plugins import load_plugins
 
         registry = engine.registry if engine.registry is not None else load_plugins().registry
         contribution = registry.get(Kind.LAYOUT, section.layout)
