@@ -4,6 +4,10 @@ The draft model keeps its own caches, always holding the sequence minus its newe
 plus whatever it fed while drafting; ``commit`` trims that back to the accepted drafts.
 Drafting chains ``n`` forwards lazily, so the drafts, the target's verify forward and the
 acceptance test evaluate as one graph with one host sync (the verifier's).
+
+Its state checkpoints (the cache stores it with the target's entries): the draft caches go
+through the tier's KV codecs, the draft's random stream as keys; the identity is the draft
+model's weights and config, so one draft model's caches never seed another's.
 """
 
 from __future__ import annotations
@@ -14,8 +18,18 @@ from typing import Any
 import mlx.core as mx
 
 from foretell.generate import prefill, resolve_model_path
-from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.spec import Draft, Drafting, Feed, PairingError, Target, draft_keys
+from foretell.model import add_rollback_reserve, stay_trimmable, trim_all
+from foretell.sampling import RandomKeys
+from foretell.spec import (
+    Draft,
+    Drafting,
+    DraftState,
+    Feed,
+    PairingError,
+    Target,
+    draft_keys,
+    files_fingerprint,
+)
 from foretell.tokenizer import Tokenizer
 
 #: Tokens one round may add to the draft's caches beyond the sequence (the verifier's cap).
@@ -29,9 +43,10 @@ class TwoModelProvider:
         self.config = config
         self.path: Path | None = None
         self.model: Any = None
+        self._fingerprint: str | None = None
 
     def prepare(self, target: Target) -> None:
-        from foretell.loading import load_model, read_config
+        from foretell.model import load_model, read_config
 
         path = resolve_model_path(self.config.model)
         config = read_config(path)
@@ -51,6 +66,11 @@ class TwoModelProvider:
             raise PairingError(f"{where}: no plugin registry to build the draft model with")
         self.model = load_model(path, target.registry)
         self.path = path
+        self._fingerprint = files_fingerprint([path / "config.json", *path.glob("*.safetensors")])
+
+    def draft_identity(self) -> dict[str, Any]:
+        # ROUND_RESERVE shapes the caches' stored form (the sliding reserve), so it is named.
+        return {"weights": self._fingerprint, "reserve": ROUND_RESERVE, "version": 1}
 
     def open(self, target: Target, sampler: Any) -> TwoModelSource:
         return TwoModelSource(self.model, sampler)
@@ -70,8 +90,24 @@ class TwoModelSource:
 
     def prefill(self, feed: Feed) -> None:
         self.sequence.extend(feed.tokens)
-        prefill(self.model, self.sequence[:-1], self.caches)
-        self.fed = len(self.sequence) - 1
+        todo = self.sequence[self.fed : -1]  # after a restore, only what the cache lacked
+        prefill(self.model, todo, self.caches)
+        self.fed += len(todo)
+
+    def capture(self) -> DraftState:
+        return DraftState(caches=list(self.caches), meta={"fed": self.fed},
+                          keys=self.keys.state() if self.keys is not None else None)
+
+    def restore(self, state: DraftState, tokens: list[int]) -> None:
+        self.caches = list(state.caches)
+        self.sequence = list(tokens)
+        # ``fed`` may run past ``tokens`` by the accepted drafts the next feed brings.
+        self.fed = int(state.meta["fed"])
+        if self.fed != self.caches[0].offset:
+            raise ValueError(f"stored draft caches hold {self.caches[0].offset} tokens, "
+                             f"the state says {self.fed}")
+        if state.keys is not None and self.keys is not None:
+            self.keys = RandomKeys.restored(self.keys.seed, state.keys)
 
     def draft(self, feed: Feed, n: int) -> Draft:
         self.sequence.extend(feed.tokens)

@@ -12,6 +12,12 @@ on drawing from the same seeded stream.
 
 Checkpoints are exact-boundary entries (the ``generation`` layer is never trimmable). A new
 one replaces older ones only once it is on disk; a completed generation deletes them.
+
+A speculative generation whose drafter checkpoints itself is checkpointed at round
+boundaries instead (:meth:`Checkpointer.write_round`): the target's caches hold all but the
+pending token, the drafter's state rides along as an attachment layer (before the mark), and
+the mark's key is the verifier's random stream, so ``--resume`` goes on speculating from the
+same draws.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from foretell.cache.attachment import DraftAttachment, split_attachment
 from foretell.cache.codecs import clone_caches, restore_caches, snapshot_entry
 from foretell.cache.tier import CHECKPOINT_PREFIX, CacheTier
 
@@ -90,6 +97,8 @@ class Resumed:
     caches: list[Any]
     tokens: tuple[int, ...]
     mark: GenerationMark
+    #: The drafter's state at this checkpoint (speculative generations), or None.
+    draft: DraftAttachment | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -139,6 +148,24 @@ class Checkpointer:
             clones = clone_caches(caches, self.tier.codecs)
             self._held = (tokens, clones, tuple(keys.state()) if keys is not None else None)
 
+    def due(self, generated: int) -> bool:
+        """Whether a round boundary after ``generated`` tokens should be checkpointed."""
+        return generated >= self._next
+
+    def write_round(self, held_tokens: Sequence[int], caches: Sequence[Any], pending: int,
+                    generated: int, keys: Any, attachment: DraftAttachment | None) -> None:
+        """Checkpoint a speculative round boundary now: the caches hold ``held_tokens``,
+        ``pending`` (the target's last choice) is not in them yet, and ``keys`` is the
+        verifier's random stream after choosing it."""
+        self._next = generated + self.every
+        tokens = tuple(held_tokens)
+        mark = GenerationMark(prompt_tokens=self.prompt_tokens, pending=pending,
+                              seed=getattr(keys, "seed", None),
+                              key=tuple(keys.state()) if keys is not None else None,
+                              offset=len(tokens))
+        layers = [*caches, *([attachment] if attachment is not None else []), mark]
+        self.tier.persist(snapshot_entry(tokens, layers, self.tier.codecs, self.namespace))
+
     def finish(self) -> None:
         """The generation completed: its checkpoints are no longer needed."""
         self.tier.discard(self.namespace)
@@ -154,6 +181,7 @@ def find_checkpoint(tier: CacheTier, namespace: str, prompt: Sequence[int]) -> R
         if entry is None:
             continue
         *caches, mark = restore_caches(entry, tier.codecs)
+        caches, draft = split_attachment(caches)
         if isinstance(mark, GenerationMark) and mark.prompt_tokens == len(prompt):
-            return Resumed(caches=caches, tokens=entry.tokens, mark=mark)
+            return Resumed(caches=caches, tokens=entry.tokens, mark=mark, draft=draft)
     return None

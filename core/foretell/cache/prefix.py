@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from foretell.cache.attachment import has_attachment
 from foretell.cache.codecs import (
     CacheCodec,
     clone_caches,
@@ -69,18 +70,31 @@ def usable_length(prompt: Sequence[int], tokens: Sequence[int], *, trimmable: bo
 
 
 def can_serve(new_tokens: Sequence[int], *, trimmable: bool, min_offset: int,
-              old_tokens: Sequence[int]) -> bool:
+              old_tokens: Sequence[int], old_attached: bool = False) -> bool:
     """Whether an entry of ``new_tokens`` can serve every prompt an entry of ``old_tokens``
     serves, so storing the new one may drop the old (invariant 6).
 
-    An untrimmable longer entry (a wrapped ring, an entry with attachments) serves only its
-    exact length; letting it displace the prompt snapshot was mlx-bun's "restart-0" defect:
-    the next turn, whose reply tokens re-encode differently, then found nothing usable.
+    An untrimmable longer entry (a wrapped ring) serves only its exact length; letting it
+    displace the prompt snapshot was mlx-bun's "restart-0" defect: the next turn, whose
+    reply tokens re-encode differently, then found nothing usable. Likewise an entry with a
+    drafter's attachment (``old_attached``) is served exactly by nothing longer: a trimmed
+    longer entry would lose the drafter's state, so only the same tokens replace it.
     """
     n = len(old_tokens)
     if n > len(new_tokens) or tuple(new_tokens[:n]) != tuple(old_tokens):
         return False
-    return n == len(new_tokens) or (trimmable and n >= min_offset)
+    if n == len(new_tokens):
+        return True
+    return trimmable and n >= min_offset and not old_attached
+
+
+def better_match(n: int, tokens: Sequence[int], best_n: int, best_tokens: Sequence[int] | None
+                 ) -> bool:
+    """Whether serving ``n`` tokens from an entry of ``tokens`` beats the best so far: more
+    tokens, or as many without trimming (an exact boundary keeps a drafter's attachment)."""
+    if n != best_n:
+        return n > best_n
+    return best_tokens is not None and n == len(tokens) != len(best_tokens)
 
 
 @attrs.define(eq=False)
@@ -93,6 +107,8 @@ class PrefixEntry:
     nbytes: int
     trimmable: bool
     min_offset: int
+    #: The entry carries a drafter's state (served exactly, superseded only by its tokens).
+    attached: bool = False
 
     def usable(self, prompt: Sequence[int]) -> int:
         return usable_length(prompt, self.tokens, trimmable=self.trimmable,
@@ -101,7 +117,7 @@ class PrefixEntry:
     def serves(self, other: PrefixEntry) -> bool:
         return other.namespace == self.namespace and can_serve(
             self.tokens, trimmable=self.trimmable, min_offset=self.min_offset,
-            old_tokens=other.tokens)
+            old_tokens=other.tokens, old_attached=other.attached)
 
 
 def entry_facts(entry: Entry, codecs: Sequence[CacheCodec]) -> tuple[bool, int]:
@@ -146,7 +162,8 @@ class PrefixCache:
                 if entry.namespace != namespace:
                     continue
                 n = entry.usable(prompt)
-                if n > length:
+                if n > 0 and better_match(n, entry.tokens, length,
+                                          best.tokens if best is not None else None):
                     best, length = entry, n
         return best, length
 
@@ -194,7 +211,7 @@ class PrefixCache:
         trimmable, min_offset = entry_facts(snapshot, self.codecs)
         entry = PrefixEntry(tokens=tokens, namespace=namespace, caches=donors,
                             nbytes=snapshot.tensor_bytes, trimmable=trimmable,
-                            min_offset=min_offset)
+                            min_offset=min_offset, attached=has_attachment(snapshot.layers))
         if entry.nbytes > self.max_bytes:
             return None
         with self._lock:

@@ -8,6 +8,12 @@
 4. ``finish``: store prompt + generation (the next chat turn reuses it) and drop the
    request's checkpoints.
 
+A speculative request's drafter state travels with the target's caches as an attachment
+layer (:mod:`foretell.cache.attachment`): ``open`` splits it off the entry it found
+(:attr:`RequestCache.draft`), :meth:`RequestCache.draft_link` hands it to the verifier, and
+the verifier's captures come back through ``after_prefill``, :meth:`checkpoint_round` and
+``finish``.
+
 Caches that no codec handles (a plugin's own cache kind) are simply not stored: the cold
 tier never takes serving down.
 """
@@ -18,6 +24,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from foretell.cache.attachment import DraftAttachment, split_attachment
 from foretell.cache.checkpoint import Checkpointer, checkpoint_namespace, find_checkpoint
 from foretell.cache.tier import CacheTier
 from foretell.errors import CodecError
@@ -37,6 +44,11 @@ class RequestCache:
         self.settings = dict(settings or {})
         self._checkpointer: Checkpointer | None = None
         self._warned = False
+        #: The drafter's state stored with the entry ``open`` found (None: none, stale, or
+        #: the entry served a shorter prefix than it holds).
+        self.draft: DraftAttachment | None = None
+        self._resumed = False
+        self._link: Any = None
 
     def open(self, prompt: list[int], make_caches: Callable[[], list[Any]]
              ) -> tuple[list[Any], int, str | None, list[int], Any]:
@@ -49,6 +61,7 @@ class RequestCache:
             resumed = find_checkpoint(self.tier, namespace, prompt)
             if resumed is not None:
                 self._checkpointer.skip_to(len(resumed.generated))
+                self.draft, self._resumed = resumed.draft, True
                 keys = None
                 if resumed.mark.key is not None:
                     keys = RandomKeys.restored(resumed.mark.seed, resumed.mark.key)
@@ -56,7 +69,30 @@ class RequestCache:
         reuse = self.tier.lookup(prompt, self.namespace)
         if reuse.caches is None:
             return make_caches(), 0, None, [], None
-        return reuse.caches, reuse.tokens, reuse.tier, [], None
+        caches, self.draft = split_attachment(reuse.caches)
+        return caches, reuse.tokens, reuse.tier, [], None
+
+    def draft_link(self, speculator: Any) -> Any:
+        """The verifier's link to this request's drafter state (see :mod:`foretell.spec.attach`)."""
+        from foretell.spec.attach import DraftLink
+
+        self._link = DraftLink(speculator, self.tier.codecs, self.draft, resumed=self._resumed,
+                               checkpoints=self if self._checkpointer is not None else None)
+        return self._link
+
+    def checkpoint_round(self, state: Any, pending: int,
+                         attachment: DraftAttachment | None) -> None:
+        """A speculative round boundary: checkpoint it when one is due (resumable only)."""
+        if self._checkpointer is None or not self._checkpointer.due(len(state.generated)):
+            return
+        try:
+            self._checkpointer.write_round(state.held_tokens(), state.caches, pending,
+                                           len(state.generated), state.keys, attachment)
+        except CodecError as exc:
+            self._skip(exc)
+
+    def wants_round_checkpoint(self, state: Any) -> bool:
+        return self._checkpointer is not None and self._checkpointer.due(len(state.generated))
 
     def after_prefill(self, held_tokens: list[int], caches: list[Any], cached: int) -> None:
         if len(held_tokens) > cached:  # nothing new was computed: the tier has it already
@@ -64,8 +100,8 @@ class RequestCache:
 
     def steps(self, steps: Iterator[list[int]], state: Any) -> Iterator[list[int]]:
         """``steps``, checkpointing the request every N tokens when resumable."""
-        if self._checkpointer is None:
-            return steps
+        if self._checkpointer is None or (self._link is not None and self._link.checkpoints):
+            return steps  # none, or taken at round boundaries by the verifier (draft_link)
         return self._checkpointed(steps, state)
 
     def _checkpointed(self, steps: Iterator[list[int]], state: Any) -> Iterator[list[int]]:
@@ -81,6 +117,9 @@ class RequestCache:
             steps.close()
 
     def finish(self, held_tokens: list[int], caches: list[Any], completed: bool) -> None:
+        final = self._link.final if self._link is not None else None
+        if final is not None and final.offset == len(held_tokens):
+            caches = [*caches, final]
         self._store(held_tokens, caches)
         if completed and self._checkpointer is not None:
             self._checkpointer.finish()

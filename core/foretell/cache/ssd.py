@@ -16,13 +16,14 @@ from collections.abc import Sequence
 
 import attrs
 
+from foretell.cache.attachment import has_attachment
 from foretell.cache.codecs import (
     CacheCodec,
     CodecError,
     entry_minimum_reusable_offset,
     entry_trimmable,
 )
-from foretell.cache.prefix import can_serve, usable_length
+from foretell.cache.prefix import better_match, can_serve, usable_length
 from foretell.store.entry import Entry, EntryHeader
 from foretell.store.layout import StorageLayout
 
@@ -36,6 +37,8 @@ class Stored:
     header: EntryHeader
     trimmable: bool
     min_offset: int
+    #: The entry carries a drafter's state (see :func:`foretell.cache.prefix.can_serve`).
+    attached: bool = False
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -73,7 +76,8 @@ class SsdIndex:
     def _add(self, header: EntryHeader) -> Stored | None:
         try:
             stored = Stored(header, entry_trimmable(header.layers, self.codecs),
-                            entry_minimum_reusable_offset(header.layers, self.codecs))
+                            entry_minimum_reusable_offset(header.layers, self.codecs),
+                            has_attachment(header.layers))
         except CodecError:  # the layout checked providers; a codec may still refuse meta
             return None
         self._index[header.key] = stored
@@ -99,7 +103,8 @@ class SsdIndex:
                     continue
                 n = usable_length(prompt, stored.tokens, trimmable=stored.trimmable,
                                   min_offset=stored.min_offset)
-                if n > length:
+                if n > 0 and better_match(n, stored.tokens, length,
+                                          best.tokens if best is not None else None):
                     best, length = stored, n
         return best, length
 
@@ -167,7 +172,7 @@ class SsdIndex:
             for old_key, old in list(self._index.items()):
                 if old_key != key and old.header.namespace == entry.namespace and can_serve(
                         new.tokens, trimmable=new.trimmable, min_offset=new.min_offset,
-                        old_tokens=old.tokens):
+                        old_tokens=old.tokens, old_attached=old.attached):
                     self._remove(old_key)
                     removed -= 1
         self._evict_to_cap(keep=(key,))

@@ -34,6 +34,11 @@ def foretell_register_cache_codecs(register):
         "foretell.cache.checkpoint:GenerationCodec",
         summary="where an in-flight generation stood (crash-resumable checkpoints)",
     )
+    register(
+        "draft-state",
+        "foretell.cache.attachment:DraftAttachmentCodec",
+        summary="a drafter's state stored with the target's entry (exact boundary only)",
+    )
 
 
 @hookimpl

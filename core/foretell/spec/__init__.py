@@ -2,7 +2,9 @@
 
 Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`Feed`,
 :class:`Draft`, :class:`Target`, :class:`PairingError`, :data:`PORT_HIDDEN`,
-:data:`PORT_MTP`, :func:`draft_keys`, :class:`Drafting`.
+:data:`PORT_MTP`, :func:`draft_keys`, :class:`Drafting`; for drafters whose state the cache
+stores, :class:`CheckpointableSource`, :class:`CheckpointableProvider`, :class:`DraftState`
+and :func:`files_fingerprint`.
 
 Names resolve on first use, so importing this package (or running ``python -m
 foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before MLX loads
@@ -24,6 +26,10 @@ _WHERE = {
     "Feed": "foretell.spec.contract",
     "PairingError": "foretell.spec.contract",
     "Target": "foretell.spec.contract",
+    "CheckpointableProvider": "foretell.spec.contract",
+    "CheckpointableSource": "foretell.spec.contract",
+    "DraftState": "foretell.spec.contract",
+    "files_fingerprint": "foretell.spec.attach",
     "Drafting": "foretell.spec.verifier",
     "SpeculationStats": "foretell.spec.verifier",
     "Speculator": "foretell.spec.verifier",

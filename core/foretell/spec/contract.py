@@ -13,11 +13,18 @@ token of the sequence arrives through a feed exactly once, the target's correcti
 included, so a source never has to guess what the sequence is.
 
 Shapes are ``[B, ...]`` (B = 1 today; batched per-row speculation keeps the contract).
+
+Optionally a source checkpoints itself (:class:`CheckpointableSource`): ``capture()``
+returns its state as a :class:`DraftState` and ``restore(state, tokens)`` rebuilds it, so
+the cache tier stores the drafter's state with the target's entry and a later request (a RAM
+or SSD hit, ``--resume``) continues without the drafter prefilling the cached prefix. Its
+provider then names the draft artifact (:class:`CheckpointableProvider`); attachments are
+only restored for the same identity. Sources without it are simply not attached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -105,6 +112,52 @@ class DraftSource(Protocol):
 
     def close(self) -> None:
         """The request ended; release per-request state."""
+
+
+@attrs.frozen(kw_only=True)
+class DraftState:
+    """A source's whole state, as :meth:`CheckpointableSource.capture` returns it.
+
+    ``caches`` are the source's own KV caches (any kind a cache codec handles: the tier
+    stores them through the same codecs as the target's); ``tensors`` other arrays (e.g. a
+    hidden state, an index as int32); ``meta`` small JSON-able facts. ``keys`` is the
+    source's random stream (:meth:`~foretell.sampling.RandomKeys.state`, None when greedy):
+    restore receives it only when the same generation resumes, so another request keeps
+    the fresh stream ``open`` gave it.
+    """
+
+    caches: Sequence[Any] = ()
+    tensors: Mapping[str, mx.array] = attrs.Factory(dict)
+    meta: Mapping[str, Any] = attrs.Factory(dict)
+    keys: list[int] | None = None
+
+
+@runtime_checkable
+class CheckpointableSource(DraftSource, Protocol):
+    """A source whose state the cache tier may store with the target's entry."""
+
+    def capture(self) -> DraftState | None:
+        """Your state after every token fed so far. Called only between rounds (after
+        ``commit``, before the next ``draft``) or right after ``prefill``; never mutate
+        state because of it (what it returns may share your arrays: MLX arrays are values).
+        None: nothing can be captured now (the entry is then stored without it)."""
+
+    def restore(self, state: DraftState, tokens: Sequence[int]) -> None:
+        """On a freshly opened source, instead of prefilling: become the source that
+        captured ``state`` after being fed exactly ``tokens``. ``prefill`` follows with
+        the prompt tokens past ``tokens`` (possibly none), their hidden states one per
+        token as in a later feed; or, when a generation resumes, the next ``draft``'s feed
+        carries what the sequence gained."""
+
+
+@runtime_checkable
+class CheckpointableProvider(Protocol):
+    """A provider whose sources checkpoint themselves names what its state depends on."""
+
+    def draft_identity(self) -> Mapping[str, Any]:
+        """JSON-able facts that change a source's state: the draft weights' fingerprint,
+        state-changing options (e.g. n-gram sizes), a version of the stored form. With the
+        draft kind, it keys every attachment: another identity never restores it."""
 
 
 @runtime_checkable

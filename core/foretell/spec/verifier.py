@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.sampling import RandomKeys, Sampler, repetition_windows
+from foretell.spec.attach import start_source
 from foretell.spec.contract import PORT_HIDDEN, Draft, DraftError, Feed, Target
 from foretell.spec.policy import DraftLengthPolicy
 
@@ -119,11 +120,15 @@ def speculative_steps(
     progress: Progress | None = None,
     *,
     after_prefill: Callable[[list[int], list[Any], int], None] | None = None,
+    link: Any = None,
 ) -> Iterator[list[int]]:
     """Prefill both sides, then yield each round's tokens (accepted drafts + the target's).
 
-    ``after_prefill(held tokens, caches, cached)`` runs once the target's prompt is in (the
-    prefix cache snapshots it there)."""
+    ``after_prefill(held tokens, caches, cached)`` runs once both sides hold the prompt (the
+    prefix cache snapshots it there, with the drafter's state when ``link`` captures it).
+    ``link`` (:class:`foretell.spec.attach.DraftLink`) restores the drafter from the state
+    cached with the prefix and captures it again. A resumed request (``state.generated``
+    non-empty) replays its tokens first, then speculates on if the drafter was restored."""
     from foretell.generate import plain_steps, prefill
 
     model = target.model
@@ -131,18 +136,23 @@ def speculative_steps(
     prompt = state.prompt
     # Sliding-window layers keep enough history to undo a round (invariant 3).
     add_rollback_reserve(state.caches, speculator.max_tokens)
-    hidden = prefill(model, prompt[state.cached : -1], state.caches, progress, keep_hidden=wants_hidden)
-    if after_prefill is not None:
-        after_prefill(state.held_tokens(), state.caches, state.cached)
-    if wants_hidden and state.cached:
-        # The prefix cache restores the target's KV, not the hidden states this drafter
-        # reads over the prompt: this request decodes plainly (correct, just not faster).
-        yield from plain_steps(model, state, sampler, limit)
-        return
+    resumed = len(state.generated)
+    hidden = None
+    if resumed:
+        yield list(state.generated)
+        limit -= resumed
+        if limit <= 0:
+            return
+    else:
+        hidden = prefill(model, prompt[state.cached : -1], state.caches, progress,
+                         keep_hidden=wants_hidden)
     source = _call(speculator, "open", speculator.provider.open, target, sampler)
     try:
-        _call(speculator, "prefill", source.prefill, Feed(list(prompt), hidden))
-        yield from _rounds(model, speculator, source, state, sampler, limit, stats)
+        speculate, feed = start_source(speculator, source, state, hidden, link, after_prefill)
+        if not speculate:
+            yield from plain_steps(model, state, sampler, limit)
+            return
+        yield from _rounds(model, speculator, source, state, sampler, limit, stats, link, feed)
     finally:
         _call(speculator, "close", source.close)
 
@@ -179,6 +189,12 @@ class _Verifier:
         self.pending = sequence[-1]
         self.feed_tokens: list[int] = []
         self.feed_hidden: list[mx.array] = []
+        if state.keys is None:  # a resumed generation continues its own stream
+            state.keys = self.keys
+        self.keys = state.keys
+
+    def joined_feed_hidden(self) -> mx.array | None:
+        return _join(self.feed_hidden) if self.wants_hidden else None
 
     # -- speculative rounds ---------------------------------------------------------------
 
@@ -280,10 +296,15 @@ def _rounds(
     sampler: Sampler,
     limit: int,
     stats: SpeculationStats,
+    link: Any = None,
+    feed: tuple[list[int], mx.array | None] | None = None,
 ) -> Iterator[list[int]]:
     """Rounds until ``limit`` tokens; the next round is queued before this one's tokens are
-    handed out, so the caller's streaming overlaps the device's work."""
+    handed out, so the caller's streaming overlaps the device's work. ``feed``: what a
+    restored source has not heard yet; ``link`` is told of every round boundary."""
     v = _Verifier(model, speculator, source, state, sampler, stats)
+    if feed is not None:
+        v.feed_tokens, v.feed_hidden = list(feed[0]), [feed[1]] if feed[1] is not None else []
     produced = 0
     in_flight: _Round | None = None
 
@@ -311,6 +332,8 @@ def _rounds(
                 now = time.perf_counter()
                 v.policy.observe(0, 0, (now - started) / count)
                 last = now
+                if link is not None:
+                    link.boundary(v)
                 continue
             round_, in_flight = in_flight, None
             kept = v.finish(round_)
@@ -318,6 +341,8 @@ def _rounds(
             v.policy.observe(round_.n, len(kept) - 1, now - last)
             last = now
             produced += len(kept)
+            if link is not None:
+                link.boundary(v)
             if produced < limit:
                 k = choose()
                 wanted = k > 0
@@ -328,6 +353,8 @@ def _rounds(
     finally:
         if in_flight is not None:
             v.abandon(in_flight)
+        if link is not None:
+            link.closing(v)
 
 
 def _match(

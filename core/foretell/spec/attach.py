@@ -1,0 +1,206 @@
+"""The verifier's link between a draft source and the cache tier, for one request.
+
+A provider that names its draft artifact (:class:`~foretell.spec.contract.CheckpointableProvider`)
+and a source that captures and restores itself (:class:`~foretell.spec.contract.CheckpointableSource`)
+get their state stored with the target's entries:
+
+- after the prompt (the prompt snapshot), at the end of the request, and at resumable
+  round boundaries, :meth:`DraftLink.capture` turns the source's state into an attachment
+  (:mod:`foretell.cache.attachment`);
+- when a request's prefix came from an entry with an attachment of the same identity, at
+  that entry's exact boundary, :meth:`DraftLink.restore` rebuilds the source from it, so the
+  drafter does not prefill the cached prefix; a resumed generation gets the drafter's random
+  stream back too.
+
+A capture is taken only where the target's caches hold every token but the pending one
+(the sequence's last, which heads the next verify window): the attachment then records the
+drafter's view of the sequence including that token, so a restore and the target's next
+forward line up the way an uninterrupted request does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from foretell.cache.attachment import DraftAttachment, attach, feed_hidden, unpack
+from foretell.kvcache import trim_all
+from foretell.spec.contract import CheckpointableProvider, CheckpointableSource
+
+log = logging.getLogger("foretell.spec")
+
+
+def files_fingerprint(paths: Sequence[str | Path]) -> str:
+    """32 hex digits naming the contents of ``paths`` (draft weights, a head's file): a
+    CRC-32 of every byte of each file, with its name and size. It guards against serving
+    one draft model's state for another, not against adversaries (the cache directory is
+    trusted like the model directory)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(Path(p) for p in paths):
+        crc = 0
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                crc = zlib.crc32(chunk, crc)
+        digest.update(f"{path.name}:{path.stat().st_size}:{crc:08x};".encode())
+    return digest.hexdigest()
+
+
+def draft_identity(speculator: Any) -> str | None:
+    """``<kind>/<digest>`` of the draft artifact (kind + the provider's identity facts), or
+    None when the provider names none (its state is then never attached)."""
+    provider = speculator.provider
+    if not isinstance(provider, CheckpointableProvider):
+        return None
+    from foretell.spec.verifier import _call
+
+    facts = _call(speculator, "draft_identity", provider.draft_identity)
+    text = json.dumps({"kind": speculator.kind, "identity": facts}, sort_keys=True, default=str)
+    return f"{speculator.kind}/{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}"
+
+
+class DraftLink:
+    """One speculative request's drafter state and the cache: what was found, what is
+    captured. ``checkpoints`` is the request's cache when the generation is resumable."""
+
+    def __init__(self, speculator: Any, codecs: Sequence[Any], found: DraftAttachment | None,
+                 *, resumed: bool = False, checkpoints: Any = None):
+        self.speculator = speculator
+        self.codecs = list(codecs)
+        self.identity = draft_identity(speculator)
+        self.found = found if found is not None and found.identity == self.identity else None
+        self.resumed = resumed
+        #: Resumable generations are checkpointed at round boundaries (the drafter's state
+        #: goes with them); otherwise the request cache checkpoints as plain decoding does.
+        self.checkpoints = checkpoints if self.identity is not None else None
+        #: The state captured when the request ended, for the entry ``finish`` stores.
+        self.final: DraftAttachment | None = None
+        #: Tokens the source was restored with (0: it prefilled from nothing).
+        self.restored_tokens = 0
+        self._warned = False
+
+    def _usable(self, source: Any) -> bool:
+        if self.identity is None:
+            return False
+        if isinstance(source, CheckpointableSource):
+            return True
+        if not self._warned:
+            self._warned = True
+            log.warning("%s names a draft identity but its source has no capture/restore; "
+                        "its state is not cached", self.speculator.label())
+        return False
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, source: Any, sequence: Sequence[int], held: int
+                ) -> tuple[list[int], mx.array | None] | None:
+        """Rebuild ``source`` from the attachment found with the target's ``held`` tokens of
+        ``sequence``; returns the feed it has not heard yet (tokens and, for hidden-state
+        drafters, their hidden states), or None when there is nothing to restore from."""
+        found = self.found
+        if found is None or found.offset != held or not self._usable(source):
+            return None
+        known = held + len(found.ahead)
+        if list(sequence[held:known]) != found.ahead or len(sequence) < known:
+            return None  # the prompt goes on differently from what the drafter saw
+        from foretell.spec.verifier import _call
+
+        state = unpack(found, self.codecs, with_keys=self.resumed)
+        _call(self.speculator, "restore", source.restore, state, list(sequence[: found.seen]))
+        self.restored_tokens = found.seen
+        return list(sequence[found.seen : known]), feed_hidden(found)
+
+    # -- capturing ------------------------------------------------------------------------
+
+    def capture(self, source: Any, state: Any, feed_tokens: Sequence[int],
+                hidden: mx.array | None) -> DraftAttachment | None:
+        """The source's state as an attachment for the target's caches as they are now
+        (they must hold all of the sequence but its last token). ``feed_tokens`` (with
+        ``hidden``) are the newest tokens the source has not been fed yet."""
+        sequence = state.prompt + state.generated
+        held = state.held
+        if not self._usable(source) or held != len(sequence) - 1 or held < 1:
+            return None
+        if any(c.offset != held for c in state.caches):
+            return None
+        from foretell.spec.verifier import _call
+
+        captured = _call(self.speculator, "capture", source.capture)
+        if captured is None:
+            return None
+        return attach(captured, identity=self.identity, offset=held, ahead=sequence[held:],
+                      seen=len(sequence) - len(feed_tokens),
+                      feed_hidden=hidden if feed_tokens else None, codecs=self.codecs,
+                      keys=captured.keys)
+
+    def boundary(self, verifier: Any) -> None:
+        """A round boundary (nothing in flight): checkpoint it when one is due."""
+        request = self.checkpoints
+        if request is None or not request.wants_round_checkpoint(verifier.state):
+            return
+        attachment = self.capture(verifier.source, verifier.state, verifier.feed_tokens,
+                                  verifier.joined_feed_hidden())
+        request.checkpoint_round(verifier.state, verifier.pending, attachment)
+
+    def closing(self, verifier: Any) -> None:
+        """The request's rounds ended: capture the state ``finish`` stores with the entry.
+
+        A round or plain step still queued when the stream stopped has consumed the pending
+        token; the target gives that one token back, so its caches and the drafter's view
+        line up at a capturable boundary again."""
+        state = verifier.state
+        if not self._usable(verifier.source):
+            return
+        try:
+            if state.held == len(state.prompt) + len(state.generated):
+                trim_all(state.caches, 1)
+            self.final = self.capture(verifier.source, state, verifier.feed_tokens,
+                                      verifier.joined_feed_hidden())
+        except Exception as exc:  # never let the end of a request fail on caching
+            log.warning("not caching the drafter's state: %s", exc)
+
+
+def start_source(speculator: Any, source: Any, state: Any, hidden: mx.array | None,
+                 link: DraftLink | None, after_prefill: Any) -> tuple[bool, Any]:
+    """Bring a freshly opened source up to the request's sequence: restore it from the
+    cached state, else prefill it with the prompt (``hidden``: the target's hidden states
+    over what it just prefilled); then hand the prompt snapshot to ``after_prefill``.
+
+    Returns ``(speculate, feed)``: False when this request must decode plainly (a resumed
+    or cached request whose hidden-state drafter could not be restored); ``feed`` is what
+    a resumed source has not heard yet, for the first round."""
+    from foretell.spec.contract import Feed
+    from foretell.spec.verifier import _call, _join
+
+    prompt = state.prompt
+    resumed = bool(state.generated)
+    # The entry ended where the cached tokens end (a checkpoint: where the replay ends).
+    boundary = state.held if resumed else state.cached
+    restored = link.restore(source, prompt + state.generated, boundary) if link else None
+    if resumed:
+        return restored is not None, restored
+    if restored is not None:
+        tokens, kept = restored
+        parts = [h for h in (kept, hidden) if h is not None and h.size]
+        feed = Feed(tokens + prompt[boundary + 1 :],
+                    _join(parts) if speculator.wants_hidden else None)
+        _call(speculator, "prefill", source.prefill, feed)
+    elif speculator.wants_hidden and state.cached:
+        # The prefix cache restored the target's KV but not the hidden states this drafter
+        # reads over the prompt: decode plainly (correct, just not faster).
+        if after_prefill is not None:
+            after_prefill(state.held_tokens(), state.caches, state.cached)
+        return False, None
+    else:
+        _call(speculator, "prefill", source.prefill, Feed(list(prompt), hidden))
+    if after_prefill is not None:
+        attachment = link.capture(source, state, [], None) if link else None
+        after_prefill(state.held_tokens(), [*state.caches, *([attachment] if attachment else [])],
+                      state.cached)
+    return True, None
