@@ -12,6 +12,10 @@ Every position of the sequence passes through the head once, with the target's r
 state, so its cache matches training. For k > 1 the head chains itself, using its own
 output as the next hidden state (it was trained one step deep, so later drafts are weaker);
 those chained positions are rolled back after each round.
+
+Its state checkpoints: the head's KV cache (through the tier's KV codec) and its newest
+output; the identity is the head's weights file, so the cache restores it only for the same
+head (the target's own identity already keys the cache directory).
 """
 
 from __future__ import annotations
@@ -23,7 +27,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from foretell.model import PORT_MTP, KVCache, attention_mask, make_rope, trim_all
-from foretell.spec import PORT_HIDDEN, Draft, Drafting, Feed, PairingError, Target, draft_keys
+from foretell.sampling import RandomKeys
+from foretell.spec import (
+    PORT_HIDDEN,
+    Draft,
+    Drafting,
+    DraftState,
+    Feed,
+    PairingError,
+    Target,
+    draft_keys,
+    files_fingerprint,
+)
 from foretell_qwen.qwen3 import Attention, DecoderLayer
 
 #: Positions per head forward while absorbing a long prompt (bounds activation memory).
@@ -58,6 +73,25 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
+def head_file(target: Target) -> Path:
+    """The file holding the target's MTP head; :class:`PairingError` when it has none."""
+    from foretell.model import read_config
+
+    path = Path(target.path) if target.path is not None else None
+    mtp = read_config(path).get("mtp_config") if path is not None else None
+    if not isinstance(mtp, dict) or "file" not in mtp:
+        raise PairingError(
+            f"draft provider 'mtp' cannot draft for target {target.name}: its config.json "
+            "declares no MTP head (mtp_config)"
+        )
+    file = path / mtp["file"]
+    if not file.is_file():
+        raise PairingError(
+            f"draft provider 'mtp' cannot draft for target {target.name}: {file} is missing"
+        )
+    return file
+
+
 def load_head(target: Target) -> MTPHead:
     """The target's MTP head; :class:`PairingError` when the target has none."""
     from foretell.model import (
@@ -73,18 +107,8 @@ def load_head(target: Target) -> MTPHead:
             f"draft provider 'mtp' cannot draft for target {target.name}: its MTP head is "
             f"the Qwen3 layout, the target is '{target.model.model_type}'"
         )
-    path = Path(target.path) if target.path is not None else None
-    mtp = read_config(path).get("mtp_config") if path is not None else None
-    if not isinstance(mtp, dict) or "file" not in mtp:
-        raise PairingError(
-            f"draft provider 'mtp' cannot draft for target {target.name}: its config.json "
-            "declares no MTP head (mtp_config)"
-        )
-    file = path / mtp["file"]
-    if not file.is_file():
-        raise PairingError(
-            f"draft provider 'mtp' cannot draft for target {target.name}: {file} is missing"
-        )
+    file = head_file(target)
+    mtp = read_config(file.parent)["mtp_config"]
     prefix = mtp.get("prefix", "mtp.")
     weights = {k.removeprefix(prefix): v for k, v in mx.load(str(file)).items()}
     head = MTPHead(args)
@@ -106,9 +130,14 @@ class MTPProvider:
 
     def __init__(self) -> None:
         self.head: MTPHead | None = None
+        self._fingerprint: str | None = None
 
     def prepare(self, target: Target) -> None:
         self.head = load_head(target)
+        self._fingerprint = files_fingerprint([head_file(target)])
+
+    def draft_identity(self) -> dict[str, Any]:
+        return {"head": self._fingerprint, "version": 1}
 
     def open(self, target: Target, sampler: Any) -> MTPSource:
         return MTPSource(self.head, target.model, sampler)
@@ -159,6 +188,17 @@ class MTPSource:
         # Chained positions used the head's own output for h; the real states arrive next.
         trim_all(self.caches, self._chained)
         self._chained = 0
+
+    def capture(self) -> DraftState:
+        return DraftState(caches=list(self.caches),
+                          tensors={"last": self.last} if self.last is not None else {},
+                          keys=self.keys.state() if self.keys is not None else None)
+
+    def restore(self, state: DraftState, tokens: list[int]) -> None:
+        self.caches = list(state.caches)
+        self.last = state.tensors.get("last")
+        if state.keys is not None and self.keys is not None:
+            self.keys = RandomKeys.restored(self.keys.seed, state.keys)
 
     def close(self) -> None:
         self.caches = []

@@ -15,7 +15,9 @@ about 1-3 drafts kept on average, a match of 4 or more 80-100% and 7-12 (docs/sp
 
 from __future__ import annotations
 
-from foretell.spec import Draft, Feed
+import mlx.core as mx
+
+from foretell.spec import Draft, DraftState, Feed
 
 
 class NgramProvider:
@@ -28,6 +30,11 @@ class NgramProvider:
 
     def prepare(self, target) -> None:
         pass
+
+    def draft_identity(self) -> dict:
+        # The n-gram sizes decide what the index holds (how much a match proposes does not).
+        return {"max_ngram": self.config.max_ngram, "min_ngram": self.config.min_ngram,
+                "version": 1}
 
     def open(self, target=None, sampler=None) -> NgramSource:
         c = self.config
@@ -57,6 +64,17 @@ class NgramIndex:
                 if end >= size:
                     table[tuple(h[end - size : end])] = end
             h.append(token)
+
+    def followers(self) -> dict[int, list[int]]:
+        """Per n-gram size, the follower positions the index holds; with the history they
+        are the whole index (each key is the n-gram just before its position)."""
+        return {size: sorted(table.values()) for size, table in self._follow.items()}
+
+    def restore(self, history: list[int], followers: dict[int, list[int]]) -> None:
+        """Become the index of ``history`` whose :meth:`followers` were ``followers``."""
+        self.history = h = list(history)
+        self._follow = {size: {tuple(h[p - size : p]): p for p in followers.get(size, ())}
+                        for size in self.sizes}
 
     def propose(self, n: int) -> list[int]:
         h = self.history
@@ -91,6 +109,20 @@ class NgramSource:
     def commit(self, accepted: int) -> None:
         # Accepted tokens arrive again through the next feed; nothing was built from drafts.
         pass
+
+    def capture(self) -> DraftState:
+        # Empty tables are left out: a zero-length tensor carries nothing.
+        tensors = {f"follow.{size}": mx.array(positions, dtype=mx.int32)
+                   for size, positions in self.index.followers().items() if positions}
+        return DraftState(tensors=tensors, meta={"tokens": len(self.history)})
+
+    def restore(self, state: DraftState, tokens: list[int]) -> None:
+        if len(tokens) != state.meta["tokens"]:
+            raise ValueError(f"the stored index covers {state.meta['tokens']} tokens, "
+                             f"restore was given {len(tokens)}")
+        followers = {int(name.split(".")[1]): t.tolist() for name, t in state.tensors.items()
+                     if name.startswith("follow.")}
+        self.index.restore(tokens, followers)
 
     def close(self) -> None:
         self.index = NgramIndex(1, 1)

@@ -1,0 +1,287 @@
+"""Draft-side state composes with the cache tier: the drafter's state is stored with the
+target's entry (an attachment under the draft artifact's identity) and restored with it, on
+a RAM hit, an SSD hit in a fresh engine and ``--resume``, so the drafter does not prefill
+the cached prefix; output stays token-identical to plain greedy decoding and to an
+uninterrupted run; a sampled speculative run resumes on the same seeded draws. Another draft
+model's state, and an entry served shorter than it holds, are never restored."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import foretell
+from foretell.cache.tier import CacheTier
+from foretell.config import SamplingConfig
+from foretell.registry import Kind
+
+PROMPT = [random.Random(3).randrange(1, 500) for _ in range(40)]
+# Repetitive, so prompt lookup and the draft models find something to propose.
+PROMPT_REPEATS = [40, 41, 42, 43, 44, 45] * 5 + [40, 41]
+MAX_TOKENS = 24
+
+
+class Spy:
+    """Counts what reaches a source class: tokens prefilled, restores and their lengths."""
+
+    def __init__(self, monkeypatch, cls):
+        self.prefilled: list[int] = []
+        self.restored: list[int] = []
+        spy = self
+        prefill, restore = cls.prefill, cls.restore
+
+        def counting_prefill(source, feed):
+            spy.prefilled.append(len(feed.tokens))
+            return prefill(source, feed)
+
+        def counting_restore(source, state, tokens):
+            spy.restored.append(len(tokens))
+            return restore(source, state, tokens)
+
+        monkeypatch.setattr(cls, "prefill", counting_prefill)
+        monkeypatch.setattr(cls, "restore", counting_restore)
+
+    def reset(self):
+        self.prefilled.clear()
+        self.restored.clear()
+
+
+def source_class(kind):
+    if kind == "two-model":
+        from foretell_two_model.source import TwoModelSource
+
+        return TwoModelSource
+    if kind == "mtp":
+        from foretell_qwen.mtp import MTPSource
+
+        return MTPSource
+    from foretell_ngram.lookup import NgramSource
+
+    return NgramSource
+
+
+def drafter(registry, kind, **options):
+    config = registry.get(Kind.DRAFT, kind).config
+    return kind, (config(**options) if config is not None else None)
+
+
+def engine_with(path, registry, draft, cache_dir=None, k=3):
+    engine = foretell.load(path, registry=registry)
+    engine.cache = CacheTier.for_engine(engine, cache_dir)
+    engine.use_draft(*draft, max_tokens=k, adaptive=False)
+    return engine
+
+
+def run(engine, prompt, **options):
+    events = list(engine.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **options))
+    return [t for e in events[:-1] for t in e.tokens], events[-1]
+
+
+def plain(path, registry, prompt, **options):
+    return run(foretell.load(path, registry=registry), prompt, speculate=False, **options)[0]
+
+
+def drafters(model_dirs, registry):
+    return {
+        "two-model": drafter(registry, "two-model", model=str(model_dirs["qwen3"])),
+        "ngram": drafter(registry, "ngram", max_ngram=3),
+    }
+
+
+@pytest.mark.parametrize("kind", ["two-model", "ngram"])
+def test_a_ram_hit_restores_the_drafter_instead_of_prefilling_it(
+        model_dirs, registry, monkeypatch, kind):
+    spy = Spy(monkeypatch, source_class(kind))
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)[kind])
+    first, cold = run(engine, PROMPT_REPEATS)
+    assert spy.prefilled == [len(PROMPT_REPEATS)] and spy.restored == []
+    spy.reset()
+    again, warm = run(engine, PROMPT_REPEATS)
+    assert warm.cached_from == "ram" and warm.cached_tokens == len(PROMPT_REPEATS) - 1
+    # The drafter came back from the entry; nothing of the prompt was prefilled again.
+    assert spy.restored == [len(PROMPT_REPEATS)] and spy.prefilled == [0]
+    assert again == first == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)
+    assert warm.speculation["accepted"] > 0
+
+
+def test_the_two_model_drafter_computes_only_what_the_cache_lacks(model_dirs, registry,
+                                                                   monkeypatch):
+    """Counted at the draft model itself: a hit skips the cached prefix draft-side too."""
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
+    draft_model = engine.speculator.provider.model
+    computed = []
+    forward = type(draft_model).forward
+
+    def counting_forward(model, tokens, caches, *args, **kwargs):
+        if model is draft_model:
+            computed.append(tokens.shape[1])
+        return forward(model, tokens, caches, *args, **kwargs)
+
+    monkeypatch.setattr(type(draft_model), "forward", counting_forward)
+    run(engine, PROMPT)
+    cold = sum(computed)
+    computed.clear()
+    run(engine, PROMPT)
+    assert sum(computed) <= cold - (len(PROMPT) - 1)
+
+
+@pytest.mark.parametrize("kind", ["two-model", "ngram"])
+def test_an_ssd_hit_in_a_fresh_engine_restores_the_drafter(model_dirs, registry, monkeypatch,
+                                                           tmp_path, kind):
+    draft = drafters(model_dirs, registry)[kind]
+    writer = engine_with(model_dirs["qwen3"], registry, draft, tmp_path)
+    original, _ = run(writer, PROMPT_REPEATS)
+    assert writer.cache.close(10).durable
+    spy = Spy(monkeypatch, source_class(kind))
+    restored, stats = run(engine_with(model_dirs["qwen3"], registry, draft, tmp_path),
+                          PROMPT_REPEATS)
+    assert stats.cached_from == "ssd"
+    assert spy.restored == [len(PROMPT_REPEATS)] and spy.prefilled == [0]
+    assert restored == original == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)
+
+
+def test_another_draft_models_state_is_never_restored(model_dirs, registry, monkeypatch):
+    from foretell_two_model.source import TwoModelSource
+
+    spy = Spy(monkeypatch, TwoModelSource)
+    engine = engine_with(model_dirs["qwen3"], registry,
+                         drafter(registry, "two-model", model=str(model_dirs["qwen3"])))
+    run(engine, PROMPT)
+    # Same target, same namespace (two-model), another draft model: the target's KV is
+    # reused, the stored draft caches (the other model's) are not.
+    engine.use_draft(*drafter(registry, "two-model", model=str(model_dirs["qwen3-other"])),
+                     max_tokens=3, adaptive=False)
+    spy.reset()
+    tokens, stats = run(engine, PROMPT)
+    assert stats.cached_from == "ram" and stats.cached_tokens == len(PROMPT) - 1
+    assert spy.restored == [] and spy.prefilled == [len(PROMPT)]
+    assert tokens == plain(model_dirs["qwen3"], registry, PROMPT)
+
+
+def test_a_shorter_prefix_hit_never_uses_the_attachment(model_dirs, registry, monkeypatch):
+    from foretell_two_model.source import TwoModelSource
+
+    spy = Spy(monkeypatch, TwoModelSource)
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
+    run(engine, PROMPT)
+    other = PROMPT[:20] + [7, 8, 9, 10, 11]
+    spy.reset()
+    tokens, stats = run(engine, other)
+    assert stats.cached_tokens == 20  # the entry served trimmed: its drafter state is stale
+    assert spy.restored == [] and spy.prefilled == [len(other)]
+    assert tokens == plain(model_dirs["qwen3"], registry, other)
+
+
+def test_a_prompt_continuing_the_last_request_restores_then_prefills_the_rest(
+        model_dirs, registry, monkeypatch):
+    """The entry stored when a request ends carries the drafter too: a prompt that goes on
+    from everything the last request produced (a next turn that renders it as it was)."""
+    spy = Spy(monkeypatch, source_class("two-model"))
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
+    first, _ = run(engine, PROMPT)
+    longer = [*PROMPT, *first, 3, 1, 4, 1, 5]
+    spy.reset()
+    tokens, stats = run(engine, longer)
+    assert stats.cached_tokens == len(PROMPT) + len(first) - 1
+    # Restored with what it had seen; fed only the tokens it had not.
+    assert len(spy.restored) == 1 and spy.restored[0] >= len(PROMPT)
+    assert spy.prefilled == [len(longer) - spy.restored[0]]
+    assert tokens == plain(model_dirs["qwen3"], registry, longer)
+
+
+def test_an_entry_with_drafter_state_is_not_displaced_by_a_longer_one(model_dirs, registry):
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["ngram"])
+    run(engine, PROMPT)
+    entries = {len(e.tokens): e for e in engine.cache.ram.entries()}
+    # The prompt snapshot survives the longer prompt + generation entry (both attached).
+    assert len(PROMPT) - 1 in entries and len(entries) == 2
+    assert all(e.attached for e in entries.values())
+
+
+# -- MTP on the shipped demo ------------------------------------------------------------
+
+MTP_PROMPT = "import os\n\n\ndef list_files(path):"
+
+
+@pytest.fixture(scope="module")
+def demo_registry():
+    from foretell.plugin.loader import load_plugins
+
+    return load_plugins().registry
+
+
+def test_mtp_after_a_hit_speculates_from_its_restored_head_cache(demo_registry, monkeypatch,
+                                                                 tmp_path):
+    from foretell_qwen.mtp import MTPSource
+
+    spy = Spy(monkeypatch, MTPSource)
+    options = dict(max_tokens=40, chat=False, ignore_eos=True)
+    reference = foretell.load("demo", registry=demo_registry)
+    expected = reference.generate_text(MTP_PROMPT, speculate=False, **options)
+    writer = engine_with("demo", demo_registry, ("mtp", None), tmp_path, k=2)
+    events = list(writer.generate(MTP_PROMPT, **options))
+    assert "".join(e.text for e in events[:-1]) == expected
+    ram = list(writer.generate(MTP_PROMPT, **options))
+    assert writer.cache.close(10).durable
+    spy.reset()
+    ssd = list(engine_with("demo", demo_registry, ("mtp", None), tmp_path, k=2)
+               .generate(MTP_PROMPT, **options))
+    for stream, tier in ((ram, "ram"), (ssd, "ssd")):
+        stats = stream[-1]
+        assert "".join(e.text for e in stream[:-1]) == expected
+        assert stats.cached_from == tier
+        # Before attachments a hit made MTP decode plainly (no hidden states over the
+        # prompt); restored, it drafts and is accepted.
+        assert stats.speculation["drafted"] > 0 and stats.speculation["accepted"] > 0
+    assert spy.restored and spy.prefilled == [0]
+
+
+# -- resuming a speculative generation ---------------------------------------------------
+
+
+def interrupted_then_resumed(path, registry, draft, cache_dir, sampling, prompt, k=3):
+    engine = engine_with(path, registry, draft, cache_dir, k=k)
+    engine.cache.checkpoint_every = 3
+    stream = engine.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             sampling=sampling, resume=True)
+    seen = []
+    for event in stream:  # the process "dies" after 8 tokens: no completion, no cleanup
+        seen += event.tokens
+        if len(seen) >= 8:
+            break
+    assert engine.cache.flush(10).durable
+    return run(engine_with(path, registry, draft, cache_dir, k=k), prompt,
+               sampling=sampling, resume=True)
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(temp=0.8, seed=11)],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["two-model", "ngram"])
+def test_a_resumed_speculative_generation_continues_the_same_stream(
+        model_dirs, registry, monkeypatch, tmp_path, kind, sampling):
+    draft = drafters(model_dirs, registry)[kind]
+    path = model_dirs["qwen3"]
+    uninterrupted, _ = run(engine_with(path, registry, draft), PROMPT_REPEATS, sampling=sampling)
+    spy = Spy(monkeypatch, source_class(kind))
+    resumed, stats = interrupted_then_resumed(path, registry, draft, tmp_path, sampling,
+                                              PROMPT_REPEATS)
+    assert stats.cached_from == "checkpoint"
+    assert resumed == uninterrupted
+    if sampling is None:
+        assert resumed == plain(path, registry, PROMPT_REPEATS)
+    # The resumed request speculated on from the drafter's checkpointed state.
+    assert len(spy.restored) == 1 and spy.restored[0] > len(PROMPT_REPEATS)
+    assert stats.speculation["drafted"] > 0
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingConfig(temp=0.8, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_a_resumed_mtp_generation_continues_the_same_stream(demo_registry, tmp_path, sampling):
+    prompt = foretell.load("demo", registry=demo_registry).encode_prompt(MTP_PROMPT, chat=False)
+    uninterrupted, _ = run(engine_with("demo", demo_registry, ("mtp", None), k=2), prompt,
+                           sampling=sampling)
+    resumed, stats = interrupted_then_resumed("demo", demo_registry, ("mtp", None), tmp_path,
+                                              sampling, prompt, k=2)
+    assert stats.cached_from == "checkpoint" and stats.speculation["drafted"] > 0
+    assert resumed == uninterrupted
