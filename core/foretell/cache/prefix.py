@@ -26,7 +26,7 @@ from foretell.cache.codecs import (
     entry_trimmable,
     snapshot_entry,
 )
-from foretell.kvcache import trim_all
+from foretell.model.kvcache import trim_all
 from foretell.store.entry import Entry
 
 

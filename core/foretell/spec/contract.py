@@ -34,7 +34,7 @@ from foretell.errors import DraftError, PairingError  # noqa: F401 (defined ther
 
 if TYPE_CHECKING:
     from foretell.model import Model
-    from foretell.registry import Registry
+    from foretell.plugin.registry import Registry
     from foretell.sampling import Sampler
     from foretell.tokenizer import Tokenizer
 

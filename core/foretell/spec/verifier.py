@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
-from foretell.kvcache import add_rollback_reserve, stay_trimmable, trim_all
+from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.sampling import RandomKeys, Sampler, repetition_windows
 from foretell.spec.attach import start_source
 from foretell.spec.contract import PORT_HIDDEN, Draft, DraftError, Feed, Target
@@ -476,7 +476,7 @@ def make_speculator(
 
     A pairing that cannot work is refused here, before any draft weights are allocated.
     """
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
     from foretell.spec.contract import PairingError, missing_ports
 
     contribution = registry.get(Kind.DRAFT, kind)
