@@ -531,6 +531,11 @@ class Engine:
         scheme = kv_scheme(self.kv_bits, self.kv_group_size)
         # Entries of one drafter method or KV scheme never seed another's requests.
         namespace = f"{speculator.kind if speculator is not None else 'plain'}/{scheme}"
+        if resume and speculator is not None:
+            from foretell.spec.attach import draft_settings
+
+            # What a speculative run draws depends on the drafter and its settings too.
+            settings = {**settings, "draft": draft_settings(speculator)}
         return RequestCache(self.cache, namespace, resume=resume, settings=settings)
 
     def _open_request(self, ids: list[int], request: RequestCache | None = None) -> RequestState:

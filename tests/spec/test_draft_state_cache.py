@@ -285,3 +285,22 @@ def test_a_resumed_mtp_generation_continues_the_same_stream(demo_registry, tmp_p
                                               sampling, prompt, k=2)
     assert stats.cached_from == "checkpoint" and stats.speculation["drafted"] > 0
     assert resumed == uninterrupted
+
+
+def test_another_drafter_never_resumes_a_speculative_checkpoint(model_dirs, registry, tmp_path):
+    path = model_dirs["qwen3"]
+    ours = drafter(registry, "two-model", model=str(model_dirs["qwen3"]))
+    engine = engine_with(path, registry, ours, tmp_path)
+    engine.cache.checkpoint_every = 3
+    for i, _event in enumerate(engine.generate(PROMPT_REPEATS, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True, resume=True)):
+        if i >= 4:
+            break
+    assert engine.cache.flush(10).durable
+    other = drafter(registry, "two-model", model=str(model_dirs["qwen3-other"]))
+    _, stats = run(engine_with(path, registry, other, tmp_path), PROMPT_REPEATS, resume=True)
+    assert stats.cached_from != "checkpoint"
+    _, stats = run(engine_with(path, registry, ours, tmp_path, k=2), PROMPT_REPEATS, resume=True)
+    assert stats.cached_from != "checkpoint"  # another draft length draws differently
+    _, stats = run(engine_with(path, registry, ours, tmp_path), PROMPT_REPEATS, resume=True)
+    assert stats.cached_from == "checkpoint"  # the checkpoint was there all along

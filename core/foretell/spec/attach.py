@@ -65,6 +65,14 @@ def draft_identity(speculator: Any) -> str | None:
     return f"{speculator.kind}/{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}"
 
 
+def draft_settings(speculator: Any) -> dict[str, Any]:
+    """Everything about the drafter that shapes a speculative run's draws (a resumable
+    generation's checkpoints are keyed by it: another drafter never resumes them)."""
+    return {"kind": speculator.kind, "identity": draft_identity(speculator),
+            "max_tokens": speculator.max_tokens, "adaptive": speculator.adaptive,
+            "acceptance": speculator.acceptance}
+
+
 class DraftLink:
     """One speculative request's drafter state and the cache: what was found, what is
     captured. ``checkpoints`` is the request's cache when the generation is resumable."""
