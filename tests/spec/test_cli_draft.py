@@ -47,9 +47,11 @@ def test_none_turns_speculation_off_and_auto_follows_the_measured_file(
     registry, engines, model_dirs, tmp_path
 ):
     engine = engines["qwen3"]
+    engine.use_draft("ngram")  # an engine that speculated before stops
     apply_draft(engine, _config(registry, draft="none").draft, registry)
     assert engine.speculator is None
     # No speculation.json beside the model: auto means plain decoding.
+    engine.use_draft("ngram")
     apply_draft(engine, None, registry)
     assert engine.speculator is None
     model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured")

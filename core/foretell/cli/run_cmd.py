@@ -184,10 +184,12 @@ def apply_draft(engine: Any, section: Any, registry: Any) -> None:
     settings = section.settings if section is not None else DraftSettings()
     options = section.options if section is not None else None
     if kind == DRAFT_NONE:
+        engine.use_draft(None)  # an engine that speculated before stops
         return
     if kind == DRAFT_AUTO:
         chosen = measured_drafter(engine.path, registry)
         if chosen is None:
+            engine.use_draft(None)
             return
         kind, options = chosen
     engine.use_draft(kind, options, max_tokens=settings.num_tokens, adaptive=settings.adaptive,
