@@ -1,14 +1,11 @@
 """Old path of :mod:`foretell.tools.synthetic`, kept so existing imports work.
 
-Unlike the other old paths this one forwards names instead of being the same module:
-tests/models/test_synthetic_specs.py finds core's tool sources next to this file's
-``__file__`` (docs/decisions.md, "Old module paths").
+This module *is* that one (the same module object), so names, private helpers and
+monkeypatching behave as before (docs/decisions.md, "Old module paths").
 """
 
-from typing import Any
+import sys
 
-from foretell.tools import synthetic as _synthetic
+from foretell.tools import synthetic
 
-
-def __getattr__(name: str) -> Any:
-    return getattr(_synthetic, name)
+sys.modules[__name__] = synthetic

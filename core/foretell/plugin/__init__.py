@@ -6,8 +6,8 @@ Plugins import from here: :data:`hookimpl` (also ``foretell.hookimpl``), :class:
 A plugin's own tests use the ``foretell_plugins`` and ``fake_distribution`` fixtures of
 :mod:`foretell.plugin.pytest_plugin` (helpers in :mod:`foretell.plugin.testing`).
 
-The parts: :mod:`~foretell.plugin.hookspecs` (the contract), :mod:`foretell.hooks` (the
-typed facade over pluggy; still at its old path, docs/decisions.md),
+The parts: :mod:`~foretell.plugin.hookspecs` (the contract), :mod:`~foretell.plugin.hooks`
+(the typed facade over pluggy),
 :mod:`~foretell.plugin.loader` (discovery, load order, per-plugin isolation),
 :mod:`~foretell.plugin.registry` (what plugins contributed),
 :mod:`~foretell.plugin.baseline` (core's own contributions) and

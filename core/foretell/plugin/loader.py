@@ -25,7 +25,7 @@ import attrs
 
 from foretell import PLUGIN_API
 from foretell.errors import PluginError
-from foretell.hooks import Hooks, new_plugin_manager
+from foretell.plugin.hooks import Hooks, new_plugin_manager
 from foretell.plugin.registry import Contribution, Origin, Registrar, Registry
 
 if sys.version_info >= (3, 12):
