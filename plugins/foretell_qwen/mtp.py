@@ -195,6 +195,8 @@ class MTPSource:
                           keys=self.keys.state() if self.keys is not None else None)
 
     def restore(self, state: DraftState, tokens: list[int]) -> None:
+        if len(state.caches) != 1:
+            raise ValueError(f"the MTP head has one layer; the stored state has {len(state.caches)}")
         self.caches = list(state.caches)
         self.last = state.tensors.get("last")
         if state.keys is not None and self.keys is not None:

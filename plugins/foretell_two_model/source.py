@@ -99,13 +99,13 @@ class TwoModelSource:
                           keys=self.keys.state() if self.keys is not None else None)
 
     def restore(self, state: DraftState, tokens: list[int]) -> None:
-        self.caches = list(state.caches)
-        self.sequence = list(tokens)
         # ``fed`` may run past ``tokens`` by the accepted drafts the next feed brings.
-        self.fed = int(state.meta["fed"])
-        if self.fed != self.caches[0].offset:
-            raise ValueError(f"stored draft caches hold {self.caches[0].offset} tokens, "
-                             f"the state says {self.fed}")
+        fed, caches = int(state.meta["fed"]), list(state.caches)
+        if len(caches) != len(self.caches) or any(c.offset != fed for c in caches):
+            raise ValueError(f"stored draft caches ({len(caches)} layers holding "
+                             f"{[c.offset for c in caches][:2]}... tokens) do not fit this "
+                             f"draft model ({len(self.caches)} layers) at {fed} tokens")
+        self.caches, self.sequence, self.fed = caches, list(tokens), fed
         if state.keys is not None and self.keys is not None:
             self.keys = RandomKeys.restored(self.keys.seed, state.keys)
 

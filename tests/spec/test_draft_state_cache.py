@@ -82,18 +82,21 @@ def plain(path, registry, prompt, **options):
     return run(foretell.load(path, registry=registry), prompt, speculate=False, **options)[0]
 
 
-def drafters(model_dirs, registry):
+def drafters(model_dirs, registry, target="qwen3"):
     return {
-        "two-model": drafter(registry, "two-model", model=str(model_dirs["qwen3"])),
+        # Self-drafting: the draft model's caches are the target's kind (a Gemma draft's
+        # sliding windows included), and it is accepted, so bursts are exercised.
+        "two-model": drafter(registry, "two-model", model=str(model_dirs[target])),
         "ngram": drafter(registry, "ngram", max_ngram=3),
     }
 
 
+@pytest.mark.parametrize("target", ["qwen3", "gemma3_text"])
 @pytest.mark.parametrize("kind", ["two-model", "ngram"])
 def test_a_ram_hit_restores_the_drafter_instead_of_prefilling_it(
-        model_dirs, registry, monkeypatch, kind):
+        model_dirs, registry, monkeypatch, kind, target):
     spy = Spy(monkeypatch, source_class(kind))
-    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)[kind])
+    engine = engine_with(model_dirs[target], registry, drafters(model_dirs, registry, target)[kind])
     first, cold = run(engine, PROMPT_REPEATS)
     assert spy.prefilled == [len(PROMPT_REPEATS)] and spy.restored == []
     spy.reset()
@@ -101,7 +104,7 @@ def test_a_ram_hit_restores_the_drafter_instead_of_prefilling_it(
     assert warm.cached_from == "ram" and warm.cached_tokens == len(PROMPT_REPEATS) - 1
     # The drafter came back from the entry; nothing of the prompt was prefilled again.
     assert spy.restored == [len(PROMPT_REPEATS)] and spy.prefilled == [0]
-    assert again == first == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)
+    assert again == first == plain(model_dirs[target], registry, PROMPT_REPEATS)
     assert warm.speculation["accepted"] > 0
 
 
@@ -257,11 +260,12 @@ def interrupted_then_resumed(path, registry, draft, cache_dir, sampling, prompt,
 
 @pytest.mark.parametrize("sampling", [None, SamplingConfig(temp=0.8, seed=11)],
                          ids=["greedy", "sampled"])
+@pytest.mark.parametrize("target", ["qwen3", "gemma3_text"])
 @pytest.mark.parametrize("kind", ["two-model", "ngram"])
 def test_a_resumed_speculative_generation_continues_the_same_stream(
-        model_dirs, registry, monkeypatch, tmp_path, kind, sampling):
-    draft = drafters(model_dirs, registry)[kind]
-    path = model_dirs["qwen3"]
+        model_dirs, registry, monkeypatch, tmp_path, kind, target, sampling):
+    draft = drafters(model_dirs, registry, target)[kind]
+    path = model_dirs[target]
     uninterrupted, _ = run(engine_with(path, registry, draft), PROMPT_REPEATS, sampling=sampling)
     spy = Spy(monkeypatch, source_class(kind))
     resumed, stats = interrupted_then_resumed(path, registry, draft, tmp_path, sampling,
@@ -304,3 +308,27 @@ def test_another_drafter_never_resumes_a_speculative_checkpoint(model_dirs, regi
     assert stats.cached_from != "checkpoint"  # another draft length draws differently
     _, stats = run(engine_with(path, registry, ours, tmp_path), PROMPT_REPEATS, resume=True)
     assert stats.cached_from == "checkpoint"  # the checkpoint was there all along
+
+
+def test_a_drafter_that_fails_to_restore_is_prefilled_instead(model_dirs, registry,
+                                                             monkeypatch, caplog):
+    import logging
+
+    from foretell_two_model.source import TwoModelSource
+
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
+    run(engine, PROMPT)
+
+    def broken(source, state, tokens):
+        raise ValueError("stored state from elsewhere")
+
+    monkeypatch.setattr(TwoModelSource, "restore", broken)
+    spy_prefilled = []
+    prefill = TwoModelSource.prefill
+    monkeypatch.setattr(TwoModelSource, "prefill",
+                        lambda s, feed: spy_prefilled.append(len(feed.tokens)) or prefill(s, feed))
+    with caplog.at_level(logging.WARNING, logger="foretell.spec"):
+        tokens, stats = run(engine, PROMPT)
+    assert stats.cached_from == "ram" and spy_prefilled == [len(PROMPT)]
+    assert tokens == plain(model_dirs["qwen3"], registry, PROMPT)
+    assert "failed in restore()" in caplog.text and "two-model" in caplog.text

@@ -72,9 +72,10 @@ class NgramIndex:
 
     def restore(self, history: list[int], followers: dict[int, list[int]]) -> None:
         """Become the index of ``history`` whose :meth:`followers` were ``followers``."""
-        self.history = h = list(history)
+        h = list(history)
         self._follow = {size: {tuple(h[p - size : p]): p for p in followers.get(size, ())}
                         for size in self.sizes}
+        self.history = h
 
     def propose(self, n: int) -> list[int]:
         h = self.history

@@ -117,10 +117,12 @@ class DraftLink:
         known = held + len(found.ahead)
         if list(sequence[held:known]) != found.ahead or len(sequence) < known:
             return None  # the prompt goes on differently from what the drafter saw
-        from foretell.spec.verifier import _call
-
-        state = unpack(found, self.codecs, with_keys=self.resumed)
-        _call(self.speculator, "restore", source.restore, state, list(sequence[: found.seen]))
+        try:
+            state = unpack(found, self.codecs, with_keys=self.resumed)
+            source.restore(state, list(sequence[: found.seen]))
+        except Exception as exc:  # the source is still fresh (restore assigns last)
+            self._failed("restore", exc)
+            return None
         self.restored_tokens = found.seen
         return list(sequence[found.seen : known]), feed_hidden(found)
 
@@ -137,15 +139,24 @@ class DraftLink:
             return None
         if any(c.offset != held for c in state.caches):
             return None
-        from foretell.spec.verifier import _call
-
-        captured = _call(self.speculator, "capture", source.capture)
-        if captured is None:
+        try:
+            captured = source.capture()
+            if captured is None:
+                return None
+            return attach(captured, identity=self.identity, offset=held, ahead=sequence[held:],
+                          seen=len(sequence) - len(feed_tokens),
+                          feed_hidden=hidden if feed_tokens else None, codecs=self.codecs,
+                          keys=captured.keys)
+        except Exception as exc:
+            self._failed("capture", exc)
             return None
-        return attach(captured, identity=self.identity, offset=held, ahead=sequence[held:],
-                      seen=len(sequence) - len(feed_tokens),
-                      feed_hidden=hidden if feed_tokens else None, codecs=self.codecs,
-                      keys=captured.keys)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        # Caching the drafter is an optimization: its failure never fails the request.
+        if not self._warned:
+            self._warned = True
+            log.warning("%s failed in %s(): %s: %s; its state is not cached for this request",
+                        self.speculator.label(), what, type(exc).__name__, exc)
 
     def boundary(self, verifier: Any) -> None:
         """A round boundary (nothing in flight): checkpoint it when one is due."""

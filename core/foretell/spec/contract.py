@@ -147,7 +147,9 @@ class CheckpointableSource(DraftSource, Protocol):
         captured ``state`` after being fed exactly ``tokens``. ``prefill`` follows with
         the prompt tokens past ``tokens`` (possibly none), their hidden states one per
         token as in a later feed; or, when a generation resumes, the next ``draft``'s feed
-        carries what the sequence gained."""
+        carries what the sequence gained. Check before you change anything and raise if the
+        state does not fit: the core then warns and prefills this source as if nothing had
+        been cached (a failing capture likewise only leaves the entry without it)."""
 
 
 @runtime_checkable
