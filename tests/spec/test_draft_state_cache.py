@@ -332,3 +332,45 @@ def test_a_drafter_that_fails_to_restore_is_prefilled_instead(model_dirs, regist
     assert stats.cached_from == "ram" and spy_prefilled == [len(PROMPT)]
     assert tokens == plain(model_dirs["qwen3"], registry, PROMPT)
     assert "failed in restore()" in caplog.text and "two-model" in caplog.text
+
+
+def test_a_sampled_speculative_run_resumes_after_kill_9_on_the_same_draws(tmp_path):
+    """``foretell run --resume`` with speculation and sampling: killed with SIGKILL once a
+    checkpoint is on disk, the rerun of the same command prints what an uninterrupted run
+    prints, and it speculated from the checkpoint (its stats say so)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config = tmp_path / "run.toml"
+    config.write_text('[cache]\ncheckpoint_every = 4\n\n[draft]\nkind = "two-model"\n'
+                      'model = "demo-draft"\nnum_tokens = 3\nadaptive = false\n')
+    args = [sys.executable, "-m", "foretell", "run", "--max-tokens", "120", "--temp", "0.8",
+            "--seed", "7", "--prompt", "def fibonacci(n):", "--config", str(config)]
+    env = {**os.environ, "FORETELL_DEBUG": "1"}
+    uninterrupted = subprocess.run(args, capture_output=True, env=env, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr.decode()
+    cache = tmp_path / "cache"
+    resumable = [*args, "--cache-dir", str(cache), "--resume"]
+    victim = subprocess.Popen(resumable, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=env)
+    deadline = time.monotonic() + 120
+    try:  # kill -9 as soon as a checkpoint (an entry past the prompt snapshot) is on disk
+        while time.monotonic() < deadline and victim.poll() is None:
+            if len(list(cache.glob("*/*.safetensors"))) >= 2:
+                break
+            time.sleep(0.02)
+        assert victim.poll() is None, "the run finished before it could be killed"
+        victim.send_signal(signal.SIGKILL)
+    finally:
+        victim.wait()
+    resumed = subprocess.run([*resumable, "--json"], capture_output=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    stats = json.loads(resumed.stdout.decode().strip().splitlines()[-1])
+    text = "".join(e["text"] for e in map(json.loads, resumed.stdout.decode().splitlines())
+                   if e.get("type") == "text")
+    assert stats["cached_from"] == "checkpoint" and stats["speculation"]["drafted"] > 0
+    assert len(text) > 40 and text == uninterrupted.stdout.decode().rstrip("\n")
