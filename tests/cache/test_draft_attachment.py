@@ -107,3 +107,18 @@ def test_the_layer_is_recorded_under_its_own_provider(codecs):
     assert DraftAttachmentCodec.provider_id == ATTACHMENT_PROVIDER
     assert {"cache.0.keys", "cache.0.values", "state.last"} <= set(tensors)
     assert meta["identity"] == "draft-a" and meta["caches"][0]["provider"] == "foretell.baseline/kv@1"
+
+
+def test_flush_says_durable_only_once_an_attached_state_itself_is_on_disk(tmp_path, identity,
+                                                                          codecs):
+    tier = tier_over(tmp_path, identity, codecs)
+    tier.store(range(12), [filled_kv(12), attachment(12, codecs)])
+    tier.store(range(20), [filled_kv(20), attachment(20, codecs)])
+    assert tier.flush(10).durable
+    # The attached 12-token state's write is lost (as a dropped spill would lose it): the
+    # 20-token entry can restore its target part, not its drafter state, so flush rewrites it.
+    tier.ssd.remove(tier.ssd.find_exact(range(12), "").header.key)
+    with tier._lock:
+        tier._dirty.add(("", tuple(range(12))))
+    assert tier.flush(10).durable
+    assert tier.ssd.find_exact(range(12), "") is not None

@@ -106,6 +106,8 @@ def test_a_ram_hit_restores_the_drafter_instead_of_prefilling_it(
     assert spy.restored == [len(PROMPT_REPEATS)] and spy.prefilled == [0]
     assert again == first == plain(model_dirs[target], registry, PROMPT_REPEATS)
     assert warm.speculation["accepted"] > 0
+    assert (cold.speculation["draft_cached_tokens"],
+            warm.speculation["draft_cached_tokens"]) == (0, len(PROMPT_REPEATS))
 
 
 def test_the_two_model_drafter_computes_only_what_the_cache_lacks(model_dirs, registry,

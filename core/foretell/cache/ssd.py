@@ -129,12 +129,14 @@ class SsdIndex:
                     self._index[stored.header.key] = attrs.evolve(
                         stored, header=attrs.evolve(stored.header, last_used=time.time()))
 
-    def covers(self, tokens: Sequence[int], namespace: str) -> bool:
-        """Whether some stored entry can restore exactly ``tokens``."""
+    def covers(self, tokens: Sequence[int], namespace: str, *, attached: bool = False) -> bool:
+        """Whether some stored entry can restore exactly ``tokens`` (with a drafter's
+        attachment, when the state had one)."""
         with self._lock:
             return any(
                 s.header.namespace == namespace and can_serve(
-                    s.tokens, trimmable=s.trimmable, min_offset=s.min_offset, old_tokens=tokens)
+                    s.tokens, trimmable=s.trimmable, min_offset=s.min_offset, old_tokens=tokens,
+                    old_attached=attached)
                 for s in self._index.values())
 
     def read(self, stored: Stored) -> Entry | None:

@@ -260,11 +260,12 @@ class CacheTier:
         for namespace, tokens in self._dirty_keys() if drained else []:
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            if self.ssd.covers(tokens, namespace):
-                self._clean((namespace, tokens))
-                continue
             donor = next((e for e in self.ram.entries()
                           if e.namespace == namespace and e.tokens == tokens), None)
+            # A state with a drafter's attachment is covered only by itself on disk.
+            if self.ssd.covers(tokens, namespace, attached=donor is not None and donor.attached):
+                self._clean((namespace, tokens))
+                continue
             if donor is None:
                 missing += 1
                 continue

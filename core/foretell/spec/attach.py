@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
 from foretell.cache.attachment import DraftAttachment, attach, feed_hidden, unpack
@@ -68,7 +69,9 @@ def draft_identity(speculator: Any) -> str | None:
 def draft_settings(speculator: Any) -> dict[str, Any]:
     """Everything about the drafter that shapes a speculative run's draws (a resumable
     generation's checkpoints are keyed by it: another drafter never resumes them)."""
-    return {"kind": speculator.kind, "identity": draft_identity(speculator),
+    config = getattr(speculator.provider, "config", None)
+    options = attrs.asdict(config) if attrs.has(type(config)) else None
+    return {"kind": speculator.kind, "identity": draft_identity(speculator), "options": options,
             "max_tokens": speculator.max_tokens, "adaptive": speculator.adaptive,
             "acceptance": speculator.acceptance}
 

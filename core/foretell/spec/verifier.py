@@ -78,6 +78,8 @@ class SpeculationStats:
     k_total: int = 0
     offered_at: list[int] = attrs.Factory(list)
     accepted_at: list[int] = attrs.Factory(list)
+    #: Sequence tokens the drafter got back from the cache instead of computing them.
+    draft_cached: int = 0
 
     def record(self, k: int, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -107,6 +109,7 @@ class SpeculationStats:
                 self.produced / self.target_forwards if self.target_forwards else 0.0
             ),
             "mean_k": self.k_total / self.rounds if self.rounds else 0.0,
+            "draft_cached_tokens": self.draft_cached,
         }
 
 
@@ -149,6 +152,7 @@ def speculative_steps(
     source = _call(speculator, "open", speculator.provider.open, target, sampler)
     try:
         speculate, feed = start_source(speculator, source, state, hidden, link, after_prefill)
+        stats.draft_cached = link.restored_tokens if link is not None else 0
         if not speculate:
             yield from plain_steps(model, state, sampler, limit)
             return
