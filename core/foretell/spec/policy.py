@@ -9,10 +9,13 @@ that does not pay is switched off rather than slowing the request down.
 ``T`` is the least-squares line through the running mean round time of each draft length
 seen (n = tokens actually drafted; 0 = a plain step), each mean following new rounds
 quickly, so the model tracks what the machine does now (a GPU where verifying 8 tokens
-costs little more than 1, a CPU where drafting costs the draft model's compute) and a
-one-off slow round fades. The first drafted rounds draft ``max_k`` (the very first is a
-warm-up and is not timed), then one plain stretch is timed; afterwards the policy probes a
-neighbouring ``k`` now and then so its picture stays current.
+costs little more than 1, a CPU where drafting costs the draft model's compute). The first
+round of each length is not timed (it compiles that shape's kernels on CUDA), and a round
+enters its mean at most ``OUTLIER_FACTOR`` times the mean so far, so a stall fades instead
+of switching a good length off. The first drafted rounds draft ``max_k``, then plain
+stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
+the best ``k`` and the length timed longest ago among those that could still pay, so no
+estimate goes stale for good.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ DECAY = 0.98
 TIME_WEIGHT = 0.25
 #: Strength of each draft position's prior, in rounds.
 PRIOR_ROUNDS = 2.0
-#: Every this many rounds, try a k other than the best one.
+#: Every this many rounds, try a k other than the best one (see ``choose``).
 PROBE_EVERY = 16
 #: Drafted rounds timed before the first choice; the very first is a warm-up, not timed.
 WARMUP_ROUNDS = 3
+#: A round time enters its length's mean at most this many times the mean so far: one
+#: stall moves an estimate a little instead of switching a good length off for good.
+OUTLIER_FACTOR = 3.0
 
 
 class DraftLengthPolicy:
@@ -41,6 +47,10 @@ class DraftLengthPolicy:
         self._accepted = [0.0] * max_k
         #: Running mean round time by tokens drafted (0: a plain step).
         self._time: dict[int, float] = {}
+        #: Draft lengths whose first (untimed) round has run.
+        self._seen: set[int] = set()
+        #: The round each draft length was last timed in.
+        self._timed_at: dict[int, int] = {}
         self._drafted_rounds = 0
         self._rounds = 0
         self._best = max_k
@@ -94,8 +104,20 @@ class DraftLengthPolicy:
         self._best = max(range(self.max_k + 1), key=rates.__getitem__)
         k = self._best
         if self._rounds % PROBE_EVERY == 0:
-            k = self._best - 1 if self._best == self.max_k else self._best + 1
+            if (self._rounds // PROBE_EVERY) % 2:
+                k = self._best - 1 if self._best == self.max_k else self._best + 1
+            else:
+                k = self._stale_probe(rates) or k
         return min(k, limit)
+
+    def _stale_probe(self, rates: list[float]) -> int | None:
+        """The length timed longest ago among those that would beat the best one by a
+        quarter if their round cost no more than a plain step (a drafter that never agrees
+        is not probed at lengths that cannot pay); None when there is none."""
+        best, floor = max(rates), self.round_time(0)
+        hopeful = [n for n in range(1, self.max_k + 1)
+                   if self.expected_tokens(n) / floor > 1.25 * best]
+        return min(hopeful, key=lambda n: self._timed_at.get(n, -1)) if hopeful else None
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``."""
@@ -106,7 +128,16 @@ class DraftLengthPolicy:
                 break
         if drafted:
             self._drafted_rounds += 1
-            if self._drafted_rounds == 1:
-                return  # the first drafted round pays one-off costs (kernels, buffers)
+        if drafted not in self._seen:
+            # A length's first round pays its one-off costs: on CUDA, MLX compiles the
+            # kernels of each new window shape on first use (seconds, measured on the H200),
+            # which once kept a drafter at 88% acceptance drafting under one token a round.
+            self._seen.add(drafted)
+            return
+        self._timed_at[drafted] = self._rounds
         old = self._time.get(drafted)
-        self._time[drafted] = seconds if old is None else old + TIME_WEIGHT * (seconds - old)
+        if old is None:
+            self._time[drafted] = seconds
+            return
+        seconds = min(seconds, OUTLIER_FACTOR * old)
+        self._time[drafted] = old + TIME_WEIGHT * (seconds - old)
