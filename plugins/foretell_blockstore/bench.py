@@ -1,18 +1,20 @@
 """Block store vs single-file layout, in one run, on the shipped demo model (not a test).
 
-    python -m foretell_blockstore.bench [--rounds 3] [--block-tokens 256] [--sweep 64,128,512]
-                                        [--json out.json]
+    python -m foretell_blockstore.bench [--rounds 3] [--repeats 5] [--block-tokens 256]
+                                        [--sweep 64,128,512] [--json out.json]
 
 Workloads (issue 10): (a) 8 conversations sharing a 2,048-token system prompt (each prefix
 reused from the first, as the tier's prefix cache hands it out); (b) one conversation
 checkpointed after each of 8 turns. For each layout: bytes on disk, bytes written (the
 write(2) bytes the process issued, /proc/self/io ``wchar``), total write time and total
-verified read time (every entry read back and evaluated). Rounds alternate the layouts'
-order on fresh directories; the best time of the rounds is reported.
+verified read time (every entry read back and evaluated). Each round writes both layouts on
+fresh directories (order flipping every round), then reads every entry back with the
+layouts taking turns entry by entry; reported: medians over the rounds, and the median of
+the per-round ratios to single-file (the 2-core host is shared, so pairs matter).
 
-It also measures what chose the block identity: SHA-256 vs CRC-32 over the entries' bytes,
-and whether KV computed from scratch (no prefix reuse) is byte-identical to the reused
-prefix, which content naming needs to dedupe.
+It also measures what chose the block identity and the read checksum: SHA-256, XXH3-64 and
+zlib's CRC-32 over the entries' bytes, and whether KV computed from scratch (no prefix
+reuse) is byte-identical to the reused prefix, which content naming needs to dedupe.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
+
+import xxhash
 
 SYSTEM_TOKENS = 2048
 CONVERSATIONS = 8
@@ -96,10 +100,7 @@ def _workloads(model, codecs, vocab: int, seed: int = 0):
     return {"a_shared_prompt": shared, "b_growing_conversation": growing}, diff
 
 
-def _run_layout(make_layout, entries, root: Path) -> dict:
-    import mlx.core as mx
-
-    layout = make_layout(root)
+def _write_all(layout, entries) -> dict:
     written0, write_s = _wchar(), 0.0
     for entry in entries:
         start = time.perf_counter()
@@ -107,26 +108,54 @@ def _run_layout(make_layout, entries, root: Path) -> dict:
             raise RuntimeError(f"{type(layout).__name__} failed to write an entry")
         write_s += time.perf_counter() - start
     written = (_wchar() - written0) if written0 is not None else None
-    read_s = 0.0
-    for entry in entries:  # best of 3 per entry: the 2-core host is shared
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            got = layout.read(layout.key_for(entry.tokens, entry.namespace))
-            mx.eval([t for layer in got.layers for t in layer.tensors.values()])
-            best = min(best, time.perf_counter() - start)
-            if got.tokens != entry.tokens:
-                raise RuntimeError("read back another entry")
-        read_s += best
-    return {"disk_bytes": _disk_bytes(root), "bytes_written": written,
-            "write_s": write_s, "read_s": read_s}
+    return {"bytes_written": written, "write_s": write_s}
 
 
-def _best_rounds(rounds: list[dict]) -> dict:
-    """Times: the best round (the 2-core host is shared; interference only adds time);
-    bytes: the same in every round."""
-    return {k: (min if k.endswith("_s") else statistics.median)(r[k] for r in rounds)
-            for k in rounds[0]}
+def _read_interleaved(layouts: dict, entries, repeats: int) -> dict[str, float]:
+    """Verified read time of every entry, per layout: the layouts take turns entry by entry
+    (order flipping each repeat), so a slow spell on the shared host lands on all of them;
+    each entry's time is the median of its repeats."""
+    import mlx.core as mx
+
+    times: dict[str, float] = dict.fromkeys(layouts, 0.0)
+    for entry in entries:
+        runs: dict[str, list[float]] = {side: [] for side in layouts}
+        for rep in range(repeats):
+            for side in (list(layouts) if rep % 2 == 0 else list(reversed(layouts))):
+                layout = layouts[side]
+                start = time.perf_counter()
+                got = layout.read(layout.key_for(entry.tokens, entry.namespace))
+                mx.eval([t for layer in got.layers for t in layer.tensors.values()])
+                runs[side].append(time.perf_counter() - start)
+                if got.tokens != entry.tokens:
+                    raise RuntimeError("read back another entry")
+                del got
+        for side, values in runs.items():
+            times[side] += statistics.median(values)
+    return times
+
+
+def _round(sides: dict, entries, root: Path, order: list[str], repeats: int) -> dict:
+    """One round on fresh directories: each layout writes every entry (in ``order``), then
+    all of them read every entry back, interleaved."""
+    layouts = {side: sides[side](root / side) for side in order}
+    out = {side: _write_all(layouts[side], entries) for side in order}
+    for side, read_s in _read_interleaved(layouts, entries, repeats).items():
+        out[side].update(read_s=read_s, disk_bytes=_disk_bytes(root / side))
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _summary(rounds: list[dict], side: str) -> dict:
+    """Medians over the rounds, and the median of the per-round ratios to single-file (each
+    round's pair shares whatever the host was doing)."""
+    row = {k: statistics.median(r[side][k] for r in rounds) for k in rounds[0][side]
+           if rounds[0][side][k] is not None}
+    for k in ("write_s", "read_s"):
+        row[f"{k[:-2]}_ratio"] = statistics.median(
+            r[side][k] / r["single-file"][k] for r in rounds)
+        row[f"{k}_rounds"] = [r[side][k] for r in rounds]
+    return row
 
 
 def _verify_equal(entries, make_layout, root: Path) -> None:
@@ -149,7 +178,8 @@ def _hash_costs(entries) -> dict:
     datas = [host_bytes(t) for e in entries for layer in e.layers for t in layer.tensors.values()]
     total = sum(d.nbytes for d in datas)
     costs = {}
-    for name, fn in (("crc32", zlib.crc32), ("sha256", lambda d: hashlib.sha256(d).digest())):
+    for name, fn in (("xxh3_64", xxhash.xxh3_64_intdigest), ("crc32", zlib.crc32),
+                     ("sha256", lambda d: hashlib.sha256(d).digest())):
         best = min(_timed(lambda fn=fn: [fn(d) for d in datas]) for _ in range(3))
         costs[name] = {"s": best, "GB_per_s": total / best / 1e9}
     return {"bytes": total, **costs}
@@ -165,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m foretell_blockstore.bench",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="verified reads of each entry per layout and round")
     parser.add_argument("--block-tokens", type=int, default=256)
     parser.add_argument("--sweep", default="64,128,512,1024",
                         help="other block sizes measured once each ('' for none)")
@@ -211,19 +243,18 @@ def main(argv: list[str] | None = None) -> int:
                "scratch_prefill_max_abs_diff": scratch_diff, "workloads": {}}
     for name, entries in workloads.items():
         _verify_equal(entries, blocks(args.block_tokens), scratch / f"{name}-check")
-        sides = {"single-file": single, f"blocks@{args.block_tokens}": blocks(args.block_tokens)}
-        runs: dict[str, list[dict]] = {side: [] for side in sides}
-        for r in range(args.rounds):
+        main_side = f"blocks@{args.block_tokens}"
+        sides = {"single-file": single, main_side: blocks(args.block_tokens)}
+        rounds = []
+        for r in range(args.rounds):  # the layouts' write order flips every round
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
-            for side in order:
-                root = scratch / f"{name}-{side}-{r}"
-                runs[side].append(_run_layout(sides[side], entries, root))
-                shutil.rmtree(root, ignore_errors=True)
-        row = {side: _best_rounds(rs) for side, rs in runs.items()}
+            rounds.append(_round(sides, entries, scratch / f"{name}-{r}", order, args.repeats))
+        row = {side: _summary(rounds, side) for side in sides}
         for size in [int(s) for s in args.sweep.split(",") if s.strip()]:
-            root = scratch / f"{name}-sweep-{size}"
-            row[f"blocks@{size}"] = _run_layout(blocks(size), entries, root)
-            shutil.rmtree(root, ignore_errors=True)
+            swept = {"single-file": single, f"blocks@{size}": blocks(size)}
+            one = _round(swept, entries, scratch / f"{name}-sweep-{size}", list(swept),
+                         args.repeats)
+            row[f"blocks@{size}"] = _summary([one], f"blocks@{size}")
         results["workloads"][name] = {
             "entries": len(entries), "tokens": [len(e.tokens) for e in entries],
             "logical_bytes": sum(e.tensor_bytes for e in entries), "layouts": row}
@@ -261,10 +292,11 @@ def _print(results: dict, block_tokens: int) -> None:
                       f"{r['read_s']:>8.3f}   "
                       f"{r['disk_bytes'] / base['disk_bytes']:>19.2f}"
                       f"{(r['bytes_written'] or 0) / (base['bytes_written'] or 1):>9.2f}"
-                      f"{r['write_s'] / base['write_s']:>7.2f}{r['read_s'] / base['read_s']:>6.2f}\n")
+                      f"{r['write_ratio']:>7.2f}{r['read_ratio']:>6.2f}\n")
     costs = results["hash_costs"]
-    out.write(f"\nblock identity: SHA-256 {costs['sha256']['GB_per_s']:.2f} GB/s, CRC-32 "
-              f"{costs['crc32']['GB_per_s']:.2f} GB/s over {costs['bytes'] / 2**20:.0f} MiB; "
+    out.write(f"\nover {costs['bytes'] / 2**20:.0f} MiB: SHA-256 {costs['sha256']['GB_per_s']:.2f} "
+              f"GB/s, XXH3-64 {costs['xxh3_64']['GB_per_s']:.2f}, CRC-32 (zlib) "
+              f"{costs['crc32']['GB_per_s']:.2f}; "
               f"system-prompt KV prefilled from scratch vs reused: max |diff| "
               f"{results['scratch_prefill_max_abs_diff']:.3g}\n")
 

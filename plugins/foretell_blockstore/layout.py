@@ -1,6 +1,6 @@
 """The ``blocks`` storage layout: entries as manifests over shared, content-named blocks.
 
-On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v1/``::
+On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v2/``::
 
     entries/<key>.safetensors   one manifest per entry (a tensor-less safetensors file)
     data/<sha256>.blk           one block: rows of a token range, every layer back to back
@@ -9,7 +9,7 @@ On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v1/``::
 Rules kept (DESIGN.md §4): a block is written tmp → fsync → rename and never rewritten
 once it exists; the manifest lands the same way only after every block it lists is durable
 (so no crash leaves a manifest with a missing block); every read verifies the manifest hash
-and every block's size and CRC-32 before an array is returned, and drops an entry it cannot
+and every block's size and checksum before an array is returned, and drops an entry it cannot
 verify with one warning (7, 8); I/O failures warn once per outage and never raise (9);
 ``bytes()`` counts each unique block once (10). ``collect()`` deletes blocks no manifest
 lists while holding the directory's lock exclusively, and a writer holds it shared from its
@@ -51,7 +51,11 @@ log = logging.getLogger("foretell.store")
 SUFFIX = ".safetensors"
 BLOCK_SUFFIX = ".blk"
 #: entry_key's format version for this layout (keys never collide with another format's).
-KEY_VERSION = 101
+KEY_VERSION = 102
+#: One directory per block format version: another version's manifests are never seen,
+#: so they are never served and never stall collect() (which keeps every block when it
+#: finds a manifest it cannot read).
+STORE_DIR = "blocks-v2"
 #: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
 _IOV_MAX = 1024
 
@@ -120,7 +124,7 @@ class BlockStoreLayout:
                  identity: StoreIdentity):
         self.config = config if config is not None else BlockStoreConfig()
         self.identity = identity
-        self.directory = Path(root) / identity.directory / "blocks-v1"
+        self.directory = Path(root) / identity.directory / STORE_DIR
         self.entries_dir = self.directory / "entries"
         self.data_dir = self.directory / "data"
         self._index: dict[str, _Indexed] | None = None
@@ -142,13 +146,13 @@ class BlockStoreLayout:
         ``--model`` acts on each); damaged manifests claim nothing. A store left with blocks
         but no manifest gets an identity serving nothing, so ``collect()`` still frees it."""
         seen = {}
-        for store in sorted(Path(root).glob("*/blocks-v1/data")):
+        for store in sorted(Path(root).glob(f"*/{STORE_DIR}/data")):
             fingerprint, _, scheme = store.parent.parent.name.partition("-")
             with contextlib.suppress(ValueError):
                 seen[(store.parent.parent.name, "", "")] = StoreIdentity(
                     model_fingerprint=fingerprint, kv_scheme=scheme or "plain", model_id="",
                     tokenizer_hash="", codec_providers=codec_providers)
-        for path in sorted(Path(root).glob(f"*/blocks-v1/entries/*{SUFFIX}")):
+        for path in sorted(Path(root).glob(f"*/{STORE_DIR}/entries/*{SUFFIX}")):
             try:
                 fields = mf.parse(path.read_bytes()).fields
                 identity = StoreIdentity(
@@ -381,7 +385,7 @@ class BlockStoreLayout:
         same bytes exists (it is never rewritten); runs on the pool. True if written."""
         data = mf.block_bytes(hosts, group, begin, end)
         header = mf.block_header(group, begin, end)
-        ref = mf.block_ref(header, data)
+        ref = mf.block_ref(header, data, group, begin, end)
         final = self.block_path(ref.id)
         if os.path.exists(final):
             return ref, False
@@ -406,7 +410,7 @@ class BlockStoreLayout:
 
     def _assemble(self, manifest: mf.Manifest) -> list[LayerState]:
         """Read every block straight into its tensors' MLX-owned buffers, blocks in parallel
-        on the pool, each checking its header and the CRC-32 of its tensor bytes; all pass
+        on the pool, each checking its header and its checksum piece by piece; all pass
         before anything is returned."""
         import mlx.core as mx
 
@@ -565,9 +569,11 @@ class _LockBusy(Exception):
     pass
 
 
-def _read_block(path: Path, ref: mf.BlockRef, header: bytes, runs: list[memoryview]) -> None:
-    """Read one block: its header must be the one its manifest implies, its tensor bytes go
-    straight into ``runs`` (in file order) and must match the manifest's CRC-32.
+def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
+                pieces: list[list[memoryview]]) -> None:
+    """Read one block: its header must be the one its manifest implies; each piece's bytes go
+    straight into its runs (``pieces``, in file order) and are checksummed right after they
+    land, while still in the cache; together they must match the manifest's checksum.
 
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     """
@@ -579,23 +585,28 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes, runs: list[memoryvi
         if os.fstat(fd).st_size != ref.nbytes:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
         seen = bytearray(len(header))
-        iovecs = [memoryview(seen), *runs]
-        offset = 0
-        for start in range(0, len(iovecs), _IOV_MAX):
-            batch = iovecs[start:start + _IOV_MAX]
-            want = sum(v.nbytes for v in batch)
-            if os.preadv(fd, batch, offset) != want:
-                raise _BadBlock(ref.id, f"block {ref.id[:16]} is truncated")
-            offset += want
+        offset = _read_runs(fd, [memoryview(seen)], 0, ref)
+        if seen != header:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
+        checksums = []
+        for runs in pieces:
+            offset = _read_runs(fd, runs, offset, ref)
+            checksums.append(fmt.checksum(*runs))
     finally:
         os.close(fd)
-    if seen != header:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-    crc = None
-    for run in runs:
-        crc = fmt.checksum(run, crc)
-    if crc != ref.crc32:
+    if mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+
+
+def _read_runs(fd: int, runs: list[memoryview], offset: int, ref: mf.BlockRef) -> int:
+    """``preadv`` the file's bytes from ``offset`` into ``runs``; returns the next offset."""
+    for start in range(0, len(runs), _IOV_MAX):
+        batch = runs[start:start + _IOV_MAX]
+        want = sum(v.nbytes for v in batch)
+        if os.preadv(fd, batch, offset) != want:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} is truncated")
+        offset += want
+    return offset
 
 
 def _write_durably(path: Path, *chunks: Any) -> None:

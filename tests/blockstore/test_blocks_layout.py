@@ -120,7 +120,7 @@ def test_a_block_is_a_safetensors_file_of_its_pieces(layout, codecs):
     layout.write(entry)
     second = listed_blocks(layout, entry)[1]  # rows 4-7 of every tensor
     with safe_open(str(layout.block_path(second)), framework="numpy") as f:
-        assert f.metadata() == {"foretell.block": "blocks/1"}
+        assert f.metadata() == {"foretell.block": "blocks/2"}
         pieces = [f.get_tensor(str(i)) for i in range(4)]  # 2 layers x keys, values
     want = [np.asarray(layer.tensors[name][..., 4:8, :])
             for layer in entry.layers for name in ("keys", "values")]
@@ -310,6 +310,27 @@ def test_a_flipped_block_byte_is_never_served(layout, stored, caplog, where):
     assert not manifest_files(layout) and not path.exists()
 
 
+def test_a_single_flipped_bit_in_any_piece_of_any_block_is_caught(tmp_path, identity, codecs):
+    import random
+
+    rng = random.Random(0)
+    entry = entry_of(range(10), codecs)  # 3 blocks of 4 tokens, 4 pieces each
+    config = BlockStoreConfig(block_tokens=4)
+    for block in range(3):
+        for piece in range(4):
+            layout = BlockStoreLayout(tmp_path / f"{block}-{piece}", config, identity=identity)
+            layout.write(entry)
+            path = layout.block_path(listed_blocks(layout, entry)[block])
+            raw = bytearray(path.read_bytes())
+            (length,) = struct.unpack("<Q", raw[:8])
+            index = json.loads(raw[8:8 + length])
+            begin, end = index[str(piece)]["data_offsets"]
+            bit = rng.randrange(8 * (end - begin))
+            raw[8 + length + begin + bit // 8] ^= 1 << (bit % 8)
+            path.write_bytes(bytes(raw))
+            assert layout.read(layout.key_for(entry.tokens)) is None, (block, piece, bit)
+
+
 def test_a_truncated_block_is_never_served(layout, stored):
     path = layout.block_path(_a_block(layout, 1))
     path.write_bytes(path.read_bytes()[:-3])
@@ -387,11 +408,12 @@ def test_an_entry_of_another_identity_is_never_served_and_kept(tmp_path, layout,
     assert foreign.path(stored[1]).exists()
 
 
-def test_an_unknown_format_version_is_skipped_and_kept(layout, stored):
+@pytest.mark.parametrize("version", [b"blocks/1", b"blocks/9"], ids=["crc32-era", "future"])
+def test_an_unknown_format_version_is_skipped_and_kept(layout, stored, version):
     path = layout.path(stored[1])
     raw = path.read_bytes()
-    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/1"',
-                                 b'"foretell.format_version":"blocks/9"', 1))
+    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/2"',
+                                 b'"foretell.format_version":"' + version + b'"', 1))
     assert layout.read(stored[1]) is None and layout.scan() == [] and path.exists()
     # Another version's manifest may list blocks this reader cannot see: keep them all.
     layout.collect()

@@ -94,7 +94,7 @@ def test_damaged_foreign_and_future_files_are_never_served_and_never_crash(
     paths[1].write_bytes(paths[1].read_bytes()[:-40])         # truncated
     paths[2].write_bytes(b"\x00" * 50)                        # garbage
     raw = paths[3].read_bytes()                               # a future format version
-    paths[3].write_bytes(raw.replace(b'"foretell.format_version":"1"',
+    paths[3].write_bytes(raw.replace(b'"foretell.format_version":"2"',
                                      b'"foretell.format_version":"9"', 1))
     foreign = SingleFileLayout(tmp_path, identity=attrs.evolve(identity, model_id="other/model"))
     assert foreign.write(batch[4])                              # another model's entry...

@@ -106,11 +106,12 @@ def test_header_records_identity_and_checksums(layout, stored, identity):
     with safe_open(str(layout.path(key)), framework="numpy") as f:
         meta = f.metadata()
     header = json.loads(meta["foretell.header"])
-    assert meta["foretell.format_version"] == "1" and len(meta["foretell.header_hash"]) == 32
+    assert meta["foretell.format_version"] == "2" and len(meta["foretell.header_hash"]) == 32
     for field in ("model_id", "model_fingerprint", "kv_scheme", "tokenizer_hash"):
         assert header[field] == getattr(identity, field)
     slots = [s for layer in header["layers"] for s in layer["tensors"].values()]
-    assert all(len(s["crc32"]) == 8 and s["crc32"] != "00000000" for s in slots)
+    assert header["checksum"] == "xxh3-64"
+    assert all(len(s["xxh3"]) == 16 and s["xxh3"] != "0" * 16 for s in slots)
     assert header["data_bytes"] == sum(s["offsets"][1] - s["offsets"][0] for s in slots)
 
 
@@ -142,6 +143,28 @@ def test_a_flipped_tensor_byte_is_never_served_and_the_file_is_deleted(layout, s
     assert "fails its checksum" in caplog.text
     assert not path.exists()
     assert layout.read(key) is None and layout.scan() == []
+
+
+def test_a_single_flipped_bit_anywhere_in_any_tensor_is_caught(tmp_path, identity, codecs):
+    import random
+
+    rng = random.Random(0)
+    entry = make_entry(codecs)
+    probe = SingleFileLayout(tmp_path / "probe", identity=identity)
+    probe.write(entry)
+    path = probe.path(probe.key_for(entry.tokens))
+    raw = path.read_bytes()
+    header = json.loads(json.loads(raw[8:header_span(path)[1]])["__metadata__"]["foretell.header"])
+    slots = [s for layer in header["layers"] for s in layer["tensors"].values()]
+    assert len(slots) == 4
+    for i, slot in enumerate(slots):
+        for bit in (0, rng.randrange(8 * (slot["offsets"][1] - slot["offsets"][0]))):
+            layout = SingleFileLayout(tmp_path / f"{i}-{bit}", identity=identity)
+            layout.write(entry)
+            damaged = bytearray(raw)
+            damaged[header_span(path)[1] + slot["offsets"][0] + bit // 8] ^= 1 << (bit % 8)
+            layout.path(probe.key_for(entry.tokens)).write_bytes(bytes(damaged))
+            assert layout.read(layout.key_for(entry.tokens)) is None, (slot["name"], bit)
 
 
 def test_a_truncated_file_is_never_served(layout, stored):
@@ -199,10 +222,11 @@ def test_garbage_is_deleted_on_scan(layout, stored):
     assert not junk.exists()
 
 
-def test_an_unknown_format_version_is_skipped_and_kept(layout, stored):
+@pytest.mark.parametrize("version", [b"1", b"9"], ids=["crc32-era", "future"])
+def test_an_unknown_format_version_is_skipped_and_kept(layout, stored, version):
     _, key = stored
     path = layout.path(key)
-    rewrite(path, b'"foretell.format_version":"1"', b'"foretell.format_version":"9"')
+    rewrite(path, b'"foretell.format_version":"2"', b'"foretell.format_version":"' + version + b'"')
     assert layout.scan() == []
     assert layout.read(key) is None
     assert path.exists()  # a newer foretell wrote it; not ours to delete
@@ -371,10 +395,12 @@ def test_config_errors_name_the_field(value):
     assert info.value.field == "orphan_age_s" and "must be a number >= 0" in info.value.message
 
 
-def test_the_accelerated_checksum_is_zlibs_crc32():
-    import zlib
+def test_the_checksum_is_xxh3_64_over_the_parts_in_order():
+    import xxhash
 
     from foretell.store import format as fmt
 
     data = bytes(range(256)) * 1000
-    assert fmt.checksum(data) == f"{zlib.crc32(data):08x}"
+    assert fmt.checksum(data) == xxhash.xxh3_64_hexdigest(data)
+    assert fmt.checksum(data[:1000], memoryview(data)[1000:]) == fmt.checksum(data)
+    assert fmt.checksum(b"") == xxhash.xxh3_64_hexdigest(b"") and len(fmt.checksum(b"")) == 16

@@ -134,7 +134,7 @@ def _verified_reads(tier: Any, path: Path, repeats: int) -> dict[str, Any]:
         runs["verified"].append(read(True))
     verified, unverified = _median(runs["verified"]), _median(runs["unverified"])
     return {"verified_s": verified, "unverified_s": unverified,
-            "ratio": verified / unverified, "runs": runs, "crc": fmt._crc32.__module__}
+            "ratio": verified / unverified, "runs": runs, "checksum": fmt.CHECKSUM}
 
 
 def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str, Any] | None:
@@ -364,7 +364,7 @@ def render(report: dict[str, Any]) -> str:
             f"| **{p['cold_ttft_s'] / re_['ttft_s']:.0f}×** "
             f"| {rw['read_gb_per_s']:.2f} / {re_['read_gb_per_s']:.2f} "
             f"| {row['dd_warm']['gb_per_s']:.2f} / {row['dd_evicted']['gb_per_s']:.2f} "
-            f"| {p['reads']['ratio']:.2f}× ({p['reads']['crc']}) | {lm_cell} "
+            f"| {p['reads']['ratio']:.2f}× ({p['reads']['checksum']}) | {lm_cell} "
             f"| {d['idle_tps']:.1f} / {d['writing_tps']:.1f} ({d['ratio']:.2f}×) |")
     return "\n".join(lines)
 
