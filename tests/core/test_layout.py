@@ -1,0 +1,119 @@
+"""docs/layout.md holds: every name its public-surface table lists resolves from that package,
+importing those packages loads no MLX, every old module path is the moved module itself,
+and the architecture plugins import foretell only through the documented surface.
+
+The tables are read from the page, so a name added to the page without the code (or an old
+path dropped from the code while the page still lists it) fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+IDENTIFIER = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)`")
+MODULE = re.compile(r"`(foretell(?:\.[a-z_]+)*)`")
+
+
+def table(header: str) -> list[list[str]]:
+    """The rows (cells) of the markdown table whose header row starts with ``header``."""
+    lines = PAGE.split(header, 1)[1].splitlines()[2:]  # past the header and the rule
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def surface() -> dict[str, list[str]]:
+    """``{package: [names]}`` from the "Import from | Names" table."""
+    return {
+        MODULE.search(package).group(1): IDENTIFIER.findall(names)
+        for package, names in table("| Import from | Names |")
+    }
+
+
+def surface_modules() -> set[str]:
+    """The packages of the table plus the modules the page lists "rather than names"."""
+    listed = PAGE.split("Modules rather than names:", 1)[1].split("\n\n", 1)[0]
+    return set(surface()) | set(MODULE.findall(listed))
+
+
+def old_paths() -> list[tuple[str, str]]:
+    """``(old, now)`` module pairs from the "Old path | Now" table; ``<same name>`` expanded.
+    The row for the old ``foretell.model`` module (now a package) is the table's only
+    non-alias row and is skipped."""
+    pairs = []
+    for old, now in table("| Old path | Now |"):
+        (target,) = re.findall(r"`([^`]+)`", now)[:1]
+        for module in MODULE.findall(old):
+            if module == "foretell.model":
+                continue
+            same = module.rsplit(".", 1)[1]
+            pairs.append((module, target.replace("<same name>", same)))
+    return pairs
+
+
+def test_the_tables_are_read_from_the_page():
+    assert {"foretell", "foretell.model", "foretell.plugin", "foretell.tools"} <= set(surface())
+    assert "make_rope" in surface()["foretell.model"]
+    assert ("foretell.plugins", "foretell.plugin.loader") in old_paths()
+    assert ("foretell.kvcache", "foretell.model.kvcache") in old_paths()
+
+
+@pytest.mark.parametrize("package", sorted(surface()))
+def test_every_listed_name_resolves_from_its_package(package):
+    module = importlib.import_module(package)
+    missing = [name for name in surface()[package] if not hasattr(module, name)]
+    assert missing == [], f"docs/layout.md lists {missing} under {package}"
+
+
+def test_importing_the_public_packages_loads_no_mlx():
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {sorted(surface())!r}: importlib.import_module(name)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize(("old", "now"), old_paths(), ids=lambda p: p)
+def test_an_old_module_path_is_the_moved_module_itself(old, now):
+    assert importlib.import_module(old) is importlib.import_module(now)
+
+
+def foretell_imports(path: Path) -> set[str]:
+    """The foretell modules a source file imports (at any depth: lazy imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m == "foretell" or m.startswith("foretell.")}
+
+
+@pytest.mark.parametrize("plugin", ["foretell_qwen", "foretell_gemma"])
+def test_the_architecture_plugins_import_only_the_public_surface(plugin):
+    allowed = surface_modules()
+    used = {
+        f"{source.relative_to(ROOT)}: {module}"
+        for source in (ROOT / "plugins" / plugin).rglob("*.py")
+        for module in foretell_imports(source)
+        if module not in allowed
+    }
+    assert used == set(), "import these through a package docs/layout.md lists"
