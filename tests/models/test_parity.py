@@ -77,6 +77,11 @@ CASES = {
     "gemma3_text-4bit-bfloat16-packed": (
         "gemma3_text", {"packed": True, "torch_dtype": "bfloat16"}, 4
     ),
+    "qwen2-8bit-packed": ("qwen2", {"packed": True}, 8),
+    "qwen3-8bit-float16-packed": ("qwen3", {"packed": True, "torch_dtype": "float16"}, 8),
+    "gemma4_text-4bit-float16-packed": (
+        "gemma4_text", {"packed": True, "torch_dtype": "float16"}, 4
+    ),
 }
 
 
