@@ -223,14 +223,20 @@ def test_qwen2_heads_that_do_not_divide_the_width_name_the_field(tmp_path, regis
         load_model(path, registry)
 
 
-def test_unindexed_shards_load_like_a_single_file(pristine, tmp_path, registry):
+def test_unindexed_shards_load_like_a_single_file_and_as_mlx_lm_loads_them(
+    pristine, tmp_path, registry
+):
     """mlx-lm loads every model*.safetensors it finds; so does foretell without an index."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
     sharded = make_model_dir(tmp_path / "sharded", "qwen3", shard_bytes=40_000)
     (sharded / "model.safetensors.index.json").unlink()
     assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
     tokens = mx.array([[3, 1, 4, 1, 5]])
     one, many = load_model(pristine, registry), load_model(sharded, registry)
     np.testing.assert_array_equal(np.array(one(tokens)), np.array(many(tokens)))
+    theirs, _ = mlx_lm_load_model(sharded)
+    np.testing.assert_array_equal(np.array(many(tokens)), np.array(theirs(tokens)))
 
 
 @pytest.mark.parametrize("dtype", [mx.int32, mx.int8, mx.bool_, mx.uint32, mx.complex64])
