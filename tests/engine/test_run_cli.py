@@ -168,8 +168,18 @@ def test_chat_reports_a_refused_turn_and_carries_on(model_dir, tmp_path, capsys,
     refusal = "{% if messages[-1].content == 'boom' %}{{ raise_exception('no booms') }}{% endif %}"
     config["chat_template"] = refusal + config["chat_template"]
     (picky / "tokenizer_config.json").write_text(json.dumps(config))
+    sent = []
+    real = foretell.Engine.generate
+
+    def spy(self, prompt, **options):
+        sent.append([dict(m) for m in prompt])  # the history grows after the call
+        return real(self, prompt, **options)
+
+    monkeypatch.setattr(foretell.Engine, "generate", spy)
     monkeypatch.setattr("sys.stdin", io.StringIO("boom\nfine\n"))
     assert main(["chat", "--model", str(picky), "--max-tokens", "2"]) == 0
     captured = capsys.readouterr()
-    assert "no booms" in captured.err
-    assert captured.out.endswith("\n") and captured.out.count("\n") >= 1
+    assert captured.err.count("foretell: error:") == 1 and "no booms" in captured.err
+    # the refused turn is dropped from the conversation; the next one is answered
+    assert sent[-1] == [{"role": "user", "content": "fine"}]
+    assert captured.err.count(" tokens, ") == 1 and captured.out.endswith("\n")
