@@ -376,3 +376,28 @@ def test_a_sampled_speculative_run_resumes_after_kill_9_on_the_same_draws(tmp_pa
                    if e.get("type") == "text")
     assert stats["cached_from"] == "checkpoint" and stats["speculation"]["drafted"] > 0
     assert len(text) > 40 and text == uninterrupted.stdout.decode().rstrip("\n")
+
+
+def test_a_second_process_restores_the_drafter_from_disk(tmp_path):
+    """Two ``foretell run`` processes over one cache directory: the second one's drafter
+    comes back from the SSD entry (its stats count the tokens), and its text is the first's."""
+    import json
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "foretell", "run", "--max-tokens", "40", "--draft-model",
+            "demo-draft", "--num-draft-tokens", "3", "--prompt", "def fibonacci(n):",
+            "--cache-dir", str(tmp_path / "cache"), "--json"]
+
+    def once():
+        done = subprocess.run(args, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode()
+        events = [json.loads(line) for line in done.stdout.decode().splitlines()]
+        return "".join(e["text"] for e in events if e["type"] == "text"), events[-1]
+
+    first_text, first = once()
+    second_text, second = once()
+    assert first["speculation"]["draft_cached_tokens"] == 0
+    assert second["cached_from"] == "ssd"
+    assert second["speculation"]["draft_cached_tokens"] == second["prompt_tokens"]
+    assert second_text == first_text
