@@ -268,3 +268,29 @@ def test_quantization_scales_of_an_integer_dtype_name_the_file_and_tensor(tmp_pa
     edit_weights(path, lambda w: w.update({name: w[name].astype(mx.int32)}))
     with pytest.raises(ModelLoadError, match=rf"model\.safetensors: tensor '{name}' has dtype"):
         load_model(path, registry)
+
+
+def test_quantized_layers_stay_packed_off_the_cpu_past_the_unpack_limit_and_when_asked(
+    tmp_path, registry, monkeypatch
+):
+    """docs/generation.md: the CPU unpacks quantized layers to float32 unless as float32 they
+    would take more than 4 GiB, or FORETELL_CPU_UNPACK=0; a GPU always keeps them packed."""
+    import mlx.nn as nn
+
+    from foretell.model import loading
+
+    path = make_model_dir(tmp_path / "q", "qwen3", quantize_bits=4)
+    model = load_model(path, registry)
+    monkeypatch.setenv("FORETELL_CPU_UNPACK", "0")
+    packed = load_model(path, registry)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in packed.named_modules())
+    monkeypatch.delenv("FORETELL_CPU_UNPACK")
+    if mx.default_device() == mx.cpu:
+        assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+        assert loading.should_unpack_quantized(packed)
+        monkeypatch.setattr(loading, "CPU_UNPACK_LIMIT", 1024)  # below this model's size
+        assert not loading.should_unpack_quantized(packed)
+        monkeypatch.undo()
+    with monkeypatch.context() as device:
+        device.setattr(loading.mx, "default_device", lambda: mx.Device(mx.gpu))
+        assert not loading.should_unpack_quantized(packed)
