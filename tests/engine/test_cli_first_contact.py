@@ -245,3 +245,22 @@ def test_token_counts_beyond_mlx_indices_are_refused_naming_the_flag(flag, model
 def test_an_undecodable_file_name_is_shown_not_a_crash(model_dir, capsys):
     code, _, err = run_main(["run", "--model", str(model_dir), "--config", "\udcff.toml"], capsys)
     assert code == 1 and "\\xff.toml" in one_line_error(err)
+
+
+def test_ctrl_c_in_chat_abandons_the_reply_and_forgets_the_turn(model_dir, capsys, monkeypatch):
+    sent = []
+    real = foretell.Engine.generate
+
+    def interrupted_once(self, prompt, **options):
+        sent.append([dict(m) for m in prompt])
+        events = real(self, prompt, **options)
+        if len(sent) == 1:  # Ctrl-C after the first token of the first reply
+            yield next(events)
+            raise KeyboardInterrupt
+        yield from events
+
+    monkeypatch.setattr(foretell.Engine, "generate", interrupted_once)
+    code, _, err = run_main(["chat", "--model", str(model_dir), "--max-tokens", "3"], capsys,
+                            "first\nsecond\n", monkeypatch)
+    assert code == 0 and "(interrupted)" in err
+    assert sent[1] == [{"role": "user", "content": "second"}]
