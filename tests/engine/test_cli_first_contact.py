@@ -264,3 +264,18 @@ def test_ctrl_c_in_chat_abandons_the_reply_and_forgets_the_turn(model_dir, capsy
                             "first\nsecond\n", monkeypatch)
     assert code == 0 and "(interrupted)" in err
     assert sent[1] == [{"role": "user", "content": "second"}]
+
+
+@pytest.mark.parametrize(
+    ("terminal", "flags", "shown"),
+    [(True, [], True), (True, ["--json"], False), (False, [], False)],
+    ids=["terminal", "terminal-json", "piped"],
+)
+def test_progress_lines_are_drawn_on_a_terminal_only_and_never_with_json(
+    terminal, flags, shown, model_dir, monkeypatch
+):
+    stderr = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr("sys.stderr", stderr)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    assert main(["run", "--model", str(model_dir), "--max-tokens", "2", *flags]) == 0
+    assert (f"loading {model_dir.name}" in stderr.getvalue()) == shown, stderr.getvalue()
