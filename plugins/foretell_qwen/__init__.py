@@ -1,7 +1,25 @@
 """foretell's built-in Qwen plugin: the Qwen3 and Qwen2 dense architectures, and Qwen-MTP
 (the target's own multi-token-prediction head) as a draft provider."""
 
+import attrs
+
 import foretell
+
+
+def _non_negative(_inst, attribute, value):
+    if value < 0:
+        raise ValueError(f"'{attribute.name}' must be >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class MTPConfig:
+    """``[draft] kind = "mtp"``."""
+
+    draft_vocab: int = attrs.field(
+        default=0, validator=_non_negative,
+        metadata={"help": "draft from the ids below this only (a shortlist head, cheaper on "
+                          "CPUs); 0 or the vocabulary size: the whole vocabulary"},
+    )
 
 
 @foretell.hookimpl
@@ -17,5 +35,6 @@ def foretell_register_draft_providers(register):
     register(
         "mtp",
         "foretell_qwen.mtp:MTPProvider",
+        config=MTPConfig,
         summary="the target's own multi-token-prediction head (mtp.* weights) drafts",
     )

@@ -22,6 +22,21 @@ import inspect
 from typing import Any
 
 SAMPLED = 0.8
+#: The most tokens the n-gram rows draft per round: a lookup costs nothing to draft, and on
+#: the 2-core CPU verifying 16 tokens costs about 1.6 plain steps (docs/speculation.md).
+NGRAM_TOKENS = 16
+#: The MTP rows' shortlist head (``draft_vocab``) on a CPU: on the 2-core CPU the first
+#: 4,096 ids drafted faster than the whole 12,288-token head (docs/speculation.md). GPUs
+#: draft from the whole head (0), where its size costs next to nothing.
+MTP_DRAFT_VOCAB = 4096
+
+
+def mtp_draft_vocab(job: dict[str, Any]) -> int:
+    from foretell.spec.auto import machine_kind
+
+    default = MTP_DRAFT_VOCAB if machine_kind() == "cpu" else 0
+    value = job.get("mtp_draft_vocab")
+    return default if value is None else value
 _SPECULATORS: dict[tuple[Any, ...], Any] = {}
 _MLX_DRAFTS: dict[str, Any] = {}
 
@@ -51,13 +66,17 @@ def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None =
                 acceptance: str = "rejection", adaptive: bool = True) -> Any:
     from foretell.plugin.registry import Kind
 
-    key = (kind, model, acceptance, adaptive)
+    tokens = job["num_draft_tokens"]
+    if kind == "ngram":
+        tokens = job.get("ngram_draft_tokens", NGRAM_TOKENS)
+    key = (kind, model, acceptance, adaptive, tokens, mtp_draft_vocab(job))
     if key not in _SPECULATORS:
         config = engine.registry.get(Kind.DRAFT, kind).config
         options = config(model=model) if model is not None else (config() if config else None)
+        if kind == "mtp":
+            options = config(draft_vocab=mtp_draft_vocab(job))
         _SPECULATORS[key] = engine.use_draft(
-            kind, options, max_tokens=job["num_draft_tokens"], acceptance=acceptance,
-            adaptive=adaptive,
+            kind, options, max_tokens=tokens, acceptance=acceptance, adaptive=adaptive,
         )
         engine.use_draft(None)
     return _SPECULATORS[key]
@@ -198,6 +217,7 @@ def plain_row(row: str) -> str:
 
 def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens: int,
                   repeats: int, draft_model: str, num_draft_tokens: int,
+                  ngram_draft_tokens: int = NGRAM_TOKENS, draft_vocab: int | None = None,
                   progress=lambda _line: None) -> dict[str, Any]:
     """foretell's rows in one process, each round running every row once (order flipping
     per round), so drift lands on all of them; ratios are against ``plain`` on the same
@@ -210,7 +230,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     engine = load(model)
     path = resolve_model_path(model)
     job = {"model": str(path), "draft_model": str(resolve_model_path(draft_model)),
-           "num_draft_tokens": num_draft_tokens}
+           "num_draft_tokens": num_draft_tokens, "ngram_draft_tokens": ngram_draft_tokens,
+           "mtp_draft_vocab": draft_vocab}
     prompts = code_prompts(engine.tokenizer, prompt_tokens)
     rows = [r for r in runnable(path, rows, job["draft_model"])]
     runs: dict[str, list[Any]] = {row: [] for row in rows}
@@ -242,7 +263,9 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
         })
     return {"machine": machine_info(), "runtime": runtime_info(), "model": model,
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
-            "repeats": repeats, "rows": table}
+            "repeats": repeats, "num_draft_tokens": num_draft_tokens,
+            "ngram_draft_tokens": ngram_draft_tokens, "mtp_draft_vocab": mtp_draft_vocab(job),
+            "rows": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                                  description=foretell_only.__doc__)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--draft-model", default="demo-draft")
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=4,
+                    help="the most tokens the model drafters draft per round")
+    ap.add_argument("--ngram-draft-tokens", type=int, default=NGRAM_TOKENS,
+                    help="the most tokens the n-gram rows draft per round")
+    ap.add_argument("--mtp-draft-vocab", type=int, default=None,
+                    help=f"the MTP rows draft from the ids below this (0: the whole vocabulary; "
+                         f"default {MTP_DRAFT_VOCAB} on a CPU, 0 on a GPU)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--generate", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
@@ -269,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     report = foretell_only(
         args.model, args.row or list(ROWS), prompt_tokens=args.prompt_tokens,
         max_tokens=args.generate, repeats=args.repeats, draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=args.num_draft_tokens, ngram_draft_tokens=args.ngram_draft_tokens,
+        draft_vocab=args.mtp_draft_vocab,
         progress=lambda line: print(line, file=sys.stderr, flush=True))
     for row in report["rows"]:
         ex = row["extras"] or {}

@@ -56,6 +56,13 @@ class Speculator:
     acceptance: str = attrs.field(default="rejection", validator=attrs.validators.in_(ACCEPTANCE_RULES))
     #: Who contributed the provider, for error messages.
     origin: str = ""
+    #: The draft-length policy, shared by this speculator's requests: what it measured of
+    #: the machine and the drafter carries over, so only the first request pays the warm-up.
+    policy: DraftLengthPolicy = attrs.field(init=False, eq=False, repr=False)
+
+    @policy.default
+    def _policy(self) -> DraftLengthPolicy:
+        return DraftLengthPolicy(self.max_tokens, adaptive=self.adaptive)
 
     @property
     def wants_hidden(self) -> bool:
@@ -183,7 +190,7 @@ class _Verifier:
         self.model, self.speculator, self.source = model, speculator, source
         self.state, self.sampler, self.stats = state, sampler, stats
         self.caches = state.caches
-        self.policy = DraftLengthPolicy(speculator.max_tokens, adaptive=speculator.adaptive)
+        self.policy = speculator.policy
         self.keys = sampler.keys()
         self.size = sampler.window
         self.wants_hidden = speculator.wants_hidden
