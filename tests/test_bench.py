@@ -70,6 +70,31 @@ def test_a_side_that_fails_is_one_error_naming_it(tmp_path, capsys):
     assert "the foretell side failed" in err and str(broken) in err
 
 
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        (None, "config.json: not found; a model directory needs a config.json"),
+        ("[1, 2]", "config.json: cannot be read"),
+        ('{"model_type": "qwen3"}', "config.json: field 'vocab_size' must be a positive integer"),
+    ],
+)
+def test_a_directory_that_is_not_a_model_is_one_error_naming_its_config(
+    config, says, tmp_path, capsys
+):
+    if config is not None:
+        (tmp_path / "config.json").write_text(config)
+    assert cli_main(["bench", "--model", str(tmp_path), "--repeats", "1"]) == 1
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert line.startswith("foretell: error: ") and says in line and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--prompt-tokens", "--generate", "--repeats"])
+def test_a_count_below_one_is_refused_naming_its_flag(flag, capsys):
+    assert cli_main(["bench", "--synthetic", "30m", flag, "0"]) == 1
+    assert capsys.readouterr().err == f"foretell: error: {flag} must be >= 1\n"
+
+
 def test_unknown_synthetic_shape_is_refused_with_the_known_ones(capsys):
     assert cli_main(["bench", "--synthetic", "7b"]) == 1
     err = capsys.readouterr().err

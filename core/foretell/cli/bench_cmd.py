@@ -76,9 +76,10 @@ def run(args) -> int:
 
     require_mlx_lm()
 
-    for name in ("prompt_tokens", "max_tokens", "repeats"):
+    for name, flag in (("prompt_tokens", "--prompt-tokens"), ("max_tokens", "--generate"),
+                       ("repeats", "--repeats")):
         if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
+            raise BenchError(f"{flag} must be >= 1")
     models = [(Path(m).name or m, model_path(m)) for m in args.model]
     cache_dir = args.cache_dir or bench.CACHE_DIR
     for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):

@@ -360,8 +360,21 @@ def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR) -> Pat
 
 
 def prompt_ids(model: Path, length: int, seed: int = 0) -> list[int]:
-    """Random token ids within the model's vocabulary: the same list goes to both sides."""
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    """Random token ids within the model's vocabulary: the same list goes to both sides.
+
+    :raises BenchError: ``model`` has no readable config.json with a positive vocab_size
+        (checked here, before any worker starts, so the error names the file).
+    """
+    from foretell.errors import BenchError
+
+    file = model / "config.json"
+    try:
+        vocab = json.loads(file.read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+        reason = "not found" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc})"
+        raise BenchError(f"{file}: {reason}; a model directory needs a config.json") from None
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise BenchError(f"{file}: field 'vocab_size' must be a positive integer, got {vocab!r}")
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(length)]
 
