@@ -98,3 +98,20 @@ def test_a_stalled_round_does_not_switch_a_good_length_off_for_good():
     chosen = _simulate_with_stalls({}, {2: 1.0}, rounds=600)
     late = chosen[300:]
     assert sorted(late)[len(late) // 2] >= 3
+
+
+def test_a_slow_drafted_round_does_not_raise_the_plain_steps_estimate():
+    # Self-drafting on a CPU: every drafted token costs a plain step, all are accepted,
+    # and one drafted round runs slow (a busy host). Measured there: fitting plain steps
+    # into the drafted rounds' line tripled the plain estimate and drafting stayed on.
+    policy, chosen, timed = DraftLengthPolicy(4), [], {}
+    for _ in range(300):
+        k = policy.choose(100)
+        chosen.append(k)
+        timed[k] = timed.get(k, 0) + 1
+        seconds = 0.022 * (k + 1) * (1.1 if k else 1.0)
+        if k == 2 and timed[k] == 2:
+            seconds += 0.2
+        policy.observe(k, k, seconds)
+    late = chosen[100:]
+    assert sum(k == 0 for k in late) / len(late) > 0.8

@@ -6,9 +6,9 @@ draft position ``i`` is accepted once every earlier one was. The policy picks th
 ``0..max_k`` with the best ``E(k) / T(k)``; ``k = 0`` is a plain decoding step, so a drafter
 that does not pay is switched off rather than slowing the request down.
 
-``T`` is the least-squares line through the running mean round time of each draft length
-seen (n = tokens actually drafted; 0 = a plain step), each mean following new rounds
-quickly, so the model tracks what the machine does now (a GPU where verifying 8 tokens
+``T(0)`` is the running mean time of a plain step; ``T(k)`` for ``k >= 1`` the
+least-squares line through the running mean round time of each draft length seen (n =
+tokens actually drafted), each mean following new rounds quickly, so the model tracks what the machine does now (a GPU where verifying 8 tokens
 costs little more than 1, a CPU where drafting costs the draft model's compute). The first
 round of each length is not timed (it compiles that shape's kernels on CUDA), and a round
 enters its mean at most ``OUTLIER_FACTOR`` times the mean so far, so a stall fades instead
@@ -76,17 +76,28 @@ class DraftLengthPolicy:
         return total
 
     def round_time(self, n: int) -> float | None:
-        """Seconds of a round drafting ``n`` tokens: the line through the measured means
-        (least squares), or None before a plain and a drafted round were timed."""
+        """Seconds of a round drafting ``n`` tokens, or None before a plain and a drafted
+        round were timed. A plain step (``n = 0``) is its measured mean; a drafted round
+        is the least-squares line through the drafted lengths' means (through the plain
+        mean and the one drafted length while only one is known), never below a plain
+        step. Fitting the plain steps into the same line let one slow drafted round raise
+        the plain estimate threefold on a busy CPU (measured), so self-drafting drafted
+        on at a loss."""
         if 0 not in self._time or len(self._time) < 2:
             return None
-        xs = list(self._time)
-        ys = [self._time[x] for x in xs]
+        plain = self._time[0]
+        if n == 0:
+            return plain
+        drafted = {x: y for x, y in self._time.items() if x > 0}
+        if len(drafted) == 1:
+            ((x1, y1),) = drafted.items()
+            return max(plain + (y1 - plain) * n / x1, plain)
+        xs = list(drafted)
+        ys = [drafted[x] for x in xs]
         mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
         spread = sum((x - mean_x) ** 2 for x in xs)
         slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
-        slope = max(slope, 0.0)
-        return max(mean_y + slope * (n - mean_x), 1e-9)
+        return max(mean_y + max(slope, 0.0) * (n - mean_x), plain)
 
     # -- the loop ---------------------------------------------------------------------
 
