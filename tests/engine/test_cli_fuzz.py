@@ -143,3 +143,55 @@ def test_chat_never_shows_a_traceback(argv, stdin, capped_engine, capsys):
 def test_plugins_never_shows_a_traceback(argv, capsys):
     code, err = outcome(["plugins", *[a for a in argv if a not in ("-h", "--help")]], b"", capsys)
     assert_clean(code, err)
+
+
+CACHE_FLAGS = {"--model": "text", "--kv-bits": "int", "--layout": "text", "--max-gb": "float"}
+
+
+@pytest.fixture(scope="module")
+def stored_cache(tiny, tmp_path_factory):
+    """A cache directory holding an entry of the tiny model (each example works on a copy:
+    gc and clear delete)."""
+    path, _ = tiny
+    cache = tmp_path_factory.mktemp("fuzz-cache")
+    argv = ["run", "--model", str(path), "--cache-dir", str(cache), "--max-tokens", "2",
+            "--draft", "none", "--json"]
+    assert main(argv) == 0
+    assert any(cache.rglob("*.safetensors"))
+    return cache
+
+
+@settings(FUZZ, max_examples=100)
+@given(
+    action=st.sampled_from(["ls", "stats", "verify", "gc", "clear"]),
+    flags=st.lists(st.sampled_from(sorted(CACHE_FLAGS)), max_size=3, unique=True),
+    values=st.data(),
+    as_json=st.booleans(),
+)
+def test_cache_never_shows_a_traceback(action, flags, values, as_json, stored_cache, tiny,
+                                       tmp_path_factory, capsys):
+    import shutil
+
+    cache = shutil.copytree(stored_cache, tmp_path_factory.mktemp("copy") / "cache")
+    argv = ["cache", action, "--cache-dir", str(cache)]
+    for flag in flags:
+        right = st.just(str(tiny[0])) if flag == "--model" else VALUES[CACHE_FLAGS[flag]]
+        argv += [flag, values.draw(st.one_of(right, right, texts))]  # mostly the right type
+    assert_clean(*outcome(argv + ["--json"] * as_json, b"", capsys))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "x"])
+def test_cache_gc_refuses_a_cap_that_is_not_a_size(value, stored_cache, tmp_path, capsys):
+    import shutil
+
+    cache = shutil.copytree(stored_cache, tmp_path / "cache")
+    code, err = outcome(["cache", "gc", "--cache-dir", str(cache), "--max-gb", value], b"", capsys)
+    assert code == 2 and "argument --max-gb: expected a" in err and "Traceback" not in err
+    assert any(cache.rglob("*.safetensors")), "a refused cap evicts nothing"
+
+
+def test_cache_with_a_model_directory_that_has_no_config_names_the_file(stored_cache, tmp_path,
+                                                                         capsys):
+    code, err = outcome(["cache", "ls", "--cache-dir", str(stored_cache), "--model",
+                         str(tmp_path)], b"", capsys)
+    assert code == 1 and f"{tmp_path / 'config.json'}: No such file or directory" in err

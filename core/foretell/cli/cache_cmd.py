@@ -49,10 +49,24 @@ def add_parser(sub: Any) -> None:
                        help="with --model: the storage layout (default: single-file)")
         a.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "gc":
-            a.add_argument("--max-gb", type=float, default=None,
+            a.add_argument("--max-gb", type=gigabytes, default=None,
                            help="evict least recently used entries down to this many GiB")
         a.set_defaults(handler=globals()[f"cmd_{name}"])
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+
+
+def gigabytes(text: str) -> float:
+    """``--max-gb``: a finite size >= 0 (nan or inf cannot be a cap; a negative one would
+    evict everything)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
 
 
 # -- which layouts ------------------------------------------------------------------------
@@ -76,8 +90,15 @@ def layouts(args: argparse.Namespace) -> list[Any]:
         from foretell.cli.run_cmd import model_path
 
         path = model_path(args.model)
-        identity = StoreIdentity.for_model_dir(path, model_id=path.name, codec_providers=providers,
-                                               kv_scheme=kv_scheme(args.kv_bits))
+        try:
+            identity = StoreIdentity.for_model_dir(
+                path, model_id=path.name, codec_providers=providers,
+                kv_scheme=kv_scheme(args.kv_bits))
+        except OSError as exc:
+            raise ForetellError(f"--model {args.model}: {exc.filename}: {exc.strerror}") from None
+        except ValueError as exc:  # config.json that is not UTF-8 JSON
+            raise ForetellError(
+                f"--model {args.model}: {path / 'config.json'}: not JSON ({exc})") from None
         contribution = registry.get(Kind.LAYOUT, args.layout)
         config = contribution.config() if contribution.config is not None else None
         return [contribution.load()(root, config, identity=identity)]
