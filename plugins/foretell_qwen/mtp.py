@@ -35,7 +35,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from foretell.model import PORT_MTP, KVCache, attention_mask, make_rope, trim_all
-from foretell.sampling import RandomKeys
 from foretell.spec import (
     PORT_HIDDEN,
     Draft,
@@ -46,6 +45,7 @@ from foretell.spec import (
     Target,
     draft_keys,
     files_fingerprint,
+    resumed_keys,
 )
 from foretell_qwen import MTPConfig
 from foretell_qwen.qwen3 import Attention, DecoderLayer
@@ -246,8 +246,7 @@ class MTPSource:
             raise ValueError(f"the MTP head has one layer; the stored state has {len(state.caches)}")
         self.caches = list(state.caches)
         self.last = state.tensors.get("last")
-        if state.keys is not None and self.keys is not None:
-            self.keys = RandomKeys.restored(self.keys.seed, state.keys)
+        self.keys = resumed_keys(self.keys, state)
 
     def close(self) -> None:
         self.caches = []

@@ -19,7 +19,6 @@ import mlx.core as mx
 
 from foretell.generate import prefill, resolve_model_path
 from foretell.model import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.sampling import RandomKeys
 from foretell.spec import (
     Draft,
     Drafting,
@@ -29,6 +28,7 @@ from foretell.spec import (
     Target,
     draft_keys,
     files_fingerprint,
+    resumed_keys,
 )
 from foretell.tokenizer import Tokenizer
 
@@ -106,8 +106,7 @@ class TwoModelSource:
                              f"{[c.offset for c in caches][:2]}... tokens) do not fit this "
                              f"draft model ({len(self.caches)} layers) at {fed} tokens")
         self.caches, self.sequence, self.fed = caches, list(tokens), fed
-        if state.keys is not None and self.keys is not None:
-            self.keys = RandomKeys.restored(self.keys.seed, state.keys)
+        self.keys = resumed_keys(self.keys, state)
 
     def draft(self, feed: Feed, n: int) -> Draft:
         self.sequence.extend(feed.tokens)

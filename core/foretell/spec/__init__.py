@@ -4,7 +4,7 @@ Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`
 :class:`Draft`, :class:`Target`, :class:`PairingError`, :data:`PORT_HIDDEN`,
 :data:`PORT_MTP`, :func:`draft_keys`, :class:`Drafting`; for drafters whose state the cache
 stores, :class:`CheckpointableSource`, :class:`CheckpointableProvider`, :class:`DraftState`
-and :func:`files_fingerprint`.
+and :func:`files_fingerprint`, :func:`resumed_keys`.
 
 Names resolve on first use, so importing this package (or running ``python -m
 foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before MLX loads
@@ -30,6 +30,7 @@ _WHERE = {
     "CheckpointableSource": "foretell.spec.contract",
     "DraftState": "foretell.spec.contract",
     "files_fingerprint": "foretell.spec.attach",
+    "resumed_keys": "foretell.spec.attach",
     "Drafting": "foretell.spec.verifier",
     "SpeculationStats": "foretell.spec.verifier",
     "Speculator": "foretell.spec.verifier",

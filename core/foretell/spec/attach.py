@@ -32,7 +32,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.cache.attachment import DraftAttachment, attach, feed_hidden, unpack
-from foretell.kvcache import trim_all
+from foretell.model import trim_all
 from foretell.spec.contract import CheckpointableProvider, CheckpointableSource
 
 log = logging.getLogger("foretell.spec")
@@ -51,6 +51,16 @@ def files_fingerprint(paths: Sequence[str | Path]) -> str:
                 crc = zlib.crc32(chunk, crc)
         digest.update(f"{path.name}:{path.stat().st_size}:{crc:08x};".encode())
     return digest.hexdigest()
+
+
+def resumed_keys(keys: Any, state: Any) -> Any:
+    """A source's random stream after ``restore(state, ...)``: the stored stream when the
+    core handed one back (a resumed generation), else ``keys`` (the fresh one ``open`` made)."""
+    if keys is None or state.keys is None:
+        return keys
+    from foretell.sampling import RandomKeys
+
+    return RandomKeys.restored(keys.seed, state.keys)
 
 
 def draft_identity(speculator: Any) -> str | None:
