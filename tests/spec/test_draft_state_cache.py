@@ -401,3 +401,26 @@ def test_a_second_process_restores_the_drafter_from_disk(tmp_path):
     assert second["cached_from"] == "ssd"
     assert second["speculation"]["draft_cached_tokens"] == second["prompt_tokens"]
     assert second_text == first_text
+
+
+def test_a_resumed_generation_with_the_adaptive_length_stays_greedy_identical(
+        model_dirs, registry, tmp_path):
+    """With the adaptive length (the default) the rounds differ from run to run; greedy
+    output may not, resumed or not."""
+    path = model_dirs["qwen3"]
+    draft = drafters(model_dirs, registry)["two-model"]
+    engine = foretell.load(path, registry=registry)
+    engine.cache = CacheTier.for_engine(engine, tmp_path)
+    engine.cache.checkpoint_every = 3
+    engine.use_draft(*draft, max_tokens=4, adaptive=True)
+    for i, _event in enumerate(engine.generate(PROMPT_REPEATS, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True, resume=True)):
+        if i >= 3:
+            break
+    assert engine.cache.flush(10).durable
+    resumed = foretell.load(path, registry=registry)
+    resumed.cache = CacheTier.for_engine(resumed, tmp_path)
+    resumed.use_draft(*draft, max_tokens=4, adaptive=True)
+    tokens, stats = run(resumed, PROMPT_REPEATS, resume=True)
+    assert stats.cached_from == "checkpoint"
+    assert tokens == plain(path, registry, PROMPT_REPEATS)

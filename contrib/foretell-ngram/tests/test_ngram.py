@@ -80,3 +80,31 @@ def test_config_rejects_min_above_max():
 def test_config_rejects_a_negative_tokens_per_match():
     with pytest.raises(ValueError, match="tokens_per_match"):
         NgramConfig(tokens_per_match=-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_restored_source_proposes_what_the_captured_one_does(seed):
+    """capture/restore (the cache stores the index with the target's entry): a source
+    restored from a capture and the source it was captured from propose the same drafts
+    from then on, without the restored one re-indexing the history."""
+    rng = random.Random(seed)
+    original = _source(max_ngram=3)
+    history = [rng.randrange(5) for _ in range(rng.randint(1, 40))]
+    original.prefill(Feed(list(history)))
+    state = original.capture()
+    restored = _source(max_ngram=3)
+    indexed = []
+    extend = restored.index.extend
+    restored.index.extend = lambda tokens: indexed.append(len(tokens)) or extend(tokens)
+    restored.restore(state, list(history))
+    assert indexed == []
+    for _ in range(100):
+        feed, n = [rng.randrange(5) for _ in range(rng.randint(0, 3))], rng.randint(1, 5)
+        assert _draft(restored, feed, n) == _draft(original, feed, n)
+
+
+def test_restore_refuses_a_state_of_another_length():
+    source = _source()
+    source.prefill(Feed([1, 2, 3, 1, 2]))
+    with pytest.raises(ValueError, match="covers 5 tokens"):
+        _source().restore(source.capture(), [1, 2, 3])
