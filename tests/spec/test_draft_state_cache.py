@@ -424,3 +424,28 @@ def test_a_resumed_generation_with_the_adaptive_length_stays_greedy_identical(
     tokens, stats = run(resumed, PROMPT_REPEATS, resume=True)
     assert stats.cached_from == "checkpoint"
     assert tokens == plain(path, registry, PROMPT_REPEATS)
+
+
+@pytest.mark.parametrize("kind", ["two-model", "ngram"])
+def test_the_block_store_keeps_the_drafter_state_too(model_dirs, registry, monkeypatch,
+                                                     tmp_path, kind):
+    """The attachment is an ordinary layer: the segmented block store (``layout =
+    "blocks"``) stores and restores it like the single-file layout."""
+    from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+
+    draft = drafters(model_dirs, registry)[kind]
+
+    def engine():
+        e = foretell.load(model_dirs["qwen3"], registry=registry)
+        e.cache = CacheTier.for_engine(e, tmp_path, layout=BlockStoreLayout,
+                                       layout_config=BlockStoreConfig(block_tokens=8))
+        e.use_draft(*draft, max_tokens=3, adaptive=False)
+        return e
+
+    writer = engine()
+    original, _ = run(writer, PROMPT_REPEATS)
+    assert writer.cache.close(10).durable
+    spy = Spy(monkeypatch, source_class(kind))
+    restored, stats = run(engine(), PROMPT_REPEATS)
+    assert stats.cached_from == "ssd" and spy.restored == [len(PROMPT_REPEATS)]
+    assert restored == original == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)
