@@ -89,10 +89,30 @@ def test_a_directory_that_is_not_a_model_is_one_error_naming_its_config(
     assert line.startswith("foretell: error: ") and says in line and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flag", ["--prompt-tokens", "--generate", "--repeats"])
+@pytest.mark.parametrize(
+    "flag", ["--prompt-tokens", "--generate", "--repeats", "--num-draft-tokens"]
+)
 def test_a_count_below_one_is_refused_naming_its_flag(flag, capsys):
     assert cli_main(["bench", "--synthetic", "30m", flag, "0"]) == 1
     assert capsys.readouterr().err == f"foretell: error: {flag} must be >= 1\n"
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_error_naming_it(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli_main(["bench", "--synthetic", "30m", "--cache-dir", str(blocker)]) == 1
+    err = capsys.readouterr().err
+    assert f"foretell: error: --cache-dir {blocker}: " in err and "Traceback" not in err
+
+
+def test_a_json_file_that_cannot_be_written_is_one_error_naming_it(tiny_model, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "report.json"
+    argv = ["bench", "--model", str(tiny_model), "--prompt-tokens", "2", "--generate", "1",
+            "--repeats", "1", "--json", str(target)]
+    assert cli_main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"foretell: error: --json {target}: " in err and "Traceback" not in err
 
 
 def test_unknown_synthetic_shape_is_refused_with_the_known_ones(capsys):

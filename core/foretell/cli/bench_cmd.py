@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from foretell.errors import BenchError
@@ -70,6 +72,16 @@ def require_mlx_lm() -> None:
         )
 
 
+@contextlib.contextmanager
+def naming_the_file(flag: str, path: Path) -> Iterator[None]:
+    """An OSError writing under ``path`` (what ``flag`` names) is one error naming both."""
+    try:
+        yield
+    except OSError as exc:
+        inner = f"{exc.filename}: " if exc.filename and str(exc.filename) != str(path) else ""
+        raise BenchError(f"{flag} {path}: {inner}{exc.strerror or exc}") from None
+
+
 def run(args) -> int:
     from foretell.cli.run_cmd import model_path
     from foretell.tools import bench
@@ -77,7 +89,7 @@ def run(args) -> int:
     require_mlx_lm()
 
     for name, flag in (("prompt_tokens", "--prompt-tokens"), ("max_tokens", "--generate"),
-                       ("repeats", "--repeats")):
+                       ("repeats", "--repeats"), ("num_draft_tokens", "--num-draft-tokens")):
         if getattr(args, name) < 1:
             raise BenchError(f"{flag} must be >= 1")
     models = [(Path(m).name or m, model_path(m)) for m in args.model]
@@ -93,7 +105,8 @@ def run(args) -> int:
                 f"(known: {', '.join(f'{n} ({t})' for n, t in shapes.items())})"
             )
         print(f"synthetic {preset} ({args.dtype}) in {cache_dir}", file=sys.stderr)
-        models.append((name, bench.synthetic_model(preset, args.dtype, cache_dir)))
+        with naming_the_file("--cache-dir", cache_dir):
+            models.append((name, bench.synthetic_model(preset, args.dtype, cache_dir)))
     if not models:
         raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
     to_file = Path(args.json) if args.json not in (None, "-") else None
@@ -105,7 +118,8 @@ def run(args) -> int:
             decode_tokens=args.max_tokens,
             progress=lambda line: print(line, file=sys.stderr, flush=True))
         if to_file is not None:
-            to_file.write_text(json.dumps(bench.portable(report), indent=2))
+            with naming_the_file("--json", to_file):
+                to_file.write_text(json.dumps(bench.portable(report), indent=2))
         print(json.dumps(bench.portable(report), indent=2) if args.json == "-" else cache_bench.render(report))
         return 0
     scenarios = list(args.scenario or (["greedy"] + (list(bench.SPECULATION) if args.speculation else [])))
@@ -116,8 +130,9 @@ def run(args) -> int:
 
     def save(report: dict) -> None:
         if to_file is not None:
-            to_file.parent.mkdir(parents=True, exist_ok=True)
-            to_file.write_text(json.dumps(bench.portable(report), indent=2))
+            with naming_the_file("--json", to_file):
+                to_file.parent.mkdir(parents=True, exist_ok=True)
+                to_file.write_text(json.dumps(bench.portable(report), indent=2))
 
     try:
         report = bench.run_bench(
