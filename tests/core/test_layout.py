@@ -117,3 +117,27 @@ def test_the_architecture_plugins_import_only_the_public_surface(plugin):
         if module not in allowed
     }
     assert used == set(), "import these through a package docs/layout.md lists"
+
+
+def tree_entries() -> set[str]:
+    """The top-level folders and modules the page's tree names (``cli/``, ``generate.py``)."""
+    tree = PAGE.split("```\n", 2)[1]
+    names = set()
+    for line in tree.splitlines():
+        if line and not line.startswith(" "):
+            head = line.split("  ")[0]
+            names.update(w for w in head.split() if w.endswith(("/", ".py")))
+    return names
+
+
+def test_core_holds_what_the_tree_names_plus_the_old_path_shims():
+    core = ROOT / "core" / "foretell"
+    shims = {old.removeprefix("foretell.") + ".py" for old, _ in old_paths()}
+    present = {
+        p.name + ("/" if p.is_dir() else "")
+        for p in core.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"
+    } - {"__init__.py", "__main__.py"}
+    assert present - shims == tree_entries()
+    for shim in present & shims:
+        assert "sys.modules[__name__] =" in (core / shim).read_text(), f"{shim} is not a shim"
