@@ -141,3 +141,25 @@ def test_core_holds_what_the_tree_names_plus_the_old_path_shims():
     assert present - shims == tree_entries()
     for shim in present & shims:
         assert "sys.modules[__name__] =" in (core / shim).read_text(), f"{shim} is not a shim"
+
+
+def test_no_shipped_code_imports_an_old_module_path():
+    old = {module for module, _ in old_paths()}
+    shims = {ROOT / "core" / "foretell" / (m.removeprefix("foretell.") + ".py") for m in old}
+    sources = [p for top in ("core", "plugins", "contrib") for p in (ROOT / top).rglob("*.py")
+               if p not in shims and "build" not in p.parts]
+    assert len(sources) > 50
+    used = {f"{p.relative_to(ROOT)}: {m}" for p in sources for m in imported_names(p) & old}
+    assert used == set(), "import the new path (docs/layout.md)"
+
+
+def imported_names(path: Path) -> set[str]:
+    """Modules a file imports, and ``package.name`` for each ``from package import name``
+    (which may be a module: ``from foretell import synthetic``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
