@@ -279,3 +279,16 @@ def test_progress_lines_are_drawn_on_a_terminal_only_and_never_with_json(
     monkeypatch.setattr("sys.stdout", io.StringIO())
     assert main(["run", "--model", str(model_dir), "--max-tokens", "2", *flags]) == 0
     assert (f"loading {model_dir.name}" in stderr.getvalue()) == shown, stderr.getvalue()
+
+
+def test_chat_system_is_unescaped_and_checked_like_the_prompt(model_dir, capsys, monkeypatch):
+    seen = spy_generate(monkeypatch)
+    code, _, err = run_main(["chat", "--model", str(model_dir), "--system", "Be\\tbrief.\\n",
+                             "--max-tokens", "2"], capsys, "hi\n", monkeypatch)
+    assert code == 0
+    assert seen[0]["prompt"][0] == {"role": "system", "content": "Be\tbrief.\n"}
+    code, _, err = run_main(["chat", "--model", str(model_dir), "--system",
+                             b"a\xfe".decode("utf-8", "surrogateescape")], capsys, "hi\n",
+                            monkeypatch)
+    assert code == 1
+    assert one_line_error(err) == "foretell: error: --system: not UTF-8 text (byte 0xfe at character 1)"

@@ -132,9 +132,11 @@ def test_run_never_shows_a_traceback(argv, stdin, capped_engine, capsys):
                                                               "--no-chat", "--json")]),
     stdin=st.lists(st.one_of(st.binary(max_size=10), st.sampled_from(
         [b"/help", b"/reset", b"/bogus", b" /x y", b"hi"])), max_size=4),
+    system=st.one_of(st.none(), texts),
 )
-def test_chat_never_shows_a_traceback(argv, stdin, capped_engine, capsys):
+def test_chat_never_shows_a_traceback(argv, stdin, system, capped_engine, capsys):
     argv = ["chat", *argv] if "--model" in argv else ["chat", "--model", str(capped_engine), *argv]
+    argv += [] if system is None else ["--system", system]
     assert_clean(*outcome(argv, b"\n".join(stdin) + b"\n", capsys))
 
 
