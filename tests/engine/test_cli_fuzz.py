@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -34,9 +36,15 @@ RUN_FLAGS = {
     "--draft": "draft",
     "--num-draft-tokens": "int",
     "--draft-option": "text",
+    "--cache-max-gb": "float",
+    "--kv-bits": "int",
+    "--cache-layout": "text",
 }
-# Not driven here: --cache-dir and friends would write into whatever path was drawn.
-SWITCHES = ["--chat", "--no-chat", "--json"]
+SWITCHES = ["--chat", "--no-chat", "--json", "--resume"]
+#: --cache-dir is only ever this directory: a drawn path would be written into. (The
+#: engine is reused across examples, so this drives the [cache] flags' checking, not the
+#: tier itself; tests/cache covers that.)
+CACHE_DIR = str(Path(tempfile.gettempdir()) / "foretell-fuzz-cache")
 
 
 ints = st.one_of(
@@ -62,7 +70,7 @@ def run_argv(draw) -> list[str]:
         value = draw(st.one_of(VALUES[RUN_FLAGS[flag]], texts))  # sometimes the wrong type
         argv += [flag, value]
     argv += draw(st.lists(st.sampled_from(SWITCHES), max_size=2))
-    return argv
+    return argv + (["--cache-dir", CACHE_DIR] if draw(st.booleans()) else [])
 
 
 @pytest.fixture(scope="module")
