@@ -531,12 +531,15 @@ class Engine:
         scheme = kv_scheme(self.kv_bits, self.kv_group_size)
         # Entries of one drafter method or KV scheme never seed another's requests.
         namespace = f"{speculator.kind if speculator is not None else 'plain'}/{scheme}"
-        if resume and speculator is not None:
-            from foretell.spec.attach import draft_settings
+        prefer = None
+        if speculator is not None:
+            from foretell.spec.attach import draft_settings, preferred_identity
 
-            # What a speculative run draws depends on the drafter and its settings too.
-            settings = {**settings, "draft": draft_settings(speculator)}
-        return RequestCache(self.cache, namespace, resume=resume, settings=settings)
+            prefer = preferred_identity(speculator)
+            if resume:  # what a speculative run draws depends on the drafter's settings too
+                settings = {**settings, "draft": draft_settings(speculator)}
+        return RequestCache(self.cache, namespace, resume=resume, settings=settings,
+                            prefer=prefer)
 
     def _open_request(self, ids: list[int], request: RequestCache | None = None) -> RequestState:
         """The request's state, with caches holding as much of the prompt as is known

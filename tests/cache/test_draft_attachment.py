@@ -122,3 +122,19 @@ def test_flush_says_durable_only_once_an_attached_state_itself_is_on_disk(tmp_pa
         tier._dirty.add(("", tuple(range(12))))
     assert tier.flush(10).durable
     assert tier.ssd.find_exact(range(12), "") is not None
+
+
+def test_a_drafter_that_needs_its_state_prefers_its_exact_boundary(tmp_path, identity, codecs):
+    tier = tier_over(tmp_path, identity, codecs)
+    tier.store(range(12), [filled_kv(12), attachment(12, codecs, name="mtp/x")])
+    tier.store(range(20), [filled_kv(20), attachment(20, codecs, name="mtp/x")])
+    prompt = [*range(14), 99]  # the 20-token entry serves 14 tokens trimmed, the other 12 exactly
+    longest = tier.lookup(prompt)
+    assert longest.tokens == 14 and split_attachment(longest.caches)[1] is None
+    assert tier.lookup(prompt, prefer="two-model/y").tokens == 14  # another drafter's state
+    preferred = tier.lookup(prompt, prefer="mtp/x")
+    assert preferred.tokens == 12 and split_attachment(preferred.caches)[1].identity == "mtp/x"
+    # The same from disk in a fresh tier.
+    assert tier.close(10).durable
+    fresh = tier_over(tmp_path, identity, codecs).lookup(prompt, prefer="mtp/x")
+    assert (fresh.tokens, fresh.tier) == (12, "ssd")

@@ -242,6 +242,30 @@ def test_mtp_after_a_hit_speculates_from_its_restored_head_cache(demo_registry, 
     assert spy.restored and spy.prefilled == [0]
 
 
+def test_mtp_prefers_the_exact_boundary_it_can_speculate_from(demo_registry, monkeypatch):
+    """A growing conversation: the next prompt goes on from the last prompt but not from
+    the last reply. The prompt + reply entry would serve more tokens trimmed, without the
+    head's state (MTP would then decode plainly); the prompt snapshot serves its exact
+    boundary with it, and MTP speculates."""
+    from foretell_qwen.mtp import MTPSource
+
+    options = dict(max_tokens=24, ignore_eos=True)
+    engine = engine_with("demo", demo_registry, ("mtp", None), k=2)
+    prompt = engine.encode_prompt(MTP_PROMPT, chat=False)
+    first, _ = run(engine, prompt)
+    follow_up = [*prompt, *engine.encode_prompt("\n\n\nclass Tree:\n    def", chat=False)]
+    assert follow_up[len(prompt)] != first[0]
+    spy = Spy(monkeypatch, MTPSource)
+    events = list(engine.generate(follow_up, **options))
+    stats = events[-1]
+    assert stats.cached_tokens == len(prompt) - 1 and spy.restored == [len(prompt)]
+    assert stats.speculation["drafted"] > 0
+    expected = foretell.load("demo", registry=demo_registry).generate(
+        follow_up, speculate=False, **options)
+    assert [t for e in events[:-1] for t in e.tokens] == [
+        t for e in list(expected)[:-1] for t in e.tokens]
+
+
 # -- resuming a speculative generation ---------------------------------------------------
 
 

@@ -112,7 +112,15 @@ class DraftAttachmentCodec:
 
 def has_attachment(layers: Sequence[Any]) -> bool:
     """Whether a stored entry (its layer headers or states) carries draft state."""
-    return any(getattr(layer, "provider", None) == ATTACHMENT_PROVIDER for layer in layers)
+    return attachment_identity(layers) is not None
+
+
+def attachment_identity(layers: Sequence[Any]) -> str | None:
+    """The draft identity of a stored entry's attachment (from its layer meta), or None."""
+    for layer in layers:
+        if getattr(layer, "provider", None) == ATTACHMENT_PROVIDER:
+            return str(layer.meta.get("identity"))
+    return None
 
 
 def split_attachment(caches: list[Any]) -> tuple[list[Any], DraftAttachment | None]:

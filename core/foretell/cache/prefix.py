@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from foretell.cache.attachment import has_attachment
+from foretell.cache.attachment import attachment_identity
 from foretell.cache.codecs import (
     CacheCodec,
     clone_caches,
@@ -88,13 +88,16 @@ def can_serve(new_tokens: Sequence[int], *, trimmable: bool, min_offset: int,
     return trimmable and n >= min_offset and not old_attached
 
 
-def better_match(n: int, tokens: Sequence[int], best_n: int, best_tokens: Sequence[int] | None
-                 ) -> bool:
-    """Whether serving ``n`` tokens from an entry of ``tokens`` beats the best so far: more
-    tokens, or as many without trimming (an exact boundary keeps a drafter's attachment)."""
-    if n != best_n:
-        return n > best_n
-    return best_tokens is not None and n == len(tokens) != len(best_tokens)
+def match_rank(n: int, tokens: Sequence[int], attachment: str | None = None,
+               prefer: str | None = None) -> tuple[bool, int, bool]:
+    """How well serving ``n`` prompt tokens from an entry of ``tokens`` serves a request
+    (compare ranks; higher is better): more tokens, and among as many an entry that keeps
+    its drafter's attachment (served untrimmed). ``prefer``: a drafter identity that cannot
+    speculate without its own state (it reads hidden states over the prompt); an exact
+    boundary carrying that state then beats any longer prefix served trimmed. Without
+    attachments the rank is the length alone."""
+    kept = n == len(tokens) and attachment is not None
+    return (prefer is not None and kept and attachment == prefer, n, kept)
 
 
 @attrs.define(eq=False)
@@ -107,8 +110,13 @@ class PrefixEntry:
     nbytes: int
     trimmable: bool
     min_offset: int
-    #: The entry carries a drafter's state (served exactly, superseded only by its tokens).
-    attached: bool = False
+    #: The identity of the drafter state the entry carries (None: none). An attached entry
+    #: serves its drafter exactly and is superseded only by an entry of its tokens.
+    attachment: str | None = None
+
+    @property
+    def attached(self) -> bool:
+        return self.attachment is not None
 
     def usable(self, prompt: Sequence[int]) -> int:
         return usable_length(prompt, self.tokens, trimmable=self.trimmable,
@@ -153,18 +161,20 @@ class PrefixCache:
         with self._lock:
             return list(self._entries.values())
 
-    def best(self, prompt: Sequence[int], namespace: str) -> tuple[PrefixEntry | None, int]:
-        """The entry serving the most of ``prompt`` and how much it serves (no clone made)."""
-        best, length = None, 0
+    def best(self, prompt: Sequence[int], namespace: str, prefer: str | None = None
+             ) -> tuple[PrefixEntry | None, int]:
+        """The entry serving ``prompt`` best (:func:`match_rank`) and how many tokens it
+        serves (no clone made)."""
+        best, length, rank = None, 0, match_rank(0, ())
         prompt = tuple(prompt)
         with self._lock:
             for entry in self._entries.values():
                 if entry.namespace != namespace:
                     continue
                 n = entry.usable(prompt)
-                if n > 0 and better_match(n, entry.tokens, length,
-                                          best.tokens if best is not None else None):
-                    best, length = entry, n
+                candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
+                if n > 0 and candidate > rank:
+                    best, length, rank = entry, n, candidate
         return best, length
 
     def exact(self, tokens: Sequence[int], namespace: str) -> bool:
@@ -211,7 +221,8 @@ class PrefixCache:
         trimmable, min_offset = entry_facts(snapshot, self.codecs)
         entry = PrefixEntry(tokens=tokens, namespace=namespace, caches=donors,
                             nbytes=snapshot.tensor_bytes, trimmable=trimmable,
-                            min_offset=min_offset, attached=has_attachment(snapshot.layers))
+                            min_offset=min_offset,
+                            attachment=attachment_identity(snapshot.layers))
         if entry.nbytes > self.max_bytes:
             return None
         with self._lock:

@@ -37,9 +37,11 @@ class RequestCache:
     """One request's use of a :class:`CacheTier` (see the module doc for the order)."""
 
     def __init__(self, tier: CacheTier, namespace: str, *, resume: bool = False,
-                 settings: Mapping[str, Any] | None = None):
+                 settings: Mapping[str, Any] | None = None, prefer: str | None = None):
         self.tier = tier
         self.namespace = namespace
+        #: A drafter identity whose exact-boundary state beats a longer trimmed prefix.
+        self.prefer = prefer
         self.resume = resume and tier.ssd is not None
         self.settings = dict(settings or {})
         self._checkpointer: Checkpointer | None = None
@@ -66,7 +68,7 @@ class RequestCache:
                 if resumed.mark.key is not None:
                     keys = RandomKeys.restored(resumed.mark.seed, resumed.mark.key)
                 return resumed.caches, len(prompt), "checkpoint", resumed.generated, keys
-        reuse = self.tier.lookup(prompt, self.namespace)
+        reuse = self.tier.lookup(prompt, self.namespace, self.prefer)
         if reuse.caches is None:
             return make_caches(), 0, None, [], None
         caches, self.draft = split_attachment(reuse.caches)

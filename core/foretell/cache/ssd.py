@@ -16,14 +16,14 @@ from collections.abc import Sequence
 
 import attrs
 
-from foretell.cache.attachment import has_attachment
+from foretell.cache.attachment import attachment_identity
 from foretell.cache.codecs import (
     CacheCodec,
     CodecError,
     entry_minimum_reusable_offset,
     entry_trimmable,
 )
-from foretell.cache.prefix import better_match, can_serve, usable_length
+from foretell.cache.prefix import can_serve, match_rank, usable_length
 from foretell.store.entry import Entry, EntryHeader
 from foretell.store.layout import StorageLayout
 
@@ -37,8 +37,12 @@ class Stored:
     header: EntryHeader
     trimmable: bool
     min_offset: int
-    #: The entry carries a drafter's state (see :func:`foretell.cache.prefix.can_serve`).
-    attached: bool = False
+    #: The identity of the drafter state it carries (see :func:`foretell.cache.prefix.can_serve`).
+    attachment: str | None = None
+
+    @property
+    def attached(self) -> bool:
+        return self.attachment is not None
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -77,7 +81,7 @@ class SsdIndex:
         try:
             stored = Stored(header, entry_trimmable(header.layers, self.codecs),
                             entry_minimum_reusable_offset(header.layers, self.codecs),
-                            has_attachment(header.layers))
+                            attachment_identity(header.layers))
         except CodecError:  # the layout checked providers; a codec may still refuse meta
             return None
         self._index[header.key] = stored
@@ -93,9 +97,11 @@ class SsdIndex:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def find(self, prompt: Sequence[int], namespace: str) -> tuple[Stored | None, int]:
-        """The stored entry serving the most of ``prompt`` (index only, no bytes read)."""
-        best, length = None, 0
+    def find(self, prompt: Sequence[int], namespace: str, prefer: str | None = None
+             ) -> tuple[Stored | None, int]:
+        """The stored entry serving ``prompt`` best (:func:`match_rank`; index only, no
+        bytes read) and how many tokens it serves."""
+        best, length, rank = None, 0, match_rank(0, ())
         prompt = tuple(prompt)
         with self._lock:
             for stored in self._index.values():
@@ -103,9 +109,9 @@ class SsdIndex:
                     continue
                 n = usable_length(prompt, stored.tokens, trimmable=stored.trimmable,
                                   min_offset=stored.min_offset)
-                if n > 0 and better_match(n, stored.tokens, length,
-                                          best.tokens if best is not None else None):
-                    best, length = stored, n
+                candidate = match_rank(n, stored.tokens, stored.attachment, prefer)
+                if n > 0 and candidate > rank:
+                    best, length, rank = stored, n, candidate
         return best, length
 
     def in_namespace(self, namespace: str) -> list[Stored]:

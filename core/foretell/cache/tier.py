@@ -24,7 +24,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.cache.codecs import CacheCodec, restore_caches, snapshot_entry
-from foretell.cache.prefix import PrefixCache
+from foretell.cache.prefix import PrefixCache, match_rank
 from foretell.cache.spill import FlushReport, SpillQueue
 from foretell.cache.ssd import SsdIndex
 from foretell.model.kvcache import trim_all
@@ -144,13 +144,19 @@ class CacheTier:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], namespace: str = "") -> Reuse:
+    def lookup(self, prompt: Sequence[int], namespace: str = "", prefer: str | None = None
+               ) -> Reuse:
         """Caches (fresh clones, trimmed to the match) holding the longest usable prefix of
-        ``prompt``; the SSD tier is read only when it serves strictly more than RAM."""
-        entry, length = self.ram.best(prompt, namespace)
+        ``prompt``; the SSD tier is read only when it serves strictly better than RAM.
+        ``prefer``: a drafter identity whose exact-boundary state beats a longer trimmed
+        prefix (:func:`~foretell.cache.prefix.match_rank`)."""
+        entry, length = self.ram.best(prompt, namespace, prefer)
+        ram_rank = match_rank(length, entry.tokens if entry is not None else (),
+                              entry.attachment if entry is not None else None, prefer)
         while self.ssd is not None:
-            stored, disk_length = self.ssd.find(prompt, namespace)
-            if stored is None or disk_length <= length:
+            stored, disk_length = self.ssd.find(prompt, namespace, prefer)
+            if stored is None or match_rank(disk_length, stored.tokens, stored.attachment,
+                                            prefer) <= ram_rank:
                 break
             restored = self.ssd.read(stored)
             if restored is None:

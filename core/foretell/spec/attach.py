@@ -86,6 +86,16 @@ def draft_settings(speculator: Any) -> dict[str, Any]:
             "acceptance": speculator.acceptance}
 
 
+def preferred_identity(speculator: Any) -> str | None:
+    """The draft identity a cache lookup should prefer at an exact boundary, or None.
+
+    Only for drafters that read the target's hidden states over the prompt (MTP): a cache
+    hit does not recompute those, so without its own state such a drafter cannot speculate
+    at all and the request decodes plainly; its exact boundary is then worth more than a
+    longer prefix. Any other drafter can prefill itself, and takes the longest prefix."""
+    return draft_identity(speculator) if speculator.wants_hidden else None
+
+
 class DraftLink:
     """One speculative request's drafter state and the cache: what was found, what is
     captured. ``checkpoints`` is the request's cache when the generation is resumable."""
