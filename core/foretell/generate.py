@@ -207,6 +207,18 @@ class RequestState:
         """``prompt`` plus the generated tokens the stream took: what the request produced."""
         return self.prompt + self.generated[: self.consumed]
 
+    # The two step pieces a step source beside the loop needs (the verifier in spec/), as
+    # methods of the state they advance, so spec/ never imports the loop above it.
+
+    def prefill(self, model: Model, tokens: list[int], progress: Progress | None = None, *,
+                keep_hidden: bool = False) -> mx.array | None:
+        """:func:`prefill` of ``tokens`` into this request's caches."""
+        return prefill(model, tokens, self.caches, progress, keep_hidden=keep_hidden)
+
+    def plain_steps(self, model: Model, sampler: Sampler, limit: int) -> Iterator[list[int]]:
+        """:func:`plain_steps` over this request."""
+        return plain_steps(model, self, sampler, limit)
+
 
 def prefill(
     model: Model,

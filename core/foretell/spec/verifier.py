@@ -139,8 +139,6 @@ def speculative_steps(
     ``link`` (:class:`foretell.spec.attach.DraftLink`) restores the drafter from the state
     cached with the prefix and captures it again. A resumed request (``state.generated``
     non-empty) replays its tokens first, then speculates on if the drafter was restored."""
-    from foretell.generate import plain_steps, prefill
-
     model = target.model
     wants_hidden = speculator.wants_hidden
     prompt = state.prompt
@@ -154,14 +152,14 @@ def speculative_steps(
         if limit <= 0:
             return
     else:
-        hidden = prefill(model, prompt[state.cached : -1], state.caches, progress,
-                         keep_hidden=wants_hidden)
+        hidden = state.prefill(model, prompt[state.cached : -1], progress,
+                               keep_hidden=wants_hidden)
     source = _call(speculator, "open", speculator.provider.open, target, sampler)
     try:
         speculate, feed = start_source(speculator, source, state, hidden, link, after_prefill)
         stats.draft_cached = link.restored_tokens if link is not None else 0
         if not speculate:
-            yield from plain_steps(model, state, sampler, limit)
+            yield from state.plain_steps(model, sampler, limit)
             return
         yield from _rounds(model, speculator, source, state, sampler, limit, stats, link, feed)
     finally:
