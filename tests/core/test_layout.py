@@ -191,3 +191,39 @@ def imported_names(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
     return found
+
+
+#: Measuring tools kept beside what they measure; they drive the engine from the top.
+TOOLS_BESIDE_THEIR_PART = {"bench.py", "probe.py", "restore_probe.py"}
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks left out)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    visit(orelse)
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module:
+                found.add(child.module)
+            elif isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return found
+
+
+@pytest.mark.parametrize("part", ["spec", "cache", "store", "model"])
+def test_the_parts_below_the_request_loop_never_import_it(part):
+    """generate.py sits above spec/ and cache/ (and what they build on): it calls them,
+    they never call back up into it."""
+    offenders = {
+        path.name: sorted(m for m in _runtime_imports(path) if m.startswith("foretell.generate"))
+        for path in sorted((ROOT / "core" / "foretell" / part).glob("*.py"))
+        if path.name not in TOOLS_BESIDE_THEIR_PART
+    }
+    assert {name: mods for name, mods in offenders.items() if mods} == {}
