@@ -115,3 +115,24 @@ def test_a_slow_drafted_round_does_not_raise_the_plain_steps_estimate():
         policy.observe(k, k, seconds)
     late = chosen[100:]
     assert sum(k == 0 for k in late) / len(late) > 0.8
+
+
+def test_a_switched_off_drafter_is_probed_ever_more_rarely():
+    # Each probe of a drafter that does not pay costs a losing round (and, for a model
+    # drafter, catching up on every plain token since its last draft): 0.92x plain measured.
+    chosen = _simulate(acceptance=0.0, plain_s=0.010, draft_token_s=0.004, verify_s=0.012)
+    late = chosen[100:]
+    assert sum(k > 0 for k in late) <= 300 // 64 + 2
+
+
+def test_drafting_comes_back_once_it_pays_after_probes_backed_off():
+    policy = DraftLengthPolicy(4)
+    for _ in range(300):  # a drafter that never agrees: plain steps win, probes back off
+        k = policy.choose(100)
+        policy.observe(k, 0, 0.010 if k == 0 else 0.012 + 0.004 * k)
+    chosen = []
+    for _ in range(400):  # now every draft is kept and drafting is cheap
+        k = policy.choose(100)
+        policy.observe(k, k, 0.010 if k == 0 else 0.011 + 0.0005 * k)
+        chosen.append(k)
+    assert sum(k > 0 for k in chosen[-100:]) >= 90
