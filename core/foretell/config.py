@@ -145,7 +145,7 @@ class CacheSection:
     dir: str | None = attrs.field(default=None, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
     max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB"})
     ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
-    layout: str = attrs.field(default="single-file", metadata={"help": "storage layout of the SSD tier (see `foretell plugins`)"})
+    layout: str = attrs.field(default="blocks", metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})
     kv_bits: int | None = attrs.field(default=None, validator=_kv_bits, metadata={"help": "quantize full-attention KV to 4 or 8 bits"})
     resume: bool = attrs.field(default=False, metadata={"help": "checkpoint the generation and continue an interrupted identical one"})
     checkpoint_every: int = attrs.field(default=64, validator=at_least(1), metadata={"help": "tokens between generation checkpoints"})

@@ -1,7 +1,7 @@
 """Block store vs single-file layout, in one run, on the shipped demo model (not a test).
 
-    python -m foretell_blockstore.bench [--rounds 3] [--repeats 5] [--block-tokens 256]
-                                        [--sweep 64,128,512] [--json out.json]
+    python -m foretell_blockstore.bench [--rounds 3] [--repeats 5] [--block-tokens N]
+                                        [--sweep 64,128,256,1024] [--json out.json]
 
 Workloads (issue 10): (a) 8 conversations sharing a 2,048-token system prompt (each prefix
 reused from the first, as the tier's prefix cache hands it out); (b) one conversation
@@ -197,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5,
                         help="verified reads of each entry per layout and round")
-    parser.add_argument("--block-tokens", type=int, default=256)
-    parser.add_argument("--sweep", default="64,128,512,1024",
+    parser.add_argument("--block-tokens", type=int, default=None,
+                        help="the measured block size (default: the layout's default)")
+    parser.add_argument("--sweep", default="64,128,256,1024",
                         help="other block sizes measured once each ('' for none)")
     parser.add_argument("--model", default="demo")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a tmp dir)")
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     from foretell.store.single_file import SingleFileLayout
     from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
+    if args.block_tokens is None:
+        args.block_tokens = BlockStoreConfig().block_tokens
     model_dir = resolve_model_path(args.model)
     model = load(model_dir)
     codecs = [StandardKVCodec(), RotatingKVCodec()]

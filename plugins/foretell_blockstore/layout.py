@@ -79,7 +79,7 @@ class BlockStoreConfig:
     """``[cache]`` options of the ``blocks`` layout."""
 
     block_tokens: int = attrs.field(
-        default=256, validator=_positive,
+        default=512, validator=_positive,
         metadata={"help": "tokens (rows) per block; entries sharing a prefix share whole "
                           "blocks of this many tokens"},
     )

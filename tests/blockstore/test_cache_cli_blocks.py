@@ -71,3 +71,19 @@ def test_toml_cache_layout_selects_the_block_store(model_dir, tmp_path, capsys):
              "--prompt", "def f(x):")
     assert list(cache.glob("*/blocks-v2/entries/*.safetensors"))
     assert not list(cache.glob("*/*.safetensors"))
+
+
+def test_the_block_store_is_the_default_layout(model_dir, tmp_path, capsys):
+    from foretell.cli.cache_cmd import default_layout
+    from foretell.config import CacheSection
+    from foretell_blockstore.layout import BlockStoreConfig
+
+    assert CacheSection().layout == "blocks" == default_layout()
+    assert BlockStoreConfig().block_tokens == 512  # chosen by measurement: docs/block-store.md
+    run_json(capsys, "--model", str(model_dir), "--max-tokens", "2", "--prompt", "def f(x):",
+             "--cache-dir", str(tmp_path))
+    assert list(tmp_path.glob("*/blocks-v2/entries/*.safetensors"))
+    assert not list(tmp_path.glob("*/*.safetensors"))
+    code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path), "--model",
+                               str(model_dir))  # --model without --layout: the default's
+    assert code == 0 and len(listing["entries"]) == 1

@@ -46,8 +46,9 @@ def test_a_second_run_reuses_the_first_runs_prompt_from_disk(model_dir, tmp_path
 
 
 def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
+    # The single-file layout's files (test_cache_cli_blocks.py does the same for blocks).
     run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
-             "--max-tokens", "4", "--cache-dir", str(tmp_path))
+             "--max-tokens", "4", "--cache-dir", str(tmp_path), "--cache-layout", "single-file")
     code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path))
     assert code == 0 and len(listing["entries"]) == 1
     entry = listing["entries"][0]
@@ -67,7 +68,7 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
     code, _ = cache_json(capsys, "gc", "--cache-dir", str(tmp_path))
     assert code == 0
     run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
-             "--max-tokens", "4", "--cache-dir", str(tmp_path))
+             "--max-tokens", "4", "--cache-dir", str(tmp_path), "--cache-layout", "single-file")
     assert cache_json(capsys, "clear", "--cache-dir", str(tmp_path)) == (0, {"removed": 1})
     assert cache_json(capsys, "ls", "--cache-dir", str(tmp_path)) == (0, {"entries": []})
 
@@ -110,7 +111,7 @@ def test_resume_after_kill_9_continues_identically(tmp_path):
     deadline = time.monotonic() + 120
     try:  # kill -9 as soon as a checkpoint (an entry past the prompt snapshot) is on disk
         while time.monotonic() < deadline and victim.poll() is None:
-            if len(list(cache.glob("*/*.safetensors"))) >= 2:
+            if len(list(cache.glob("**/*.safetensors"))) >= 2:  # entries of any layout
                 break
             time.sleep(0.02)
         assert victim.poll() is None, "the run finished before it could be killed"

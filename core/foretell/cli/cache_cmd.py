@@ -45,8 +45,9 @@ def add_parser(sub: Any) -> None:
                        help="only this model's entries (directory or shipped name)")
         a.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
                        help="with --model: the KV scheme's entries")
-        a.add_argument("--layout", default="single-file",
-                       help="with --model: the storage layout (default: single-file)")
+        a.add_argument("--layout", default=None,
+                       help="with --model: the storage layout (default: [cache] layout's, "
+                            "blocks)")
         a.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "gc":
             a.add_argument("--max-gb", type=gigabytes, default=None,
@@ -70,6 +71,15 @@ def gigabytes(text: str) -> float:
 
 
 # -- which layouts ------------------------------------------------------------------------
+
+
+def default_layout() -> str:
+    """``[cache] layout``'s default: the one place it is set is the config class."""
+    import attrs
+
+    from foretell.config import CacheSection
+
+    return attrs.fields(CacheSection).layout.default
 
 
 def layouts(args: argparse.Namespace) -> list[Any]:
@@ -99,7 +109,7 @@ def layouts(args: argparse.Namespace) -> list[Any]:
         except ValueError as exc:  # config.json that is not UTF-8 JSON
             raise ForetellError(
                 f"--model {args.model}: {path / 'config.json'}: not JSON ({exc})") from None
-        contribution = registry.get(Kind.LAYOUT, args.layout)
+        contribution = registry.get(Kind.LAYOUT, args.layout or default_layout())
         config = contribution.config() if contribution.config is not None else None
         return [contribution.load()(root, config, identity=identity)]
     found = [SingleFileLayout(root, identity=identity)
