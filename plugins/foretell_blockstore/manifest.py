@@ -18,7 +18,7 @@ measurement that chose it over a token hash chain): equal bytes are stored once,
 reader always gets back exactly the bytes that were written. SHA-256 is computed at write
 time only. The manifest records each block's size and its checksum, the XXH3-64 of its
 pieces' XXH3-64s (one piece per tensor), which every read verifies piece by piece as each
-lands in its tensor's buffer (XXH3 is 10-30x cheaper than SHA-256 here).
+lands in its tensor's buffer (XXH3 is 7-30x cheaper than SHA-256 here).
 
 **Files.** A block is a safetensors file whose tensors ``"0"``, ``"1"``... are its pieces;
 its header depends only on the group's dtypes and shapes, so a reader knows it exactly. A
