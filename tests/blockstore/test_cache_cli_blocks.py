@@ -87,3 +87,19 @@ def test_the_block_store_is_the_default_layout(model_dir, tmp_path, capsys):
     code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path), "--model",
                                str(model_dir))  # --model without --layout: the default's
     assert code == 0 and len(listing["entries"]) == 1
+
+
+def test_an_engines_tier_uses_the_default_layout_unless_told(model_dir, tmp_path):
+    import foretell
+    from foretell.cache.tier import CacheTier
+    from foretell.store.single_file import SingleFileLayout
+    from foretell_blockstore.layout import BlockStoreLayout
+
+    engine = foretell.load(str(model_dir))
+    tier = CacheTier.for_engine(engine, tmp_path / "default")
+    assert type(tier.ssd.layout) is BlockStoreLayout
+    assert tier.ssd.layout.config.block_tokens == 512
+    tier.close(5)
+    told = CacheTier.for_engine(engine, tmp_path / "told", layout=SingleFileLayout)
+    assert type(told.ssd.layout) is SingleFileLayout
+    told.close(5)

@@ -85,6 +85,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
 
     import foretell
     from foretell.cache.tier import CacheTier
+    from foretell.store.single_file import SingleFileLayout
 
     engine = foretell.load(model)
     _generate(engine, prompt[:64], 4)  # warm-up: first-call costs are nobody's TTFT
@@ -94,7 +95,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
         _generate(engine, prompt)
     out: dict[str, Any] = {}
     out["cold_ttft_s"] = _generate(engine, prompt).ttft_s
-    tier = CacheTier.for_engine(engine, directory)
+    tier = CacheTier.for_engine(engine, directory, layout=SingleFileLayout)  # one file: dd's
     engine.cache = tier
     out["cold_ttft_with_store_s"] = _generate(engine, prompt).ttft_s
     hits = [_generate(engine, prompt) for _ in range(args.repeats)]
@@ -215,6 +216,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     """A fresh process: open the tier over what ``prime`` stored, restore, first token."""
     import foretell
     from foretell.cache.tier import CacheTier
+    from foretell.store.single_file import SingleFileLayout
 
     start = time.perf_counter()
     engine = foretell.load(model)
@@ -223,7 +225,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     if args.evict:
         evict(entry_files(directory))
     start = time.perf_counter()
-    tier = CacheTier.for_engine(engine, directory)
+    tier = CacheTier.for_engine(engine, directory, layout=SingleFileLayout)
     scan_s = time.perf_counter() - start
     reads: list[float] = []
     real_read = tier.ssd.read

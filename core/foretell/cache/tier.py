@@ -96,8 +96,8 @@ class CacheTier:
     ) -> CacheTier:
         """A tier over ``cache_dir`` for the model in ``model_dir`` (its config fingerprint
         and tokenizer hash name whose entries are served). ``layout`` is a layout class
-        (default: the single-file layout); ``caps``: ``ram_bytes``, ``ssd_bytes``,
-        ``spill_bytes``."""
+        (:meth:`for_engine` passes the configured default; without one, the single-file
+        layout core ships); ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes``."""
         from foretell.store.single_file import SingleFileLayout
 
         model_dir = Path(model_dir)
@@ -112,7 +112,8 @@ class CacheTier:
     def for_engine(cls, engine: Any, cache_dir: str | Path | None = None, **options: Any
                    ) -> CacheTier:
         """A tier for ``engine``'s model and KV scheme, with every codec its plugins
-        registered; RAM only when ``cache_dir`` is None. Attach it with ``engine.cache =``."""
+        registered; RAM only when ``cache_dir`` is None. Attach it with ``engine.cache =``.
+        Without ``layout=`` the disk uses the default layout of ``[cache] layout``."""
         from foretell.cache.codecs import load_codecs
         from foretell.cache.quantized import kv_scheme
         from foretell.plugin.loader import load_plugins
@@ -124,6 +125,16 @@ class CacheTier:
             options.pop("layout_config", None)
             options.pop("ssd_bytes", None)
             return cls(codecs, **options)
+        if "layout" not in options:  # the layout `[cache] layout` defaults to, by name
+            import attrs
+
+            from foretell.config import CacheSection
+            from foretell.plugin.registry import Kind
+
+            contribution = registry.get(Kind.LAYOUT, attrs.fields(CacheSection).layout.default)
+            options["layout"] = contribution.load()
+            options.setdefault("layout_config", contribution.config()
+                               if contribution.config is not None else None)
         return cls.open(cache_dir, engine.path, codecs=codecs,
                         kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size), **options)
 
