@@ -404,3 +404,29 @@ def test_the_checksum_is_xxh3_64_over_the_parts_in_order():
     assert fmt.checksum(data) == xxhash.xxh3_64_hexdigest(data)
     assert fmt.checksum(data[:1000], memoryview(data)[1000:]) == fmt.checksum(data)
     assert fmt.checksum(b"") == xxhash.xxh3_64_hexdigest(b"") and len(fmt.checksum(b"")) == 16
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_reads_all_at_once_or_one_at_a_time_return_the_same_tensors_and_catch_a_flip(
+    tmp_path, identity, codecs, monkeypatch, parallel
+):
+    """Many-core hosts let MLX read every tensor at once, few-core hosts one at a time
+    (store.format.parallel_reads); both serve exactly what was written and neither serves
+    a flipped byte."""
+    from foretell.store import format as fmt
+
+    monkeypatch.setattr(fmt, "parallel_reads", lambda: parallel)
+    entry = make_entry(codecs)
+    layout = SingleFileLayout(tmp_path, identity=identity)
+    layout.write(entry)
+    key = layout.key_for(entry.tokens)
+    back = layout.read(key)
+    for want, got in zip(entry.layers, back.layers):
+        assert want.tensors.keys() == got.tensors.keys()
+        for name in want.tensors:
+            assert np.array_equal(host(want.tensors[name]), host(got.tensors[name]))
+    path = layout.path(key)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10  # the last tensor's bytes: read last, checksummed last
+    path.write_bytes(bytes(raw))
+    assert layout.read(key) is None
