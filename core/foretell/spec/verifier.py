@@ -217,6 +217,10 @@ class _Verifier:
         if draft.size == 0:
             _call(self.speculator, "commit", self.source.commit, 0)
             return None
+        # Start the drafter's work while the verify graph is built: MLX's CPU async_eval
+        # returns only near a graph's end, so one eval would leave no overlap at all
+        # (measured, paired, one speculator: MTP 1.22x -> 1.28x plain, two-model 1.32x -> 1.34x).
+        mx.async_eval(draft.tokens)
         n = draft.size
         window = mx.concatenate(
             [mx.array([[self.pending]], dtype=mx.int32), draft.tokens.astype(mx.int32)], axis=1
