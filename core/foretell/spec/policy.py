@@ -6,13 +6,13 @@ draft position ``i`` is accepted once every earlier one was. The policy picks th
 ``0..max_k`` with the best ``E(k) / T(k)``; ``k = 0`` is a plain decoding step, so a drafter
 that does not pay is switched off rather than slowing the request down.
 
-``T(0)`` is the running mean time of a plain step; ``T(k)`` for ``k >= 1`` the
-least-squares line through the running mean round time of each draft length seen (n =
-tokens actually drafted), each mean following new rounds quickly, so the model tracks what the machine does now (a GPU where verifying 8 tokens
-costs little more than 1, a CPU where drafting costs the draft model's compute). The first
-round of each length is not timed (it compiles that shape's kernels on CUDA), and a round
-enters its mean at most ``OUTLIER_FACTOR`` times the mean so far, so a stall fades instead
-of switching a good length off. The first drafted rounds draft ``max_k``, then plain
+``T(0)`` is the least time of the recent plain steps; ``T(k)`` for ``k >= 1`` a robust
+line (Theil-Sen) through the least recent round time of each draft length seen (n =
+tokens actually drafted), so the model tracks what the machine does now (a GPU where
+verifying 8 tokens costs little more than 1, a CPU where drafting costs the draft model's
+compute). The first round of each length is not timed (it compiles that shape's kernels on
+CUDA), and taking the least recent time lets one good round outvote a stall instead of a
+stall switching a good length off. The first drafted rounds draft ``max_k``, then plain
 stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
 the best ``k`` and the length timed longest ago among those that could still pay, so no
 estimate goes stale for good.
@@ -20,11 +20,17 @@ estimate goes stale for good.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 #: Weight kept by old acceptance observations per new one (a memory of about 50 rounds).
 DECAY = 0.98
-#: Weight a new round time gets in its draft length's running mean: an outlier (a kernel
-#: compiled on first use, a busy host) fades within a few rounds.
-TIME_WEIGHT = 0.25
+#: Round times kept per draft length; its estimate is the least of them. Stalls only ever
+#: add time (a kernel compiled on first use by a shape the drafter builds, a busy host), so
+#: the least of the recent rounds is what the length costs, and one good round outvotes a
+#: stall (measured on the H200: one 61 ms round kept an MTP length, really ~2 ms, switched
+#: off under a running mean); a lasting slow-down shows within TIME_SAMPLES rounds.
+TIME_SAMPLES = 5
 #: Strength of each draft position's prior, in rounds.
 PRIOR_ROUNDS = 2.0
 #: Every this many rounds, try a k other than the best one (see ``choose``).
@@ -39,9 +45,6 @@ PROBE_EVERY = 16
 PROBE_EVERY_MAX = 64
 #: Drafted rounds timed before the first choice; the very first is a warm-up, not timed.
 WARMUP_ROUNDS = 3
-#: A round time enters its length's mean at most this many times the mean so far: one
-#: stall moves an estimate a little instead of switching a good length off for good.
-OUTLIER_FACTOR = 3.0
 
 
 class DraftLengthPolicy:
@@ -53,8 +56,9 @@ class DraftLengthPolicy:
         # Observed (decayed) counts per draft position; priors are added in acceptance().
         self._offered = [0.0] * max_k
         self._accepted = [0.0] * max_k
-        #: Running mean round time by tokens drafted (0: a plain step).
+        #: Estimated round time by tokens drafted (0: a plain step): the least recent one.
         self._time: dict[int, float] = {}
+        self._samples: dict[int, deque[float]] = {}
         #: Draft lengths whose first (untimed) round has run.
         self._seen: set[int] = set()
         #: The round each draft length was last timed in.
@@ -89,9 +93,9 @@ class DraftLengthPolicy:
 
     def round_time(self, n: int) -> float | None:
         """Seconds of a round drafting ``n`` tokens, or None before a plain and a drafted
-        round were timed. A plain step (``n = 0``) is its measured mean; a drafted round
-        is the least-squares line through the drafted lengths' means (through the plain
-        mean and the one drafted length while only one is known), never below a plain
+        round were timed. A plain step (``n = 0``) is its own estimate; a drafted round
+        is the Theil-Sen line through the drafted lengths' estimates (through the plain
+        step and the one drafted length while only one is known), never below a plain
         step. Fitting the plain steps into the same line let one slow drafted round raise
         the plain estimate threefold on a busy CPU (measured), so self-drafting drafted
         on at a loss."""
@@ -104,12 +108,14 @@ class DraftLengthPolicy:
         if len(drafted) == 1:
             ((x1, y1),) = drafted.items()
             return max(plain + (y1 - plain) * n / x1, plain)
-        xs = list(drafted)
-        ys = [drafted[x] for x in xs]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread
-        return max(mean_y + max(slope, 0.0) * (n - mean_x), plain)
+        # Theil-Sen: the median of the pairwise slopes and of the intercepts they leave,
+        # so one length whose only rounds stalled does not tilt the line for every other.
+        points = sorted(drafted.items())
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
+                  for x2, y2 in points[i + 1 :]]
+        slope = max(statistics.median(slopes), 0.0)
+        intercept = statistics.median(y - slope * x for x, y in points)
+        return max(intercept + slope * n, plain)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -168,9 +174,6 @@ class DraftLengthPolicy:
             self._seen.add(drafted)
             return
         self._timed_at[drafted] = self._rounds
-        old = self._time.get(drafted)
-        if old is None:
-            self._time[drafted] = seconds
-            return
-        seconds = min(seconds, OUTLIER_FACTOR * old)
-        self._time[drafted] = old + TIME_WEIGHT * (seconds - old)
+        recent = self._samples.setdefault(drafted, deque(maxlen=TIME_SAMPLES))
+        recent.append(seconds)
+        self._time[drafted] = min(recent)
