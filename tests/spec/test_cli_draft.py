@@ -74,3 +74,20 @@ def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
 
     best = json.loads((DEMO_DIR / "demo" / "speculation.json").read_text())["best"]
     assert set(best) == {"cpu", "gpu"} and best["cpu"]["kind"] == "two-model"
+    assert best["gpu"]["kind"] == "none"  # measured on the H200: no drafter beat plain
+
+
+def test_a_measured_none_means_plain_decoding_on_that_machine(
+    registry, engines, model_dirs, tmp_path
+):
+    engine = engines["qwen3"]
+    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured-none")
+    (model / "speculation.json").write_text(json.dumps({"best": {machine_kind(): {"kind": "none"}}}))
+    path, engine.path = engine.path, model
+    try:
+        engine.use_draft("ngram")
+        apply_draft(engine, None, registry)
+        assert engine.speculator is None
+    finally:
+        engine.path = path
+        engine.use_draft(None)

@@ -4,11 +4,13 @@ A model directory may carry ``speculation.json``, written from benchmark runs
 (``foretell bench --speculation``; the shipped demo's comes from docs/benchmarks.md)::
 
     {"best": {"cpu": {"kind": "two-model", "options": {"model": "demo-draft"}},
-              "gpu": {"kind": "mtp", "options": {}}},
+              "gpu": {"kind": "none"}},
      "measured": "where the figures are"}
 
 ``cpu`` is chosen on MLX's CPU device, ``gpu`` on any GPU (CUDA measured; Metal takes the
-same entry until it is measured there). No file, or no entry for this machine: no drafter.
+same entry until it is measured there). ``"kind": "none"`` records that plain decoding
+measured best there. No file, no entry for this machine, or a drafter this installation
+lacks: no drafter.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def measured_drafter(model_dir: Path | None, registry: Any) -> tuple[str, Any] |
     if entry is None:
         return None
     kind = entry.get("kind")
+    if kind == "none":
+        return None  # plain decoding measured best on this kind of machine
     if kind not in registry.names(Kind.DRAFT):
         return None  # measured with a drafter this installation lacks (e.g. contrib n-gram)
     config = registry.get(Kind.DRAFT, kind).config
