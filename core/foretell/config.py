@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import cattrs
+import cattrs.gen
 from cattrs.errors import (
     AttributeValidationNote,
     BaseValidationError,
@@ -149,6 +150,9 @@ class CacheSection:
     kv_bits: int | None = attrs.field(default=None, validator=_kv_bits, metadata={"help": "quantize full-attention KV to 4 or 8 bits"})
     resume: bool = attrs.field(default=False, metadata={"help": "checkpoint the generation and continue an interrupted identical one"})
     checkpoint_every: int = attrs.field(default=64, validator=at_least(1), metadata={"help": "tokens between generation checkpoints"})
+    #: The layout's own options (its registered config class), read from the same
+    #: ``[cache]`` table as the keys above; None: the layout's defaults.
+    layout_options: Any = attrs.field(default=None, metadata={"internal": True})
 
 
 @attrs.frozen(kw_only=True)
@@ -215,6 +219,35 @@ def make_converter(registry: Registry) -> cattrs.Converter:
         return DraftSection(kind=name, settings=settings, options=options)
 
     conv.register_structure_hook_func(lambda t: t is DraftSection, structure_draft)
+
+    own_cache_keys = {a.name for a in attrs.fields(CacheSection)} - {"layout_options"}
+    structure_cache_keys = cattrs.gen.make_dict_structure_fn(
+        CacheSection, conv, _cattrs_forbid_extra_keys=True)
+
+    def structure_cache(body: Any, _t: type) -> CacheSection:
+        """``[cache]``: the tier's keys, then the chosen layout's own options (flattened
+        into the same table, as a drafter's are into ``[draft]``)."""
+        if not isinstance(body, Mapping):
+            raise WrongType(f"expected a table, got {body!r}")
+        section = structure_cache_keys({k: v for k, v in body.items() if k in own_cache_keys},
+                                       CacheSection)
+        rest = {k: v for k, v in body.items() if k not in own_cache_keys}
+        if not rest:
+            return section
+        try:
+            contribution = registry.get(Kind.LAYOUT, section.layout)
+        except ForetellError as exc:
+            raise FieldError("layout", str(exc)) from exc
+        layout_keys = ({a.name for a in attrs.fields(contribution.config)}
+                       if contribution.config is not None else set())
+        for key in sorted(rest):
+            if key not in layout_keys:
+                known = ", ".join(sorted(own_cache_keys | layout_keys))
+                raise FieldError(key, f"unknown field (known here, with layout "
+                                      f"'{section.layout}': {known})")
+        return attrs.evolve(section, layout_options=conv.structure(rest, contribution.config))
+
+    conv.register_structure_hook_func(lambda t: t is CacheSection, structure_cache)
     conv.register_unstructure_hook(
         DraftSection,
         lambda d: {"kind": d.kind, **conv.unstructure(d.settings),

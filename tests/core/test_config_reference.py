@@ -85,6 +85,8 @@ def test_every_documented_key_is_accepted_where_the_page_puts_it(tmp_path):
                 continue  # the shared keys are checked with each provider
             values = {**{k: d.strip("`") for k, d in sections[("draft", None)].items()
                          if d.startswith("`")}, **values, "kind": f'"{provider}"'}
+        if section == "cache" and provider is not None:
+            values = {**values, "layout": f'"{provider}"'}  # a layout's keys follow its name
         body = "\n".join(f"{k} = {v}" for k, v in values.items())
         text = f"[{section}]\n{body}\n" if section else body + "\n"
         path = tmp_path / "run.toml"

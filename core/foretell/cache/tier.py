@@ -151,7 +151,8 @@ class CacheTier:
             engine, section.dir, ram_bytes=int(section.ram_gb * GiB),
             ssd_bytes=int(section.max_gb * GiB), checkpoint_every=section.checkpoint_every,
             layout=contribution.load(),
-            layout_config=contribution.config() if contribution.config is not None else None)
+            layout_config=section.layout_options if section.layout_options is not None
+            else contribution.config() if contribution.config is not None else None)
 
     # -- lookup -----------------------------------------------------------------------------
 

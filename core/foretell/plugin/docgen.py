@@ -51,10 +51,8 @@ def render() -> str:
 
 # -- the configuration reference --------------------------------------------------------------
 
-#: Where each extension point's options live in a run config. A layout's config class is
-#: not read from ``[cache]`` yet (the tier builds it with its defaults): add
-#: ``"layout": "[cache]"`` here when it is, and the page says so.
-_SECTION_OF_KIND = {"draft": "[draft]"}
+#: Where each extension point's options live in a run config.
+_SECTION_OF_KIND = {"draft": "[draft]", "layout": "[cache]"}
 
 
 def _field_type(cls: type, field: attrs.Attribute) -> Any:
@@ -102,7 +100,8 @@ def _default(field: attrs.Attribute) -> str:
 
 def _table(cls: type, *, skip: tuple[str, ...] = ()) -> list[str]:
     rows = [
-        f for f in attrs.fields(cls) if f.name not in skip and _attrs_class(_field_type(cls, f)) is None
+        f for f in attrs.fields(cls) if f.name not in skip and not f.metadata.get("internal")
+        and _attrs_class(_field_type(cls, f)) is None
     ]
     if not rows:
         return ["No options.", ""]
