@@ -85,37 +85,47 @@ class DraftLengthPolicy:
         return rates
 
     def expected_tokens(self, k: int) -> float:
-        total, chain = 1.0, 1.0
-        for rate in self.acceptance()[:k]:
+        return self._expected()[k]
+
+    def _expected(self) -> list[float]:
+        """``E(k)`` for every ``k`` in ``0..max_k``, in one pass over the acceptance."""
+        totals, total, chain = [1.0], 1.0, 1.0
+        for rate in self.acceptance():
             chain *= rate
             total += chain
-        return total
+            totals.append(total)
+        return totals
 
     def round_time(self, n: int) -> float | None:
         """Seconds of a round drafting ``n`` tokens, or None before a plain and a drafted
-        round were timed. A plain step (``n = 0``) is its own estimate; a drafted round
-        is the Theil-Sen line through the drafted lengths' estimates (through the plain
-        step and the one drafted length while only one is known), never below a plain
-        step. Fitting the plain steps into the same line let one slow drafted round raise
-        the plain estimate threefold on a busy CPU (measured), so self-drafting drafted
-        on at a loss."""
+        round were timed (see :meth:`_round_times`)."""
+        times = self._round_times()
+        return times[n] if times is not None else None
+
+    def _round_times(self) -> list[float] | None:
+        """``T(k)`` for every ``k`` in ``0..max_k``, from one fit, or None before a plain
+        and a drafted round were timed. A plain step (``k = 0``) is its own estimate; a
+        drafted round is the Theil-Sen line through the drafted lengths' estimates (through
+        the plain step and the one drafted length while only one is known), never below a
+        plain step. Fitting the plain steps into the same line let one slow drafted round
+        raise the plain estimate threefold on a busy CPU (measured), so self-drafting
+        drafted on at a loss."""
         if 0 not in self._time or len(self._time) < 2:
             return None
         plain = self._time[0]
-        if n == 0:
-            return plain
         drafted = {x: y for x, y in self._time.items() if x > 0}
         if len(drafted) == 1:
             ((x1, y1),) = drafted.items()
-            return max(plain + (y1 - plain) * n / x1, plain)
-        # Theil-Sen: the median of the pairwise slopes and of the intercepts they leave,
-        # so one length whose only rounds stalled does not tilt the line for every other.
-        points = sorted(drafted.items())
-        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
-                  for x2, y2 in points[i + 1 :]]
-        slope = max(statistics.median(slopes), 0.0)
-        intercept = statistics.median(y - slope * x for x, y in points)
-        return max(intercept + slope * n, plain)
+            slope, intercept = (y1 - plain) / x1, plain
+        else:
+            # Theil-Sen: the median of the pairwise slopes and of the intercepts they
+            # leave, so one length whose only rounds stalled does not tilt the line.
+            points = sorted(drafted.items())
+            slope = max(statistics.median(
+                (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
+                for x2, y2 in points[i + 1 :]), 0.0)
+            intercept = statistics.median(y - slope * x for x, y in points)
+        return [plain] + [max(intercept + slope * k, plain) for k in range(1, self.max_k + 1)]
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -129,7 +139,8 @@ class DraftLengthPolicy:
             return limit
         if 0 not in self._time:
             return 0
-        rates = [self.expected_tokens(k) / self.round_time(k) for k in range(self.max_k + 1)]
+        expected = self._expected()
+        rates = [e / t for e, t in zip(expected, self._round_times())]
         self._best = max(range(self.max_k + 1), key=rates.__getitem__)
         k = self._best
         if self._rounds >= self._next_probe:
@@ -138,17 +149,16 @@ class DraftLengthPolicy:
             if self._probes % 2:
                 k = self._best - 1 if self._best == self.max_k else self._best + 1
             else:
-                k = self._stale_probe(rates) or k
+                k = self._stale_probe(rates, expected) or k
         self._probing = self._best == 0 and k > 0
         return min(k, limit)
 
-    def _stale_probe(self, rates: list[float]) -> int | None:
+    def _stale_probe(self, rates: list[float], expected: list[float]) -> int | None:
         """The length timed longest ago among those that would beat the best one by a
         quarter if their round cost no more than a plain step (a drafter that never agrees
         is not probed at lengths that cannot pay); None when there is none."""
-        best, floor = max(rates), self.round_time(0)
-        hopeful = [n for n in range(1, self.max_k + 1)
-                   if self.expected_tokens(n) / floor > 1.25 * best]
+        best, floor = max(rates), self._time[0]
+        hopeful = [n for n in range(1, self.max_k + 1) if expected[n] / floor > 1.25 * best]
         return min(hopeful, key=lambda n: self._timed_at.get(n, -1)) if hopeful else None
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
