@@ -21,8 +21,7 @@ must be bound before MLX loads (docs/blas.md).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foretell.surface import lazy_exports
 
 _WHERE = {
     "Cache": "foretell.model.contract",
@@ -51,12 +50,4 @@ _WHERE = {
     "unpack_quantized": "foretell.model.loading",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'foretell.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __all__ = lazy_exports(__name__, _WHERE)

@@ -19,8 +19,7 @@ and nothing else of this package (pytest imports foretell in every session).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foretell.surface import lazy_exports
 
 _WHERE = {
     "hookimpl": "foretell.plugin.hookspecs",
@@ -36,12 +35,4 @@ _WHERE = {
     "load_plugins": "foretell.plugin.loader",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'foretell.plugin' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __all__ = lazy_exports(__name__, _WHERE)

@@ -13,8 +13,7 @@ foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foretell.surface import lazy_exports
 
 _WHERE = {
     "PORT_MTP": "foretell.model",
@@ -39,12 +38,4 @@ _WHERE = {
     "speculative_steps": "foretell.spec.verifier",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'foretell.spec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __all__ = lazy_exports(__name__, _WHERE)

@@ -11,8 +11,7 @@ this package imports no MLX.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foretell.surface import lazy_exports
 
 _WHERE = {
     "SyntheticSpec": "foretell.tools.synthetic",
@@ -21,12 +20,4 @@ _WHERE = {
     "make_preset_dir": "foretell.tools.synthetic",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'foretell.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __all__ = lazy_exports(__name__, _WHERE)
