@@ -38,19 +38,20 @@ def _grow(buffer: Triple | None, used: int, like: Triple, capacity: int) -> Trip
     return tuple(one(None if buffer is None else buffer[i], like[i]) for i in range(3))
 
 
-class QuantizedKVCache:
-    """A growable KV cache holding keys and values as affine-quantized triples."""
-
-    step = 256
+class QuantizedKVCache(KVCache):
+    """A growable KV cache holding keys and values as affine-quantized triples. Masks,
+    trimming and sizes are :class:`KVCache`'s (a prefix of ``offset`` tokens); storage,
+    state and meta are its own. Codecs match caches by exact type, so it never passes for
+    a plain :class:`KVCache`."""
 
     def __init__(self, bits: int = 8, group_size: int = 64) -> None:
         if bits not in (4, 8):
             raise ValueError(f"kv bits must be 4 or 8, got {bits}")
+        super().__init__()
         self.bits = bits
         self.group_size = group_size
         self.keys: Triple | None = None
         self.values: Triple | None = None
-        self.offset = 0
 
     def _quantize(self, x: mx.array) -> Triple:
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
@@ -82,26 +83,6 @@ class QuantizedKVCache:
             return triple
         return tuple(x[..., :stop, :] for x in triple)
 
-    def mask(self, n_queries: int) -> Mask:
-        return None if n_queries == 1 else "causal"
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def stays_trimmable(self, n: int) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = max(0, min(self.offset, n))
-        self.offset -= n
-        return n
-
-    def size(self) -> int:
-        return self.offset
-
-    def empty(self) -> bool:
-        return self.offset == 0
-
     @property
     def nbytes(self) -> int:
         if self.keys is None:
@@ -116,6 +97,10 @@ class QuantizedKVCache:
         # Always fresh slices: a clone built from them must never share an array object
         # with the donor, or its in-place writes would change the donor.
         return tuple(x[..., : self.offset, :] for x in (*self.keys, *self.values))
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return {"offset": self.offset, "bits": self.bits, "group_size": self.group_size}
 
     @classmethod
     def from_state(cls, state: Sequence[mx.array], meta: Mapping[str, Any]) -> QuantizedKVCache:
@@ -183,8 +168,7 @@ class QuantizedKVCodec:
     def snapshot(self, cache: QuantizedKVCache) -> tuple[dict[str, mx.array], dict[str, Any]]:
         names = [f"{kind}.{part}" for kind in ("keys", "values") for part in _PARTS]
         tensors = dict(zip(names, cache.state))
-        return tensors, {"offset": cache.offset, "bits": cache.bits,
-                         "group_size": cache.group_size}
+        return tensors, cache.meta
 
     def load(self, tensors: Mapping[str, mx.array], meta: Mapping[str, Any]) -> QuantizedKVCache:
         names = [f"{kind}.{part}" for kind in ("keys", "values") for part in _PARTS]
