@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,29 +96,12 @@ def foretell_cmd(*argv) -> list[str]:
     return [sys.executable, "-m", "foretell", *argv]
 
 
-def test_resume_after_kill_9_continues_identically(tmp_path):
+def test_resume_after_kill_9_continues_identically(tmp_path, killed_and_resumed):
     config = tmp_path / "run.toml"
     config.write_text("[cache]\ncheckpoint_every = 4\n")
     args = ["run", "--max-tokens", "120", "--prompt", "def fibonacci(n):", "--config", str(config)]
     env = {**os.environ, "FORETELL_DEBUG": "1"}
-    uninterrupted = subprocess.run(foretell_cmd(*args), capture_output=True, env=env, timeout=300)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr.decode()
-    cache = tmp_path / "cache"
-    resumable = [*args, "--cache-dir", str(cache), "--resume"]
-    victim = subprocess.Popen(foretell_cmd(*resumable), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 120
-    try:  # kill -9 as soon as a checkpoint (an entry past the prompt snapshot) is on disk
-        while time.monotonic() < deadline and victim.poll() is None:
-            if len(list(cache.glob("**/*.safetensors"))) >= 2:  # entries of any layout
-                break
-            time.sleep(0.02)
-        assert victim.poll() is None, "the run finished before it could be killed"
-        victim.send_signal(signal.SIGKILL)
-    finally:
-        victim.wait()
-    resumed = subprocess.run(foretell_cmd(*resumable), capture_output=True, env=env, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr.decode()
+    uninterrupted, resumed = killed_and_resumed(foretell_cmd(*args), env)
     assert b"(checkpoint)" in resumed.stderr
     assert resumed.stdout == uninterrupted.stdout
 

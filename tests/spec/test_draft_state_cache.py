@@ -360,16 +360,15 @@ def test_a_drafter_that_fails_to_restore_is_prefilled_instead(model_dirs, regist
     assert "failed in restore()" in caplog.text and "two-model" in caplog.text
 
 
-def test_a_sampled_speculative_run_resumes_after_kill_9_on_the_same_draws(tmp_path):
+def test_a_sampled_speculative_run_resumes_after_kill_9_on_the_same_draws(
+    tmp_path, killed_and_resumed
+):
     """``foretell run --resume`` with speculation and sampling: killed with SIGKILL once a
     checkpoint is on disk, the rerun of the same command prints what an uninterrupted run
     prints, and it speculated from the checkpoint (its stats say so)."""
     import json
     import os
-    import signal
-    import subprocess
     import sys
-    import time
 
     config = tmp_path / "run.toml"
     config.write_text('[cache]\ncheckpoint_every = 4\n\n[draft]\nkind = "two-model"\n'
@@ -377,24 +376,7 @@ def test_a_sampled_speculative_run_resumes_after_kill_9_on_the_same_draws(tmp_pa
     args = [sys.executable, "-m", "foretell", "run", "--max-tokens", "120", "--temp", "0.8",
             "--seed", "7", "--prompt", "def fibonacci(n):", "--config", str(config)]
     env = {**os.environ, "FORETELL_DEBUG": "1"}
-    uninterrupted = subprocess.run(args, capture_output=True, env=env, timeout=300)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr.decode()
-    cache = tmp_path / "cache"
-    resumable = [*args, "--cache-dir", str(cache), "--resume"]
-    victim = subprocess.Popen(resumable, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=env)
-    deadline = time.monotonic() + 120
-    try:  # kill -9 as soon as a checkpoint (an entry past the prompt snapshot) is on disk
-        while time.monotonic() < deadline and victim.poll() is None:
-            if len(list(cache.glob("**/*.safetensors"))) >= 2:  # entries of any layout
-                break
-            time.sleep(0.02)
-        assert victim.poll() is None, "the run finished before it could be killed"
-        victim.send_signal(signal.SIGKILL)
-    finally:
-        victim.wait()
-    resumed = subprocess.run([*resumable, "--json"], capture_output=True, env=env, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr.decode()
+    uninterrupted, resumed = killed_and_resumed(args, env, ["--json"])
     stats = json.loads(resumed.stdout.decode().strip().splitlines()[-1])
     text = "".join(e["text"] for e in map(json.loads, resumed.stdout.decode().splitlines())
                    if e.get("type") == "text")
