@@ -85,7 +85,9 @@ def use_matmul_attention(n_queries: int) -> bool:
         if forced not in ("auto", "fused", "matmul", "matmul-all"):
             forced = "auto"
         if forced == "auto":
-            forced = "matmul" if mx.cuda.is_available() and mx.default_device() == mx.gpu else "fused"
+            from foretell.platform.device import on_cuda
+
+            forced = "matmul" if on_cuda() else "fused"
         _MATMUL_MODE = forced
     if _MATMUL_MODE == "fused":
         return False

@@ -531,7 +531,9 @@ def compiles_per_shape() -> bool:
     """Whether this device compiles kernels for each new window length on first use: MLX's
     CUDA backend does (NVRTC, cached on disk), measured on the H200 at 0.04-1 s per new
     length, which stalled the first requests that drafted a new length mid-generation."""
-    return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+    from foretell.platform.device import on_cuda
+
+    return on_cuda()
 
 
 def warm_verify_windows(model: Any, longest: int) -> None:
