@@ -270,6 +270,32 @@ class BlockStoreLayout:
                     found, header=attrs.evolve(found.header, last_used=last_used))
         return Entry(tokens=manifest.tokens, layers=layers, namespace=manifest.namespace)
 
+    def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
+        """The entry's tensors read as :meth:`read` reads them (manifest, identity and key
+        checked, each block's size and header compared, pieces straight into the buffers);
+        ``verify=False`` skips only the pieces' checksums. For the cache benchmark's
+        verified-vs-unverified row (as ``foretell.store.format.read_layers`` is for the
+        single-file layout): serving reads through :meth:`read`, which always verifies and
+        drops what fails; this drops nothing and bumps no last use.
+
+        :raises CorruptEntry: the manifest or a block is damaged (or fails its checksum).
+        :raises FileNotFoundError: no such entry.
+        """
+        manifest = self._load_manifest(key)
+        try:
+            return self._assemble(manifest, verify=verify)
+        except _BadBlock as bad:
+            raise CorruptEntry(bad.reason) from None
+
+    def files(self, key: str) -> list[Path]:
+        """The files a read of ``key`` opens: its manifest, then its blocks in read order
+        (the benchmark reads the same bytes with ``dd``).
+
+        :raises CorruptEntry: the manifest is damaged. :raises FileNotFoundError: absent.
+        """
+        manifest = self._load_manifest(key)
+        return [self.path(key), *(self.block_path(ref.id) for ref in manifest.blocks)]
+
     def scan(self) -> list[EntryHeader]:
         """Rebuild the index from manifests (no block bytes are read): drops entries whose
         manifest is corrupt or whose blocks are missing, skips foreign ones, and reaps
@@ -408,10 +434,10 @@ class BlockStoreLayout:
             raise CorruptEntry("its name does not match the tokens it holds")
         return manifest
 
-    def _assemble(self, manifest: mf.Manifest) -> list[LayerState]:
+    def _assemble(self, manifest: mf.Manifest, *, verify: bool = True) -> list[LayerState]:
         """Read every block straight into its tensors' MLX-owned buffers, blocks in parallel
         on the pool, each checking its header and its checksum piece by piece; all pass
-        before anything is returned."""
+        before anything is returned (``verify=False``: no checksums, the benchmark's only)."""
         import mlx.core as mx
 
         specs = [spec for group, _refs in manifest.groups for spec in group.tensors]
@@ -422,7 +448,7 @@ class BlockStoreLayout:
             for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
                 jobs.append(fmt.io_pool().submit(
                     _read_block, self.block_path(ref.id), ref, mf.block_header(group, begin, end),
-                    mf.destinations(group, begin, end, flats)))
+                    mf.destinations(group, begin, end, flats), verify))
         futures.wait(jobs)
         for job in jobs:
             job.result()  # raises _BadBlock for the first damaged block, in order
@@ -570,7 +596,7 @@ class _LockBusy(Exception):
 
 
 def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
-                pieces: list[list[memoryview]]) -> None:
+                pieces: list[list[memoryview]], verify: bool = True) -> None:
     """Read one block: its header must be the one its manifest implies; each piece's bytes go
     straight into its runs (``pieces``, in file order) and are checksummed right after they
     land, while still in the cache; together they must match the manifest's checksum.
@@ -591,10 +617,11 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         checksums = []
         for runs in pieces:
             offset = _read_runs(fd, runs, offset, ref)
-            checksums.append(fmt.checksum(*runs))
+            if verify:
+                checksums.append(fmt.checksum(*runs))
     finally:
         os.close(fd)
-    if mf.block_checksum(checksums) != ref.checksum:
+    if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 
 

@@ -27,7 +27,7 @@ from foretell.cache.codecs import snapshot_entry
 from foretell.cache.quantized import QuantizedKVCache
 from foretell.config import FieldError
 from foretell.store.entry import StoreIdentity
-from foretell.store.layout import StorageLayout
+from foretell.store.layout import CorruptEntry, StorageLayout
 from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
 # -- registration and the contract ----------------------------------------------------------
@@ -329,6 +329,43 @@ def test_a_single_flipped_bit_in_any_piece_of_any_block_is_caught(tmp_path, iden
             raw[8 + length + begin + bit // 8] ^= 1 << (bit % 8)
             path.write_bytes(bytes(raw))
             assert layout.read(layout.key_for(entry.tokens)) is None, (block, piece, bit)
+
+
+def test_the_benchmarks_unverified_read_skips_only_checksums_and_serving_still_refuses(
+        layout, stored):
+    entry, key = stored
+    path = layout.block_path(_a_block(layout))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40  # a tensor byte of the block's last piece
+    path.write_bytes(bytes(raw))
+    # Unverified (the cache bench's row only): the damaged byte comes back, nothing dropped.
+    damaged = layout.read_layers(key, verify=False)
+    assert any(not mx.array_equal(damaged[i].tensors[name], tensor)
+               for i, layer in enumerate(entry.layers) for name, tensor in layer.tensors.items())
+    assert manifest_files(layout) and path.exists()
+    with pytest.raises(CorruptEntry, match="fails its checksum"):
+        layout.read_layers(key)
+    assert layout.read(key) is None  # what serving calls: refused and dropped
+    assert not manifest_files(layout) and not path.exists()
+
+
+def test_the_unverified_read_still_refuses_a_block_of_another_header(layout, stored):
+    _entry, key = stored
+    path = layout.block_path(_a_block(layout))
+    raw = bytearray(path.read_bytes())
+    raw[20] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptEntry, match="another header"):
+        layout.read_layers(key, verify=False)
+
+
+def test_files_lists_the_manifest_then_every_block_a_read_opens(layout, stored):
+    _entry, key = stored
+    files = layout.files(key)
+    assert files[0] == layout.path(key)
+    assert files[1:] == [layout.block_path(ref) for ref in listed_blocks(layout, stored[0])]
+    [header] = layout.headers()
+    assert sum(f.stat().st_size for f in files) == header.nbytes
 
 
 def test_a_truncated_block_is_never_served(layout, stored):

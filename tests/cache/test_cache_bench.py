@@ -3,16 +3,42 @@ its numbers are not checked: speed lives in benchmarks, never in tests)."""
 
 from __future__ import annotations
 
+import pytest
+
 from foretell.cache import bench
+from foretell.errors import BenchError
 from foretell.synthetic import make_model_dir
 
 
-def test_the_cache_bench_runs_every_phase_and_renders_a_row(tmp_path):
+@pytest.mark.parametrize("layout", [None, "single-file"])
+def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_path, layout):
     model = make_model_dir(tmp_path / "qwen3", "qwen3")
     report = bench.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=1,
-                                   decode_tokens=4, work_dir=tmp_path)
+                                   decode_tokens=4, layout=layout, work_dir=tmp_path)
+    ran = layout or "blocks"  # without --layout: the tier's default
+    assert report["layout"] == ran
     (row,) = report["rows"]
-    assert row["restore_warm"]["cached_from"] == "ssd"
-    assert row["restore_evicted"]["cached_tokens"] == 47
-    assert row["prime"]["durable"] and row["prime"]["mlx_lm"]["save_s"] > 0
-    assert "| tiny | 48 " in bench.render(report)
+    prime, warm, evicted = row["prime"], row["restore_warm"], row["restore_evicted"]
+    assert row["layout"] == prime["layout"] == warm["layout"] == ran
+    assert warm["cached_from"] == "ssd"
+    assert evicted["cached_tokens"] == 47 and evicted["evicted"]
+    assert prime["durable"] and prime["mlx_lm"]["save_s"] > 0
+    # The restore read the entry the dd rows read: the same key, the same bytes.
+    assert warm["read_keys"] == [prime["entry_key"]]
+    assert warm["read_bytes"] == prime["entry_bytes"] == row["dd_warm"]["runs"][0]["bytes"]
+    files = prime["entry_files"]
+    if ran == "blocks":  # a manifest and its blocks
+        assert files[0].endswith(".safetensors") and len(files) >= 2
+        assert all(f.endswith(".blk") for f in files[1:])
+    else:
+        assert len(files) == 1
+    assert row["dd_evicted"]["files"] == len(files)
+    assert prime["reads"]["verified_s"] > 0 and prime["reads"]["unverified_s"] > 0
+    assert prime["decode"]["entries_written_per_run"][0] >= 1
+    assert f"| tiny | {ran} | 48 " in bench.render(report)
+
+
+def test_an_unknown_layout_is_refused_naming_the_option_and_the_installed_ones(tmp_path):
+    with pytest.raises(BenchError, match=r"--layout nope: .*installed: .*blocks.*single-file"):
+        bench.run_cache_bench([("tiny", tmp_path)], prompt_tokens=8, repeats=1,
+                              decode_tokens=1, layout="nope", work_dir=tmp_path)

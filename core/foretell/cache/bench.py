@@ -1,13 +1,16 @@
 """The cache benchmark (``foretell bench --cache``): what the prefix cache buys and costs.
 
-For each model, in one run:
+For each model, in one run, over one storage layout (the tier's default, ``blocks``, unless
+``--layout`` names another):
 
 - time to first token for a long prompt (default 4,096 tokens): cold prefill, a RAM hit,
   and an SSD restore in a fresh process, with the page cache warm and with the entry's
   pages evicted (``posix_fadvise(DONTNEED)``, no root needed);
-- restore bandwidth beside ``dd``'s sequential read of the same file;
+- restore bandwidth beside ``dd``'s sequential read of the same bytes (the entry's files:
+  one for ``single-file``; a manifest and its blocks for ``blocks``);
 - mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` on the same prompt's KV;
-- verified vs unverified reads of the entry (every checksum vs none);
+- verified vs unverified reads of the entry (every checksum vs none), taking turns in one
+  process;
 - decode tok/s with nothing else running vs while a background thread keeps writing the
   entry, as the spill worker would.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -52,19 +56,66 @@ def evict(paths: Sequence[Path]) -> None:
             os.close(fd)
 
 
-def entry_files(directory: Path) -> list[Path]:
-    return sorted(Path(directory).glob("*/*.safetensors"), key=lambda p: p.stat().st_size)
+def stored_files(directory: Path) -> list[Path]:
+    """Every file under the cache directory (what an evicted restore must read from disk)."""
+    return sorted(p for p in Path(directory).rglob("*") if p.is_file())
 
 
-def dd_read(path: Path, *, cold: bool) -> dict[str, float]:
-    """``dd``'s sequential read of ``path`` (16 MiB blocks) to /dev/null."""
+def default_layout() -> str:
+    """The layout a tier uses unless told (``[cache] layout``'s default)."""
+    import attrs
+
+    from foretell.config import CacheSection
+
+    return attrs.fields(CacheSection).layout.default
+
+
+def layout_contribution(name: str, registry: Any = None) -> Any:
+    """The registered storage layout ``name``; a :class:`BenchError` naming ``--layout``."""
+    from foretell.errors import BenchError, ForetellError
+    from foretell.plugin.loader import load_plugins
+    from foretell.plugin.registry import Kind
+
+    try:
+        return (registry or load_plugins().registry).get(Kind.LAYOUT, name)
+    except ForetellError as exc:
+        raise BenchError(f"--layout {name}: {exc}") from None
+
+
+def entry_paths(layout: Any, key: str) -> list[Path]:
+    """The files a read of ``key`` opens, in the order it reads them: a layout's ``files``
+    (the block store: manifest, then blocks), else its one ``path`` (single-file)."""
+    files = getattr(layout, "files", None)
+    if files is not None:
+        return list(files(key))
+    if hasattr(layout, "path"):
+        return [layout.path(key)]
+    raise RuntimeError(f"layout {type(layout).__name__} names no files for an entry "
+                       "(files(key) or path(key)): the dd row needs them")
+
+
+_DD_SECONDS = re.compile(r"([0-9.]+(?:e-?[0-9]+)?) s(?:ec|econds?)?\b")
+
+
+def dd_read(paths: Sequence[Path], *, cold: bool) -> dict[str, float]:
+    """``dd``'s sequential read (16 MiB blocks, to /dev/null) of the files, one ``dd`` per
+    file in read order, timed by what each ``dd`` reports (its copy loop, not its start-up),
+    summed: the bytes a restore reads, read by the plainest reader. ``cold``: every file's
+    pages evicted first."""
     if cold:
-        evict([path])
-    start = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True,
-                   capture_output=True)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "gb_per_s": path.stat().st_size / seconds / 1e9}
+        evict(paths)
+    seconds = wall = 0.0
+    for path in paths:
+        start = time.perf_counter()
+        done = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True,
+                              capture_output=True, text=True)
+        elapsed = time.perf_counter() - start
+        reported = _DD_SECONDS.findall(done.stderr)
+        seconds += float(reported[-1]) if reported else elapsed
+        wall += elapsed
+    size = sum(p.stat().st_size for p in paths)
+    return {"seconds": seconds, "wall_seconds": wall, "gb_per_s": size / seconds / 1e9,
+            "files": len(paths), "bytes": size}
 
 
 def _median(values: Sequence[float]) -> float:
@@ -84,8 +135,6 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
     import mlx.core as mx
 
     import foretell
-    from foretell.cache.tier import CacheTier
-    from foretell.store.single_file import SingleFileLayout
 
     engine = foretell.load(model)
     _generate(engine, prompt[:64], 4)  # warm-up: first-call costs are nobody's TTFT
@@ -95,7 +144,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
         _generate(engine, prompt)
     out: dict[str, Any] = {}
     out["cold_ttft_s"] = _generate(engine, prompt).ttft_s
-    tier = CacheTier.for_engine(engine, directory, layout=SingleFileLayout)  # one file: dd's
+    tier, factory = _open_tier(engine, directory, args.layout)
     engine.cache = tier
     out["cold_ttft_with_store_s"] = _generate(engine, prompt).ttft_s
     hits = [_generate(engine, prompt) for _ in range(args.repeats)]
@@ -106,33 +155,70 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
     out["flush_s"] = time.perf_counter() - start
     out["durable"] = report.durable
     donor = max(tier.ram.entries(), key=lambda e: len(e.tokens))
-    path = entry_files(directory)[-1]
-    out["entry_bytes"] = path.stat().st_size
-    out["reads"] = _verified_reads(tier, path, args.repeats)
+    layout = tier.ssd.layout
+    key = layout.key_for(donor.tokens, donor.namespace)
+    paths = entry_paths(layout, key)
+    out["layout"] = args.layout
+    out["entry_key"] = key
+    out["entry_files"] = [str(p) for p in paths]
+    out["entry_bytes"] = sum(p.stat().st_size for p in paths)
+    out["reads"] = _verified_reads(layout, key, args.repeats)
     out["mlx_lm"] = _mlx_lm_files(donor.caches, directory.parent / "mlx-lm", args.repeats)
     engine.cache = None
-    out["decode"] = _decode_under_writes(engine, tier, donor, directory.parent / "scratch", args)
+    out["decode"] = _decode_under_writes(engine, tier, factory, donor,
+                                         directory.parent / "scratch", args)
     tier.close(60)
     return out
 
 
-def _verified_reads(tier: Any, path: Path, repeats: int) -> dict[str, Any]:
-    from foretell.store import format as fmt
+def _open_tier(engine: Any, directory: Path, layout_name: str) -> tuple[Any, Callable]:
+    """A tier over ``directory`` with the named layout (its default options), and a factory
+    for more layouts of the same kind and identity elsewhere."""
+    from foretell.cache.tier import CacheTier
 
-    identity = tier.ssd.layout.identity
+    contribution = layout_contribution(layout_name, engine.registry)
+    config = contribution.config() if contribution.config is not None else None
+    tier = CacheTier.for_engine(engine, directory, layout=contribution.load(),
+                                layout_config=config)
+    cls, identity = type(tier.ssd.layout), tier.ssd.layout.identity
+    return tier, lambda root: cls(root, config, identity=identity)
+
+
+#: Verified and unverified reads taking turns, this many of each (reads take 10-60 ms).
+READ_TURNS = 15
+
+
+def _verified_reads(layout: Any, key: str, repeats: int) -> dict[str, Any]:
+    """The entry read with every checksum and with none, taking turns in this process
+    (serving always verifies; the unverified path exists for this row only)."""
+    from foretell.store import format as fmt
+    from foretell.store.single_file import SingleFileLayout
+
+    if isinstance(layout, SingleFileLayout):
+        path = layout.path(key)
+
+        def read_layers(verify: bool) -> None:
+            with open(path, "rb") as fh:
+                header = fmt.read_header(fh, os.fstat(fh.fileno()).st_size, layout.identity)
+                fmt.read_layers(fh, header, verify=verify)
+    elif hasattr(layout, "read_layers"):  # the block store's, the same contract
+
+        def read_layers(verify: bool) -> None:
+            layout.read_layers(key, verify=verify)
+    else:
+        return {"skipped": f"layout {type(layout).__name__} has no unverified read"}
 
     def read(verify: bool) -> float:
         start = time.perf_counter()
-        with open(path, "rb") as fh:
-            header = fmt.read_header(fh, os.fstat(fh.fileno()).st_size, identity)
-            fmt.read_layers(fh, header, verify=verify)
+        read_layers(verify)
         return time.perf_counter() - start
 
     read(True)
     runs: dict[str, list[float]] = {"verified": [], "unverified": []}
-    for _ in range(max(3, repeats)):  # alternating, so drift on a shared host hits both
-        runs["unverified"].append(read(False))
-        runs["verified"].append(read(True))
+    for turn in range(max(READ_TURNS, repeats)):
+        # Taking turns, first one then the other, so drift on a shared host hits both.
+        for verify in ((False, True) if turn % 2 == 0 else (True, False)):
+            runs["verified" if verify else "unverified"].append(read(verify))
     verified, unverified = _median(runs["verified"]), _median(runs["unverified"])
     return {"verified_s": verified, "unverified_s": unverified,
             "ratio": verified / unverified, "runs": runs, "checksum": fmt.CHECKSUM}
@@ -174,13 +260,11 @@ def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str,
             "bytes": path.stat().st_size, "fsync": False, "checksums": False}
 
 
-def _decode_under_writes(engine: Any, tier: Any, donor: Any, scratch: Path,
+def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, scratch: Path,
                          args: argparse.Namespace) -> dict[str, Any]:
     from foretell.cache.codecs import snapshot_entry
-    from foretell.store.single_file import SingleFileLayout
 
     entry = snapshot_entry(donor.tokens, donor.caches, tier.codecs)
-    layout = SingleFileLayout(scratch, identity=tier.ssd.layout.identity)
     short = list(donor.tokens[:32])
     speeds: dict[str, list[float]] = {"idle": [], "writing": []}
     written = []
@@ -191,8 +275,8 @@ def _decode_under_writes(engine: Any, tier: Any, donor: Any, scratch: Path,
             continue
         stop = threading.Event()
         count = [0]
-        writer = threading.Thread(target=_write_until, args=(layout, entry, stop, count),
-                                  daemon=True)
+        writer = threading.Thread(target=_write_until,
+                                  args=(factory, scratch, entry, stop, count), daemon=True)
         writer.start()
         speeds["writing"].append(_generate(engine, short, args.decode_tokens).generation_tps)
         stop.set()
@@ -204,10 +288,15 @@ def _decode_under_writes(engine: Any, tier: Any, donor: Any, scratch: Path,
             "runs": speeds}
 
 
-def _write_until(layout: Any, entry: Any, stop: threading.Event, count: list[int]) -> None:
-    """Rewrite ``entry`` until told to stop: a spill worker that never runs dry."""
+def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.Event,
+                 count: list[int]) -> None:
+    """Write ``entry`` until told to stop, each time into an empty directory (then deleted):
+    a spill worker that never runs dry, writing every byte each time (a block store would
+    otherwise find every block already stored and write only a manifest)."""
     while not stop.is_set():
-        layout.write(entry)
+        root = scratch / f"write-{count[0]}"
+        factory(root).write(entry)
+        shutil.rmtree(root, ignore_errors=True)
         count[0] += 1
 
 
@@ -215,36 +304,37 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
                   ) -> dict[str, Any]:
     """A fresh process: open the tier over what ``prime`` stored, restore, first token."""
     import foretell
-    from foretell.cache.tier import CacheTier
-    from foretell.store.single_file import SingleFileLayout
 
     start = time.perf_counter()
     engine = foretell.load(model)
     loaded_s = time.perf_counter() - start
     _generate(engine, prompt[-64:][:8] if len(prompt) > 8 else prompt, 2)  # warm-up, uncached
     if args.evict:
-        evict(entry_files(directory))
+        evict(stored_files(directory))
     start = time.perf_counter()
-    tier = CacheTier.for_engine(engine, directory, layout=SingleFileLayout)
+    tier, _factory = _open_tier(engine, directory, args.layout)
     scan_s = time.perf_counter() - start
     reads: list[float] = []
+    keys: list[str] = []
     real_read = tier.ssd.read
 
     def timed_read(stored: Any) -> Any:
         begin = time.perf_counter()
         entry = real_read(stored)
         reads.append(time.perf_counter() - begin)
+        keys.append(stored.header.key)
         return entry
 
     tier.ssd.read = timed_read
     engine.cache = tier
     stats = _generate(engine, prompt)
     restore_s = sum(reads)
-    path = entry_files(directory)[-1]
+    read_bytes = sum(p.stat().st_size for key in keys for p in entry_paths(tier.ssd.layout, key))
     return {"ttft_s": stats.ttft_s, "cached_tokens": stats.cached_tokens,
             "cached_from": stats.cached_from, "model_load_s": loaded_s, "scan_s": scan_s,
-            "read_s": restore_s, "read_gb_per_s": path.stat().st_size / restore_s / 1e9
-            if restore_s else None, "evicted": args.evict}
+            "read_s": restore_s, "read_bytes": read_bytes, "read_keys": keys,
+            "read_gb_per_s": read_bytes / restore_s / 1e9 if restore_s else None,
+            "evicted": args.evict, "layout": args.layout}
 
 
 PHASES: dict[str, Callable[..., dict[str, Any]]] = {"prime": phase_prime,
@@ -263,6 +353,7 @@ def _worker(argv: Sequence[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--evict", action="store_true")
+    parser.add_argument("--layout", default=default_layout())
     args = parser.parse_args(argv)
     prompt = json.loads(args.prompt.read_text())
     result = PHASES[args.phase](args.model, args.dir, prompt, args)
@@ -287,10 +378,14 @@ def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *ext
 
 
 def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, repeats: int,
-                    decode_tokens: int, work_dir: Path | None = None,
+                    decode_tokens: int, layout: str | None = None, work_dir: Path | None = None,
                     progress: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
+    """Every phase for each model over the storage layout ``layout`` (a registered name;
+    default: the tier's default layout)."""
     from foretell.tools.bench import machine_info, prompt_ids
 
+    layout = layout or default_layout()
+    layout_contribution(layout)  # an unknown name fails here, before any model loads
     rows = []
     for name, model in models:
         scratch = Path(tempfile.mkdtemp(prefix="foretell-cache-bench-", dir=work_dir))
@@ -298,9 +393,11 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
             directory = scratch / "cache"
             prompt_file = scratch / "prompt.json"
             prompt_file.write_text(json.dumps(prompt_ids(model, prompt_tokens)))
-            common = ["--repeats", str(repeats), "--decode-tokens", str(decode_tokens)]
-            progress(f"{name}: cold prefill, RAM hits, store, reads, mlx-lm files, decode")
-            row: dict[str, Any] = {"model": name, "prompt_tokens": prompt_tokens}
+            common = ["--repeats", str(repeats), "--decode-tokens", str(decode_tokens),
+                      "--layout", layout]
+            progress(f"{name} ({layout}): cold prefill, RAM hits, store, reads, mlx-lm files, "
+                     "decode")
+            row: dict[str, Any] = {"model": name, "layout": layout, "prompt_tokens": prompt_tokens}
             row["prime"] = _run_phase("prime", model, directory, prompt_file, *common)
             progress(f"{name}: SSD restore in fresh processes (page cache warm, then evicted)")
             runs: dict[str, list[dict[str, Any]]] = {"warm": [], "evicted": []}
@@ -310,18 +407,20 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
                                                   *common, "--evict"))
             row["restore_warm"] = _median_run(runs["warm"])
             row["restore_evicted"] = _median_run(runs["evicted"])
-            path = entry_files(directory)[-1]
+            paths = [Path(p) for p in row["prime"]["entry_files"]]
             for kind, cold in (("dd_warm", False), ("dd_evicted", True)):
-                reads = [dd_read(path, cold=cold) for _ in range(repeats)]
+                reads = [dd_read(paths, cold=cold) for _ in range(repeats)]
                 row[kind] = {"seconds": _median([r["seconds"] for r in reads]),
-                             "gb_per_s": _median([r["gb_per_s"] for r in reads])}
+                             "gb_per_s": _median([r["gb_per_s"] for r in reads]),
+                             "files": len(paths), "runs": reads}
             rows.append(row)
             progress(render_row(row))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     from foretell.tools.bench import runtime_info
 
-    return {"machine": machine_info(), "runtime": runtime_info(), "rows": rows}
+    return {"machine": machine_info(), "runtime": runtime_info(), "layout": layout,
+            "rows": rows}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -335,7 +434,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def render_row(row: dict[str, Any]) -> str:
     p, rw, re_ = row["prime"], row["restore_warm"], row["restore_evicted"]
-    return (f"{row['model']}: cold {p['cold_ttft_s']:.3f}s, RAM hit {p['ram_hit_ttft_s']:.4f}s, "
+    return (f"{row['model']} ({row['layout']}): cold {p['cold_ttft_s']:.3f}s, RAM hit {p['ram_hit_ttft_s']:.4f}s, "
             f"SSD {rw['ttft_s']:.4f}s warm / {re_['ttft_s']:.4f}s evicted")
 
 
@@ -347,26 +446,34 @@ def render(report: dict[str, Any]) -> str:
         f" · load {m['load_avg_1m']} · MLX {report['runtime']['mlx']} "
         f"({report['runtime']['backend']})",
         "",
-        "| model | prompt | cold TTFT | RAM hit TTFT | SSD restore TTFT (warm / evicted) | "
-        "cold / SSD | restore read GB/s (warm / evicted) | dd GB/s (warm / evicted) | "
-        "verified / unverified read | mlx-lm save / load (warm / evicted) | decode tok/s idle / "
-        "writing |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | layout | prompt | cold TTFT | RAM hit TTFT | SSD restore TTFT (warm / evicted) "
+        "| cold / SSD | restore read GB/s (warm / evicted) | dd GB/s (warm / evicted) | "
+        "restore / dd | verified / unverified read | mlx-lm save / load (warm / evicted) | "
+        "decode tok/s idle / writing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         p, rw, re_ = row["prime"], row["restore_warm"], row["restore_evicted"]
         lm = p.get("mlx_lm") or {}
         lm_cell = (f"{lm['save_s']:.3f} / {lm['load_warm_s']:.3f} / {lm['load_evicted_s']:.3f} s"
                    if "save_s" in lm else lm.get("skipped", "n/a"))
-        d = p["decode"]
+        d, reads = p["decode"], p["reads"]
+        reads_cell = (f"{reads['ratio']:.2f}× ({reads['verified_s'] * 1e3:.1f} / "
+                      f"{reads['unverified_s'] * 1e3:.1f} ms, {reads['checksum']})"
+                      if "ratio" in reads else reads.get("skipped", "n/a"))
+        dw, de = row["dd_warm"], row["dd_evicted"]
         lines.append(
-            f"| {row['model']} | {row['prompt_tokens']} ({p['entry_bytes'] / 1e6:.1f} MB) "
+            f"| {row['model']} | {row.get('layout', 'single-file')} "
+            f"| {row['prompt_tokens']} ({p['entry_bytes'] / 1e6:.1f} MB"
+            f"{', ' + str(dw['files']) + ' files' if dw.get('files', 1) > 1 else ''}) "
             f"| {p['cold_ttft_s']:.3f} s | {p['ram_hit_ttft_s'] * 1e3:.1f} ms "
             f"| {rw['ttft_s'] * 1e3:.1f} / {re_['ttft_s'] * 1e3:.1f} ms "
             f"| **{p['cold_ttft_s'] / re_['ttft_s']:.0f}×** "
             f"| {rw['read_gb_per_s']:.2f} / {re_['read_gb_per_s']:.2f} "
-            f"| {row['dd_warm']['gb_per_s']:.2f} / {row['dd_evicted']['gb_per_s']:.2f} "
-            f"| {p['reads']['ratio']:.2f}× ({p['reads']['checksum']}) | {lm_cell} "
+            f"| {dw['gb_per_s']:.2f} / {de['gb_per_s']:.2f} "
+            f"| {rw['read_gb_per_s'] / dw['gb_per_s']:.0%} / "
+            f"{re_['read_gb_per_s'] / de['gb_per_s']:.0%} "
+            f"| {reads_cell} | {lm_cell} "
             f"| {d['idle_tps']:.1f} / {d['writing_tps']:.1f} ({d['ratio']:.2f}×) |")
     return "\n".join(lines)
 

@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
                         "during a background write (foretell.cache.bench)")
     p.add_argument("--cache-prompt-tokens", type=int, default=4096, metavar="N",
                    help="with --cache: the long prompt's length (default 4096)")
+    p.add_argument("--layout", default=None, metavar="NAME",
+                   help="with --cache: the storage layout to measure, by its registered name "
+                        "(`foretell plugins`; default: the tier's default, blocks)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the full report (every run) as JSON: on stdout instead of the table, "
                         "or, given FILE, written there beside the table")
@@ -110,12 +113,14 @@ def run(args) -> int:
     if not models:
         raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
     to_file = Path(args.json) if args.json not in (None, "-") else None
+    if args.layout is not None and not args.cache:
+        raise BenchError("--layout picks the storage layout of --cache; add --cache")
     if args.cache:
         from foretell.cache import bench as cache_bench
 
         report = cache_bench.run_cache_bench(
             models, prompt_tokens=args.cache_prompt_tokens, repeats=args.repeats,
-            decode_tokens=args.max_tokens,
+            decode_tokens=args.max_tokens, layout=args.layout,
             progress=lambda line: print(line, file=sys.stderr, flush=True))
         if to_file is not None:
             with naming_the_file("--json", to_file):
