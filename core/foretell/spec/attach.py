@@ -182,11 +182,16 @@ class DraftLink:
             log.warning("%s failed in %s(): %s: %s; its state is not cached for this request",
                         self.speculator.label(), what, type(exc).__name__, exc)
 
+    def due(self, verifier: Any) -> bool:
+        """Whether a checkpoint is due, so a plain run should stop at a round boundary."""
+        request = self.checkpoints
+        return request is not None and request.wants_round_checkpoint(verifier.state)
+
     def boundary(self, verifier: Any) -> None:
         """A round boundary (nothing in flight): checkpoint it when one is due."""
-        request = self.checkpoints
-        if request is None or not request.wants_round_checkpoint(verifier.state):
+        if not self.due(verifier):
             return
+        request = self.checkpoints
         attachment = self.capture(verifier.source, verifier.state, verifier.feed_tokens,
                                   verifier.joined_feed_hidden())
         request.checkpoint_round(verifier.state, verifier.pending, attachment)

@@ -270,9 +270,14 @@ class _Verifier:
 
     # -- plain stretches ------------------------------------------------------------------
 
-    def plain_stretch(self, count: int) -> Iterator[list[int]]:
-        """``count`` plain decoding steps, each queued before the last one is read (as
-        plain decoding does); the drafter hears of them in its next feed."""
+    def plain_run(self, limit: int, count: int,
+                  after: Callable[[int], int]) -> Iterator[list[int]]:
+        """Plain decoding steps, each queued before the last one is read (as plain decoding
+        does), until ``limit`` tokens or ``after`` ends the run. ``after(done)`` is asked
+        once ``count`` tokens have been read, with the next step already queued, and then
+        again after as many more as it answers; 0 makes that queued step the run's last.
+        So consecutive stretches stay pipelined and a request whose drafter is switched off
+        decodes as plain decoding does. The drafter hears of these tokens in its next feed."""
         model, sampler, size = self.model, self.sampler, self.size
         window = mx.array([self.recent], dtype=mx.int32) if size else None
 
@@ -288,17 +293,25 @@ class _Verifier:
 
         token, hidden = step(mx.array([[self.pending]], dtype=mx.int32))
         mx.async_eval(token)
-        for i in range(count):
+        done, ask_at, last = 0, count, False
+        while True:
+            done += 1
             following = None
-            if i + 1 < count:
+            if done < limit and not last:
                 following = step(token[:, None])
                 mx.async_eval(following[0])
             value = token.item()
             self.stats.record(0, 0, 0)
             self._extend([value], hidden if self.wants_hidden else None)
+            if following is not None and done == ask_at:
+                more = after(done)
+                last, ask_at = more <= 0, done + more
             yield [value]
-            if following is not None:
-                token, hidden = following
+            if following is None:
+                return
+            if done % 256 == 0:
+                mx.clear_cache()
+            token, hidden = following
 
 
 def _rounds(
@@ -321,30 +334,47 @@ def _rounds(
     produced = 0
     in_flight: _Round | None = None
 
-    def choose() -> int:
+    def choose(remaining: int) -> int:
         # Drafting past max_tokens is wasted; drafting past what caches can undo is unsafe.
-        k = v.policy.choose(limit - produced - 1)
+        k = v.policy.choose(remaining)
         return k if k and stay_trimmable(v.caches, k + 1) else 0
 
     last = time.perf_counter()
     wanted = False  # the last choice asked for drafts (and the drafter may have had none)
+    chosen = 0  # what a plain run chose for the round after it
+    timed = 0  # tokens of the current plain run timed so far
+
+    def after_stretch(done: int) -> int:
+        """A plain stretch ended (its ``done``-th token read, one more queued): time it,
+        then say how many plain steps follow before asking again, or 0 to end the run after
+        the queued step (to draft, or to checkpoint with nothing in flight)."""
+        nonlocal last, chosen, timed
+        now = time.perf_counter()
+        v.policy.observe(0, 0, (now - last) / (done - timed))
+        last, timed = now, done
+        if link is not None and link.due(v):
+            return 0
+        # The run has handed out done - 1 tokens (``produced`` counts them); this one and
+        # the queued one follow before the next round.
+        chosen = choose(limit - produced - 3)
+        return 0 if chosen else PLAIN_STRETCH
+
     try:
         while produced < limit:
             if in_flight is None:
-                k = choose()
+                k, chosen = chosen or choose(limit - produced - 1), 0
                 wanted = k > 0
                 in_flight = v.launch(k) if k else None
             if in_flight is None:
-                # A plain stretch when drafting does not pay; a single step when the drafter
-                # merely had nothing (prompt lookup without a match may have one next token).
-                count = min(1 if wanted else PLAIN_STRETCH, limit - produced)
-                started = time.perf_counter()
-                for tokens in v.plain_stretch(count):
+                # A plain run when drafting does not pay, asking again after each stretch;
+                # its first stretch is a single step when the drafter merely had nothing
+                # (prompt lookup without a match may have one next token).
+                timed, last = 0, time.perf_counter()
+                run = v.plain_run(limit - produced, 1 if wanted else PLAIN_STRETCH, after_stretch)
+                for tokens in run:
                     produced += 1
                     yield tokens
-                now = time.perf_counter()
-                v.policy.observe(0, 0, (now - started) / count)
-                last = now
+                last = time.perf_counter()
                 if link is not None:
                     link.boundary(v)
                 continue
@@ -357,7 +387,7 @@ def _rounds(
             if link is not None:
                 link.boundary(v)
             if produced < limit:
-                k = choose()
+                k = choose(limit - produced - 1)
                 wanted = k > 0
                 in_flight = v.launch(k) if k else None
             yield kept

@@ -1,0 +1,49 @@
+"""While the draft-length policy keeps drafting off, the verifier decodes as plain decoding
+does: every next step is queued before the last token is handed out, across the stretches
+after which the policy is asked again, and the tokens are plain greedy's."""
+
+from __future__ import annotations
+
+from foretell.spec.verifier import PLAIN_STRETCH
+
+
+def _use_other_draft(engine, model_dirs, registry):
+    from foretell.registry import Kind
+
+    config = registry.get(Kind.DRAFT, "two-model").config
+    return engine.use_draft("two-model", config(model=str(model_dirs["qwen3-other"])),
+                            max_tokens=3)
+
+
+def test_a_switched_off_drafter_keeps_every_step_queued_ahead(
+    engines, model_dirs, registry, monkeypatch
+):
+    engine = engines["qwen3"]
+    speculator = _use_other_draft(engine, model_dirs, registry)
+    asked = []
+    monkeypatch.setattr(speculator.policy, "choose", lambda limit: asked.append(limit) or 0)
+    model = engine.target.model
+    forward, forwards = model.forward, []
+
+    def counting(*args, **kwargs):
+        forwards.append(args[0].shape[1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counting)
+    prompt, n = [11, 57, 300, 4, 89, 120, 7], 5 * PLAIN_STRETCH + 3
+    seen = []  # (tokens handed out, target forwards built) at each event
+    tokens = []
+    for event in engine.generate(prompt, speculate=speculator, max_tokens=n, ignore_eos=True):
+        if hasattr(event, "tokens") and event.tokens:
+            tokens.extend(event.tokens)
+            seen.append((len(tokens), len(forwards)))
+    monkeypatch.undo()
+    plain = [t for e in engine.generate(prompt, speculate=False, max_tokens=n, ignore_eos=True)
+             if hasattr(e, "tokens") for t in e.tokens]
+    assert tokens == plain
+    prefill = len(forwards) - n  # the chunks before the first step
+    for handed, built in seen:
+        if handed < n:  # the step after every handed-out token was already queued
+            assert built - prefill == handed + 1, (handed, built - prefill)
+    # The policy was asked before the first step and after every stretch.
+    assert len(asked) == 1 + (n - 2) // PLAIN_STRETCH
