@@ -552,27 +552,12 @@ def make_speculator(
         raise DraftError(
             f"{speculator.label()} failed in prepare(): {type(exc).__name__}: {exc}"
         ) from exc
-    if compiles_per_shape():
-        warm_verify_windows(target.model, max_tokens + 1)
     return speculator
 
 
 def compiles_per_shape() -> bool:
-    """Whether this device compiles kernels for each new window length on first use: MLX's
-    CUDA backend does (NVRTC, cached on disk), measured on the H200 at 0.04-1 s per new
-    length, which stalled the first requests that drafted a new length mid-generation."""
+    """Whether this device compiles kernels for each new shape on first use: MLX's CUDA
+    backend does (NVRTC, cached on disk; see :mod:`foretell.spec.warmup`)."""
     from foretell.platform.device import on_cuda
 
     return on_cuda()
-
-
-def warm_verify_windows(model: Any, longest: int) -> None:
-    """Run one target forward of every verify-window length up to ``longest`` over a
-    throwaway cache, so the kernels each length needs are compiled before a request pays
-    for them mid-generation. Costs a few milliseconds once the device's kernel cache holds
-    them."""
-    for n in range(1, longest + 1):
-        caches = model.make_caches()  # fresh each time: nothing to roll back
-        model.forward(mx.array([[1] * 8], dtype=mx.int32), caches)
-        hidden, _ = model.forward(mx.array([[1] * n], dtype=mx.int32), caches)
-        mx.eval(model.logits(hidden))
