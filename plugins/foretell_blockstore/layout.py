@@ -191,7 +191,7 @@ class BlockStoreLayout:
                 self.entries_dir.mkdir(parents=True, exist_ok=True)
                 self.data_dir.mkdir(parents=True, exist_ok=True)
                 hosts = mf.host_views(entry)
-                jobs = [(group, [fmt.io_pool().submit(self._store_block, hosts, group, b, e)
+                jobs = [(group, [fmt.write_pool().submit(self._store_block, hosts, group, b, e)
                                  for b, e in group.spans(rows)]) for group in groups]
                 # Every job finishes before the lock is released, failed or not.
                 futures.wait([job for _group, group_jobs in jobs for job in group_jobs])

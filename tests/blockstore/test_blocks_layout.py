@@ -368,6 +368,29 @@ def test_files_lists_the_manifest_then_every_block_a_read_opens(layout, stored):
     assert sum(f.stat().st_size for f in files) == header.nbytes
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice: Linux")
+def test_blocks_are_written_at_the_write_niceness_and_read_at_the_callers(layout, codecs,
+                                                                           monkeypatch):
+    import threading
+
+    import foretell_blockstore.layout as blocks
+    from foretell.store import format as fmt
+
+    def niceness():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    caller, seen = niceness(), {"write": set(), "read": set()}
+    store_block, read_block = BlockStoreLayout._store_block, blocks._read_block
+    monkeypatch.setattr(BlockStoreLayout, "_store_block", lambda self, *a: (
+        seen["write"].add(niceness()), store_block(self, *a))[1])
+    monkeypatch.setattr(blocks, "_read_block", lambda *a: (
+        seen["read"].add(niceness()), read_block(*a))[1])
+    entry = entry_of(range(10), codecs)
+    assert layout.write(entry)
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
+    assert seen == {"write": {max(caller, fmt.WRITE_NICENESS)}, "read": {caller}}
+
+
 def test_a_truncated_block_is_never_served(layout, stored):
     path = layout.block_path(_a_block(layout, 1))
     path.write_bytes(path.read_bytes()[:-3])

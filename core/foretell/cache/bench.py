@@ -42,13 +42,16 @@ DEFAULT_PROMPT_TOKENS = 4096
 
 
 def evict(paths: Sequence[Path]) -> None:
-    """Drop the files' clean pages from the page cache, so the next read goes to the disk."""
+    """Drop the files' pages from the page cache, so the next read goes to the disk. Dirty
+    pages are written back first: DONTNEED leaves them cached (mlx-lm's file is not fsynced,
+    so its "evicted" load read from memory)."""
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
         try:
+            os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):
             pass
@@ -296,7 +299,11 @@ def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.E
                  count: list[int]) -> None:
     """Write ``entry`` until told to stop, each time into an empty directory (then deleted):
     a spill worker that never runs dry, writing every byte each time (a block store would
-    otherwise find every block already stored and write only a manifest)."""
+    otherwise find every block already stored and write only a manifest), at the spill
+    worker's priority."""
+    from foretell.store.format import background_priority
+
+    background_priority()
     while not stop.is_set():
         root = scratch / f"write-{count[0]}"
         factory(root).write(entry)

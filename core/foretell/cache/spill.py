@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from foretell.store.entry import Entry
+from foretell.store.format import background_priority
 
 log = logging.getLogger("foretell.cache")
 
@@ -104,6 +105,7 @@ class SpillQueue:
         return drained
 
     def _run(self) -> None:
+        background_priority()  # writes take the CPU a decode leaves idle
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
