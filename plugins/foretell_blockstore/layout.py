@@ -409,15 +409,15 @@ class BlockStoreLayout:
                      ) -> tuple[mf.BlockRef, bool]:
         """Rows ``[begin, end)`` of ``group`` as one block, written unless a block of the
         same bytes exists (it is never rewritten); runs on the pool. True if written."""
-        data = mf.block_bytes(hosts, group, begin, end)
+        pieces = mf.block_pieces(hosts, group, begin, end)
         header = mf.block_header(group, begin, end)
-        ref = mf.block_ref(header, data, group, begin, end)
+        ref = mf.block_ref(header, pieces)
         final = self.block_path(ref.id)
         if os.path.exists(final):
             return ref, False
         tmp = self.data_dir / f"{ref.id}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            _write_durably(tmp, header, data)
+            _write_durably(tmp, header, *(run for runs in pieces for run in runs))
             os.replace(tmp, final)  # a racing writer of the same id wrote the same bytes
         except BaseException:
             unlink_quietly(tmp)

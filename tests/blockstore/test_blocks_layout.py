@@ -65,6 +65,24 @@ def test_written_entry_reads_back_identical(layout, codecs, dtype):
     assert_same_entry(layout.read(layout.key_for(entry.tokens, "lora:abc")), entry)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_strided_tensors_are_stored_as_their_bytes_and_named_like_a_contiguous_copy(
+        tmp_path, identity, codecs, layout, dtype):
+    import attrs
+
+    entry = entry_of(range(11), codecs, dtype=dtype)
+    # The same values held transposed in memory: no run of rows is contiguous.
+    strided = attrs.evolve(entry, layers=[
+        attrs.evolve(la, tensors={n: mx.contiguous(mx.swapaxes(a, -1, -2)).swapaxes(-1, -2)
+                                  for n, a in la.tensors.items()}) for la in entry.layers])
+    assert not memoryview(strided.layers[0].tensors["keys"]).c_contiguous
+    assert layout.write(strided)
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
+    plain = BlockStoreLayout(tmp_path / "plain", layout.config, identity=identity)
+    assert plain.write(entry)
+    assert listed_blocks(plain, entry) == listed_blocks(layout, entry)
+
+
 def test_a_fresh_layout_reads_what_another_wrote(tmp_path, identity, codecs, layout):
     entry = entry_of(range(9), codecs)
     layout.write(entry)
