@@ -15,11 +15,13 @@ CUDA), and taking the least recent time lets one good round outvote a stall inst
 stall switching a good length off. The first drafted rounds draft ``max_k``, then plain
 stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
 the best ``k`` and the length timed longest ago among those that could still pay, so no
-estimate goes stale for good.
+estimate goes stale for good, as often as a budget of about 1% of the decoding time allows
+(``PROBE_BUDGET``): cheap probes often, costly ones rarely.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -35,13 +37,21 @@ TIME_SAMPLES = 5
 PRIOR_ROUNDS = 2.0
 #: Every this many rounds, try a k other than the best one (see ``choose``).
 PROBE_EVERY = 16
-#: While plain steps are best, a probe round that itself lost to a plain step (its tokens
-#: over its own time) doubles the rounds to the next probe, up to this many (a stretch is 8
-#: tokens: 512 tokens); one that would have paid brings them back to PROBE_EVERY, so an
-#: estimate a stall spoilt is still re-measured soon. A losing probe costs a drafter that
-#: does not pay a round, and a model drafter its catch-up on every plain token since its
-#: last draft: the 6-layer self-draft, probed every 16 stretches, decoded at 0.92x plain
-#: (CPU, measured).
+#: Plain decoding steps the verifier runs between two questions to the policy while drafting
+#: is off (one "round" of the policy's count).
+PLAIN_STRETCH = 8
+#: While plain steps are best, probes may cost about this share of the decoding time: a
+#: probe round that lost ``L`` plain steps' worth of time against plain decoding (its time
+#: minus its tokens at a plain step's cost) waits ``L / (PROBE_BUDGET * PLAIN_STRETCH)``
+#: rounds before the next probe, within [PROBE_EVERY_MIN, PROBE_EVERY_MAX]; one that would
+#: have paid brings the next back after PROBE_EVERY. So a cheap probe (prompt lookup, whose
+#: failed round costs a longer verify: 0.6 of a plain step on the CPU, 0.7 on the H200) is
+#: repeated every few stretches and catches a drafter that starts paying mid-request, while
+#: a costly one (a model drafter catching up on every plain token since its last draft: the
+#: 6-layer self-draft probed every 16 stretches decoded at 0.92x plain on the CPU) backs off
+#: to one per PROBE_EVERY_MAX rounds (512 tokens).
+PROBE_BUDGET = 0.01
+PROBE_EVERY_MIN = 4
 PROBE_EVERY_MAX = 64
 #: Drafted rounds timed before the first choice; the very first is a warm-up, not timed.
 WARMUP_ROUNDS = 3
@@ -166,8 +176,10 @@ class DraftLengthPolicy:
         if self._probing:
             self._probing = False
             plain = self._time.get(0)
-            if drafted and plain is not None and (1 + accepted) * plain < seconds:
-                self._probe_every = min(2 * self._probe_every, PROBE_EVERY_MAX)
+            lost = (seconds - (1 + accepted) * plain) / plain if drafted and plain else 0.0
+            if lost > 0:
+                wait = math.ceil(lost / (PROBE_BUDGET * PLAIN_STRETCH))
+                self._probe_every = min(max(wait, PROBE_EVERY_MIN), PROBE_EVERY_MAX)
             else:
                 self._probe_every = PROBE_EVERY
         for i in range(drafted):

@@ -35,7 +35,7 @@ from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_al
 from foretell.sampling import RandomKeys, Sampler, repetition_windows
 from foretell.spec.attach import start_source
 from foretell.spec.contract import PORT_HIDDEN, Draft, DraftError, Feed, Target
-from foretell.spec.policy import DraftLengthPolicy
+from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
 
 if TYPE_CHECKING:
     from foretell.generate import Progress, RequestState
@@ -164,11 +164,6 @@ def speculative_steps(
         yield from _rounds(model, speculator, source, state, sampler, limit, stats, link, feed)
     finally:
         _call(speculator, "close", source.close)
-
-
-#: Tokens a plain stretch decodes (pipelined, like plain decoding) before the policy is
-#: asked again whether drafting pays.
-PLAIN_STRETCH = 8
 
 
 @attrs.define
