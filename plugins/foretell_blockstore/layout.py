@@ -1,6 +1,6 @@
 """The ``blocks`` storage layout: entries as manifests over shared, content-named blocks.
 
-On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v2/``::
+On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v3/``::
 
     entries/<key>.safetensors   one manifest per entry (a tensor-less safetensors file)
     data/<sha256>.blk           one block: rows of a token range, every layer back to back
@@ -55,7 +55,7 @@ KEY_VERSION = 102
 #: One directory per block format version: another version's manifests are never seen,
 #: so they are never served and never stall collect() (which keeps every block when it
 #: finds a manifest it cannot read).
-STORE_DIR = "blocks-v2"
+STORE_DIR = "blocks-v3"
 #: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
 _IOV_MAX = 1024
 
@@ -618,7 +618,7 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         for runs in pieces:
             offset = _read_runs(fd, runs, offset, ref)
             if verify:
-                checksums.append(fmt.checksum(*runs))
+                checksums.extend(mf.run_checksum(run) for run in runs)
     finally:
         os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:

@@ -138,7 +138,7 @@ def test_a_block_is_a_safetensors_file_of_its_pieces(layout, codecs):
     layout.write(entry)
     second = listed_blocks(layout, entry)[1]  # rows 4-7 of every tensor
     with safe_open(str(layout.block_path(second)), framework="numpy") as f:
-        assert f.metadata() == {"foretell.block": "blocks/2"}
+        assert f.metadata() == {"foretell.block": "blocks/3"}
         pieces = [f.get_tensor(str(i)) for i in range(4)]  # 2 layers x keys, values
     want = [np.asarray(layer.tensors[name][..., 4:8, :])
             for layer in entry.layers for name in ("keys", "values")]
@@ -486,11 +486,12 @@ def test_an_entry_of_another_identity_is_never_served_and_kept(tmp_path, layout,
     assert foreign.path(stored[1]).exists()
 
 
-@pytest.mark.parametrize("version", [b"blocks/1", b"blocks/9"], ids=["crc32-era", "future"])
+@pytest.mark.parametrize("version", [b"blocks/1", b"blocks/2", b"blocks/9"],
+                         ids=["crc32-era", "piece-stream-era", "future"])
 def test_an_unknown_format_version_is_skipped_and_kept(layout, stored, version):
     path = layout.path(stored[1])
     raw = path.read_bytes()
-    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/2"',
+    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/3"',
                                  b'"foretell.format_version":"' + version + b'"', 1))
     assert layout.read(stored[1]) is None and layout.scan() == [] and path.exists()
     # Another version's manifest may list blocks this reader cannot see: keep them all.
