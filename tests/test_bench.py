@@ -115,6 +115,17 @@ def test_a_json_file_that_cannot_be_written_is_one_error_naming_it(tiny_model, t
     assert f"foretell: error: --json {target}: " in err and "Traceback" not in err
 
 
+def test_layout_without_cache_is_refused_naming_both_flags(tiny_model, capsys):
+    assert cli_main(["bench", "--model", str(tiny_model), "--layout", "blocks"]) == 1
+    assert "--layout picks the storage layout of --cache; add --cache" in capsys.readouterr().err
+
+
+def test_an_unknown_cache_layout_is_refused_with_the_installed_ones(tiny_model, capsys):
+    assert cli_main(["bench", "--cache", "--model", str(tiny_model), "--layout", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "--layout nope:" in err and "blocks" in err and "single-file" in err
+
+
 def test_unknown_synthetic_shape_is_refused_with_the_known_ones(capsys):
     assert cli_main(["bench", "--synthetic", "7b"]) == 1
     err = capsys.readouterr().err
