@@ -97,7 +97,8 @@ def entry_paths(layout: Any, key: str) -> list[Path]:
                        "(files(key) or path(key)): the dd row needs them")
 
 
-_DD_SECONDS = re.compile(r"([0-9.]+(?:e-?[0-9]+)?) s(?:ec|econds?)?\b")
+#: GNU dd reports "... copied, 0.0123 s, 4.1 GB/s"; BSD dd "... transferred in 0.0123 secs".
+_DD_SECONDS = re.compile(r"([0-9.]+(?:e-?[0-9]+)?) s(?:ecs?|econds?)?\b")
 #: dd's block size. 1 MiB, not 16: a 16 MiB buffer outgrows the CPU's cache and its first
 #: touch page-faults, so dd measured itself (2-core dev VM, one 50 MB file from the page
 #: cache: 2.8 GB/s at 16M, 8.7 GB/s at 1M; docs/benchmarks.md).
