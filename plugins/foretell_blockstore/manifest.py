@@ -226,17 +226,37 @@ def host_buffers(specs: list[TensorSpec]) -> list[tuple[mx.array, memoryview]]:
 
     MLX has no uninitialized allocation (``mx.empty`` is ``mx.zeros``), so each buffer is
     zero-filled first: one pass over the entry's memory that a single-file read does not
-    pay (docs/block-store.md). Splitting the fills over two CPU streams was measured slower
-    on the shared 2-core host (1.69x vs 1.31x the single-file read on workload (a))."""
+    pay (docs/block-store.md). On a host with many cores (``store.format.parallel_reads``)
+    the fills run on several CPU streams at once, whose threads MLX runs in parallel: on
+    the 16-core H200 host one stream filled the 4B shape's 604 MB while MLX's loader had
+    read a single file of it in 37 ms, and the block store's read took 98 ms. On the
+    shared 2-core host two streams were measured slower (1.69x vs 1.31x the single-file
+    read on workload (a)), so it fills on one there."""
     import mlx.core as mx
 
+    streams = _fill_streams()
     buffers = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
         shape = spec.shape if spec.shape else (1,)
         buffers.append(mx.zeros((*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype]),
-                                dtype=mx.uint8, stream=mx.cpu))
+                                dtype=mx.uint8, stream=streams[i % len(streams)]))
     mx.eval(buffers)
     return [(buffer, memoryview(buffer).cast("B")) for buffer in buffers]
+
+
+#: CPU streams the buffers of a read are zero-filled on, by host size (see host_buffers).
+FILL_STREAMS = 8
+_STREAMS: list[Any] = []
+
+
+def _fill_streams() -> list[Any]:
+    import mlx.core as mx
+
+    if not fmt.parallel_reads():
+        return [mx.cpu]
+    if not _STREAMS:
+        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(FILL_STREAMS))
+    return _STREAMS
 
 
 def to_array(buffer: mx.array, spec: TensorSpec) -> mx.array:

@@ -65,6 +65,28 @@ def test_written_entry_reads_back_identical(layout, codecs, dtype):
     assert_same_entry(layout.read(layout.key_for(entry.tokens, "lora:abc")), entry)
 
 
+@pytest.mark.parametrize("many_cores", [False, True], ids=["one-fill-stream", "fill-streams"])
+def test_reads_fill_their_buffers_on_one_stream_or_several_and_serve_the_same(
+        layout, codecs, monkeypatch, many_cores):
+    """A host with many cores zero-fills a read's buffers on several CPU streams at once
+    (store.format.parallel_reads); both ways serve exactly what was written, and a flipped
+    byte is refused either way."""
+    from foretell.store import format as fmt
+    from foretell_blockstore import manifest as mf
+
+    monkeypatch.setattr(fmt, "parallel_reads", lambda: many_cores)
+    assert len(mf._fill_streams()) == (mf.FILL_STREAMS if many_cores else 1)
+    entry = entry_of(range(1100), codecs)  # three blocks of each layer's tensors
+    assert layout.write(entry) is True
+    key = layout.key_for(entry.tokens)
+    assert_same_entry(layout.read(key), entry)
+    path = layout.block_path(_a_block(layout, 1))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert layout.read(key) is None
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_strided_tensors_are_stored_as_their_bytes_and_named_like_a_contiguous_copy(
         tmp_path, identity, codecs, layout, dtype):
