@@ -139,11 +139,18 @@ def _kv_bits(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise FieldError(attribute.name, f"must be 4 or 8, got {value!r}")
 
 
+def _a_directory(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    # A missing directory is created on first use; an unwritable one warns and generation
+    # goes on (a full disk never stops it). A path that names a file is a mistake to refuse.
+    if value is not None and Path(value).expanduser().exists() and not Path(value).expanduser().is_dir():
+        raise FieldError(attribute.name, f"{value} is a file, not a directory")
+
+
 @attrs.frozen(kw_only=True)
 class CacheSection:
     """``[cache]``: the prefix cache tier (docs/cache-storage.md)."""
 
-    dir: str | None = attrs.field(default=None, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
+    dir: str | None = attrs.field(default=None, validator=_a_directory, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
     max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB"})
     ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
     layout: str = attrs.field(default="blocks", metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})

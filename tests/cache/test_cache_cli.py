@@ -77,6 +77,18 @@ def test_a_cache_directory_that_does_not_exist_is_one_error(tmp_path, capsys):
     assert "--cache-dir" in capsys.readouterr().err
 
 
+def test_a_cache_directory_that_is_a_file_is_refused_naming_the_field(model_dir, tmp_path,
+                                                                      capsys):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    code = main(["run", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2",
+                 "--cache-dir", str(afile)])
+    err = capsys.readouterr().err
+    assert code == 1 and "cache.dir" in err and "is a file, not a directory" in err
+    assert "--cache-dir" in err
+    assert afile.read_text() == "mine"  # nothing written into it
+
+
 def test_a_full_disk_mid_run_completes_the_run_with_one_warning(model_dir, tmp_path, capsys,
                                                                   monkeypatch, caplog):
     def full(*_args, **_kw):
