@@ -615,10 +615,11 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         if seen != header:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
         checksums = []
+        hash_run = mf.run_hasher()
         for runs in pieces:
             offset = _read_runs(fd, runs, offset, ref)
             if verify:
-                checksums.extend(mf.run_checksum(run) for run in runs)
+                checksums.extend(map(hash_run, runs))
     finally:
         os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:

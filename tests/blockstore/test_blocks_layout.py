@@ -66,16 +66,22 @@ def test_written_entry_reads_back_identical(layout, codecs, dtype):
 
 
 @pytest.mark.parametrize("many_cores", [False, True], ids=["one-fill-stream", "fill-streams"])
-def test_reads_fill_their_buffers_on_one_stream_or_several_and_serve_the_same(
+def test_reads_fill_and_hash_as_the_host_suits_and_serve_the_same(
         layout, codecs, monkeypatch, many_cores):
-    """A host with many cores zero-fills a read's buffers on several CPU streams at once
-    (store.format.parallel_reads); both ways serve exactly what was written, and a flipped
-    byte is refused either way."""
+    """A host with many cores zero-fills a read's buffers on several CPU streams at once and
+    hashes runs holding the GIL (store.format.parallel_reads); both ways serve exactly what
+    was written, and a flipped byte is refused either way."""
     from foretell.store import format as fmt
     from foretell_blockstore import manifest as mf
 
     monkeypatch.setattr(fmt, "parallel_reads", lambda: many_cores)
     assert len(mf._fill_streams()) == (mf.FILL_STREAMS if many_cores else 1)
+    # Runs are hashed with the GIL held on many cores, by the one-shot call on few: the
+    # digests the blocks were named and checked by are the same either way.
+    hasher = mf.run_hasher()
+    assert (hasher is mf._hash_holding_the_gil) == many_cores
+    run = memoryview(bytes(range(256)) * 700)
+    assert hasher(run) == mf.xxhash.xxh3_64_intdigest(run)
     entry = entry_of(range(1100), codecs)  # three blocks of each layer's tensors
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)

@@ -1,0 +1,126 @@
+"""Where a block-store read's time goes on this host: ``python -m foretell_blockstore.read_probe``.
+
+Writes one synthetic entry (random bfloat16 KV, default the 4B shape at 4,096 tokens:
+36 layers of ``[1, 8, 4096, 128]`` K and V, 604 MB) and reads it back, verified and
+unverified taking turns, with the read pool at 1, 2, 4, 8 and 16 threads; then hashes the
+same number of bytes in 128 KiB calls (one KV head's rows in a 512-token block: a run) and in
+1 MiB calls on 1-8 threads, so it shows whether hashing scales on this host. Needs no model,
+no GPU. Numbers only, never assertions (it measured the 16-core H200 host for
+``manifest.run_checksum``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from foretell.platform import blas
+
+RUN_BYTES = 128 << 10
+
+
+def synthetic_entry(layers: int, tokens: int, heads: int, dim: int) -> Any:
+    import mlx.core as mx
+
+    from foretell.cache.codecs import StandardKVCodec, snapshot_entry
+    from foretell.model.kvcache import KVCache
+
+    caches = []
+    for layer in range(layers):
+        keys = mx.random.normal((1, heads, tokens, dim), key=mx.random.key(layer)).astype(mx.bfloat16)
+        cache = KVCache()
+        cache.update_and_fetch(keys, keys * 2)
+        caches.append(cache)
+    mx.eval([cache.state for cache in caches])
+    return snapshot_entry(list(range(tokens)), caches, [StandardKVCodec()])
+
+
+def timed_reads(layout: Any, key: str, workers: int, turns: int) -> dict[str, float]:
+    """Median verified and unverified read of ``key`` with the read pool at ``workers``."""
+    from foretell.store import format as fmt
+
+    saved = fmt._POOL
+    fmt._POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probe")
+    try:
+        layout.read_layers(key)
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(turns):
+            for verify in (False, True):
+                start = time.perf_counter()
+                layout.read_layers(key, verify=verify)
+                runs[verify].append(time.perf_counter() - start)
+    finally:
+        fmt._POOL.shutdown()
+        fmt._POOL = saved
+    return {"unverified_s": statistics.median(runs[False]),
+            "verified_s": statistics.median(runs[True])}
+
+
+def hashing(total: int, threads: int, call_bytes: int) -> float:
+    """Seconds for ``threads`` threads to hash ``total`` bytes in ``call_bytes`` calls over
+    their own 1 MiB buffer (in the CPU cache, as a run just read is)."""
+    per_thread = max(1, total // threads >> 20)
+
+    def work() -> None:
+        view = memoryview(bytearray(os.urandom(1 << 20)))
+        calls = [view[i : i + call_bytes] for i in range(0, 1 << 20, call_bytes)]
+        for _ in range(per_thread):
+            for call in calls:
+                xxhash.xxh3_64_intdigest(call)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    blas.preload()
+    parser = argparse.ArgumentParser(prog="python -m foretell_blockstore.read_probe",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    from foretell.cache.codecs import StandardKVCodec
+    from foretell.store.entry import StoreIdentity
+    from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+
+    identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="read-probe",
+                             tokenizer_hash="none", codec_providers=[StandardKVCodec().provider_id])
+    entry = synthetic_entry(args.layers, args.tokens, args.heads, args.dim)
+    total = args.layers * 2 * args.heads * args.tokens * args.dim * 2
+    with tempfile.TemporaryDirectory(prefix="foretell-read-probe-") as root:
+        layout = BlockStoreLayout(root, BlockStoreConfig(), identity=identity)
+        start = time.perf_counter()
+        layout.write(entry)
+        print(f"{total / 1e6:.0f} MB entry written in {time.perf_counter() - start:.2f} s; "
+              f"{os.cpu_count()} cores")
+        key = layout.key_for(entry.tokens)
+        for workers in (1, 2, 4, 8, 16):
+            r = timed_reads(layout, key, workers, args.turns)
+            print(f"read pool {workers:2d}: unverified {r['unverified_s'] * 1e3:6.1f} ms, "
+                  f"verified {r['verified_s'] * 1e3:6.1f} ms "
+                  f"({r['verified_s'] / r['unverified_s']:.2f}x)", flush=True)
+    for call_bytes in (RUN_BYTES, 1 << 20):
+        times = "  ".join(f"{n} threads {hashing(total, n, call_bytes) * 1e3:5.1f} ms"
+                          for n in (1, 2, 4, 8))
+        print(f"hash {total >> 20} MiB in {call_bytes >> 10} KiB calls: {times}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
