@@ -288,11 +288,11 @@ class _Verifier:
 
         token, hidden = step(mx.array([[self.pending]], dtype=mx.int32))
         mx.async_eval(token)
-        done, ask_at, last = 0, count, False
+        done, ask_at, ending = 0, count, False
         while True:
             done += 1
             following = None
-            if done < limit and not last:
+            if done < limit and not ending:
                 following = step(token[:, None])
                 mx.async_eval(following[0])
             value = token.item()
@@ -300,7 +300,7 @@ class _Verifier:
             self._extend([value], hidden if self.wants_hidden else None)
             if following is not None and done == ask_at:
                 more = after(done)
-                last, ask_at = more <= 0, done + more
+                ending, ask_at = more <= 0, done + more
             yield [value]
             if following is None:
                 return
