@@ -31,7 +31,7 @@ def synthetic_entry(layers: int, tokens: int, heads: int, dim: int) -> Any:
     import mlx.core as mx
 
     from foretell.cache.codecs import StandardKVCodec, snapshot_entry
-    from foretell.model.kvcache import KVCache
+    from foretell.model import KVCache
 
     caches = []
     for layer in range(layers):
