@@ -35,7 +35,10 @@ def test_evicting_to_the_cap_frees_only_blocks_no_other_entry_uses(layout, codec
     for entry in entries:
         index.write(entry)
     before = layout.bytes()
-    index.max_bytes = before - 1
+    # Under what is stored by more than a rewrite can change: the rewritten manifest's
+    # created_at is a float whose JSON length varies by a few bytes (at before - 1 a
+    # rewrite one byte shorter left nothing to evict, 1 CI run in 3).
+    index.max_bytes = before - 64
     index.write(entries[-1])  # rewriting the newest runs the cap: the oldest entry goes
     assert index.evictions == 1 and len(index.entries()) == 3
     assert before - layout.bytes() < entries[0].tensor_bytes  # its prefix blocks stay
