@@ -105,6 +105,8 @@ class SamplingConfig:
 
 #: ``[draft] kind`` values that name no provider: speculation off, or the model's measured best.
 DRAFT_NONE, DRAFT_AUTO = "none", "auto"
+#: The storage layout the SSD tier uses unless ``[cache] layout`` names another.
+DEFAULT_LAYOUT = "blocks"
 
 
 @attrs.frozen(kw_only=True)
@@ -142,7 +144,8 @@ def _kv_bits(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _a_directory(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     # A missing directory is created on first use; an unwritable one warns and generation
     # goes on (a full disk never stops it). A path that names a file is a mistake to refuse.
-    if value is not None and Path(value).expanduser().exists() and not Path(value).expanduser().is_dir():
+    path = Path(value).expanduser() if value is not None else None
+    if path is not None and path.exists() and not path.is_dir():
         raise FieldError(attribute.name, f"{value} is a file, not a directory")
 
 
@@ -153,7 +156,7 @@ class CacheSection:
     dir: str | None = attrs.field(default=None, validator=_a_directory, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
     max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB"})
     ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
-    layout: str = attrs.field(default="blocks", metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})
+    layout: str = attrs.field(default=DEFAULT_LAYOUT, metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})
     kv_bits: int | None = attrs.field(default=None, validator=_kv_bits, metadata={"help": "quantize full-attention KV to 4 or 8 bits"})
     resume: bool = attrs.field(default=False, metadata={"help": "checkpoint the generation and continue an interrupted identical one"})
     checkpoint_every: int = attrs.field(default=64, validator=at_least(1), metadata={"help": "tokens between generation checkpoints"})

@@ -74,11 +74,10 @@ def test_toml_cache_layout_selects_the_block_store(model_dir, tmp_path, capsys):
 
 
 def test_the_block_store_is_the_default_layout(model_dir, tmp_path, capsys):
-    from foretell.cli.cache_cmd import default_layout
-    from foretell.config import CacheSection
+    from foretell.config import DEFAULT_LAYOUT, CacheSection
     from foretell_blockstore.layout import BlockStoreConfig
 
-    assert CacheSection().layout == "blocks" == default_layout()
+    assert CacheSection().layout == "blocks" == DEFAULT_LAYOUT
     assert BlockStoreConfig().block_tokens == 512  # chosen by measurement: docs/block-store.md
     run_json(capsys, "--model", str(model_dir), "--max-tokens", "2", "--prompt", "def f(x):",
              "--cache-dir", str(tmp_path))

@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from foretell.config import DEFAULT_LAYOUT
+
 DEFAULT_PROMPT_TOKENS = 4096
 
 
@@ -62,15 +64,6 @@ def evict(paths: Sequence[Path]) -> None:
 def stored_files(directory: Path) -> list[Path]:
     """Every file under the cache directory (what an evicted restore must read from disk)."""
     return sorted(p for p in Path(directory).rglob("*") if p.is_file())
-
-
-def default_layout() -> str:
-    """The layout a tier uses unless told (``[cache] layout``'s default)."""
-    import attrs
-
-    from foretell.config import CacheSection
-
-    return attrs.fields(CacheSection).layout.default
 
 
 def layout_contribution(name: str, registry: Any = None) -> Any:
@@ -184,12 +177,10 @@ def _open_tier(engine: Any, directory: Path, layout_name: str) -> tuple[Any, Cal
     for more layouts of the same kind and identity elsewhere."""
     from foretell.cache.tier import CacheTier
 
-    contribution = layout_contribution(layout_name, engine.registry)
-    config = contribution.config() if contribution.config is not None else None
-    tier = CacheTier.for_engine(engine, directory, layout=contribution.load(),
-                                layout_config=config)
-    cls, identity = type(tier.ssd.layout), tier.ssd.layout.identity
-    return tier, lambda root: cls(root, config, identity=identity)
+    layout_contribution(layout_name, engine.registry)  # an unknown name: one --layout error
+    tier = CacheTier.for_engine(engine, directory, layout=layout_name)
+    store = tier.ssd.layout
+    return tier, lambda root: type(store)(root, store.config, identity=store.identity)
 
 
 #: Verified and unverified reads taking turns, this many of each (reads take 10-60 ms).
@@ -365,7 +356,7 @@ def _worker(argv: Sequence[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--evict", action="store_true")
-    parser.add_argument("--layout", default=default_layout())
+    parser.add_argument("--layout", default=DEFAULT_LAYOUT)
     args = parser.parse_args(argv)
     prompt = json.loads(args.prompt.read_text())
     result = PHASES[args.phase](args.model, args.dir, prompt, args)
@@ -396,7 +387,7 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
     default: the tier's default layout)."""
     from foretell.tools.bench import machine_info, prompt_ids
 
-    layout = layout or default_layout()
+    layout = layout or DEFAULT_LAYOUT
     layout_contribution(layout)  # an unknown name fails here, before any model loads
     rows = []
     for name, model in models:

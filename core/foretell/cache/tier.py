@@ -113,10 +113,13 @@ class CacheTier:
                    ) -> CacheTier:
         """A tier for ``engine``'s model and KV scheme, with every codec its plugins
         registered; RAM only when ``cache_dir`` is None. Attach it with ``engine.cache =``.
-        Without ``layout=`` the disk uses the default layout of ``[cache] layout``."""
+        ``layout``: a layout class or a registered layout's name (default: ``[cache]
+        layout``'s), with ``layout_config`` (default: the layout's defaults)."""
         from foretell.cache.codecs import load_codecs
         from foretell.cache.quantized import kv_scheme
+        from foretell.config import DEFAULT_LAYOUT
         from foretell.plugin.loader import load_plugins
+        from foretell.plugin.registry import Kind
 
         registry = engine.registry if engine.registry is not None else load_plugins().registry
         codecs = load_codecs(registry)
@@ -125,16 +128,12 @@ class CacheTier:
             options.pop("layout_config", None)
             options.pop("ssd_bytes", None)
             return cls(codecs, **options)
-        if "layout" not in options:  # the layout `[cache] layout` defaults to, by name
-            import attrs
-
-            from foretell.config import CacheSection
-            from foretell.plugin.registry import Kind
-
-            contribution = registry.get(Kind.LAYOUT, attrs.fields(CacheSection).layout.default)
+        layout = options.get("layout", DEFAULT_LAYOUT)
+        if isinstance(layout, str):
+            contribution = registry.get(Kind.LAYOUT, layout)
             options["layout"] = contribution.load()
-            options.setdefault("layout_config", contribution.config()
-                               if contribution.config is not None else None)
+            if options.get("layout_config") is None and contribution.config is not None:
+                options["layout_config"] = contribution.config()
         return cls.open(cache_dir, engine.path, codecs=codecs,
                         kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size), **options)
 
@@ -142,17 +141,10 @@ class CacheTier:
     def from_section(cls, engine: Any, section: Any) -> CacheTier:
         """A tier for ``engine`` as a ``[cache]`` section (:class:`foretell.config.CacheSection`)
         describes it; the storage layout is looked up by name among the plugins'."""
-        from foretell.plugin.loader import load_plugins
-        from foretell.plugin.registry import Kind
-
-        registry = engine.registry if engine.registry is not None else load_plugins().registry
-        contribution = registry.get(Kind.LAYOUT, section.layout)
         return cls.for_engine(
             engine, section.dir, ram_bytes=int(section.ram_gb * GiB),
             ssd_bytes=int(section.max_gb * GiB), checkpoint_every=section.checkpoint_every,
-            layout=contribution.load(),
-            layout_config=section.layout_options if section.layout_options is not None
-            else contribution.config() if contribution.config is not None else None)
+            layout=section.layout, layout_config=section.layout_options)
 
     # -- lookup -----------------------------------------------------------------------------
 

@@ -73,18 +73,10 @@ def gigabytes(text: str) -> float:
 # -- which layouts ------------------------------------------------------------------------
 
 
-def default_layout() -> str:
-    """``[cache] layout``'s default: the one place it is set is the config class."""
-    import attrs
-
-    from foretell.config import CacheSection
-
-    return attrs.fields(CacheSection).layout.default
-
-
 def layouts(args: argparse.Namespace) -> list[Any]:
     """The layouts to act on: the model's, or one per identity found in the directory."""
     from foretell.cache.codecs import load_codecs
+    from foretell.config import DEFAULT_LAYOUT
     from foretell.plugin.loader import load_plugins
     from foretell.plugin.registry import Kind
     from foretell.store.entry import StoreIdentity
@@ -109,7 +101,7 @@ def layouts(args: argparse.Namespace) -> list[Any]:
         except ValueError as exc:  # config.json that is not UTF-8 JSON
             raise ForetellError(
                 f"--model {args.model}: {path / 'config.json'}: not JSON ({exc})") from None
-        contribution = registry.get(Kind.LAYOUT, args.layout or default_layout())
+        contribution = registry.get(Kind.LAYOUT, args.layout or DEFAULT_LAYOUT)
         config = contribution.config() if contribution.config is not None else None
         return [contribution.load()(root, config, identity=identity)]
     found = [SingleFileLayout(root, identity=identity)
