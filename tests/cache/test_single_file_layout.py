@@ -145,6 +145,24 @@ def test_a_flipped_tensor_byte_is_never_served_and_the_file_is_deleted(layout, s
     assert layout.read(key) is None and layout.scan() == []
 
 
+def test_the_benchmarks_unverified_read_skips_only_checksums_and_serving_still_refuses(
+        layout, stored):
+    """``read_layers(verify=False)`` (the cache bench's row) returns a flipped byte where
+    ``read_layers()`` and ``read()`` refuse it; it deletes nothing, ``read()`` does."""
+    from foretell.store import format as fmt
+
+    _, key = stored
+    path = layout.path(key)
+    raw = bytearray(path.read_bytes())
+    raw[header_span(path)[1] + 5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert len(layout.read_layers(key, verify=False)) == 2
+    with pytest.raises(fmt.CorruptEntry):
+        layout.read_layers(key)
+    assert path.exists() and layout.files(key) == [path]
+    assert layout.read(key) is None and not path.exists()
+
+
 def test_a_single_flipped_bit_anywhere_in_any_tensor_is_caught(tmp_path, identity, codecs):
     import random
 

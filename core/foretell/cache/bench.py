@@ -79,15 +79,12 @@ def layout_contribution(name: str, registry: Any = None) -> Any:
 
 
 def entry_paths(layout: Any, key: str) -> list[Path]:
-    """The files a read of ``key`` opens, in the order it reads them: a layout's ``files``
-    (the block store: manifest, then blocks), else its one ``path`` (single-file)."""
-    files = getattr(layout, "files", None)
-    if files is not None:
-        return list(files(key))
-    if hasattr(layout, "path"):
-        return [layout.path(key)]
-    raise RuntimeError(f"layout {type(layout).__name__} names no files for an entry "
-                       "(files(key) or path(key)): the dd row needs them")
+    """The files a read of ``key`` opens, in the order it reads them (the layout's
+    ``files``: the block store's manifest, then blocks; the single-file layout's one file)."""
+    if not hasattr(layout, "files"):
+        raise RuntimeError(f"layout {type(layout).__name__} names no files for an entry "
+                           "(files(key)): the dd row needs them")
+    return list(layout.files(key))
 
 
 #: GNU dd reports "... copied, 0.0123 s, 4.1 GB/s"; BSD dd "... transferred in 0.0123 secs".
@@ -191,25 +188,13 @@ def _verified_reads(layout: Any, key: str, repeats: int) -> dict[str, Any]:
     """The entry read with every checksum and with none, taking turns in this process
     (serving always verifies; the unverified path exists for this row only)."""
     from foretell.store import format as fmt
-    from foretell.store.single_file import SingleFileLayout
 
-    if isinstance(layout, SingleFileLayout):
-        path = layout.path(key)
-
-        def read_layers(verify: bool) -> None:
-            with open(path, "rb") as fh:
-                header = fmt.read_header(fh, os.fstat(fh.fileno()).st_size, layout.identity)
-                fmt.read_layers(fh, header, verify=verify)
-    elif hasattr(layout, "read_layers"):  # the block store's, the same contract
-
-        def read_layers(verify: bool) -> None:
-            layout.read_layers(key, verify=verify)
-    else:
+    if not hasattr(layout, "read_layers"):  # both built-in layouts have it
         return {"skipped": f"layout {type(layout).__name__} has no unverified read"}
 
     def read(verify: bool) -> float:
         start = time.perf_counter()
-        read_layers(verify)
+        layout.read_layers(key, verify=verify)
         return time.perf_counter() - start
 
     read(True)

@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from foretell.store import format as fmt
-from foretell.store.entry import Entry, EntryHeader, StoreIdentity, entry_key
+from foretell.store.entry import Entry, EntryHeader, LayerState, StoreIdentity, entry_key
 
 log = logging.getLogger("foretell.store")
 
@@ -142,6 +142,22 @@ class SingleFileLayout:
                 self._index[key] = attrs.evolve(self._index[key], last_used=last_used)
         return Entry(tokens=header.tokens, layers=layers, namespace=header.namespace)
 
+    def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
+        """The entry's tensors read as :meth:`read` reads them (header, identity and key
+        checked); ``verify=False`` skips only the tensors' checksums. For the cache
+        benchmark's verified-vs-unverified row: serving reads through :meth:`read`, which
+        always verifies and deletes what fails; this deletes nothing and bumps no last use.
+
+        :raises CorruptEntry: the file is damaged. :raises FileNotFoundError: no such entry.
+        """
+        with open(self.path(key), "rb") as fh:
+            header, _stat = self._checked_header(fh, key)
+            return fmt.read_layers(fh, header, verify=verify)
+
+    def files(self, key: str) -> list[Path]:
+        """The files a read of ``key`` opens: its one file (the benchmark's ``dd`` reads it)."""
+        return [self.path(key)]
+
     def scan(self) -> list[EntryHeader]:
         """Rebuild the index from the files' headers (no tensor bytes are read).
 
@@ -226,11 +242,7 @@ class SingleFileLayout:
         path = self.path(key)
         try:
             with open(path, "rb") as fh:
-                stat = os.fstat(fh.fileno())
-                header = fmt.read_header(fh, stat.st_size, self.identity)
-                # A renamed or copied file must not answer for a prompt it does not hold.
-                if self.key_for(header.tokens, header.namespace) != key:
-                    raise fmt.CorruptEntry("its name does not match the tokens it holds")
+                header, stat = self._checked_header(fh, key)
                 layers = fmt.read_layers(fh, header) if with_tensors else None
             return header, stat, layers
         except FileNotFoundError:
@@ -245,6 +257,14 @@ class SingleFileLayout:
         except OSError as exc:
             log.warning("cannot read cache entry %s: %s", path, exc)
         return None
+
+    def _checked_header(self, fh: Any, key: str) -> tuple[fmt.StoredHeader, os.stat_result]:
+        stat = os.fstat(fh.fileno())
+        header = fmt.read_header(fh, stat.st_size, self.identity)
+        # A renamed or copied file must not answer for a prompt it does not hold.
+        if self.key_for(header.tokens, header.namespace) != key:
+            raise fmt.CorruptEntry("its name does not match the tokens it holds")
+        return header, stat
 
     def _forget(self, key: str) -> None:
         with self._lock:
