@@ -390,12 +390,9 @@ class Engine:
             self.registry, self.target, kind, options,
             max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance,
         )
-        from foretell.spec.verifier import compiles_per_shape
+        from foretell.spec.warmup import warm_up
 
-        if compiles_per_shape():
-            from foretell.spec.warmup import warm_up
-
-            warm_up(self, self.speculator)
+        warm_up(self, self.speculator)
         return self.speculator
 
     # -- prompts --

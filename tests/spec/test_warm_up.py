@@ -6,13 +6,13 @@ Elsewhere preparing runs nothing extra."""
 from __future__ import annotations
 
 from foretell.cache.tier import CacheTier
-from foretell.spec import verifier
+from foretell.spec import verifier, warmup
 
 
 def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: int = 5):
-    """Prepare ``kind`` with the device said to compile per shape (or not); returns the
-    speculator, the target forwards' window lengths and the rejection-sampling calls'
-    draft lengths seen while preparing."""
+    """Prepare ``kind`` with the device said to compile per shape (or not), then stop
+    speculating; returns the speculator, the target forwards' window lengths and the
+    rejection-sampling calls' draft lengths seen while preparing."""
     lengths, sampled = [], []
     forward, accept = engine.model.forward, verifier.accept_or_resample
 
@@ -24,20 +24,19 @@ def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: i
         sampled.append(drafts.shape[1])
         return accept(p, drafts, q, key)
 
-    monkeypatch.setattr(verifier, "compiles_per_shape", lambda: cuda)
+    monkeypatch.setattr(warmup, "compiles_per_shape", lambda: cuda)
     monkeypatch.setattr(engine.model, "forward", counting)
     monkeypatch.setattr(verifier, "accept_or_resample", counting_accept)
-    speculator = engine.use_draft(kind, max_tokens=max_tokens)
-    monkeypatch.undo()
+    try:
+        speculator = engine.use_draft(kind, max_tokens=max_tokens)
+    finally:
+        monkeypatch.undo()
+        engine.use_draft(None)
     return speculator, lengths, sampled
 
 
 def test_a_compiling_device_runs_rounds_of_every_length_greedy_and_sampled(engines, monkeypatch):
-    engine = engines["qwen3"]
-    try:
-        speculator, lengths, sampled = _prepare(engine, monkeypatch, cuda=True)
-    finally:
-        engine.use_draft(None)
+    speculator, lengths, sampled = _prepare(engines["qwen3"], monkeypatch, cuda=True)
     assert {n - 1 for n in lengths if n > 1} >= {1, 2, 3, 4, 5}  # verify windows [pending, k drafts]
     assert set(sampled) == {1, 2, 3, 4, 5}
     assert speculator.policy._rounds == 0  # the warm-up's rounds ran on its own policy
@@ -50,16 +49,11 @@ def test_warming_stores_nothing_in_the_engines_cache(engines, monkeypatch, tmp_p
         _prepare(engine, monkeypatch, cuda=True, max_tokens=2)
         assert engine.cache is tier and len(tier.ram.entries()) == 0
     finally:
-        engine.use_draft(None)
         engine.cache = None
 
 
 def test_other_devices_prepare_without_extra_forwards(engines, monkeypatch):
-    engine = engines["qwen3"]
-    try:
-        _speculator, lengths, sampled = _prepare(engine, monkeypatch, cuda=False)
-    finally:
-        engine.use_draft(None)
+    _speculator, lengths, sampled = _prepare(engines["qwen3"], monkeypatch, cuda=False)
     assert lengths == [] and sampled == []
 
 
@@ -68,7 +62,7 @@ def test_generation_after_warming_is_unchanged(engines, monkeypatch):
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     plain = [t for e in engine.generate(prompt, max_tokens=24, speculate=False)
              if e.type == "text" for t in e.tokens]
-    monkeypatch.setattr(verifier, "compiles_per_shape", lambda: True)
+    monkeypatch.setattr(warmup, "compiles_per_shape", lambda: True)
     spec = engine.use_draft("ngram", max_tokens=5)
     try:
         out = [t for e in engine.generate(prompt, max_tokens=24, speculate=spec)

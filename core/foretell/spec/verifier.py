@@ -549,10 +549,3 @@ def make_speculator(
         ) from exc
     return speculator
 
-
-def compiles_per_shape() -> bool:
-    """Whether this device compiles kernels for each new shape on first use: MLX's CUDA
-    backend does (NVRTC, cached on disk; see :mod:`foretell.spec.warmup`)."""
-    from foretell.platform.device import on_cuda
-
-    return on_cuda()

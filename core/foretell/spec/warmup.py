@@ -27,9 +27,20 @@ from foretell.config import SamplingConfig
 PROMPT = list(range(1, 9)) * 3
 
 
+def compiles_per_shape() -> bool:
+    """Whether this device compiles kernels for each new shape on first use: MLX's CUDA
+    backend does (NVRTC, cached on disk)."""
+    from foretell.platform.device import on_cuda
+
+    return on_cuda()
+
+
 def warm_up(engine: Any, speculator: Any) -> None:
-    """Run a few rounds of every draft length ``1..speculator.max_tokens`` through
-    ``engine``'s verifier, greedy and sampled; ``speculator`` itself is left untouched."""
+    """Where the device compiles per shape, run a few rounds of every draft length
+    ``1..speculator.max_tokens`` through ``engine``'s verifier, greedy and sampled;
+    ``speculator`` itself is left untouched. Elsewhere, nothing."""
+    if not compiles_per_shape():
+        return
     cache, engine.cache = engine.cache, None
     try:
         for k in range(1, speculator.max_tokens + 1):
