@@ -184,12 +184,13 @@ def block_ref(header: bytes, pieces: list[list[memoryview]]) -> BlockRef:
         for run in runs:
             digest.update(run)
     nbytes = len(header) + sum(run.nbytes for runs in pieces for run in runs)
+    hash_run = run_hasher()
     return BlockRef(digest.hexdigest(), nbytes,
-                    block_checksum([run_checksum(run) for runs in pieces for run in runs]))
+                    block_checksum([hash_run(run) for runs in pieces for run in runs]))
 
 
-def run_checksum(run: memoryview) -> int:
-    """XXH3-64 of one run. The one-shot call releases the GIL while it hashes, so on a host
+def run_hasher() -> Any:
+    """How this host computes a run's XXH3-64 (asked once per block). The one-shot call releases the GIL while it hashes, so on a host
     with few cores the pool's readers hash in parallel (xxhash's streaming ``update``, which
     hashing a piece of several runs as one stream needed, holds it: two threads took as long
     as one, docs/block-store.md). On a host with many cores (``store.format.parallel_reads``)
@@ -198,10 +199,6 @@ def run_checksum(run: memoryview) -> int:
     thread and 37-41 ms on eight (1 MiB calls: 8.9 ms on eight; ``python -m
     foretell_blockstore.read_probe``). There the runs are hashed with the GIL held, one at a
     time while the other readers' ``preadv`` calls run without it. Same digest either way."""
-    return run_hasher()(run)
-
-
-def run_hasher() -> Any:
     if fmt.parallel_reads():
         return _hash_holding_the_gil
     return xxhash.xxh3_64_intdigest

@@ -6,7 +6,7 @@ unverified taking turns, with the read pool at 1, 2, 4, 8 and 16 threads; then h
 same number of bytes in 128 KiB calls (one KV head's rows in a 512-token block: a run) and in
 1 MiB calls on 1-8 threads, so it shows whether hashing scales on this host. Needs no model,
 no GPU. Numbers only, never assertions (it measured the 16-core H200 host for
-``manifest.run_checksum``).
+``manifest.run_hasher``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def timed_reads(layout: Any, key: str, workers: int, turns: int) -> dict[str, fl
     """Median verified and unverified read of ``key`` with the read pool at ``workers``."""
     from foretell.store import format as fmt
 
-    saved = fmt._POOL
-    fmt._POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probe")
+    saved, pool = fmt.io_pool, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probe")
+    fmt.io_pool = lambda: pool  # the layout asks the module for its read pool on each read
     try:
         layout.read_layers(key)
         runs: dict[bool, list[float]] = {True: [], False: []}
@@ -58,8 +58,8 @@ def timed_reads(layout: Any, key: str, workers: int, turns: int) -> dict[str, fl
                 layout.read_layers(key, verify=verify)
                 runs[verify].append(time.perf_counter() - start)
     finally:
-        fmt._POOL.shutdown()
-        fmt._POOL = saved
+        fmt.io_pool = saved
+        pool.shutdown()
     return {"unverified_s": statistics.median(runs[False]),
             "verified_s": statistics.median(runs[True])}
 

@@ -360,33 +360,28 @@ def _checksum_view(array: mx.array) -> str:
     return checksum(memoryview(array).cast("B") if array.size else b"")
 
 
-_POOL: Any = None
-_WRITE_POOL: Any = None
+_POOLS: dict[str, Any] = {}
 
 
 def io_pool() -> Any:
     """The store's reader threads. XXH3 over one buffer, hashlib and file I/O release the
     GIL, so checksums of several tensors (and a block store's blocks) run in parallel."""
-    global _POOL
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                   thread_name_prefix="foretell-store")
-    return _POOL
+    return _pool("foretell-store")
 
 
 def write_pool() -> Any:
     """The store's writer threads (a block store's blocks in parallel), each at
     :func:`background_priority`; reads keep their own pool at normal priority."""
-    global _WRITE_POOL
-    if _WRITE_POOL is None:
+    return _pool("foretell-store-write", background_priority)
+
+
+def _pool(name: str, initializer: Any = None) -> Any:
+    if name not in _POOLS:
         from concurrent.futures import ThreadPoolExecutor
 
-        _WRITE_POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                         thread_name_prefix="foretell-store-write",
-                                         initializer=background_priority)
-    return _WRITE_POOL
+        _POOLS[name] = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                          thread_name_prefix=name, initializer=initializer)
+    return _POOLS[name]
 
 
 #: The nice value cache writes run at. A spill worker that never runs dry, on the 2-core
