@@ -384,9 +384,9 @@ def _pool(name: str, initializer: Any = None) -> Any:
     return _POOLS[name]
 
 
-#: The nice value cache writes run at. A spill worker that never runs dry, on the 2-core
-#: dev VM, took decode to 0.79-0.82x its idle speed at nice 0 and 0.95-1.02x at 19
-#: (docs/cache-storage.md#writes-run-at-low-cpu-priority).
+#: The nice value cache writes run at. Beside a spill worker that never runs dry, on the
+#: 2-core dev VM, decode ran at 0.75-0.89x idle with the writer at nice 0 and 0.84-0.99x at
+#: 10; at 19 writes starved under load (docs/cache-storage.md#writes-run-at-low-cpu-priority).
 WRITE_NICENESS = 10
 
 
