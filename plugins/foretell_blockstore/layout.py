@@ -1,6 +1,6 @@
 """The ``blocks`` storage layout: entries as manifests over shared, content-named blocks.
 
-On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v3/``::
+On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v4/``::
 
     entries/<key>.safetensors   one manifest per entry (a tensor-less safetensors file)
     data/<sha256>.blk           one block: rows of a token range, every layer back to back
@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 
+from foretell.platform import cuda
 from foretell.store import format as fmt
 from foretell.store.entry import (
     Entry,
@@ -55,7 +56,7 @@ KEY_VERSION = 102
 #: One directory per block format version: another version's manifests are never seen,
 #: so they are never served and never stall collect() (which keeps every block when it
 #: finds a manifest it cannot read).
-STORE_DIR = "blocks-v3"
+STORE_DIR = "blocks-v4"
 #: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
 _IOV_MAX = 1024
 
@@ -435,20 +436,25 @@ class BlockStoreLayout:
         return manifest
 
     def _assemble(self, manifest: mf.Manifest, *, verify: bool = True) -> list[LayerState]:
-        """Read every block straight into its tensors' MLX-owned buffers, blocks in parallel
-        on the pool, each checking its header and its checksum piece by piece; all pass
-        before anything is returned (``verify=False``: no checksums, the benchmark's only)."""
+        """Read every block into its tensors' MLX-owned buffers, blocks in parallel on the
+        pool, each checking its header and its checksum piece by piece; all pass before
+        anything is returned (``verify=False``: no checksums, the benchmark's only). On a
+        CUDA GPU the buffers are born there and each piece reaches them by DMA from a
+        page-locked slot (``foretell.platform.cuda``); elsewhere pieces are read straight
+        into them."""
         import mlx.core as mx
 
+        staged = cuda.gpu_landing()
         specs = [spec for group, _refs in manifest.groups for spec in group.tensors]
-        buffers = {(s.layer, s.name): b for s, b in zip(specs, mf.host_buffers(specs))}
+        buffers = {(s.layer, s.name): b
+                   for s, b in zip(specs, mf.host_buffers(specs, on_gpu=staged))}
         flats = {key: flat for key, (_array, flat) in buffers.items()}
         jobs = []
         for group, refs in manifest.groups:
             for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
                 jobs.append(fmt.io_pool().submit(
                     _read_block, self.block_path(ref.id), ref, mf.block_header(group, begin, end),
-                    mf.destinations(group, begin, end, flats), verify))
+                    mf.destinations(group, begin, end, flats), verify, staged))
         futures.wait(jobs)
         for job in jobs:
             job.result()  # raises _BadBlock for the first damaged block, in order
@@ -596,17 +602,23 @@ class _LockBusy(Exception):
 
 
 def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
-                pieces: list[list[memoryview]], verify: bool = True) -> None:
+                pieces: list[list[memoryview]], verify: bool = True,
+                staged: bool = False) -> None:
     """Read one block: its header must be the one its manifest implies; each piece's bytes go
-    straight into its runs (``pieces``, in file order) and are checksummed right after they
-    land, while still in the cache; together they must match the manifest's checksum.
+    to its runs (``pieces``, in file order) and are checksummed right after they land, while
+    still in the cache; together they must match the manifest's checksum. ``staged``: each
+    piece is read into this thread's staging slot, hashed there in one call, and copied into
+    its runs by the staging (on a CUDA GPU, by DMA: ``foretell.platform.cuda``); otherwise
+    it is read straight into its runs and hashed there.
 
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
+    :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
     """
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
+    checksums = []
     try:
         if os.fstat(fd).st_size != ref.nbytes:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
@@ -614,12 +626,20 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         offset = _read_runs(fd, [memoryview(seen)], 0, ref)
         if seen != header:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-        checksums = []
-        hash_run = mf.run_hasher()
+        stage = cuda.staging() if staged else None
         for runs in pieces:
-            offset = _read_runs(fd, runs, offset, ref)
+            if stage is None:
+                offset = _read_runs(fd, runs, offset, ref)
+                if verify:
+                    checksums.append(mf.piece_checksum(runs))
+                continue
+            slot = stage.slot(sum(run.nbytes for run in runs))
+            offset = _read_runs(fd, [slot], offset, ref)
             if verify:
-                checksums.extend(map(hash_run, runs))
+                checksums.append(mf.xxhash.xxh3_64_intdigest(slot))
+            stage.send(slot, runs)
+        if stage is not None:
+            stage.finish()
     finally:
         os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:

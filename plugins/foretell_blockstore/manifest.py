@@ -17,9 +17,8 @@ no knowledge of the codec: cutting decides only what dedupes, never what is serv
 measurement that chose it over a token hash chain): equal bytes are stored once, and a
 reader always gets back exactly the bytes that were written. SHA-256 is computed at write
 time only. The manifest records each block's size and its checksum, the XXH3-64 of its
-runs' XXH3-64s (a run: one leading index's rows of one tensor, contiguous in the file and in
-the tensor), which every read verifies run by run as each piece lands in its tensor's
-buffer (XXH3 is 7-30x cheaper than SHA-256 here).
+pieces' XXH3-64s (a piece: one tensor's rows in the block, contiguous in the file), which
+every read verifies piece by piece as each lands (XXH3 is 7-30x cheaper than SHA-256 here).
 
 **Files.** A block is a safetensors file whose tensors ``"0"``, ``"1"``... are its pieces;
 its header depends only on the group's dtypes and shapes, so a reader knows it exactly. A
@@ -49,9 +48,10 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import numpy as np
 
-#: Version of the manifest and block format (3: XXH3-64 per run; 2 hashed each piece in one
-#: stream, 1 had CRC-32). A reader of another version skips the entry.
-FORMAT_VERSION = "blocks/3"
+#: Version of the manifest and block format (4: XXH3-64 per piece; 3 had one per run, whose
+#: 128 KiB calls did not scale over readers on many cores; 2 the same per-piece stream as 4
+#: named differently; 1 CRC-32). A reader of another version skips the entry.
+FORMAT_VERSION = "blocks/4"
 _VERSION_KEY = "foretell.format_version"
 _HEADER_KEY = "foretell.header"
 _HASH_KEY = "foretell.header_hash"
@@ -68,7 +68,7 @@ _ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16"
 class BlockRef:
     id: str  # SHA-256 of the block's bytes, hex
     nbytes: int
-    checksum: str  # XXH3-64 over its runs' XXH3-64s (block_checksum)
+    checksum: str  # XXH3-64 over its pieces' XXH3-64s (block_checksum)
 
 
 @attrs.frozen
@@ -184,34 +184,26 @@ def block_ref(header: bytes, pieces: list[list[memoryview]]) -> BlockRef:
         for run in runs:
             digest.update(run)
     nbytes = len(header) + sum(run.nbytes for runs in pieces for run in runs)
-    hash_run = run_hasher()
-    return BlockRef(digest.hexdigest(), nbytes,
-                    block_checksum([hash_run(run) for runs in pieces for run in runs]))
+    return BlockRef(digest.hexdigest(), nbytes, block_checksum(list(map(piece_checksum, pieces))))
 
 
-def run_hasher() -> Any:
-    """How this host computes a run's XXH3-64 (asked once per block). The one-shot call releases the GIL while it hashes, so on a host
-    with few cores the pool's readers hash in parallel (xxhash's streaming ``update``, which
-    hashing a piece of several runs as one stream needed, holds it: two threads took as long
-    as one, docs/block-store.md). On a host with many cores (``store.format.parallel_reads``)
-    eight readers releasing and retaking the GIL around 128 KiB hashes spend longer handing it
-    over than hashing: on the 16-core H200 host 576 MB in 128 KiB calls took 16-24 ms on one
-    thread and 37-41 ms on eight (1 MiB calls: 8.9 ms on eight; ``python -m
-    foretell_blockstore.read_probe``). There the runs are hashed with the GIL held, one at a
-    time while the other readers' ``preadv`` calls run without it. Same digest either way."""
-    if fmt.parallel_reads():
-        return _hash_holding_the_gil
-    return xxhash.xxh3_64_intdigest
+def piece_checksum(runs: list[memoryview]) -> int:
+    """The XXH3-64 of one piece: its runs' bytes one after another, as they lie in the file.
+    A reader that lands the piece in one contiguous buffer (``foretell.platform.cuda``
+    staging) hashes it in one call, which releases the GIL and scales over readers; one that
+    reads it straight into its tensor hashes the runs as one stream there. Same digest."""
+    if len(runs) == 1:
+        return xxhash.xxh3_64_intdigest(runs[0])
+    state = xxhash.xxh3_64()
+    for run in runs:
+        state.update(run)
+    return state.intdigest()
 
 
-def _hash_holding_the_gil(run: memoryview) -> int:
-    return xxhash.xxh3_64(run).intdigest()
-
-
-def block_checksum(runs: list[int]) -> str:
-    """A block's checksum from its runs' checksums (in file order): reads check each run
-    right after its piece lands in its tensor's buffer, while its bytes are in the cache."""
-    return fmt.checksum(b"".join(c.to_bytes(8, "big") for c in runs))
+def block_checksum(pieces: list[int]) -> str:
+    """A block's checksum from its pieces' checksums (in file order): reads check each
+    piece right after it lands, while its bytes are in the cache."""
+    return fmt.checksum(b"".join(c.to_bytes(8, "big") for c in pieces))
 
 
 def destinations(group: Group, begin: int, end: int,
@@ -232,22 +224,25 @@ def destinations(group: Group, begin: int, end: int,
     return pieces
 
 
-def host_buffers(specs: list[TensorSpec]) -> list[tuple[mx.array, memoryview]]:
+def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False
+                 ) -> list[tuple[mx.array, memoryview]]:
     """Fresh MLX-owned buffers, one per tensor (uint8: its shape, the last axis counted in
     bytes), each with a writable flat view of the same memory: blocks are read straight
     into the arrays that are returned, with no copy after the read.
 
     MLX has no uninitialized allocation (``mx.empty`` is ``mx.zeros``), so each buffer is
     zero-filled first: one pass over the entry's memory that a single-file read does not
-    pay (docs/block-store.md). On a host with many cores (``store.format.parallel_reads``)
-    the fills run on several CPU streams at once, whose threads MLX runs in parallel: on
-    the 16-core H200 host one stream filled the 4B shape's 604 MB while MLX's loader had
-    read a single file of it in 37 ms, and the block store's read took 98 ms. On the
-    shared 2-core host two streams were measured slower (1.69x vs 1.31x the single-file
-    read on workload (a)), so it fills on one there."""
+    pay (docs/block-store.md). ``on_gpu`` fills them on the GPU, so a CUDA GPU's managed
+    memory is born there and the read copies into it by DMA (``foretell.platform.cuda``).
+    Otherwise, on a host with many cores (``store.format.parallel_reads``) the fills run on
+    several CPU streams at once, whose threads MLX runs in parallel: on the 16-core H200
+    host one stream filled the 4B shape's 604 MB while MLX's loader had read a single file
+    of it in 37 ms, and the block store's read took 98 ms. On the shared 2-core host two
+    streams were measured slower (1.69x vs 1.31x the single-file read on workload (a)), so
+    it fills on one there."""
     import mlx.core as mx
 
-    streams = _fill_streams()
+    streams = [mx.gpu] if on_gpu else _fill_streams()
     buffers = []
     for i, spec in enumerate(specs):
         shape = spec.shape if spec.shape else (1,)
@@ -327,7 +322,7 @@ def render(entry: Entry, identity: StoreIdentity, block_rows: int, created_at: f
         "namespace": entry.namespace,
         "num_tokens": len(entry.tokens),
         "tokens": list(entry.tokens),
-        "checksum": f"{fmt.CHECKSUM} of run {fmt.CHECKSUM}s",
+        "checksum": f"{fmt.CHECKSUM} of piece {fmt.CHECKSUM}s",
         "block_id": "sha256",
         "block_rows": block_rows,
         "layers": [

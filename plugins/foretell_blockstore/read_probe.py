@@ -6,7 +6,7 @@ unverified taking turns, with the read pool at 1, 2, 4, 8 and 16 threads; then h
 same number of bytes in 128 KiB calls (one KV head's rows in a 512-token block: a run) and in
 1 MiB calls on 1-8 threads, so it shows whether hashing scales on this host. Needs no model,
 no GPU. Numbers only, never assertions (it measured the 16-core H200 host for
-``manifest.run_hasher``).
+``manifest.piece_checksum`` and ``foretell.platform.cuda``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,17 @@ def synthetic_entry(layers: int, tokens: int, heads: int, dim: int) -> Any:
     return snapshot_entry(list(range(tokens)), caches, [StandardKVCodec()])
 
 
-def timed_reads(layout: Any, key: str, workers: int, turns: int) -> dict[str, float]:
-    """Median verified and unverified read of ``key`` with the read pool at ``workers``."""
+def timed_reads(layout: Any, key: str, workers: int, turns: int, *, gpu: bool
+                ) -> dict[str, float]:
+    """Median verified and unverified read of ``key`` with the read pool at ``workers``,
+    landing on the GPU by DMA (``gpu``) or read straight into the buffers."""
+    from foretell.platform import cuda
     from foretell.store import format as fmt
 
     saved, pool = fmt.io_pool, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="probe")
     fmt.io_pool = lambda: pool  # the layout asks the module for its read pool on each read
+    landing = cuda.gpu_landing
+    cuda.gpu_landing = lambda: gpu
     try:
         layout.read_layers(key)
         runs: dict[bool, list[float]] = {True: [], False: []}
@@ -58,7 +63,7 @@ def timed_reads(layout: Any, key: str, workers: int, turns: int) -> dict[str, fl
                 layout.read_layers(key, verify=verify)
                 runs[verify].append(time.perf_counter() - start)
     finally:
-        fmt.io_pool = saved
+        fmt.io_pool, cuda.gpu_landing = saved, landing
         pool.shutdown()
     return {"unverified_s": statistics.median(runs[False]),
             "verified_s": statistics.median(runs[True])}
@@ -96,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=7)
     args = parser.parse_args(argv)
 
+    import mlx.core as mx
+
     from foretell.cache.codecs import StandardKVCodec
+    from foretell.platform import cuda
     from foretell.store.entry import StoreIdentity
     from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
@@ -111,11 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{total / 1e6:.0f} MB entry written in {time.perf_counter() - start:.2f} s; "
               f"{os.cpu_count()} cores")
         key = layout.key_for(entry.tokens)
-        for workers in (1, 2, 4, 8, 16):
-            r = timed_reads(layout, key, workers, args.turns)
-            print(f"read pool {workers:2d}: unverified {r['unverified_s'] * 1e3:6.1f} ms, "
-                  f"verified {r['verified_s'] * 1e3:6.1f} ms "
-                  f"({r['verified_s'] / r['unverified_s']:.2f}x)", flush=True)
+        served = layout.read(key)
+        same = served is not None and all(
+            mx.array_equal(mine, theirs).item()
+            for a, b in zip(entry.layers, served.layers)
+            for mine, theirs in zip(a.tensors.values(), b.tensors.values()))
+        print(f"served exactly what was written: {same}", flush=True)
+        for gpu in ((True, False) if cuda.gpu_landing() else (False,)):
+            for workers in (1, 2, 4, 8, 16):
+                r = timed_reads(layout, key, workers, args.turns, gpu=gpu)
+                print(f"{'gpu dma' if gpu else 'direct '} read pool {workers:2d}: unverified "
+                      f"{r['unverified_s'] * 1e3:6.1f} ms, verified {r['verified_s'] * 1e3:6.1f} ms"
+                      f" ({r['verified_s'] / r['unverified_s']:.2f}x)", flush=True)
     for call_bytes in (RUN_BYTES, 1 << 20):
         times = "  ".join(f"{n} threads {hashing(total, n, call_bytes) * 1e3:5.1f} ms"
                           for n in (1, 2, 4, 8))

@@ -66,30 +66,78 @@ def test_written_entry_reads_back_identical(layout, codecs, dtype):
 
 
 @pytest.mark.parametrize("many_cores", [False, True], ids=["one-fill-stream", "fill-streams"])
-def test_reads_fill_and_hash_as_the_host_suits_and_serve_the_same(
-        layout, codecs, monkeypatch, many_cores):
-    """A host with many cores zero-fills a read's buffers on several CPU streams at once and
-    hashes runs holding the GIL (store.format.parallel_reads); both ways serve exactly what
-    was written, and a flipped byte is refused either way."""
+def test_reads_fill_as_the_host_suits_and_serve_the_same(layout, codecs, monkeypatch, many_cores):
+    """A host with many cores zero-fills a read's buffers on several CPU streams at once
+    (store.format.parallel_reads); both ways serve exactly what was written, and a flipped
+    byte is refused either way."""
     from foretell.store import format as fmt
     from foretell_blockstore import manifest as mf
 
     monkeypatch.setattr(fmt, "parallel_reads", lambda: many_cores)
     assert len(mf._fill_streams()) == (mf.FILL_STREAMS if many_cores else 1)
-    # Runs are hashed with the GIL held on many cores, by the one-shot call on few: the
-    # digests the blocks were named and checked by are the same either way.
-    hasher = mf.run_hasher()
-    assert (hasher is mf._hash_holding_the_gil) == many_cores
-    run = memoryview(bytes(range(256)) * 700)
-    assert hasher(run) == mf.xxhash.xxh3_64_intdigest(run)
     entry = entry_of(range(1100), codecs)  # three blocks of each layer's tensors
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)
     assert_same_entry(layout.read(key), entry)
-    path = layout.block_path(_a_block(layout, 1))
+    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
+    assert layout.read(key) is None
+
+
+def _flip_a_byte(path, at=-5):
     raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0x01
+    raw[at] ^= 0x01
     path.write_bytes(bytes(raw))
+
+
+def test_a_piece_checksum_is_its_runs_bytes_hashed_as_one():
+    """A reader that lands a piece in one staging slot hashes it in one call; one that reads
+    it into its tensor hashes the runs there: the same digest, or a staged read would refuse
+    every entry."""
+    import random
+
+    from foretell_blockstore import manifest as mf
+
+    data = random.Random(0).randbytes(40_000)
+    runs = [memoryview(data)[i:i + 4096] for i in range(0, len(data), 4096)]
+    assert mf.piece_checksum(runs) == mf.xxhash.xxh3_64_intdigest(data)
+    assert mf.piece_checksum(runs[:1]) == mf.xxhash.xxh3_64_intdigest(runs[0])
+    assert mf.piece_checksum(runs[::-1]) != mf.piece_checksum(runs)
+
+
+def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byte(
+        layout, codecs, monkeypatch):
+    """On a CUDA GPU each piece is read into the reader thread's staging slot, hashed there,
+    and copied into its tensor's runs by the staging (foretell.platform.cuda, by DMA). Here
+    the host staging stands in for the GPU's: every piece goes through it, into the right
+    places, and a damaged block is still refused."""
+    import threading
+
+    from foretell.platform import cuda
+    from foretell_blockstore import manifest as mf
+
+    sent, local, host_buffers = [], threading.local(), mf.host_buffers
+
+    class Counting(cuda.Staging):
+        def send(self, slot, runs):
+            sent.append(sum(run.nbytes for run in runs))
+            assert slot.nbytes == sent[-1]
+            super().send(slot, runs)
+
+    def staging():
+        if not hasattr(local, "staging"):
+            local.staging = Counting()
+        return local.staging
+
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu: host_buffers(specs))
+    entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
+    assert layout.write(entry) is True
+    key = layout.key_for(entry.tokens)
+    assert_same_entry(layout.read(key), entry)
+    tensor_bytes = sum(a.nbytes for layer in entry.layers for a in layer.tensors.values())
+    assert sum(sent) == tensor_bytes and len(sent) > len(entry.layers)
+    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
     assert layout.read(key) is None
 
 
@@ -166,7 +214,7 @@ def test_a_block_is_a_safetensors_file_of_its_pieces(layout, codecs):
     layout.write(entry)
     second = listed_blocks(layout, entry)[1]  # rows 4-7 of every tensor
     with safe_open(str(layout.block_path(second)), framework="numpy") as f:
-        assert f.metadata() == {"foretell.block": "blocks/3"}
+        assert f.metadata() == {"foretell.block": "blocks/4"}
         pieces = [f.get_tensor(str(i)) for i in range(4)]  # 2 layers x keys, values
     want = [np.asarray(layer.tensors[name][..., 4:8, :])
             for layer in entry.layers for name in ("keys", "values")]
@@ -519,7 +567,7 @@ def test_an_entry_of_another_identity_is_never_served_and_kept(tmp_path, layout,
 def test_an_unknown_format_version_is_skipped_and_kept(layout, stored, version):
     path = layout.path(stored[1])
     raw = path.read_bytes()
-    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/3"',
+    path.write_bytes(raw.replace(b'"foretell.format_version":"blocks/4"',
                                  b'"foretell.format_version":"' + version + b'"', 1))
     assert layout.read(stored[1]) is None and layout.scan() == [] and path.exists()
     # Another version's manifest may list blocks this reader cannot see: keep them all.

@@ -40,7 +40,7 @@ def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, caps
     assert again["cached_tokens"] == again["prompt_tokens"] - 1 and again["cached_from"] == "ssd"
     other = run_json(capsys, *base, "--prompt", PROMPT + "def g(n):\n    return 0\n")
     assert other["prompt_tokens"] > 600 and other["cached_tokens"] > 512
-    assert list(tmp_path.glob("*/blocks-v3/entries/*.safetensors"))
+    assert list(tmp_path.glob("*/blocks-v4/entries/*.safetensors"))
     assert not list(tmp_path.glob("*/*.safetensors"))  # nothing in the single-file layout
 
     code, stats = cache_json(capsys, "stats", "--cache-dir", str(tmp_path))
@@ -50,7 +50,7 @@ def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, caps
     assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (
         0, {"verified": group["entries"], "bad": []})
 
-    block = max(tmp_path.glob("*/blocks-v3/data/*.blk"), key=lambda p: p.stat().st_size)
+    block = max(tmp_path.glob("*/blocks-v4/data/*.blk"), key=lambda p: p.stat().st_size)
     raw = bytearray(block.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     block.write_bytes(bytes(raw))
@@ -69,7 +69,7 @@ def test_toml_cache_layout_selects_the_block_store(model_dir, tmp_path, capsys):
     config.write_text(f'[cache]\ndir = "{cache}"\nlayout = "blocks"\n')
     run_json(capsys, "--config", str(config), "--model", str(model_dir), "--max-tokens", "2",
              "--prompt", "def f(x):")
-    assert list(cache.glob("*/blocks-v3/entries/*.safetensors"))
+    assert list(cache.glob("*/blocks-v4/entries/*.safetensors"))
     assert not list(cache.glob("*/*.safetensors"))
 
 
@@ -81,7 +81,7 @@ def test_the_block_store_is_the_default_layout(model_dir, tmp_path, capsys):
     assert BlockStoreConfig().block_tokens == 512  # chosen by measurement: docs/block-store.md
     run_json(capsys, "--model", str(model_dir), "--max-tokens", "2", "--prompt", "def f(x):",
              "--cache-dir", str(tmp_path))
-    assert list(tmp_path.glob("*/blocks-v3/entries/*.safetensors"))
+    assert list(tmp_path.glob("*/blocks-v4/entries/*.safetensors"))
     assert not list(tmp_path.glob("*/*.safetensors"))
     code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path), "--model",
                                str(model_dir))  # --model without --layout: the default's

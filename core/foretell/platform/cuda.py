@@ -1,0 +1,213 @@
+"""Reads that land on a CUDA GPU: page-locked staging and the driver's copies into place.
+
+MLX's CUDA build keeps every array in CUDA managed memory. A read that writes restored bytes
+into such an array from the CPU leaves its pages on the host (after a first touch of fresh
+memory there), and the GPU's first use then migrates them by page faults. Measured on the
+H200 host for 604 MB of page-cached bytes in fresh processes
+(``docs/bench-data/2026-12-01-h200-cuda-landing-1637.log``): zero-filling the buffers on
+8 CPU streams 64 ms, reading into them 27 ms, the GPU's first pass over them 59 ms (151 ms
+in all); with the buffers born on the GPU, the bytes read into page-locked staging and
+copied by DMA: 42 + 31 + 8 ms (85 ms; ``dd`` of the file took 69 ms). A staging slot is
+contiguous, so its checksum is one call over it, which releases the GIL and scales over
+readers where many small calls do not.
+
+:class:`Staging` is the contract a layout's reader uses, one per reader thread
+(:func:`staging`): ``slot(n)`` gives a writable buffer of ``n`` bytes whose previous copy
+has finished, ``send(slot, runs)`` copies it into the destinations ``runs`` (in order),
+``finish()`` returns once every copy has landed. The base class copies on the host (what a
+test exercises anywhere); :class:`CudaStaging` uses pinned memory and the driver, through
+``ctypes`` on ``libcuda.so.1`` (no build step, no extra dependency).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+
+class CudaCopyError(OSError):
+    """A CUDA driver call failed: the read is not served (its files are not at fault)."""
+
+
+class Staging:
+    """Host staging for one reader thread: copies with the CPU (the reference behaviour)."""
+
+    def __init__(self) -> None:
+        self._slots: list[Any] = [None, None]
+        self._turn = 0
+
+    def slot(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes``, free to overwrite (its last copy has landed)."""
+        index = self._turn % 2
+        self._turn += 1
+        self._wait(index)
+        if self._slots[index] is None or len(self._slots[index]) < nbytes:
+            self._slots[index] = self._allocate(index, nbytes)
+        return memoryview(self._slots[index]).cast("B")[:nbytes]
+
+    def send(self, slot: memoryview, runs: list[memoryview]) -> None:
+        """Copy ``slot``'s bytes into ``runs``, one after another."""
+        offset = 0
+        for run in runs:
+            run[:] = slot[offset:offset + run.nbytes]
+            offset += run.nbytes
+
+    def finish(self) -> None:
+        """Return once every copy sent has landed."""
+
+    def _wait(self, index: int) -> None:
+        pass
+
+    def _allocate(self, index: int, nbytes: int) -> Any:
+        return bytearray(nbytes)
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Memcpy2D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+                ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+_MEMORY_HOST, _MEMORY_UNIFIED = 1, 4
+_STREAM_NON_BLOCKING, _EVENT_DISABLE_TIMING = 1, 2
+
+
+class _Driver:
+    """The CUDA driver calls staging needs, on the device's primary context (MLX's)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = lib
+        self.check(lib.cuInit(0), "cuInit")
+        device = ctypes.c_int()
+        self.check(lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+        self.context = ctypes.c_void_p()
+        self.check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.context), device),
+                   "cuDevicePrimaryCtxRetain")
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_void_p]
+        lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
+        lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                       ctypes.c_uint]
+        for name in ("cuStreamSynchronize", "cuEventSynchronize", "cuMemFreeHost",
+                     "cuCtxSetCurrent"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    @staticmethod
+    def check(result: int, call: str) -> None:
+        if result != 0:
+            raise CudaCopyError(f"CUDA driver call {call} failed (CUresult {result})")
+
+
+class CudaStaging(Staging):
+    """Pinned slots copied to the GPU by DMA on this thread's own stream; a slot is reused
+    once the copy that last read it has finished (an event per slot)."""
+
+    def __init__(self, driver: _Driver) -> None:
+        super().__init__()
+        self._driver, lib = driver, driver.lib
+        driver.check(lib.cuCtxSetCurrent(driver.context), "cuCtxSetCurrent")
+        self._stream = ctypes.c_void_p()
+        driver.check(lib.cuStreamCreate(ctypes.byref(self._stream), _STREAM_NON_BLOCKING),
+                     "cuStreamCreate")
+        self._events = []
+        for _ in range(2):
+            event = ctypes.c_void_p()
+            driver.check(lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                         "cuEventCreate")
+            self._events.append(event)
+        self._sent = [False, False]
+
+    def send(self, slot: memoryview, runs: list[memoryview]) -> None:
+        lib, check = self._driver.lib, self._driver.check
+        source = _address(slot)
+        targets = [(_address(run), run.nbytes) for run in runs if run.nbytes]
+        if not targets:
+            return
+        pitch = targets[1][0] - targets[0][0] if len(targets) > 1 else 0
+        width = targets[0][1]
+        if len(targets) > 1 and all(size == width for _a, size in targets) and pitch >= width and all(
+                b[0] - a[0] == pitch for a, b in zip(targets, targets[1:])):
+            copy = _Memcpy2D(srcMemoryType=_MEMORY_HOST, srcHost=source, srcPitch=width,
+                             dstMemoryType=_MEMORY_UNIFIED, dstDevice=targets[0][0],
+                             dstPitch=pitch, WidthInBytes=width, Height=len(targets))
+            check(lib.cuMemcpy2DAsync_v2(ctypes.byref(copy), self._stream), "cuMemcpy2DAsync")
+        else:
+            offset = 0
+            for address, size in targets:
+                check(lib.cuMemcpyHtoDAsync_v2(address, source + offset, size, self._stream),
+                      "cuMemcpyHtoDAsync")
+                offset += size
+        index = (self._turn - 1) % 2
+        check(lib.cuEventRecord(self._events[index], self._stream), "cuEventRecord")
+        self._sent[index] = True
+
+    def finish(self) -> None:
+        self._driver.check(self._driver.lib.cuStreamSynchronize(self._stream),
+                           "cuStreamSynchronize")
+        self._sent = [False, False]
+
+    def _wait(self, index: int) -> None:
+        if self._sent[index]:
+            self._driver.check(self._driver.lib.cuEventSynchronize(self._events[index]),
+                               "cuEventSynchronize")
+            self._sent[index] = False
+
+    def _allocate(self, index: int, nbytes: int) -> Any:
+        lib, check = self._driver.lib, self._driver.check
+        if self._slots[index] is not None:
+            check(lib.cuMemFreeHost(ctypes.addressof(self._slots[index])), "cuMemFreeHost")
+            self._slots[index] = None
+        pointer = ctypes.c_void_p()
+        check(lib.cuMemHostAlloc(ctypes.byref(pointer), nbytes, 0), "cuMemHostAlloc")
+        return (ctypes.c_char * nbytes).from_address(pointer.value)
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+_DRIVER: list[_Driver | None] = []
+_LOCAL = threading.local()
+_LOCK = threading.Lock()
+
+
+def gpu_landing() -> bool:
+    """Whether reads here should land on the GPU through :class:`CudaStaging`: MLX computes
+    on a CUDA GPU and the driver answers. Decided once per process."""
+    with _LOCK:
+        if not _DRIVER:
+            _DRIVER.append(_load_driver())
+        return _DRIVER[0] is not None
+
+
+def _load_driver() -> _Driver | None:
+    from foretell.platform.device import on_cuda
+
+    if not on_cuda():
+        return None
+    try:
+        return _Driver()
+    except (OSError, AttributeError):
+        return None
+
+
+def staging() -> Staging:
+    """This thread's staging: on the GPU where :func:`gpu_landing`, on the host otherwise."""
+    found = getattr(_LOCAL, "staging", None)
+    if found is None:
+        found = CudaStaging(_DRIVER[0]) if gpu_landing() else Staging()
+        _LOCAL.staging = found
+    return found
