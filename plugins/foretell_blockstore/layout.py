@@ -139,6 +139,7 @@ class BlockStoreLayout:
         #: Block bytes this layout wrote / found already stored (the benchmark reads them).
         self.bytes_written = 0
         self.bytes_reused = 0
+        cuda.prepare()
 
     @classmethod
     def stored_identities(cls, root: str | Path, codec_providers: Sequence[str]

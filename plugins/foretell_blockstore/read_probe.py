@@ -4,7 +4,9 @@ Writes one synthetic entry (random bfloat16 KV, default the 4B shape at 4,096 to
 36 layers of ``[1, 8, 4096, 128]`` K and V, 604 MB) and reads it back, verified and
 unverified taking turns, with the read pool at 1, 2, 4, 8 and 16 threads; then hashes the
 same number of bytes in 128 KiB calls (one KV head's rows in a 512-token block: a run) and in
-1 MiB calls on 1-8 threads, so it shows whether hashing scales on this host. Needs no model,
+1 MiB calls on 1-8 threads, so it shows whether hashing scales on this host; then reads it
+once in each of three fresh processes, showing where a restore's read goes (zero fill,
+staging allocations, the read itself, the GPU's first use). Needs no model,
 no GPU. Numbers only, never assertions (it measured the 16-core H200 host for
 ``manifest.piece_checksum`` and ``foretell.platform.cuda``).
 """
@@ -12,8 +14,11 @@ no GPU. Numbers only, never assertions (it measured the 16-core H200 host for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -90,8 +95,56 @@ def hashing(total: int, threads: int, call_bytes: int) -> float:
     return time.perf_counter() - start
 
 
+def fresh_read(root: str, key: str) -> dict[str, float]:
+    """One verified read of ``key`` in this (fresh) process, with where its time went: the
+    buffers' zero fill, page-locked staging allocations (on a CUDA GPU), the GPU's first
+    pass over the tensors, and the reading, hashing and copying (the rest)."""
+    import mlx.core as mx
+
+    from foretell.platform import cuda
+    from foretell_blockstore import manifest as mf
+
+    layout = _layout(root)
+    spent = {"buffers_s": 0.0, "staging_alloc_s": 0.0}
+    fill, allocate = mf.host_buffers, cuda.CudaStaging._allocate
+
+    def timed(name: str, call: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return run
+
+    mf.host_buffers = timed("buffers_s", fill)
+    cuda.CudaStaging._allocate = timed("staging_alloc_s", allocate)
+    mx.eval(mx.zeros(4) + 1)  # the device up, as a restore finds it after the model loads
+    start = time.perf_counter()
+    layers = layout.read_layers(key)
+    spent["read_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    mx.eval([a.astype(mx.float32).sum() for layer in layers for a in layer.tensors.values()])
+    spent["first_use_s"] = time.perf_counter() - start
+    spent["gpu_landing"] = float(cuda.gpu_landing())
+    return spent
+
+
+def _layout(root: str) -> Any:
+    from foretell.cache.codecs import StandardKVCodec
+    from foretell.store.entry import StoreIdentity
+    from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+
+    identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="read-probe",
+                             tokenizer_hash="none", codec_providers=[StandardKVCodec().provider_id])
+    return BlockStoreLayout(root, BlockStoreConfig(), identity=identity)
+
+
 def main(argv: list[str] | None = None) -> None:
     blas.preload()
+    if argv is None and sys.argv[1:2] == ["--fresh-read"]:
+        print(json.dumps(fresh_read(sys.argv[2], sys.argv[3])))
+        return
     parser = argparse.ArgumentParser(prog="python -m foretell_blockstore.read_probe",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=36)
@@ -103,17 +156,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import mlx.core as mx
 
-    from foretell.cache.codecs import StandardKVCodec
     from foretell.platform import cuda
-    from foretell.store.entry import StoreIdentity
-    from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
-    identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="read-probe",
-                             tokenizer_hash="none", codec_providers=[StandardKVCodec().provider_id])
     entry = synthetic_entry(args.layers, args.tokens, args.heads, args.dim)
     total = args.layers * 2 * args.heads * args.tokens * args.dim * 2
     with tempfile.TemporaryDirectory(prefix="foretell-read-probe-") as root:
-        layout = BlockStoreLayout(root, BlockStoreConfig(), identity=identity)
+        layout = _layout(root)
         start = time.perf_counter()
         layout.write(entry)
         print(f"{total / 1e6:.0f} MB entry written in {time.perf_counter() - start:.2f} s; "
@@ -131,6 +179,16 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{'gpu dma' if gpu else 'direct '} read pool {workers:2d}: unverified "
                       f"{r['unverified_s'] * 1e3:6.1f} ms, verified {r['verified_s'] * 1e3:6.1f} ms"
                       f" ({r['verified_s'] / r['unverified_s']:.2f}x)", flush=True)
+        for _ in range(3):
+            child = subprocess.run([sys.executable, "-m", "foretell_blockstore.read_probe",
+                                    "--fresh-read", root, key], capture_output=True, text=True)
+            if child.returncode:
+                print("fresh-process read failed:", child.stderr[-1500:], flush=True)
+                continue
+            phases = json.loads(child.stdout.strip().splitlines()[-1])
+            print("fresh-process verified read: " + ", ".join(
+                f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in phases.items() if k.endswith("_s"))
+                + f" (GPU landing: {bool(phases['gpu_landing'])})", flush=True)
     for call_bytes in (RUN_BYTES, 1 << 20):
         times = "  ".join(f"{n} threads {hashing(total, n, call_bytes) * 1e3:5.1f} ms"
                           for n in (1, 2, 4, 8))

@@ -141,6 +141,31 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     assert layout.read(key) is None
 
 
+def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
+        layout, codecs, monkeypatch, caplog):
+    """A CUDA driver call that fails mid-read is the device's fault, not the files': the read
+    is not served, and the entry stays for the next read (a damaged block would be dropped)."""
+    from foretell.platform import cuda
+    from foretell_blockstore import manifest as mf
+
+    class Failing(cuda.Staging):
+        def send(self, slot, runs):
+            raise cuda.CudaCopyError("CUDA driver call cuMemcpy2DAsync failed (CUresult 700)")
+
+    host_buffers = mf.host_buffers
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(cuda, "staging", Failing)
+    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu: host_buffers(specs))
+    entry = entry_of(range(600), codecs)
+    assert layout.write(entry) is True
+    key = layout.key_for(entry.tokens)
+    with caplog.at_level(logging.WARNING):
+        assert layout.read(key) is None
+    assert "cuMemcpy2DAsync failed" in caplog.text
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
+    assert_same_entry(layout.read(key), entry)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_strided_tensors_are_stored_as_their_bytes_and_named_like_a_contiguous_copy(
         tmp_path, identity, codecs, layout, dtype):

@@ -13,11 +13,13 @@ import foretell
 from foretell import errors
 
 #: Never reach a user as themselves: the config structurer renders the first two into a
-#: ConfigError; the store's FileReplaced is an OSError, handled like any failed read.
+#: ConfigError; the store's FileReplaced and the CUDA staging's CudaCopyError are OSErrors,
+#: handled like any failed read (not served, nothing dropped).
 INTERNAL = {
     "foretell.config.FieldError",
     "foretell.config.WrongType",
     "foretell.store.format.FileReplaced",
+    "foretell.platform.cuda.CudaCopyError",
 }
 
 
