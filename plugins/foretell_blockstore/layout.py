@@ -619,15 +619,15 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
-    checksums = []
+    checksums, stage = [], None
     try:
+        stage = cuda.staging() if staged else None
         if os.fstat(fd).st_size != ref.nbytes:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
         seen = bytearray(len(header))
         offset = _read_runs(fd, [memoryview(seen)], 0, ref)
         if seen != header:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-        stage = cuda.staging() if staged else None
         for runs in pieces:
             if stage is None:
                 offset = _read_runs(fd, runs, offset, ref)
@@ -639,10 +639,12 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
             if verify:
                 checksums.append(mf.xxhash.xxh3_64_intdigest(slot))
             stage.send(slot, runs)
-        if stage is not None:
-            stage.finish()
     finally:
-        os.close(fd)
+        try:
+            if stage is not None:
+                stage.finish()  # no copy may still be landing once the read has returned
+        finally:
+            os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 

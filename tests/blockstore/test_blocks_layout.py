@@ -115,13 +115,16 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     from foretell.platform import cuda
     from foretell_blockstore import manifest as mf
 
-    sent, local, host_buffers = [], threading.local(), mf.host_buffers
+    sent, finished, local, host_buffers = [], [], threading.local(), mf.host_buffers
 
     class Counting(cuda.Staging):
         def send(self, slot, runs):
             sent.append(sum(run.nbytes for run in runs))
             assert slot.nbytes == sent[-1]
             super().send(slot, runs)
+
+        def finish(self):
+            finished.append(len(sent))
 
     def staging():
         if not hasattr(local, "staging"):
@@ -137,6 +140,7 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     assert_same_entry(layout.read(key), entry)
     tensor_bytes = sum(a.nbytes for layer in entry.layers for a in layer.tensors.values())
     assert sum(sent) == tensor_bytes and len(sent) > len(entry.layers)
+    assert len(finished) == len(layout._load_manifest(key).blocks)  # one wait per block
     _flip_a_byte(layout.block_path(_a_block(layout, 1)))
     assert layout.read(key) is None
 
@@ -144,13 +148,19 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
 def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
         layout, codecs, monkeypatch, caplog):
     """A CUDA driver call that fails mid-read is the device's fault, not the files': the read
-    is not served, and the entry stays for the next read (a damaged block would be dropped)."""
+    is not served, and the entry stays for the next read (a damaged block would be dropped).
+    Every block still waits for the copies it sent before the read returns."""
     from foretell.platform import cuda
     from foretell_blockstore import manifest as mf
+
+    finished = []
 
     class Failing(cuda.Staging):
         def send(self, slot, runs):
             raise cuda.CudaCopyError("CUDA driver call cuMemcpy2DAsync failed (CUresult 700)")
+
+        def finish(self):
+            finished.append(1)
 
     host_buffers = mf.host_buffers
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
@@ -159,9 +169,13 @@ def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
     entry = entry_of(range(600), codecs)
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)
+    blocks = len(layout._load_manifest(key).blocks)
     with caplog.at_level(logging.WARNING):
         assert layout.read(key) is None
     assert "cuMemcpy2DAsync failed" in caplog.text
+    # Each block waited for its copies before giving up, so none can land in buffers that
+    # are freed (and reused) after the failed read.
+    assert len(finished) == blocks
     monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
     assert_same_entry(layout.read(key), entry)
 
