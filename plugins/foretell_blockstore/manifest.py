@@ -179,12 +179,17 @@ def _block_header(group: Group, rows: int) -> bytes:
 def block_ref(header: bytes, pieces: list[list[memoryview]]) -> BlockRef:
     """A block's name (SHA-256 of the whole file), size, and checksum (what reads verify),
     from its header and its pieces (:func:`block_pieces`)."""
-    digest = hashlib.sha256(header)
+    digest, checksums = hashlib.sha256(header), []
     for runs in pieces:
+        # Both hashes take each run in turn, so the second reads it from the CPU cache, not
+        # from memory: one pass over the entry's bytes instead of two.
+        state = xxhash.xxh3_64()
         for run in runs:
             digest.update(run)
+            state.update(run)
+        checksums.append(state.intdigest())
     nbytes = len(header) + sum(run.nbytes for runs in pieces for run in runs)
-    return BlockRef(digest.hexdigest(), nbytes, block_checksum(list(map(piece_checksum, pieces))))
+    return BlockRef(digest.hexdigest(), nbytes, block_checksum(checksums))
 
 
 def piece_checksum(runs: list[memoryview]) -> int:
