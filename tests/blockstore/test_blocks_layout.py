@@ -145,6 +145,30 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     assert layout.read(key) is None
 
 
+def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_path):
+    """A layout opening where an engine runs loads the CUDA driver (and pins the staging
+    arena) then, not on the first restore; one opened by a process without MLX, such as
+    `foretell cache ls`, loads neither MLX nor the driver."""
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "from foretell.platform import cuda\n"
+        "from foretell.store.entry import StoreIdentity\n"
+        "from foretell_blockstore.layout import BlockStoreLayout\n"
+        "identity = StoreIdentity(model_fingerprint='0' * 16, model_id='m',\n"
+        "                         tokenizer_hash='none', codec_providers=[])\n"
+        "if sys.argv[1] == 'engine':\n"
+        "    from foretell.platform import blas; blas.preload(); import mlx.core\n"
+        "BlockStoreLayout(sys.argv[2], identity=identity)\n"
+        "print('mlx.core' in sys.modules, len(cuda._DRIVER))\n"
+    )
+    for where, expected in (("cli", "False 0"), ("engine", "True 1")):
+        out = subprocess.run([sys.executable, "-c", script, where, str(tmp_path / where)],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert " ".join(out[-2:]) == expected, where
+
+
 def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
         layout, codecs, monkeypatch, caplog):
     """A CUDA driver call that fails mid-read is the device's fault, not the files': the read
