@@ -632,12 +632,12 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
             if stage is None:
                 offset = _read_runs(fd, runs, offset, ref)
                 if verify:
-                    checksums.append(mf.piece_checksum(runs))
+                    checksums.append(fmt.checksum(*runs))
                 continue
             slot = stage.slot(sum(run.nbytes for run in runs))
             offset = _read_runs(fd, [slot], offset, ref)
             if verify:
-                checksums.append(mf.xxhash.xxh3_64_intdigest(slot))
+                checksums.append(fmt.checksum(slot))
             stage.send(slot, runs)
     finally:
         try:

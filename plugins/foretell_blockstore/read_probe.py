@@ -8,7 +8,7 @@ same number of bytes in 128 KiB calls (one KV head's rows in a 512-token block: 
 once in each of three fresh processes, showing where a restore's read goes (zero fill,
 staging allocations, the read itself, the GPU's first use). Needs no model,
 no GPU. Numbers only, never assertions (it measured the 16-core H200 host for
-``manifest.piece_checksum`` and ``foretell.platform.cuda``).
+``manifest.block_checksum`` and ``foretell.platform.cuda``).
 """
 
 from __future__ import annotations

@@ -95,13 +95,15 @@ def test_a_piece_checksum_is_its_runs_bytes_hashed_as_one():
     every entry."""
     import random
 
-    from foretell_blockstore import manifest as mf
+    import xxhash
+
+    from foretell.store import format as fmt
 
     data = random.Random(0).randbytes(40_000)
     runs = [memoryview(data)[i:i + 4096] for i in range(0, len(data), 4096)]
-    assert mf.piece_checksum(runs) == mf.xxhash.xxh3_64_intdigest(data)
-    assert mf.piece_checksum(runs[:1]) == mf.xxhash.xxh3_64_intdigest(runs[0])
-    assert mf.piece_checksum(runs[::-1]) != mf.piece_checksum(runs)
+    assert fmt.checksum(*runs) == f"{xxhash.xxh3_64_intdigest(data):016x}"
+    assert fmt.checksum(*runs[:1]) == f"{xxhash.xxh3_64_intdigest(runs[0]):016x}"
+    assert fmt.checksum(*runs[::-1]) != fmt.checksum(*runs)
 
 
 def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byte(
