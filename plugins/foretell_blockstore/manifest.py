@@ -47,9 +47,10 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import numpy as np
 
-#: Version of the manifest and block format (4: XXH3-64 per piece; 3 had one per run, whose
-#: 128 KiB calls did not scale over readers on many cores; 2 the same per-piece stream as 4
-#: named differently; 1 CRC-32). A reader of another version skips the entry.
+#: Version of the manifest and block format (4: XXH3-64 per piece, the checksums format 2
+#: had; 3 had one per run, whose 128 KiB calls did not scale over readers on many cores;
+#: 1 CRC-32). A reader of another version skips the entry; the number only goes up, so a
+#: store written by format 2's code is not served by this one unchecked.
 FORMAT_VERSION = "blocks/4"
 _VERSION_KEY = "foretell.format_version"
 _HEADER_KEY = "foretell.header"
