@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 
 #: Version of the manifest and block format (4: XXH3-64 per piece, the checksums format 2
 #: had; 3 had one per run, whose 128 KiB calls did not scale over readers on many cores;
-#: 1 CRC-32). A reader of another version skips the entry; the number only goes up, so a
-#: store written by format 2's code is not served by this one unchecked.
+#: 1 CRC-32). A reader of another version skips the entry. The number only goes up (every
+#: block header carries it), so format 2's stores are skipped, not read by code they were
+#: not written for.
 FORMAT_VERSION = "blocks/4"
 _VERSION_KEY = "foretell.format_version"
 _HEADER_KEY = "foretell.header"
