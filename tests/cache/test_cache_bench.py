@@ -26,6 +26,8 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     # The restore read the entry the dd rows read: the same key, the same bytes.
     assert warm["read_keys"] == [prime["entry_key"]]
     assert warm["read_bytes"] == prime["entry_bytes"] == row["dd_warm"]["runs"][0]["bytes"]
+    # The tier's lookup holds the read; the same prompt right after is a RAM hit.
+    assert warm["lookup_s"] >= warm["read_s"] > 0 and warm["ram_hit_after_ttft_s"] > 0
     files = prime["entry_files"]
     if ran == "blocks":  # a manifest and its blocks
         assert files[0].endswith(".safetensors") and len(files) >= 2

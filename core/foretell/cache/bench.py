@@ -312,27 +312,16 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     tier, _factory = _open_tier(engine, directory, args.layout)
     scan_s = time.perf_counter() - start
     reads: list[float] = []
+    lookups: list[float] = []
     keys: list[str] = []
     real_read = tier.ssd.read
 
-    def timed_read(stored: Any) -> Any:
-        begin = time.perf_counter()
-        entry = real_read(stored)
-        reads.append(time.perf_counter() - begin)
+    def read(stored: Any) -> Any:
         keys.append(stored.header.key)
-        return entry
+        return real_read(stored)
 
-    tier.ssd.read = timed_read
-    real_lookup, lookups = tier.lookup, []
-
-    def timed_lookup(*args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return real_lookup(*args, **kwargs)
-        finally:
-            lookups.append(time.perf_counter() - begin)
-
-    tier.lookup = timed_lookup
+    tier.ssd.read = _timed(read, reads)
+    tier.lookup = _timed(tier.lookup, lookups)
     engine.cache = tier
     stats = _generate(engine, prompt)
     restore_s, lookup_s = sum(reads), sum(lookups)
@@ -348,6 +337,17 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
             "lookup_s": lookup_s, "ram_hit_after_ttft_s": again.ttft_s,
             "read_gb_per_s": read_bytes / restore_s / 1e9 if restore_s else None,
             "evicted": args.evict, "layout": args.layout}
+
+
+def _timed(call: Callable, seconds: list[float]) -> Callable:
+    """``call``, appending how long each call took to ``seconds``."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - begin)
+    return run
 
 
 PHASES: dict[str, Callable[..., dict[str, Any]]] = {"prime": phase_prime,
