@@ -16,4 +16,7 @@ def test_the_read_probe_reports_each_pool_and_call_size(capsys):
     for workers in (1, 2, 4, 8, 16):
         assert f"read pool {workers:2d}: unverified" in out
     assert "in 128 KiB calls" in out and "in 1024 KiB calls" in out
+    # It checks what it serves, and times a read in fresh processes by phase.
+    assert "served exactly what was written: True" in out
+    assert out.count("fresh-process verified read: buffers") == 3
     assert fmt.io_pool() is pool
