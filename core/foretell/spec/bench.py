@@ -109,14 +109,15 @@ def foretell_runner(row: str):
             return (yield from _foretell(engine, prompt, max_tokens, False))
         if row == "plain-t0.8":
             return (yield from _foretell(engine, prompt, max_tokens, False, SAMPLED))
+        adaptive = job.get("adaptive", True)
         if row == "two-model":
-            spec = _speculator(engine, job, "two-model", draft)
+            spec = _speculator(engine, job, "two-model", draft, adaptive=adaptive)
         elif row == "self":
-            spec = _speculator(engine, job, "two-model", job["model"])
+            spec = _speculator(engine, job, "two-model", job["model"], adaptive=adaptive)
         elif row == "mtp":
-            spec = _speculator(engine, job, "mtp")
+            spec = _speculator(engine, job, "mtp", adaptive=adaptive)
         elif row == "ngram-edit":
-            spec = _speculator(engine, job, "ngram")
+            spec = _speculator(engine, job, "ngram", adaptive=adaptive)
         elif row == "two-model-t0.8":
             # A fixed draft length, so the two acceptance rules are compared like for like.
             spec = _speculator(engine, job, "two-model", draft, adaptive=False)
@@ -218,10 +219,11 @@ def plain_row(row: str) -> str:
 def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens: int,
                   repeats: int, draft_model: str, num_draft_tokens: int,
                   ngram_draft_tokens: int = NGRAM_TOKENS, draft_vocab: int | None = None,
-                  progress=lambda _line: None) -> dict[str, Any]:
+                  adaptive: bool = True, progress=lambda _line: None) -> dict[str, Any]:
     """foretell's rows in one process, each round running every row once (order flipping
     per round), so drift lands on all of them; ratios are against ``plain`` on the same
-    prompt. mlx-lm is not involved (``foretell bench --speculation`` adds it)."""
+    prompt. mlx-lm is not involved (``foretell bench --speculation`` adds it). ``adaptive``
+    False drafts every row's most tokens each round (what a round costs, drafting forced)."""
     import statistics
 
     from foretell.generate import load, resolve_model_path
@@ -231,7 +233,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     path = resolve_model_path(model)
     job = {"model": str(path), "draft_model": str(resolve_model_path(draft_model)),
            "num_draft_tokens": num_draft_tokens, "ngram_draft_tokens": ngram_draft_tokens,
-           "mtp_draft_vocab": draft_vocab}
+           "mtp_draft_vocab": draft_vocab, "adaptive": adaptive}
     prompts = code_prompts(engine.tokenizer, prompt_tokens)
     rows = [r for r in runnable(path, rows, job["draft_model"])]
     runs: dict[str, list[Any]] = {row: [] for row in rows}
@@ -265,7 +267,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
             "repeats": repeats, "num_draft_tokens": num_draft_tokens,
             "ngram_draft_tokens": ngram_draft_tokens, "mtp_draft_vocab": mtp_draft_vocab(job),
-            "rows": table}
+            "adaptive": adaptive, "rows": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,13 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generate", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--row", action="append", default=None, choices=list(ROWS))
+    ap.add_argument("--fixed-k", action="store_true",
+                    help="draft the most tokens every round (no adaptive length)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     report = foretell_only(
         args.model, args.row or list(ROWS), prompt_tokens=args.prompt_tokens,
         max_tokens=args.generate, repeats=args.repeats, draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens, ngram_draft_tokens=args.ngram_draft_tokens,
-        draft_vocab=args.mtp_draft_vocab,
+        draft_vocab=args.mtp_draft_vocab, adaptive=not args.fixed_k,
         progress=lambda line: print(line, file=sys.stderr, flush=True))
     for row in report["rows"]:
         ex = row["extras"] or {}
