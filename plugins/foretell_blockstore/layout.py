@@ -19,7 +19,6 @@ first block to its manifest's rename, so a concurrent writer's blocks are never 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
@@ -609,10 +608,9 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     """Read one block: its header must be the one its manifest implies; each piece's bytes go
     to its runs (``pieces``, in file order) and are checksummed right after they land, while
     still in the cache; together they must match the manifest's checksum. ``staged``: each
-    piece is read into this thread's staging slot, hashed there in one call on the hash pool
-    while the next piece is read, and copied into its runs by the staging (on a CUDA GPU, by
-    DMA: ``foretell.platform.cuda``); otherwise it is read straight into its runs and hashed
-    there.
+    piece is read into this thread's staging slot, hashed there in one call, and copied into
+    its runs by the staging (on a CUDA GPU, by DMA: ``foretell.platform.cuda``); otherwise
+    it is read straight into its runs and hashed there.
 
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
@@ -621,7 +619,7 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
-    checksums, stage, hashing = [], None, collections.deque()
+    checksums, stage = [], None
     try:
         stage = cuda.staging() if staged else None
         if os.fstat(fd).st_size != ref.nbytes:
@@ -636,17 +634,13 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                 if verify:
                     checksums.append(fmt.checksum(*runs))
                 continue
-            while len(hashing) >= stage.SLOTS:  # the slot about to come back is hashed
-                checksums.append(hashing.popleft().result())
             slot = stage.slot(sum(run.nbytes for run in runs))
             offset = _read_runs(fd, [slot], offset, ref)
-            if verify:  # hashed while the next piece is read; the copy only reads it too
-                hashing.append(fmt.hash_pool().submit(fmt.checksum, slot))
+            if verify:
+                checksums.append(fmt.checksum(slot))
             stage.send(slot, runs)
-        checksums.extend(job.result() for job in hashing)
     finally:
         try:
-            futures.wait(hashing)  # no hash may still read a slot the next read overwrites
             if stage is not None:
                 stage.finish()  # no copy may still be landing once the read has returned
         finally:

@@ -147,62 +147,6 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     assert layout.read(key) is None
 
 
-def test_a_staged_read_hashes_each_piece_while_reading_the_next_and_never_overwrites_it(
-        tmp_path, identity, codecs, monkeypatch):
-    """A staged reader hands each piece's hash to the hash pool and reads on: the hash of a
-    piece overlaps the read of the next one, and a slot comes back to the reader only once
-    the hash reading it is done (the slot's bytes never change under a hash)."""
-    import threading
-
-    from foretell.platform import cuda
-    from foretell.store import format as fmt
-    from foretell_blockstore import layout as block_layout
-    from foretell_blockstore import manifest as mf
-
-    one_block = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=64), identity=identity)
-    reads, read_started = [0], threading.Condition()
-    overlapped, intact, pool, read_runs = [], [], fmt.hash_pool(), block_layout._read_runs
-
-    def counting_read(fd, runs, offset, ref):
-        with read_started:
-            reads[0] += 1
-            read_started.notify_all()
-        return read_runs(fd, runs, offset, ref)
-
-    class WaitingPool:
-        """Each hash waits for the reader's next read before it hashes."""
-
-        def submit(self, fn, slot):
-            with read_started:
-                seen = reads[0]
-
-            def slow_hash():
-                before = bytes(slot)
-                with read_started:
-                    overlapped.append(read_started.wait_for(lambda: reads[0] > seen, timeout=0.5))
-                    # A reader that reused this slot now would read the piece after next
-                    # into it: give it the chance.
-                    read_started.wait_for(lambda: reads[0] > seen + 1, timeout=0.05)
-                intact.append(bytes(slot) == before)
-                return fn(slot)
-
-            return pool.submit(slow_hash)
-
-    host_buffers, local = mf.host_buffers, threading.local()
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
-    monkeypatch.setattr(cuda, "staging", lambda: local.__dict__.setdefault("s", cuda.Staging()))
-    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu: host_buffers(specs))
-    entry = entry_of(range(40), codecs, dtype=mx.bfloat16)
-    assert one_block.write(entry) is True
-    assert len(one_block._load_manifest(one_block.key_for(entry.tokens)).blocks) == 1
-    monkeypatch.setattr(block_layout, "_read_runs", counting_read)
-    monkeypatch.setattr(fmt, "hash_pool", WaitingPool)
-    assert_same_entry(one_block.read(one_block.key_for(entry.tokens)), entry)
-    pieces = 2 * len(entry.layers)  # keys and values of every layer
-    assert len(overlapped) == pieces and all(intact)
-    assert overlapped[:-1] == [True] * (pieces - 1)  # the last piece has no next read
-
-
 def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_path):
     """A layout opening where an engine runs loads the CUDA driver (and pins the staging
     arena) then, not on the first restore; one opened by a process without MLX, such as

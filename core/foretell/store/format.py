@@ -369,12 +369,6 @@ def io_pool() -> Any:
     return _pool("foretell-store")
 
 
-def hash_pool() -> Any:
-    """Threads that checksum what the readers have just read, so a reader reads its next
-    piece while its last one is hashed (the block store's staged reads)."""
-    return _pool("foretell-store-hash")
-
-
 def write_pool() -> Any:
     """The store's writer threads (a block store's blocks in parallel), each at
     :func:`background_priority`; reads keep their own pool at normal priority."""
