@@ -55,3 +55,14 @@ def test_bfloat16_inputs_attend_in_float32_like_the_single_token_kernel():
     scale = np.abs(np.array(reference)).max()
     # one bfloat16 rounding of the output (2**-8 relative), nothing more
     assert error.max() <= scale * 2.0**-8
+
+
+def test_the_layers_of_one_forward_share_one_mask():
+    """Every layer of a verify forward asks for the same causal mask: they get one array
+    (one graph node; on CUDA a round's cost grows with its nodes), and a new window a new
+    one."""
+    first = causal_mask(4, 10)
+    assert causal_mask(4, 10) is first
+    assert causal_mask(4, 11) is not first and causal_mask(4, 10, 8) is not first
+    np.testing.assert_array_equal(np.array(causal_mask(4, 10)),
+                                  np.arange(14)[None] <= np.arange(10, 14)[:, None])

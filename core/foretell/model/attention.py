@@ -16,6 +16,12 @@ import mlx.core as mx
 Mask = mx.array | str | None
 
 
+#: The last mask built and its arguments: every layer of one forward asks for the same one,
+#: so they share one array (one graph node, not one per layer: on CUDA a verify round is
+#: bound by the host's per-node work, docs/speculation.md).
+_LAST_CAUSAL: tuple[Any, mx.array | None] = (None, None)
+
+
 def causal_mask(n_queries: int, n_prior: int = 0, window: int | None = None) -> mx.array:
     """Boolean mask for ``n_queries`` new tokens that follow ``n_prior`` keys.
 
@@ -23,11 +29,16 @@ def causal_mask(n_queries: int, n_prior: int = 0, window: int | None = None) -> 
     ``j <= n_prior + i`` and, with a ``window``, when fewer than ``window`` positions
     separate them (the token itself counts, so it sees ``window`` keys at most).
     """
+    global _LAST_CAUSAL
+    key, mask = _LAST_CAUSAL
+    if key == (n_queries, n_prior, window):
+        return mask
     key_pos = mx.arange(n_prior + n_queries)[None]
     query_pos = mx.arange(n_prior, n_prior + n_queries)[:, None]
     mask = query_pos >= key_pos
     if window is not None:
         mask = mask & (query_pos - key_pos < window)
+    _LAST_CAUSAL = ((n_queries, n_prior, window), mask)
     return mask
 
 
@@ -111,15 +122,37 @@ def matmul_attention(
     kv_heads, S = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     f32 = mx.float32
-    q = (queries.astype(f32) * scale).reshape(B, kv_heads, group, L, dim)
-    scores = q @ keys.astype(f32)[:, :, None].swapaxes(-1, -2)  # [B, kv, group, L, S]
+    # A KV head's query heads stacked as rows (group-major), so every product is one plain
+    # batched matmul with no broadcast of the keys: fewer graph nodes per layer.
+    q = (queries.astype(f32) * scale).reshape(B, kv_heads, group * L, dim)
+    keys_t = keys.astype(f32).swapaxes(-1, -2)
     if isinstance(mask, str):
         mask = causal_mask(L, S - L)
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, f32))
-        else:
-            scores = scores + mask.astype(f32)
+    if mask is None:
+        scores = q @ keys_t  # [B, kv, group * L, S]
+    else:  # the mask as 0 / -inf, added by the matmul itself: exactly where() on the scores
+        scores = mx.addmm(_additive(mask, group), q, keys_t)
     weights = mx.softmax(scores, axis=-1)
-    out = weights @ values.astype(f32)[:, :, None]  # [B, kv, group, L, dim]
+    out = weights @ values.astype(f32)  # [B, kv, group * L, dim]
     return out.reshape(B, heads, L, dim).astype(queries.dtype)
+
+
+_LAST_ADDITIVE: tuple[mx.array | None, mx.array | None] = (None, None)
+
+
+def _additive(mask: mx.array, group: int) -> mx.array:
+    """``mask`` ``[L, S]`` as float32 scores to add, 0 where it lets a query attend and -inf
+    where not (a float mask as it is), repeated for ``group`` query heads stacked as rows:
+    ``[group * L, S]``. Layers sharing one mask share its additive form."""
+    global _LAST_ADDITIVE
+    seen, additive = _LAST_ADDITIVE
+    if seen is mask and additive.shape[-2] == group * mask.shape[-2]:
+        return additive
+    if mask.dtype == mx.bool_:
+        additive = mx.where(mask, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+    else:
+        additive = mask.astype(mx.float32)
+    if group > 1:
+        additive = mx.tile(additive, (group, 1))
+    _LAST_ADDITIVE = (mask, additive)
+    return additive
