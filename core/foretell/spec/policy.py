@@ -16,7 +16,9 @@ stall switching a good length off. The first drafted rounds draft ``max_k``, the
 stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
 the best ``k`` and the length timed longest ago among those that could still pay, so no
 estimate goes stale for good, as often as a budget of about 1% of the decoding time allows
-(``PROBE_BUDGET``): cheap probes often, costly ones rarely.
+(``PROBE_BUDGET``): cheap probes often, costly ones rarely. A drafted round right after
+plain steps is not timed, as it also pays for switching back (a model drafter catches up
+on the plain tokens); so a probe from plain steps is two rounds, the second one timed.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ class DraftLengthPolicy:
         self._probe_every = PROBE_EVERY
         self._next_probe = PROBE_EVERY
         self._probing = False
+        #: The last observation was a plain stretch (the next drafted round switches back).
+        self._after_plain = False
+        #: A probe's second round: the length its first, untimed round drafted.
+        self._probe_again = 0
+        #: Plain steps' worth of time a probe has lost so far.
+        self._probe_lost = 0.0
 
     # -- the model --------------------------------------------------------------------
 
@@ -149,6 +157,9 @@ class DraftLengthPolicy:
             return limit
         if 0 not in self._time:
             return 0
+        if self._probe_again:
+            k, self._probe_again = self._probe_again, 0
+            return min(k, limit)
         expected = self._expected()
         rates = [e / t for e, t in zip(expected, self._round_times())]
         self._best = max(range(self.max_k + 1), key=rates.__getitem__)
@@ -172,16 +183,30 @@ class DraftLengthPolicy:
         return min(hopeful, key=lambda n: self._timed_at.get(n, -1)) if hopeful else None
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``."""
+        """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``.
+
+        A drafted round right after plain steps is not timed: it also pays for switching
+        back (a model drafter catches up on every plain token since its last draft, the
+        pipeline refills), which the rounds after it do not. So a probe from plain steps
+        runs two rounds, the second timed, and a drafter whose switch-back is costly is
+        still judged by what its rounds cost while it drafts; the probe budget counts what
+        both rounds lost."""
+        switching = bool(drafted) and self._after_plain
+        self._after_plain = not drafted
         if self._probing:
-            self._probing = False
             plain = self._time.get(0)
-            lost = (seconds - (1 + accepted) * plain) / plain if drafted and plain else 0.0
-            if lost > 0:
-                wait = math.ceil(lost / (PROBE_BUDGET * PLAIN_STRETCH))
-                self._probe_every = min(max(wait, PROBE_EVERY_MIN), PROBE_EVERY_MAX)
+            if drafted and plain:
+                self._probe_lost += (seconds - (1 + accepted) * plain) / plain
+            if switching:
+                self._probe_again = drafted
             else:
-                self._probe_every = PROBE_EVERY
+                self._probing = False
+                lost, self._probe_lost = self._probe_lost, 0.0
+                if lost > 0:
+                    wait = math.ceil(lost / (PROBE_BUDGET * PLAIN_STRETCH))
+                    self._probe_every = min(max(wait, PROBE_EVERY_MIN), PROBE_EVERY_MAX)
+                else:
+                    self._probe_every = PROBE_EVERY
         for i in range(drafted):
             self._offered[i] = self._offered[i] * DECAY + 1.0
             self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
@@ -189,6 +214,8 @@ class DraftLengthPolicy:
                 break
         if drafted:
             self._drafted_rounds += 1
+        if switching:
+            return
         if drafted not in self._seen:
             # A length's first round pays its one-off costs: on CUDA, MLX compiles the
             # kernels of each new window shape on first use (seconds, measured on the H200),
