@@ -202,3 +202,21 @@ def test_a_drafter_whose_switch_back_is_costly_is_judged_by_its_rounds_while_dra
     assert sum(k == 0 for k in chosen[200:300]) > 80  # off while its rounds did not pay
     late = chosen[750:]
     assert sum(k > 0 for k in late) / len(late) > 0.8
+
+
+def test_drafted_rounds_that_were_never_timed_lead_to_a_timed_one_not_an_error():
+    """Every drafted round so far was a length's first or a switch back from plain steps
+    (prompt lookup drafting 4, 3, then 2 tokens): none was timed, so the policy drafts
+    again to time one (a probe's second round is timed even at a new length)."""
+    policy = DraftLengthPolicy(4)
+    for n in (4, 3, 2):
+        assert policy.choose(100) == 4
+        policy.observe(n, 0, 0.01)
+    for _ in range(2):  # plain steps are timed first (their first stretch is not timed)
+        assert policy.choose(100) == 0
+        policy.observe(0, 0, 0.005)
+    assert policy.choose(100) == 4
+    policy.observe(1, 1, 0.02)  # a switch back, at a new length: not timed
+    assert policy.round_time(1) is None and policy.choose(100) == 4
+    policy.observe(1, 1, 0.012)
+    assert policy.round_time(1) is not None

@@ -160,8 +160,11 @@ class DraftLengthPolicy:
         if self._probe_again:
             k, self._probe_again = self._probe_again, 0
             return min(k, limit)
+        times = self._round_times()
+        if times is None:  # no drafted round timed yet (each was a length's first, say)
+            return limit
         expected = self._expected()
-        rates = [e / t for e, t in zip(expected, self._round_times())]
+        rates = [e / t for e, t in zip(expected, times)]
         self._best = max(range(self.max_k + 1), key=rates.__getitem__)
         k = self._best
         if self._rounds >= self._next_probe:
@@ -215,6 +218,7 @@ class DraftLengthPolicy:
         if drafted:
             self._drafted_rounds += 1
         if switching:
+            self._seen.add(drafted)  # it paid this length's first-use costs too
             return
         if drafted not in self._seen:
             # A length's first round pays its one-off costs: on CUDA, MLX compiles the
