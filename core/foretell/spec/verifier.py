@@ -474,12 +474,9 @@ class Drafting:
     and returns it as ``[B]``; ``draft()`` is the :class:`Draft` so far."""
 
     def __init__(self, sampler: Sampler, keys: RandomKeys | None):
-        from foretell.platform.device import queues_each_step
-
         self.sampler, self.keys = sampler, keys
         self._tokens: list[mx.array] = []
         self._q: list[mx.array] = []
-        self._queue = queues_each_step()
 
     def add(self, logits: mx.array) -> mx.array:
         scores = self.sampler.scores(logits)
@@ -487,8 +484,6 @@ class Drafting:
         if not self.sampler.greedy:
             self._q.append(self.sampler.probabilities(scores))
         self._tokens.append(token)
-        if self._queue:  # the device computes this step while the host builds the next
-            mx.async_eval(token, *self._q[-1:])
         return token
 
     def draft(self) -> Draft:
