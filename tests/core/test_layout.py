@@ -194,7 +194,7 @@ def imported_names(path: Path) -> set[str]:
 
 
 #: Measuring tools kept beside what they measure; they drive the engine from the top.
-TOOLS_BESIDE_THEIR_PART = {"bench.py", "probe.py", "restore_probe.py"}
+TOOLS_BESIDE_THEIR_PART = {"bench.py", "probe.py", "restore_probe.py", "round_probe.py"}
 
 
 def _runtime_imports(path: Path) -> set[str]:

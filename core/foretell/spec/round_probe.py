@@ -1,0 +1,152 @@
+"""Where a speculative round's time goes on this machine (not a test).
+
+    python -m foretell.spec.round_probe [--model demo] [--draft mtp] [--num-draft-tokens 3]
+
+1. Plain decoding and the drafter at a fixed draft length, in turns: tok/s, and per token
+   (plain) or per round the wall time, the time inside ``mx.async_eval`` (on CUDA MLX encodes
+   every graph node there, on the calling thread, so it is host time) and the time the
+   round's one sync waits for the device.
+2. The adaptive policy's own figures after a few requests with the adaptive length: the
+   round time it keeps per draft length and its acceptance per draft position.
+
+It measures by wrapping ``mx.async_eval`` and the verifier's ``finish`` for its own runs and
+puts both back afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from typing import Any
+
+
+@contextlib.contextmanager
+def _timed_host_work(totals: dict[str, float]):
+    """Add the seconds spent inside ``mx.async_eval`` to ``totals["encode"]`` and those a
+    round's sync waits for the device to ``totals["wait"]``, while inside."""
+    import mlx.core as mx
+
+    from foretell.spec import verifier
+
+    real_async, real_finish = mx.async_eval, verifier._Verifier.finish
+
+    def async_eval(*arrays: Any) -> None:
+        start = time.perf_counter()
+        real_async(*arrays)
+        totals["encode"] += time.perf_counter() - start
+
+    def finish(self: Any, round_: Any) -> list[int]:
+        start = time.perf_counter()
+        mx.eval(round_.values)
+        totals["wait"] += time.perf_counter() - start
+        return real_finish(self, round_)
+
+    mx.async_eval, verifier._Verifier.finish = async_eval, finish
+    try:
+        yield
+    finally:
+        mx.async_eval, verifier._Verifier.finish = real_async, real_finish
+
+
+def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any) -> Any:
+    stats = None
+    for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
+                                 speculate=speculate):
+        if event.type == "stats":
+            stats = event
+    return stats
+
+
+def host_split(engine: Any, prompt: list[int], tokens: int, rows: dict[str, Any],
+               repeats: int) -> list[dict[str, Any]]:
+    """Per row (None: plain decoding), medians over ``repeats`` turns: tok/s, and per token
+    or round the wall, encode and wait times in ms."""
+    runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in rows}
+    for _name, speculate in rows.items():  # warm-up
+        _generate(engine, prompt, tokens, speculate)
+    for turn in range(repeats):
+        for name, speculate in (rows.items() if turn % 2 == 0 else list(rows.items())[::-1]):
+            totals = {"encode": 0.0, "wait": 0.0}
+            with _timed_host_work(totals):
+                stats = _generate(engine, prompt, tokens, speculate)
+            spec = stats.speculation
+            decoded = stats.generated_tokens - 1  # generation_tps times what follows the first
+            units = spec["target_forwards"] if spec else decoded
+            wall = decoded / stats.generation_tps
+            runs[name].append((stats.generation_tps, wall / units * 1e3,
+                               totals["encode"] / units * 1e3, totals["wait"] / units * 1e3,
+                               spec["tokens_per_target_forward"] if spec else 1.0))
+    table = []
+    for name, samples in runs.items():
+        median = [statistics.median(s[i] for s in samples) for i in range(5)]
+        table.append({"row": name, "tps": median[0], "wall_ms": median[1],
+                      "encode_ms": median[2], "wait_ms": median[3],
+                      "tokens_per_round": median[4], "per": "round" if rows[name] else "token"})
+    return table
+
+
+def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
+                   requests: int) -> list[dict[str, Any]]:
+    """After each of ``requests`` adaptive requests: tok/s, mean k, and what the policy
+    keeps (ms per round by draft length, acceptance per draft position)."""
+    out = []
+    for _ in range(requests):
+        stats = _generate(engine, prompt, tokens, speculator)
+        policy = speculator.policy
+        out.append({"tps": stats.generation_tps, "mean_k": stats.speculation["mean_k"],
+                    "round_ms": {n: t * 1e3 for n, t in sorted(policy._time.items())},
+                    "acceptance": policy.acceptance()})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from foretell.platform import blas
+
+    blas.preload()
+    from foretell.generate import load
+    from foretell.plugin.registry import Kind
+    from foretell.spec.bench import code_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m foretell.spec.round_probe",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--draft", default="mtp", help="the draft provider (its default options)")
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=992)
+    ap.add_argument("--generate", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=4,
+                    help="adaptive requests before the policy's figures are read")
+    args = ap.parse_args(argv)
+    engine = load(args.model)
+    prompt = code_prompts(engine.tokenizer, args.prompt_tokens)["code"]
+    config = engine.registry.get(Kind.DRAFT, args.draft).config
+    options = config() if config is not None else None
+
+    def speculator(adaptive: bool) -> Any:
+        made = engine.use_draft(args.draft, options, max_tokens=args.num_draft_tokens,
+                                adaptive=adaptive)
+        engine.use_draft(None)
+        return made
+
+    fixed = f"{args.draft} k={args.num_draft_tokens}"
+    for row in host_split(engine, prompt, args.generate, {"plain": None, fixed: speculator(False)},
+                          args.repeats):
+        print(f"{row['row']:<16} {row['tps']:8.1f} tok/s; per {row['per']}: wall "
+              f"{row['wall_ms']:.2f} ms, inside async_eval {row['encode_ms']:.2f} ms, "
+              f"waiting {row['wait_ms']:.2f} ms ({row['tokens_per_round']:.2f} tokens)")
+    adaptive = speculator(True)
+    for i, seen in enumerate(policy_figures(engine, prompt, args.generate, adaptive,
+                                            args.requests)):
+        times = ", ".join(f"{n}: {t:.2f}" for n, t in seen["round_ms"].items())
+        rates = ", ".join(f"{a:.2f}" for a in seen["acceptance"])
+        print(f"adaptive request {i + 1}: {seen['tps']:.1f} tok/s, mean k {seen['mean_k']:.2f}; "
+              f"policy: ms per round by k {{{times}}}, acceptance by position [{rates}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
