@@ -277,13 +277,17 @@ def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.E
     """Write ``entry`` until told to stop, each time into an empty directory (then deleted):
     a spill worker that never runs dry, writing every byte each time (a block store would
     otherwise find every block already stored and write only a manifest), at the spill
-    worker's priority."""
+    worker's priority and pace (``foretell.cache.spill.Pace``)."""
+    from foretell.cache.spill import Pace, default_duty
     from foretell.store.format import background_priority
 
     background_priority()
-    while not stop.is_set():
+    pace = Pace(default_duty())
+    while not stop.wait(pace.rest()):
         root = scratch / f"write-{count[0]}"
+        start = time.monotonic()
         factory(root).write(entry)
+        pace.wrote(time.monotonic() - start)
         shutil.rmtree(root, ignore_errors=True)
         count[0] += 1
 

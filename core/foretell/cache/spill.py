@@ -12,6 +12,7 @@ pending, dropped or failed (invariant 9).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -20,8 +21,9 @@ from typing import Any
 
 import attrs
 
+from foretell.errors import ConfigError
 from foretell.store.entry import Entry
-from foretell.store.format import background_priority
+from foretell.store.format import background_priority, parallel_reads
 
 log = logging.getLogger("foretell.cache")
 
@@ -45,19 +47,59 @@ class FlushReport:
         return attrs.asdict(self)
 
 
-class SpillQueue:
-    """A serial writer thread fed through a queue bounded in bytes."""
+def default_duty() -> float:
+    """The share of its running time the spill worker may spend writing: all of it on a host
+    with cores to spare, a quarter where a decode keeps every core busy (a 2-core machine:
+    decode beside a never-dry writer ran at 0.82x idle even at nice 10; see
+    docs/cache-storage.md). ``FORETELL_SPILL_DUTY`` (0 < d <= 1) sets it."""
+    forced = os.environ.get("FORETELL_SPILL_DUTY")
+    if forced:
+        try:
+            return float(Pace(float(forced)).duty)
+        except ValueError:
+            raise ConfigError("FORETELL_SPILL_DUTY",
+                              [f"{forced!r} is not a number in (0, 1]"]) from None
+    return 1.0 if parallel_reads() else SMALL_HOST_DUTY
 
-    def __init__(self, write: Callable[[Entry], bool], max_bytes: int, on_done: Done):
+
+#: ``default_duty`` on a host with fewer than ``PARALLEL_READ_CORES`` cores.
+SMALL_HOST_DUTY = 0.25
+
+
+@attrs.define
+class Pace:
+    """Keeps a background writer to ``duty`` of its time: after a write of ``t`` seconds the
+    next one may start ``t * (1 / duty - 1)`` seconds later (``duty`` 1: at once)."""
+
+    duty: float = attrs.field(validator=attrs.validators.and_(attrs.validators.gt(0.0),
+                                                              attrs.validators.le(1.0)))
+    _ready_at: float = 0.0
+
+    def wrote(self, seconds: float) -> None:
+        self._ready_at = time.monotonic() + seconds * (1.0 / self.duty - 1.0)
+
+    def rest(self) -> float:
+        """Seconds to wait before the next write."""
+        return max(0.0, self._ready_at - time.monotonic())
+
+
+class SpillQueue:
+    """A serial writer thread fed through a queue bounded in bytes, writing at most ``duty``
+    of the time (:class:`Pace`) except while someone waits for it to drain."""
+
+    def __init__(self, write: Callable[[Entry], bool], max_bytes: int, on_done: Done,
+                 duty: float | None = None):
         self._write = write
         self._on_done = on_done
         self.max_bytes = max_bytes
+        self.pace = Pace(default_duty() if duty is None else duty)
         self._queue: deque[Entry] = deque()
         self._queued_bytes = 0
         self._in_flight: Entry | None = None
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._draining = 0  # callers waiting in drain(): write at once, no rests
         self.dropped = 0
 
     def submit(self, entry: Entry) -> None:
@@ -89,11 +131,16 @@ class SpillQueue:
         """Wait until every queued snapshot has been written (or failed); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._in_flight is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._draining += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._in_flight is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._draining -= 1
         return True
 
     def close(self, timeout: float | None = None) -> bool:
@@ -108,18 +155,23 @@ class SpillQueue:
         background_priority()  # writes take the CPU a decode leaves idle
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
+                while True:
+                    rest = 0.0 if self._draining or self._closed else self.pace.rest()
+                    if self._queue and rest <= 0:
+                        break
+                    if not self._queue and self._closed:
+                        return
+                    self._cond.wait(rest if self._queue else None)
                 entry = self._queue.popleft()
                 self._queued_bytes -= entry.tensor_bytes
                 self._in_flight = entry
+            start = time.monotonic()
             try:
                 outcome = "stored" if self._write(entry) else "failed"
             except Exception:  # the cold tier never takes serving down (invariant 9)
                 log.exception("cache spill write failed")
                 outcome = "failed"
+            self.pace.wrote(time.monotonic() - start)
             self._on_done(entry, outcome)
             with self._cond:
                 self._in_flight = None

@@ -62,6 +62,7 @@ class CacheTier:
         layout: StorageLayout | None = None,
         ssd_bytes: int = DEFAULT_SSD_BYTES,
         spill_bytes: int = DEFAULT_SPILL_BYTES,
+        spill_duty: float | None = None,
         checkpoint_every: int = 64,
     ):
         self.codecs = list(codecs)
@@ -69,7 +70,8 @@ class CacheTier:
         self.checkpoint_every = checkpoint_every
         self.ram = PrefixCache(self.codecs, ram_bytes)
         self.ssd = SsdIndex(layout, self.codecs, ssd_bytes) if layout is not None else None
-        self._spill = (SpillQueue(self._write, spill_bytes, self._written)
+        # spill_duty: the share of its time the writer may write (None: spill.default_duty)
+        self._spill = (SpillQueue(self._write, spill_bytes, self._written, spill_duty)
                        if self.ssd is not None else None)
         self._lock = threading.Lock()
         #: States handed to ``store`` and not yet known to be on disk.
