@@ -49,9 +49,10 @@ class FlushReport:
 
 def default_duty() -> float:
     """The share of its running time the spill worker may spend writing: all of it on a host
-    with cores to spare, a quarter where a decode keeps every core busy (a 2-core machine:
-    decode beside a never-dry writer ran at 0.82x idle even at nice 10; see
-    docs/cache-storage.md). ``FORETELL_SPILL_DUTY`` (0 < d <= 1) sets it."""
+    with cores to spare, a tenth where a decode keeps every core busy (the 2-core dev VM,
+    decode beside a never-dry writer at nice 10: 0.84x idle writing all the time, 0.92x at a
+    quarter, 0.94x and 1.03x at a tenth; docs/cache-storage.md). ``FORETELL_SPILL_DUTY``
+    (0 < d <= 1) sets it."""
     forced = os.environ.get("FORETELL_SPILL_DUTY")
     if forced:
         try:
@@ -63,7 +64,7 @@ def default_duty() -> float:
 
 
 #: ``default_duty`` on a host with fewer than ``PARALLEL_READ_CORES`` cores.
-SMALL_HOST_DUTY = 0.25
+SMALL_HOST_DUTY = 0.1
 
 
 @attrs.define
