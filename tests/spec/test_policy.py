@@ -219,4 +219,4 @@ def test_drafted_rounds_that_were_never_timed_lead_to_a_timed_one_not_an_error()
     policy.observe(1, 1, 0.02)  # a switch back, at a new length: not timed
     assert policy.round_time(1) is None and policy.choose(100) == 4
     policy.observe(1, 1, 0.012)
-    assert policy.round_time(1) is not None
+    assert policy.round_time(1) is not None and policy.measured() == {0: 0.005, 1: 0.012}

@@ -114,6 +114,11 @@ class DraftLengthPolicy:
             totals.append(total)
         return totals
 
+    def measured(self) -> dict[int, float]:
+        """Seconds per round as measured, by tokens drafted (0: a plain step): the least of
+        each length's recent rounds, before any fit."""
+        return dict(sorted(self._time.items()))
+
     def round_time(self, n: int) -> float | None:
         """Seconds of a round drafting ``n`` tokens, or None before a plain and a drafted
         round were timed (see :meth:`_round_times`)."""

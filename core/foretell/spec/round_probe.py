@@ -97,7 +97,7 @@ def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
         stats = _generate(engine, prompt, tokens, speculator)
         policy = speculator.policy
         out.append({"tps": stats.generation_tps, "mean_k": stats.speculation["mean_k"],
-                    "round_ms": {n: t * 1e3 for n, t in sorted(policy._time.items())},
+                    "round_ms": {n: t * 1e3 for n, t in policy.measured().items()},
                     "acceptance": policy.acceptance()})
     return out
 
