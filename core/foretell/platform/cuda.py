@@ -38,13 +38,16 @@ class CudaCopyError(OSError):
 class Staging:
     """Host staging for one reader thread: copies with the CPU (the reference behaviour)."""
 
+    #: Slots handed out in turn, so a reader fills one while the other's copy runs.
+    SLOTS = 2
+
     def __init__(self) -> None:
-        self._slots: list[Any] = [None, None]
+        self._slots: list[Any] = [None] * self.SLOTS
         self._turn = 0
 
     def slot(self, nbytes: int) -> memoryview:
         """A writable buffer of ``nbytes``, free to overwrite (its last copy has landed)."""
-        index = self._turn % 2
+        index = self._turn % self.SLOTS
         self._turn += 1
         self._wait(index)
         if self._slots[index] is None or len(self._slots[index]) < nbytes:
@@ -66,10 +69,6 @@ class Staging:
 
     def _allocate(self, index: int, nbytes: int) -> Any:
         return bytearray(nbytes)
-
-
-class _Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
 class _Memcpy2D(ctypes.Structure):
@@ -149,13 +148,13 @@ class CudaStaging(Staging):
         driver.check(lib.cuStreamCreate(ctypes.byref(self._stream), _STREAM_NON_BLOCKING),
                      "cuStreamCreate")
         self._events = []
-        for _ in range(2):
+        for _ in range(self.SLOTS):
             event = ctypes.c_void_p()
             driver.check(lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING),
                          "cuEventCreate")
             self._events.append(event)
-        self._sent = [False, False]
-        self._owned = [False, False]  # a slot of its own (freed when it grows), not the arena's
+        self._sent = [False] * self.SLOTS
+        self._owned = [False] * self.SLOTS  # a slot of its own (freed when it grows), not the arena's
 
     def send(self, slot: memoryview, runs: list[memoryview]) -> None:
         lib, check = self._driver.lib, self._driver.check
@@ -177,14 +176,14 @@ class CudaStaging(Staging):
                 check(lib.cuMemcpyHtoDAsync_v2(address, source + offset, size, self._stream),
                       "cuMemcpyHtoDAsync")
                 offset += size
-        index = (self._turn - 1) % 2
+        index = (self._turn - 1) % self.SLOTS  # the slot handed out last
         check(lib.cuEventRecord(self._events[index], self._stream), "cuEventRecord")
         self._sent[index] = True
 
     def finish(self) -> None:
         self._driver.check(self._driver.lib.cuStreamSynchronize(self._stream),
                            "cuStreamSynchronize")
-        self._sent = [False, False]
+        self._sent = [False] * self.SLOTS
 
     def _wait(self, index: int) -> None:
         if self._sent[index]:
