@@ -46,3 +46,40 @@ def test_an_unknown_layout_is_refused_naming_the_option_and_the_installed_ones(t
     with pytest.raises(BenchError, match=r"--layout nope: .*installed: .*blocks.*single-file"):
         bench.run_cache_bench([("tiny", tmp_path)], prompt_tokens=8, repeats=1,
                               decode_tokens=1, layout="nope", work_dir=tmp_path)
+
+
+def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
+    """The decode-under-writes row measures what the spill worker costs: its writes run on
+    the worker's own thread (so at its priority and pace), each into a fresh directory that
+    is then deleted, until the decode is over."""
+    import threading
+    import time
+
+    from foretell.cache.bench import _write_until
+
+    threads, roots = [], []
+
+    class Layout:
+        def __init__(self, root):
+            self.root = root
+
+        def write(self, entry):
+            threads.append(threading.current_thread().name)
+            roots.append(self.root)
+            self.root.mkdir()
+            return True
+
+    class Entry:
+        tensor_bytes = 8
+
+    stop, count = threading.Event(), [0]
+    writer = threading.Thread(target=_write_until, args=(Layout, tmp_path, Entry(), stop, count))
+    writer.start()
+    deadline = time.monotonic() + 5
+    while count[0] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    writer.join(5)
+    assert not writer.is_alive() and count[0] == len(roots) >= 2
+    assert set(threads) == {"foretell-spill"} and len(set(roots)) == len(roots)
+    assert list(tmp_path.iterdir()) == []

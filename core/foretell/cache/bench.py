@@ -274,22 +274,28 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
 
 def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.Event,
                  count: list[int]) -> None:
-    """Write ``entry`` until told to stop, each time into an empty directory (then deleted):
-    a spill worker that never runs dry, writing every byte each time (a block store would
-    otherwise find every block already stored and write only a manifest), at the spill
-    worker's priority and pace (``foretell.cache.spill.Pace``)."""
-    from foretell.cache.spill import Pace, default_duty
-    from foretell.store.format import background_priority
+    """Keep the spill worker itself (``foretell.cache.spill.SpillQueue``: its priority, its
+    pace) writing ``entry`` until told to stop, each time into an empty directory (then
+    deleted): a spill that never runs dry, writing every byte each time (a block store
+    would otherwise find every block already stored and write only a manifest)."""
+    from foretell.cache.spill import SpillQueue
 
-    background_priority()
-    pace = Pace(default_duty())
-    while not stop.wait(pace.rest()):
+    def write(stored: Any) -> bool:
         root = scratch / f"write-{count[0]}"
-        start = time.monotonic()
-        factory(root).write(entry)
-        pace.wrote(time.monotonic() - start)
-        shutil.rmtree(root, ignore_errors=True)
-        count[0] += 1
+        try:
+            return factory(root).write(stored)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            count[0] += 1
+
+    def again(stored: Any, _outcome: str) -> None:
+        if not stop.is_set():
+            queue.submit(stored)
+
+    queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
+    queue.submit(entry)
+    stop.wait()
+    queue.close()
 
 
 def phase_restore(model: Path, directory: Path, prompt: list[int], args: argparse.Namespace

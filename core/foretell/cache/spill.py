@@ -47,6 +47,10 @@ class FlushReport:
         return attrs.asdict(self)
 
 
+#: ``default_duty`` on a host with fewer than ``PARALLEL_READ_CORES`` cores.
+SMALL_HOST_DUTY = 0.1
+
+
 def default_duty() -> float:
     """The share of its running time the spill worker may spend writing: all of it on a host
     with cores to spare, a tenth where a decode keeps every core busy (the 2-core dev VM,
@@ -54,17 +58,13 @@ def default_duty() -> float:
     quarter, 0.94x and 1.03x at a tenth; docs/cache-storage.md). ``FORETELL_SPILL_DUTY``
     (0 < d <= 1) sets it."""
     forced = os.environ.get("FORETELL_SPILL_DUTY")
-    if forced:
-        try:
-            return float(Pace(float(forced)).duty)
-        except ValueError:
-            raise ConfigError("FORETELL_SPILL_DUTY",
-                              [f"{forced!r} is not a number in (0, 1]"]) from None
-    return 1.0 if parallel_reads() else SMALL_HOST_DUTY
-
-
-#: ``default_duty`` on a host with fewer than ``PARALLEL_READ_CORES`` cores.
-SMALL_HOST_DUTY = 0.1
+    if not forced:
+        return 1.0 if parallel_reads() else SMALL_HOST_DUTY
+    try:
+        return Pace(float(forced)).duty  # Pace checks the range
+    except ValueError:
+        raise ConfigError("FORETELL_SPILL_DUTY",
+                          [f"{forced!r} is not a number in (0, 1]"]) from None
 
 
 @attrs.define
