@@ -102,27 +102,19 @@ def fresh_read(root: str, key: str) -> dict[str, float]:
     import mlx.core as mx
 
     from foretell.platform import cuda
+    from foretell.tools.bench import timed
     from foretell_blockstore import manifest as mf
 
     layout = _layout(root)
-    spent = {"buffers_s": 0.0, "staging_alloc_s": 0.0}
-    fill, allocate = mf.host_buffers, cuda.CudaStaging._allocate
-
-    def timed(name: str, call: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - start
-        return run
-
-    mf.host_buffers = timed("buffers_s", fill)
-    cuda.CudaStaging._allocate = timed("staging_alloc_s", allocate)
+    fills: list[float] = []
+    allocations: list[float] = []
+    mf.host_buffers = timed(mf.host_buffers, fills)
+    cuda.CudaStaging._allocate = timed(cuda.CudaStaging._allocate, allocations)
     mx.eval(mx.zeros(4) + 1)  # the device up, as a restore finds it after the model loads
     start = time.perf_counter()
     layers = layout.read_layers(key)
-    spent["read_s"] = time.perf_counter() - start
+    spent = {"buffers_s": sum(fills), "staging_alloc_s": sum(allocations),
+             "read_s": time.perf_counter() - start}
     start = time.perf_counter()
     mx.eval([a.astype(mx.float32).sum() for layer in layers for a in layer.tensors.values()])
     spent["first_use_s"] = time.perf_counter() - start

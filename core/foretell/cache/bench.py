@@ -304,6 +304,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     import mlx.core as mx
 
     import foretell
+    from foretell.tools.bench import timed
 
     start = time.perf_counter()
     engine = foretell.load(model)
@@ -330,8 +331,8 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
         keys.append(stored.header.key)
         return real_read(stored)
 
-    tier.ssd.read = _timed(read, reads)
-    tier.lookup = _timed(tier.lookup, lookups)
+    tier.ssd.read = timed(read, reads)
+    tier.lookup = timed(tier.lookup, lookups)
     engine.cache = tier
     stats = _generate(engine, prompt)
     restore_s, lookup_s = sum(reads), sum(lookups)
@@ -347,17 +348,6 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
             "lookup_s": lookup_s, "ram_hit_after_ttft_s": again.ttft_s,
             "read_gb_per_s": read_bytes / restore_s / 1e9 if restore_s else None,
             "evicted": args.evict, "layout": args.layout}
-
-
-def _timed(call: Callable, seconds: list[float]) -> Callable:
-    """``call``, appending how long each call took to ``seconds``."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - begin)
-    return run
 
 
 PHASES: dict[str, Callable[..., dict[str, Any]]] = {"prime": phase_prime,

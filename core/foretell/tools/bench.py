@@ -110,6 +110,18 @@ class Timing:
     extras: dict[str, Any] = attrs.field(factory=dict)
 
 
+def timed(call: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
+    """``call``, appending how long each call took to ``seconds`` (for a bench or a probe
+    that puts it in place of a function to see where time goes)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - begin)
+    return run
+
+
 def time_run(steps: Steps, prompt_tokens: int) -> Timing:
     """Clock a runner the same way for both sides: prefill is the prompt over the time to
     the first token; decode is the tokens after the first step over the time after it."""
