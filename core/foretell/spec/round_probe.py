@@ -19,29 +19,24 @@ import argparse
 import contextlib
 import statistics
 import sys
-import time
 from typing import Any
 
 
 @contextlib.contextmanager
-def _timed_host_work(totals: dict[str, float]):
-    """Add the seconds spent inside ``mx.async_eval`` to ``totals["encode"]`` and those a
-    round's sync waits for the device to ``totals["wait"]``, while inside."""
+def _timed_host_work(spent: dict[str, list[float]]):
+    """Append the seconds each ``mx.async_eval`` call takes to ``spent["encode"]`` and those
+    each round's sync waits for the device to ``spent["wait"]``, while inside."""
     import mlx.core as mx
 
     from foretell.spec import verifier
+    from foretell.tools.bench import timed
 
     real_async, real_finish = mx.async_eval, verifier._Verifier.finish
-
-    def async_eval(*arrays: Any) -> None:
-        start = time.perf_counter()
-        real_async(*arrays)
-        totals["encode"] += time.perf_counter() - start
+    async_eval = timed(real_async, spent["encode"])
+    wait = timed(mx.eval, spent["wait"])
 
     def finish(self: Any, round_: Any) -> list[int]:
-        start = time.perf_counter()
-        mx.eval(round_.values)
-        totals["wait"] += time.perf_counter() - start
+        wait(round_.values)
         return real_finish(self, round_)
 
     mx.async_eval, verifier._Verifier.finish = async_eval, finish
@@ -69,15 +64,15 @@ def host_split(engine: Any, prompt: list[int], tokens: int, rows: dict[str, Any]
         _generate(engine, prompt, tokens, speculate)
     for turn in range(repeats):
         for name, speculate in (rows.items() if turn % 2 == 0 else list(rows.items())[::-1]):
-            totals = {"encode": 0.0, "wait": 0.0}
-            with _timed_host_work(totals):
+            spent: dict[str, list[float]] = {"encode": [], "wait": []}
+            with _timed_host_work(spent):
                 stats = _generate(engine, prompt, tokens, speculate)
             spec = stats.speculation
             decoded = stats.generated_tokens - 1  # generation_tps times what follows the first
             units = spec["target_forwards"] if spec else decoded
             wall = decoded / stats.generation_tps
             runs[name].append((stats.generation_tps, wall / units * 1e3,
-                               totals["encode"] / units * 1e3, totals["wait"] / units * 1e3,
+                               sum(spent["encode"]) / units * 1e3, sum(spent["wait"]) / units * 1e3,
                                spec["tokens_per_target_forward"] if spec else 1.0))
     table = []
     for name, samples in runs.items():
