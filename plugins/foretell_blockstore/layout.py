@@ -35,6 +35,7 @@ import attrs
 
 from foretell.platform import cuda
 from foretell.store import format as fmt
+from foretell.store import reserve as rsv
 from foretell.store.entry import (
     Entry,
     EntryHeader,
@@ -75,6 +76,11 @@ def _non_negative(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise FieldError(attribute.name, f"must be a number >= 0, got {value!r}")
 
 
+def _megabytes_or_none(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _non_negative(inst, attribute, value)
+
+
 @attrs.frozen(kw_only=True)
 class BlockStoreConfig:
     """``[cache]`` options of the ``blocks`` layout."""
@@ -88,6 +94,12 @@ class BlockStoreConfig:
         default=5.0, validator=_non_negative,
         metadata={"help": "how long collect() waits for in-flight writes before skipping "
                           "a round"},
+    )
+    restore_reserve_mb: float | None = attrs.field(
+        default=None, validator=_megabytes_or_none,
+        metadata={"help": "megabytes of buffers kept filled for the next restore (0: off; "
+                          "default: FORETELL_RESTORE_RESERVE_MB, else 1024 on a CPU, 4096 on "
+                          "a CUDA GPU); it holds at most the largest stored entry"},
     )
 
 
@@ -115,6 +127,8 @@ class _Indexed:
     header: EntryHeader
     manifest_bytes: int
     blocks: tuple[mf.BlockRef, ...]
+    #: What a read of it takes from the restore reserve (mf.buffer_bytes).
+    buffer_bytes: int = 0
 
 
 class BlockStoreLayout:
@@ -139,6 +153,11 @@ class BlockStoreLayout:
         #: Block bytes this layout wrote / found already stored (the benchmark reads them).
         self.bytes_written = 0
         self.bytes_reused = 0
+        # Parsed now, so a bad FORETELL_RESTORE_RESERVE_MB fails as the store opens.
+        self._reserve_cap = (rsv.env_cap() if self.config.restore_reserve_mb is None
+                             else int(self.config.restore_reserve_mb * rsv.MiB))
+        #: Buffers filled before a restore needs them (replenish); None until the first.
+        self.reserve: rsv.BufferReserve | None = None
         cuda.prepare()
 
     @classmethod
@@ -230,7 +249,7 @@ class BlockStoreLayout:
                                          meta=json.loads(json.dumps(dict(la.meta))))
                              for la in entry.layers),
                 nbytes=stat.st_size + sum(r.nbytes for r in blocks), last_used=stat.st_mtime),
-            manifest_bytes=stat.st_size, blocks=blocks)
+            manifest_bytes=stat.st_size, blocks=blocks, buffer_bytes=mf.buffer_bytes(groups))
         with self._lock:
             if self._index is not None:
                 self._index[key] = indexed
@@ -271,6 +290,20 @@ class BlockStoreLayout:
                 self._index[key] = attrs.evolve(
                     found, header=attrs.evolve(found.header, last_used=last_used))
         return Entry(tokens=manifest.tokens, layers=layers, namespace=manifest.namespace)
+
+    def replenish(self) -> None:
+        """Fill the restore reserve up to the largest indexed entry's buffers (within its
+        cap: ``restore_reserve_mb``, ``FORETELL_RESTORE_RESERVE_MB``, the device's default);
+        a no-op when it holds that much. Runs MLX: the tier calls it where MLX runs and no
+        request waits (:class:`foretell.store.layout.KeepsRestoreReserve`)."""
+        if self.reserve is None:
+            on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
+            cap = self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(on_gpu)
+            if cap == 0:
+                return
+            self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
+        largest = max((i.buffer_bytes for i in self._indexed()), default=0)
+        self.reserve.refill(largest)
 
     def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
         """The entry's tensors read as :meth:`read` reads them (manifest, identity and key
@@ -334,7 +367,8 @@ class BlockStoreLayout:
                                    namespace=manifest.namespace, layers=manifest.layers,
                                    nbytes=stat.st_size + manifest.tensor_bytes,
                                    last_used=stat.st_mtime),
-                manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks))
+                manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks),
+                buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups))
         with self._lock:
             self._index = found
         return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
@@ -447,8 +481,8 @@ class BlockStoreLayout:
 
         staged = cuda.gpu_landing()
         specs = [spec for group, _refs in manifest.groups for spec in group.tensors]
-        buffers = {(s.layer, s.name): b
-                   for s, b in zip(specs, mf.host_buffers(specs, on_gpu=staged))}
+        buffers = {(s.layer, s.name): b for s, b in zip(
+            specs, mf.host_buffers(specs, on_gpu=staged, reserve=self.reserve))}
         flats = {key: flat for key, (_array, flat) in buffers.items()}
         jobs = []
         for group, refs in manifest.groups:

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import numpy as np
 
+    from foretell.store import BufferReserve
+
 #: Version of the manifest and block format (4: XXH3-64 per piece, the checksums format 2
 #: had; 3 had one per run, whose 128 KiB calls did not scale over readers on many cores;
 #: 1 CRC-32). A reader of another version skips the entry. The number only goes up (every
@@ -218,11 +220,15 @@ def destinations(group: Group, begin: int, end: int,
     return pieces
 
 
-def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False
-                 ) -> list[tuple[mx.array, memoryview]]:
-    """Fresh MLX-owned buffers, one per tensor (uint8: its shape, the last axis counted in
+def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False,
+                 reserve: BufferReserve | None = None) -> list[tuple[mx.array, memoryview]]:
+    """MLX-owned buffers, one per tensor (uint8: its shape, the last axis counted in
     bytes), each with a writable flat view of the same memory: blocks are read straight
     into the arrays that are returned, with no copy after the read.
+
+    From ``reserve`` when it holds enough for all of them (views carved from a slab filled
+    before the restore: ``foretell.store.reserve``), so the read pays no fill; otherwise
+    fresh.
 
     MLX has no uninitialized allocation (``mx.empty`` is ``mx.zeros``), so each buffer is
     zero-filled first: one pass over the entry's memory that a single-file read does not
@@ -236,12 +242,18 @@ def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False
     it fills on one there."""
     import mlx.core as mx
 
+    shapes = [(*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype])
+              for spec in specs for shape in [spec.shape if spec.shape else (1,)]]
+    carved = reserve.take([_size(shape) for shape in shapes]) if reserve is not None else None
+    if carved is not None:
+        # A reshape of a contiguous view is a view: the flat views below write into the
+        # reserve's slab, which is what the returned arrays hold.
+        buffers = [view.reshape(shape) for view, shape in zip(carved, shapes)]
+        mx.eval(buffers)
+        return [(buffer, memoryview(buffer).cast("B")) for buffer in buffers]
     streams = [mx.gpu] if on_gpu else _fill_streams()
-    buffers = []
-    for i, spec in enumerate(specs):
-        shape = spec.shape if spec.shape else (1,)
-        buffers.append(mx.zeros((*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype]),
-                                dtype=mx.uint8, stream=streams[i % len(streams)]))
+    buffers = [mx.zeros(shape, dtype=mx.uint8, stream=streams[i % len(streams)])
+               for i, shape in enumerate(shapes)]
     mx.eval(buffers)
     return [(buffer, memoryview(buffer).cast("B")) for buffer in buffers]
 
@@ -259,6 +271,15 @@ def _fill_streams() -> list[Any]:
     if not _STREAMS:
         _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(FILL_STREAMS))
     return _STREAMS
+
+
+def buffer_bytes(groups: Iterator[Group] | tuple[Group, ...]) -> int:
+    """What :func:`host_buffers` takes from a reserve for an entry of these groups (each
+    buffer on the reserve's alignment)."""
+    from foretell.store.reserve import aligned
+
+    return sum(aligned(spec.piece_bytes(0, spec.rows)) for group in groups
+               for spec in group.tensors)
 
 
 def to_array(buffer: mx.array, spec: TensorSpec) -> mx.array:

@@ -135,7 +135,7 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
 
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
     monkeypatch.setattr(cuda, "staging", staging)
-    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu: host_buffers(specs))
+    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)
@@ -191,7 +191,7 @@ def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
     host_buffers = mf.host_buffers
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
     monkeypatch.setattr(cuda, "staging", Failing)
-    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu: host_buffers(specs))
+    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     entry = entry_of(range(600), codecs)
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)

@@ -5,8 +5,9 @@
 2. ``after_prefill``: store the prompt snapshot (a trim-free boundary the next turn can
    always use, even when the full entry later becomes untrimmable).
 3. ``steps``: with ``resume``, checkpoint every N tokens while the step source runs.
-4. ``finish``: store prompt + generation (the next chat turn reuses it) and drop the
-   request's checkpoints.
+4. ``finish``: store prompt + generation (the next chat turn reuses it), drop the
+   request's checkpoints, and refill the layout's restore reserve if this request's restore
+   used it.
 
 A speculative request's drafter state travels with the target's caches as an attachment
 layer (:mod:`foretell.cache.attachment`): ``open`` splits it off the entry it found
@@ -125,6 +126,9 @@ class RequestCache:
         self._store(held_tokens, caches)
         if completed and self._checkpointer is not None:
             self._checkpointer.finish()
+        # After the last token: a refill here delays no first token (this request's came
+        # before it, the next request's lookup comes after).
+        self.tier.replenish()
 
     def _store(self, tokens: list[int], caches: list[Any]) -> None:
         if any(c.offset != len(tokens) for c in caches):

@@ -29,7 +29,7 @@ from foretell.cache.spill import FlushReport, SpillQueue
 from foretell.cache.ssd import SsdIndex
 from foretell.model.kvcache import trim_all
 from foretell.store.entry import Entry, StoreIdentity
-from foretell.store.layout import StorageLayout
+from foretell.store.layout import KeepsRestoreReserve, StorageLayout
 
 log = logging.getLogger("foretell.cache")
 
@@ -82,6 +82,7 @@ class CacheTier:
         self.ssd_hits = 0
         if self.ssd is not None:
             self.ssd.scan()
+            self.replenish()  # start-up pays the restore reserve's fill, not a first restore
 
     @classmethod
     def open(
@@ -181,6 +182,15 @@ class CacheTier:
         if self.ssd is not None:
             self.ssd.touch(entry.tokens, namespace)
         return Reuse(self.ram.take(entry, length), length, "ram")
+
+    def replenish(self) -> None:
+        """Refill the layout's restore reserve (:class:`~foretell.store.layout.
+        KeepsRestoreReserve`) if a restore used it: where MLX runs and no request waits (the
+        tier's opening; each request's end, ``RequestCache.finish``). Synchronous: it fills
+        at most the largest stored entry's bytes (docs/block-store.md, "The restore
+        reserve")."""
+        if self.ssd is not None and isinstance(self.ssd.layout, KeepsRestoreReserve):
+            self.ssd.layout.replenish()
 
     # -- storing ----------------------------------------------------------------------------
 

@@ -5,7 +5,10 @@ A storage layout (the :class:`~foretell.store.layout.StorageLayout` Protocol) wr
 from their headers, removes, garbage-collects and counts bytes; the cap is the tier's.
 Core ships the ``single-file`` layout (:mod:`foretell.store.single_file`); plugins add
 others through ``foretell_register_storage_layouts``. The file format is described in
-docs/cache-storage.md.
+docs/cache-storage.md. A layout that reads into MLX buffers of its own may keep a
+:class:`~foretell.store.reserve.BufferReserve` (filled before restores need it) and say so
+by :class:`~foretell.store.layout.KeepsRestoreReserve`: the tier then refills it off the
+request path.
 """
 
 from foretell.store.entry import (
@@ -16,7 +19,8 @@ from foretell.store.entry import (
     StoreIdentity,
     config_fingerprint,
 )
-from foretell.store.layout import StorageLayout, StoreError
+from foretell.store.layout import KeepsRestoreReserve, StorageLayout, StoreError
+from foretell.store.reserve import BufferReserve
 
-__all__ = ["Entry", "EntryHeader", "LayerHeader", "LayerState", "StorageLayout", "StoreError",
-           "StoreIdentity", "config_fingerprint"]
+__all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
+           "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint"]

@@ -77,3 +77,15 @@ class StorageLayout(Protocol):
 
     def bytes(self) -> int:
         """Bytes on disk of the entries this layout serves (what the tier's cap counts)."""
+
+
+@runtime_checkable
+class KeepsRestoreReserve(Protocol):
+    """A layout that keeps a restore reserve (:class:`foretell.store.reserve.BufferReserve`):
+    buffers filled before a restore needs them, so its read pays no zero fill. The tier calls
+    ``replenish`` where MLX runs and no request waits: right after it opens (its index
+    scanned) and at the end of each request."""
+
+    def replenish(self) -> None:
+        """Fill the reserve up to what the largest stored entry needs (within its cap), if
+        it holds less; a no-op when it holds enough or is off."""
