@@ -42,6 +42,26 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     assert f"| tiny | {ran} | 48 " in bench.render(report)
 
 
+def test_the_reserve_ab_restores_with_the_reserve_and_without_taking_turns(tmp_path):
+    """``--reserve-ab``: each fresh-process restore runs with the restore reserve (the
+    default: filled as the tier opens, the restore's buffers carved from it) and with it off,
+    and the table shows both."""
+    model = make_model_dir(tmp_path / "qwen3", "qwen3")
+    report = bench.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=2,
+                                   decode_tokens=4, work_dir=tmp_path, reserve_ab=True)
+    (row,) = report["rows"]
+    for kind in ("warm", "evicted"):
+        on, off = row[f"restore_{kind}"]["runs"], row[f"restore_{kind}_no_reserve"]["runs"]
+        assert len(on) == len(off) == 2
+        assert all(r["reserve_served"] and r["reserve_open_fill_s"] > 0 for r in on)
+        assert all(r["reserve"]["fills"] == 2 for r in on)  # refilled after the request
+        assert all(not r["reserve_served"] and r["reserve"] is None for r in off)
+        assert all(r["cached_from"] == "ssd" for r in on + off)
+    table = bench.render(report)
+    assert "| tiny | on (4 of 4 restores served) |" in table
+    assert "| tiny | off (0 of 4 restores served) |" in table
+
+
 def test_an_unknown_layout_is_refused_naming_the_option_and_the_installed_ones(tmp_path):
     with pytest.raises(BenchError, match=r"--layout nope: .*installed: .*blocks.*single-file"):
         bench.run_cache_bench([("tiny", tmp_path)], prompt_tokens=8, repeats=1,

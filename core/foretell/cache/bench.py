@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from foretell.config import DEFAULT_LAYOUT
+from foretell.store.reserve import ENV as RESERVE_ENV
 
 DEFAULT_PROMPT_TOKENS = 4096
 
@@ -321,7 +322,9 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
         evict(stored_files(directory))
     start = time.perf_counter()
     tier, _factory = _open_tier(engine, directory, args.layout)
-    scan_s = time.perf_counter() - start
+    scan_s = time.perf_counter() - start  # with the restore reserve's fill, where it has one
+    reserve = getattr(tier.ssd.layout, "reserve", None)
+    open_fill_s = reserve.fill_seconds if reserve is not None else 0.0
     reads: list[float] = []
     lookups: list[float] = []
     keys: list[str] = []
@@ -347,7 +350,12 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
             # rest of the TTFT is the engine's step over the last prompt token
             "lookup_s": lookup_s, "ram_hit_after_ttft_s": again.ttft_s,
             "read_gb_per_s": read_bytes / restore_s / 1e9 if restore_s else None,
-            "evicted": args.evict, "layout": args.layout}
+            "evicted": args.evict, "layout": args.layout,
+            # the fill the tier's opening paid (off the TTFT), whether the restore's buffers
+            # came from it, and its counters after the request's end refilled it
+            "reserve_open_fill_s": open_fill_s,
+            "reserve_served": bool(reserve is not None and reserve.served),
+            "reserve": reserve.stats() if reserve is not None else None}
 
 
 PHASES: dict[str, Callable[..., dict[str, Any]]] = {"prime": phase_prime,
@@ -374,12 +382,12 @@ def _worker(argv: Sequence[str]) -> int:
     return 0
 
 
-def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *extra: str
-               ) -> dict[str, Any]:
+def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *extra: str,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "foretell.cache.bench", "--worker", phase, "--model", str(model),
          "--dir", str(directory), "--prompt", str(prompt_file), *extra],
-        capture_output=True, text=True)
+        capture_output=True, text=True, env={**os.environ, **(env or {})})
     for line in done.stdout.splitlines():
         if line.startswith("FORETELL-CACHE-BENCH "):
             return json.loads(line.split(" ", 1)[1])
@@ -392,9 +400,12 @@ def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *ext
 
 def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, repeats: int,
                     decode_tokens: int, layout: str | None = None, work_dir: Path | None = None,
+                    reserve_ab: bool = False,
                     progress: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
     """Every phase for each model over the storage layout ``layout`` (a registered name;
-    default: the tier's default layout)."""
+    default: the tier's default layout). ``reserve_ab``: every fresh-process restore also
+    runs with the restore reserve off (``FORETELL_RESTORE_RESERVE_MB=0``), taking turns
+    with the default (``restore_*_no_reserve``)."""
     from foretell.tools.bench import machine_info, prompt_ids
 
     layout = layout or DEFAULT_LAYOUT
@@ -413,13 +424,16 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
             row: dict[str, Any] = {"model": name, "layout": layout, "prompt_tokens": prompt_tokens}
             row["prime"] = _run_phase("prime", model, directory, prompt_file, *common)
             progress(f"{name}: SSD restore in fresh processes (page cache warm, then evicted)")
-            runs: dict[str, list[dict[str, Any]]] = {"warm": [], "evicted": []}
-            for _ in range(repeats):  # alternating, each in a fresh process
-                runs["warm"].append(_run_phase("restore", model, directory, prompt_file, *common))
-                runs["evicted"].append(_run_phase("restore", model, directory, prompt_file,
-                                                  *common, "--evict"))
-            row["restore_warm"] = _median_run(runs["warm"])
-            row["restore_evicted"] = _median_run(runs["evicted"])
+            variants = [("", None)] + ([("_no_reserve", {RESERVE_ENV: "0"})] if reserve_ab else [])
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for turn in range(repeats):  # alternating, each in a fresh process
+                order = variants if turn % 2 == 0 else variants[::-1]
+                for kind, flags in (("warm", ()), ("evicted", ("--evict",))):
+                    for suffix, env in order:
+                        runs.setdefault(kind + suffix, []).append(_run_phase(
+                            "restore", model, directory, prompt_file, *common, *flags, env=env))
+            for kind, found in runs.items():
+                row["restore_" + kind] = _median_run(found)
             paths = [Path(p) for p in row["prime"]["entry_files"]]
             row.update(_dd_rows(paths, scratch / "one-file", repeats))
             rows.append(row)
@@ -512,7 +526,31 @@ def render(report: dict[str, Any]) -> str:
             f"{re_['read_gb_per_s'] / de['gb_per_s']:.0%} "
             f"| {one_cell} | {reads_cell} | {lm_cell} "
             f"| {d['idle_tps']:.1f} / {d['writing_tps']:.1f} ({d['ratio']:.2f}×) |")
+    if any("restore_warm_no_reserve" in row for row in report["rows"]):
+        lines += ["", *render_reserve_ab(report["rows"])]
     return "\n".join(lines)
+
+
+def render_reserve_ab(rows: list[dict[str, Any]]) -> list[str]:
+    """The restore with the reserve (the default) and without, from ``reserve_ab`` runs."""
+    lines = ["| model | restore reserve | SSD restore TTFT (warm / evicted) | restore read ms "
+             "(warm / evicted) | restore / dd (warm / evicted) | fill at the tier's opening "
+             "| tier opening (scan + fill) |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "restore_warm_no_reserve" not in row:
+            continue
+        dw, de = row["dd_warm"], row["dd_evicted"]
+        for label, suffix in (("on", ""), ("off", "_no_reserve")):
+            rw, re_ = row["restore_warm" + suffix], row["restore_evicted" + suffix]
+            served = sum(r["reserve_served"] for r in rw["runs"] + re_["runs"])
+            lines.append(
+                f"| {row['model']} | {label} ({served} of {len(rw['runs']) + len(re_['runs'])}"
+                f" restores served) | {rw['ttft_s'] * 1e3:.1f} / {re_['ttft_s'] * 1e3:.1f} ms "
+                f"| {rw['read_s'] * 1e3:.1f} / {re_['read_s'] * 1e3:.1f} "
+                f"| {rw['read_gb_per_s'] / dw['gb_per_s']:.0%} / "
+                f"{re_['read_gb_per_s'] / de['gb_per_s']:.0%} "
+                f"| {rw['reserve_open_fill_s'] * 1e3:.1f} ms | {rw['scan_s'] * 1e3:.1f} ms |")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--layout", default=None, metavar="NAME",
                    help="with --cache: the storage layout to measure, by its registered name "
                         "(`foretell plugins`; default: the tier's default, blocks)")
+    p.add_argument("--reserve-ab", action="store_true",
+                   help="with --cache: every fresh-process restore also runs with the restore "
+                        "reserve off (FORETELL_RESTORE_RESERVE_MB=0), taking turns with it on")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the full report (every run) as JSON: on stdout instead of the table, "
                         "or, given FILE, written there beside the table")
@@ -115,12 +118,14 @@ def run(args) -> int:
     to_file = Path(args.json) if args.json not in (None, "-") else None
     if args.layout is not None and not args.cache:
         raise BenchError("--layout picks the storage layout of --cache; add --cache")
+    if args.reserve_ab and not args.cache:
+        raise BenchError("--reserve-ab compares restores of --cache; add --cache")
     if args.cache:
         from foretell.cache import bench as cache_bench
 
         report = cache_bench.run_cache_bench(
             models, prompt_tokens=args.cache_prompt_tokens, repeats=args.repeats,
-            decode_tokens=args.max_tokens, layout=args.layout,
+            decode_tokens=args.max_tokens, layout=args.layout, reserve_ab=args.reserve_ab,
             progress=lambda line: print(line, file=sys.stderr, flush=True))
         if to_file is not None:
             with naming_the_file("--json", to_file):
