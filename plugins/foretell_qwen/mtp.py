@@ -34,7 +34,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from foretell.model import PORT_MTP, KVCache, attention_mask, make_rope, trim_all
+from foretell.model import (
+    PORT_MTP,
+    KVCache,
+    attention_mask,
+    fits_fixed_shapes,
+    fixed_for,
+    fixed_shapes_on,
+    make_rope,
+    trim_all,
+)
 from foretell.spec import (
     PORT_HIDDEN,
     Draft,
@@ -167,6 +176,11 @@ def load_head(target: Target) -> MTPHead:
     return head
 
 
+def _head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
+                  caches: list[Any]) -> tuple[mx.array]:
+    return (head(embedded, hidden, caches[0]),)
+
+
 class MTPProvider:
     requires = frozenset({PORT_HIDDEN, PORT_MTP})
 
@@ -201,6 +215,15 @@ class MTPSource:
         #: follows the sequence), or None before any position was absorbed.
         self.last: mx.array | None = None
         self._chained = 0
+        # On CUDA the head's forwards replay compiled over fixed shapes, as the verifier's do.
+        self.fixed = fixed_for(head, "MTP head", _head_forward) if fixed_shapes_on() else None
+
+    def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:
+        if self.fixed is not None and fits_fixed_shapes(self.caches):
+            out = self.fixed(embedded, hidden, caches=self.caches, length=embedded.shape[1])
+            if out is not None:
+                return out[0]
+        return self.head(embedded, hidden, self.caches[0])
 
     def _absorb(self, feed: Feed) -> None:
         hidden = feed.hidden
@@ -209,9 +232,8 @@ class MTPSource:
         m = hidden.shape[1]
         paired = mx.array([feed.tokens[len(feed.tokens) - m :]], dtype=mx.int32)
         for lo in range(0, m, CHUNK):
-            out = self.head(
-                self.target.embed(paired[:, lo : lo + CHUNK]), hidden[:, lo : lo + CHUNK], self.caches[0]
-            )
+            out = self._forward(self.target.embed(paired[:, lo : lo + CHUNK]),
+                                hidden[:, lo : lo + CHUNK])
         self.last = out[:, -1:, :]
 
     def prefill(self, feed: Feed) -> None:
@@ -227,7 +249,7 @@ class MTPSource:
         for i in range(n):
             token = drafting.add(self.logits(out[:, -1, :]))
             if i < n - 1:
-                out = self.head(self.target.embed(token[:, None]), out, self.caches[0])
+                out = self._forward(self.target.embed(token[:, None]), out)
         self._chained = n - 1
         return drafting.draft()
 

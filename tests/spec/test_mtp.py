@@ -38,3 +38,29 @@ def test_mtp_needs_the_hidden_and_mtp_ports(demo):
     speculator = demo.use_draft("mtp")
     assert speculator.provider.requires == {PORT_HIDDEN, PORT_MTP}
     assert PORT_MTP in demo.model.capabilities
+
+
+def test_mtp_over_fixed_shapes_reproduces_plain_greedy(demo, monkeypatch):
+    """The CUDA default (foretell.model.fixed), forced on: the head's forwards and the
+    verify windows replay compiled over fixed shapes, and nothing emitted changes."""
+    from foretell.model import fixed
+
+    monkeypatch.setattr(fixed, "_MODE", "on")
+    used = []
+    real = fixed.FixedForward.__call__
+
+    def counted(self, *arrays, caches, length):
+        out = real(self, *arrays, caches=caches, length=length)
+        used.append((self.name, out is not None))
+        return out
+
+    monkeypatch.setattr(fixed.FixedForward, "__call__", counted)
+    speculator = demo.use_draft("mtp", max_tokens=3, adaptive=False)
+    for prompt in PROMPTS:
+        plain = demo.generate_text(prompt, max_tokens=40, chat=False, ignore_eos=True,
+                                   speculate=False)
+        text = demo.generate_text(prompt, max_tokens=40, chat=False, ignore_eos=True,
+                                  speculate=speculator)
+        assert text == plain
+    assert {name for name, ran in used if ran} == {"verify forward", "MTP head"}
+    assert all(ran for _name, ran in used)

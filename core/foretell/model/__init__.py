@@ -9,6 +9,8 @@ Architecture plugins import from here:
   :func:`stay_trimmable`, :func:`trim_all`;
 - attention (:mod:`~foretell.model.attention`): :func:`attend`, :func:`attention_mask`,
   :func:`causal_mask`, :data:`Mask`;
+- fixed-shape compiled forwards (:mod:`~foretell.model.fixed`): :func:`fixed_for`,
+  :class:`FixedForward`, :func:`fits_fixed_shapes`, :func:`fixed_shapes_on`;
 - RoPE (:mod:`~foretell.model.rope`): :func:`make_rope`, :class:`RoPE`;
 - loading (:mod:`~foretell.model.loading`): :func:`load_model`, :func:`read_config`,
   :func:`args_from_config`, :func:`require_divides`, and for checkpoint quirks
@@ -39,6 +41,10 @@ _WHERE = {
     "attend": "foretell.model.attention",
     "attention_mask": "foretell.model.attention",
     "causal_mask": "foretell.model.attention",
+    "FixedForward": "foretell.model.fixed",
+    "fits_fixed_shapes": "foretell.model.fixed",
+    "fixed_for": "foretell.model.fixed",
+    "fixed_shapes_on": "foretell.model.fixed",
     "RoPE": "foretell.model.rope",
     "make_rope": "foretell.model.rope",
     "args_from_config": "foretell.model.loading",

@@ -57,6 +57,15 @@ class KVCache:
             return self.keys, self.values
         return _view(self.keys, end), _view(self.values, end)
 
+    def reserve(self, tokens: int, step: int) -> None:
+        """Buffers of at least ``tokens`` slots, grown in multiples of ``step`` (the
+        fixed-shape forwards of :mod:`foretell.model.fixed` write into them whole); the
+        first ``offset`` slots keep their tokens. Needs keys already written (their shape)."""
+        if self.keys.shape[2] < tokens:
+            capacity = -(-tokens // step) * step
+            self.keys = _grow(self.keys, self.offset, self.keys, capacity)
+            self.values = _grow(self.values, self.offset, self.values, capacity)
+
     def mask(self, n_queries: int) -> Mask:
         return None if n_queries == 1 else "causal"
 

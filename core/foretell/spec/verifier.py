@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
+from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.sampling import RandomKeys, Sampler, repetition_windows
 from foretell.spec.attach import start_source
@@ -196,6 +197,7 @@ class _Verifier:
         if state.keys is None:  # a resumed generation continues its own stream
             state.keys = self.keys
         self.keys = state.keys
+        self.fixed = fixed.fixed_for(model, "verify forward", _verify) if fixed.fixed_shapes_on() else None
 
     def joined_feed_hidden(self) -> mx.array | None:
         return _join(self.feed_hidden) if self.wants_hidden else None
@@ -220,8 +222,8 @@ class _Verifier:
         window = mx.concatenate(
             [mx.array([[self.pending]], dtype=mx.int32), draft.tokens.astype(mx.int32)], axis=1
         )
-        hidden, _ = self.model.forward(window, self.caches)
-        logits = self.model.logits(hidden)[0]  # [n + 1, V]
+        hidden, logits = self.verify_forward(window)
+        logits = logits[0]  # [n + 1, V]
         drafts = window[0, 1:]
         windows = None
         if self.size:
@@ -237,6 +239,15 @@ class _Verifier:
         values = mx.concatenate([accepted, chosen, drafts])
         mx.async_eval(values)
         return _Round(k=k, n=n, hidden=hidden, values=values)
+
+    def verify_forward(self, window: mx.array) -> tuple[mx.array, mx.array]:
+        """The target's hidden states and logits over ``window``, compiled over fixed
+        shapes where that is on (:mod:`foretell.model.fixed`) and the caches allow it."""
+        if self.fixed is not None and fixed.fits_fixed_shapes(self.caches):
+            out = self.fixed(window, caches=self.caches, length=window.shape[1])
+            if out is not None:
+                return out
+        return _verify(self.model, window, self.caches)
 
     def finish(self, round_: _Round) -> list[int]:
         """The round's one host sync; roll back to the accepted prefix."""
@@ -393,6 +404,11 @@ def _rounds(
             v.abandon(in_flight)
         if link is not None:
             link.closing(v)
+
+
+def _verify(model: Any, window: mx.array, caches: list[Any]) -> tuple[mx.array, mx.array]:
+    hidden, _ = model.forward(window, caches)
+    return hidden, model.logits(hidden)
 
 
 def _match(

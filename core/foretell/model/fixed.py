@@ -1,0 +1,149 @@
+"""Compiled forwards over fixed shapes, for the verifier's windows on CUDA.
+
+On CUDA a speculative round is bound by the host: MLX builds every graph node in Python and
+encodes it on the calling thread, and the device waits (docs/speculation.md, "Pipelining and
+the GPU"). ``mx.compile`` replays a traced graph without the Python, but only while its
+inputs' shapes repeat, and a growable cache hands attention a longer key array every round.
+So here a forward sees each :class:`~foretell.model.kvcache.KVCache` as its whole buffer
+(capacity rounded up to :data:`CAPACITY_STEP` tokens) with its offset as an array: new keys
+and values are written at that offset (``mx.slice_update``), attention reads the whole
+buffer under a mask of the keys written so far, and the forward traces once per window length
+and capacity. Measured on the H200 (demo target, 4-token window at ~1,000 tokens,
+``docs/speculation.md``): 2.57 → 2.08 ms per forward, the Python graph build 0.68 → 0.25 ms.
+
+A compiled forward meets its caches only through the protocol every architecture already
+uses (``offset``, ``update_and_fetch``, ``mask``); anything else a layer asks of them fails
+the trace, and that forward falls back to the ordinary one for good. Only growable caches
+qualify (a ring or a quantized cache takes the ordinary forward), and the real caches change
+only after the compiled call returns, so a failure leaves them as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from foretell.model.kvcache import KVCache
+
+log = logging.getLogger(__name__)
+
+#: Buffers grow in steps of this many tokens on the fixed path, so a long generation
+#: re-traces a forward once per step, not once per 256 tokens.
+CAPACITY_STEP = 1024
+
+
+class _Slot:
+    """A cache as a compiled forward sees it: its whole buffers and an array offset."""
+
+    __slots__ = ("keys", "values", "offset", "_mask")
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+        self._mask: tuple[int, mx.array] | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        at = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), at, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), at, axes=(2,))
+        return self.keys, self.values
+
+    def mask(self, n_queries: int) -> mx.array:
+        """Query ``i`` (at position ``offset + i``) may read the keys at or before it; the
+        slots past the newest query hold stale or zero keys and stay hidden."""
+        if self._mask is None or self._mask[0] != n_queries:
+            query = self.offset + mx.arange(n_queries)[:, None]
+            self._mask = (n_queries, mx.arange(self.keys.shape[2])[None] <= query)
+        return self._mask[1]
+
+
+def fits_fixed_shapes(caches: Sequence[Any]) -> bool:
+    """Growable caches that already hold keys, all at one offset."""
+    return bool(caches) and all(
+        type(c) is KVCache and c.keys is not None and c.offset == caches[0].offset
+        for c in caches
+    )
+
+
+class FixedForward:
+    """``fn(owner, *arrays, caches) -> tuple of arrays`` compiled over fixed shapes.
+
+    ``owner`` (a model or a head) is held weakly. ``fn`` must treat ``caches`` through the cache protocol only; ``__call__`` takes and
+    updates real :class:`KVCache` objects (see :func:`fits_fixed_shapes`) and returns ``fn``'s
+    outputs. ``None`` comes back instead when ``fn`` cannot be traced this way; the caller
+    then runs its ordinary forward (nothing changed)."""
+
+    def __init__(self, owner: Any, fn: Callable[..., tuple[mx.array, ...]],
+                 name: str = "forward"):
+        self.fn, self.name = fn, name
+        self._owner = weakref.ref(owner)
+        self.failed = False
+        self._compiled = mx.compile(self._traced)
+        self._arity = 0
+
+    def _traced(self, offset: mx.array, *flat: mx.array) -> tuple[mx.array, ...]:
+        arrays, buffers = flat[: self._arity], flat[self._arity :]
+        slots = [_Slot(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
+        outputs = self.fn(self._owner(), *arrays, slots)
+        return (*outputs, *[b for s in slots for b in (s.keys, s.values)])
+
+    def __call__(self, *arrays: mx.array, caches: Sequence[KVCache], length: int
+                 ) -> tuple[mx.array, ...] | None:
+        """Run over ``length`` new tokens; None (caches untouched) if ``fn`` cannot."""
+        if self.failed:
+            return None
+        offset = caches[0].offset
+        for cache in caches:
+            cache.reserve(offset + length, CAPACITY_STEP)
+        self._arity = len(arrays)
+        buffers = [b for c in caches for b in (c.keys, c.values)]
+        try:
+            out = self._compiled(mx.array(offset, dtype=mx.int32), *arrays, *buffers)
+        except Exception as exc:  # a layer that needs more of its cache than the protocol
+            self.failed = True
+            log.warning("foretell: the %s cannot run over fixed shapes (%s: %s); it takes "
+                        "the ordinary path", self.name, type(exc).__name__, exc)
+            return None
+        n = len(out) - len(buffers)
+        for i, cache in enumerate(caches):
+            cache.keys, cache.values = out[n + 2 * i], out[n + 2 * i + 1]
+            cache.offset = offset + length
+        return out[:n]
+
+
+_MODE: str | None = None
+
+
+def fixed_shapes_on() -> bool:
+    """Whether verify windows take fixed-shape compiled forwards: on CUDA by default, where a
+    round is bound by the host's graph building; the CPU and Metal keep the ordinary
+    forward (their rounds are bound by compute). ``FORETELL_FIXED_SHAPES=on|off`` forces
+    either (``on`` is how the CPU tests exercise this path)."""
+    global _MODE
+    if _MODE is None:
+        forced = os.environ.get("FORETELL_FIXED_SHAPES", "auto")
+        if forced == "auto":
+            from foretell.platform.device import on_cuda
+
+            forced = "on" if on_cuda() else "off"
+        _MODE = forced
+    return _MODE == "on"
+
+
+_BY_OWNER: dict[tuple[int, str], FixedForward] = {}
+
+
+def fixed_for(owner: Any, name: str, fn: Callable[..., tuple[mx.array, ...]]) -> FixedForward:
+    """The one :class:`FixedForward` named ``name`` for ``owner`` (a model or a head), so
+    every request replays the same traces; it goes when the owner does (``fn`` must not
+    hold the owner: it is handed it)."""
+    key = (id(owner), name)
+    found = _BY_OWNER.get(key)
+    if found is None:
+        found = _BY_OWNER[key] = FixedForward(owner, fn, name)
+        weakref.finalize(owner, _BY_OWNER.pop, key, None)
+    return found

@@ -1,0 +1,132 @@
+"""Verify windows compiled over fixed shapes (foretell.model.fixed, on by default on CUDA)
+compute what the ordinary forward computes, keep greedy speculation token-identical to plain
+decoding, never write into a donor's buffers, and fall back whole when a model needs more of
+its caches than the cache protocol. Forced on here (the CPU's default is off)."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import pytest
+
+from foretell.model import fixed
+from foretell.model.kvcache import KVCache, RotatingKVCache
+from foretell.spec import verifier
+
+
+@pytest.fixture
+def forced_on(monkeypatch):
+    monkeypatch.setattr(fixed, "_MODE", "on")
+    calls = []
+    real = fixed.FixedForward.__call__
+
+    def counted(self, *arrays, caches, length):
+        out = real(self, *arrays, caches=caches, length=length)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fixed.FixedForward, "__call__", counted)
+    return calls
+
+
+def _prefilled(model, tokens):
+    caches = model.make_caches()
+    model.forward(mx.array([tokens]), caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def test_a_fixed_forward_matches_the_ordinary_one_across_capacity_steps(
+    engines, monkeypatch
+):
+    model = engines["qwen3"].model
+    monkeypatch.setattr(fixed, "CAPACITY_STEP", 16)  # cross several steps in a few windows
+    run = fixed.FixedForward(model, verifier._verify, "test forward")
+    ordinary, fixed_caches = _prefilled(model, list(range(3, 14))), _prefilled(model, list(range(3, 14)))
+    for i, width in enumerate([4, 2, 5, 1, 3, 6, 4, 2]):
+        window = mx.array([[(7 * i + j) % 200 + 1 for j in range(width)]])
+        hidden_a, logits_a = verifier._verify(model, window, ordinary)
+        hidden_b, logits_b = run(window, caches=fixed_caches, length=width)
+        assert mx.allclose(logits_a, logits_b, atol=1e-4).item(), f"window {i}"
+        assert mx.allclose(hidden_a, hidden_b, atol=1e-4).item()
+        drop = width // 2  # roll back part of each window, as a verify round does
+        for caches in (ordinary, fixed_caches):
+            for c in caches:
+                c.trim(drop)
+    assert fixed_caches[0].keys.shape[2] % 16 == 0
+    for a, b in zip(ordinary, fixed_caches):
+        assert a.offset == b.offset
+        assert mx.allclose(a.state[0], b.state[0], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_greedy_speculation_over_fixed_shapes_reproduces_plain_decoding(
+    engines, model_dirs, registry, forced_on, name
+):
+    from foretell.registry import Kind
+
+    engine = engines[name]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = engine.use_draft("two-model", config(model=str(model_dirs[name])),
+                                  max_tokens=3, adaptive=False)
+    prompt = [11, 57, 300, 4, 89, 120, 7, 250, 33, 64, 2, 199]
+    plain = [t for e in engine.generate(prompt, speculate=False, max_tokens=50, ignore_eos=True)
+             for t in getattr(e, "tokens", ())]
+    forced_on.clear()
+    spec = [t for e in engine.generate(prompt, speculate=speculator, max_tokens=50,
+                                       ignore_eos=True) for t in getattr(e, "tokens", ())]
+    assert spec == plain
+    if name == "qwen3":
+        assert forced_on and all(forced_on)  # every verify window took the fixed path
+    else:  # sliding-window layers keep rings: the ordinary forward, never the fixed one
+        assert not forced_on
+
+
+def test_the_donor_of_a_cloned_prefix_is_never_written(engines):
+    model = engines["qwen3"].model
+    donor = _prefilled(model, list(range(5, 30)))
+    before = [mx.array(c.state[0]) for c in donor]
+    clones = [KVCache.from_state(c.state, c.meta) for c in donor]
+    run = fixed.FixedForward(model, verifier._verify, "test forward")
+    for c in clones:
+        c.trim(6)
+    out = run(mx.array([[9, 8, 7, 6]]), caches=clones, length=4)
+    mx.eval(out)
+    for c, b in zip(donor, before):
+        assert mx.array_equal(c.state[0], b).item()
+
+
+def test_a_model_that_needs_more_of_its_caches_falls_back_once_with_a_warning(
+    engines, caplog
+):
+    model = engines["qwen3"].model
+
+    def nosy(owner, window, caches):
+        caches[0].trim(1)  # not part of the protocol a fixed forward offers
+        return verifier._verify(owner, window, caches)
+
+    run = fixed.FixedForward(model, nosy, "nosy forward")
+    caches = _prefilled(model, list(range(3, 14)))
+    offsets = [c.offset for c in caches]
+    with caplog.at_level(logging.WARNING, logger="foretell.model.fixed"):
+        assert run(mx.array([[4, 5]]), caches=caches, length=2) is None
+        assert run(mx.array([[4, 5]]), caches=caches, length=2) is None
+    assert [c.offset for c in caches] == offsets
+    assert run.failed
+    assert sum("nosy forward cannot run over fixed shapes" in r.message for r in caplog.records) == 1
+
+
+def test_only_growable_caches_at_one_offset_qualify():
+    def written(n):
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        return c
+
+    assert fixed.fits_fixed_shapes([written(3), written(3)])
+    assert not fixed.fits_fixed_shapes([written(3), written(4)])
+    assert not fixed.fits_fixed_shapes([KVCache()])
+    assert not fixed.fits_fixed_shapes([])
+    ring = RotatingKVCache(8)
+    ring.update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+    assert not fixed.fits_fixed_shapes([written(3), ring])
