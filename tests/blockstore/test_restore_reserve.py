@@ -217,6 +217,36 @@ def test_the_cap_bounds_what_the_reserve_holds():
     assert BufferReserve(0).refill(1 << 20) == 0.0
 
 
+def test_a_refill_replaces_the_rests_earlier_restores_left():
+    reserve = BufferReserve(1 << 20)
+    reserve.refill(8192)
+    assert reserve.take([1000]) is not None and reserve.held() == 8192 - 1024
+    reserve.refill(8192)  # the rest is too small for the largest entry: one new slab
+    assert reserve.fills == 2 and reserve.held() == 8192 and len(reserve._slabs) == 1
+
+
+def test_a_restore_never_waits_for_a_fill_in_progress(monkeypatch):
+    import threading
+
+    started, release, zeros = threading.Event(), threading.Event(), mx.zeros
+
+    def slow_zeros(*args, **kwargs):
+        started.set()
+        release.wait(10)
+        return zeros(*args, **kwargs)
+
+    reserve = BufferReserve(1 << 20)
+    monkeypatch.setattr(mx, "zeros", slow_zeros)
+    filler = threading.Thread(target=reserve.refill, args=(4096,))
+    filler.start()
+    assert started.wait(10)
+    assert reserve.take([100]) is None  # at once: the fill is still held up
+    assert reserve.refill(4096) == 0.0  # and a second refill does not start another
+    release.set()
+    filler.join(10)
+    assert reserve.take([100]) is not None and reserve.fills == 1
+
+
 # -- through the engine --------------------------------------------------------------------
 
 PROMPT = list(range(5, 45))

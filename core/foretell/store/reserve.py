@@ -134,9 +134,9 @@ class BufferReserve:
 
     def refill(self, nbytes: int) -> float:
         """Hold a slab of at least ``min(nbytes, max_bytes)`` bytes, filling one if none
-        does, then let go of the smallest slabs until at most ``max_bytes`` are held.
-        Returns the seconds spent filling (0.0 when nothing was needed, or another thread
-        is filling)."""
+        does; a new slab replaces the rests earlier restores left (the reserve holds one
+        entry's worth, not a pile of rests). Returns the seconds spent filling (0.0 when
+        nothing was needed, or another thread is filling)."""
         import mlx.core as mx
 
         target = aligned(min(int(nbytes), self.max_bytes)) if nbytes > 0 else 0
@@ -154,10 +154,9 @@ class BufferReserve:
             with self._lock:
                 self._filling = False
         with self._lock:
-            self._slabs.append(slab)
-            self._slabs.sort(key=lambda s: s.size)
-            while sum(s.size for s in self._slabs) > self.max_bytes and len(self._slabs) > 1:
-                self._slabs.pop(0)
+            # A dropped rest's memory goes back once the restore that took its slab's head
+            # is freed (MLX frees a buffer when its last view goes).
+            self._slabs = [slab]
             self.fills += 1
             self.fill_seconds += seconds
         return seconds
