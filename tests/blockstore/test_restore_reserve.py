@@ -217,6 +217,47 @@ def test_the_cap_bounds_what_the_reserve_holds():
     assert BufferReserve(0).refill(1 << 20) == 0.0
 
 
+def test_on_a_cuda_landing_the_reserve_is_born_on_the_gpu(stored, monkeypatch):
+    """Where reads land on the GPU by DMA, the slab's managed memory must be born there (as
+    host_buffers' own fills are): the layout's reserve fills on the GPU stream."""
+    from foretell.platform import cuda
+
+    layout, _entry, _key = stored
+    streams, zeros = [], mx.zeros
+
+    def recording_zeros(shape, dtype, stream):
+        streams.append(stream)
+        return zeros(shape, dtype=dtype, stream=mx.cpu)  # this host has no GPU
+
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(mx, "zeros", recording_zeros)
+    layout.replenish()
+    assert layout.reserve.on_gpu and streams == [mx.gpu]
+
+
+def test_a_staged_read_copies_into_the_reserves_buffers(stored, monkeypatch):
+    """The GPU path (each piece read into a staging slot, hashed, copied into its runs)
+    lands in the carved views too; here the host staging stands in for the DMA."""
+    import threading
+
+    from foretell.platform import cuda
+
+    layout, entry, key = stored
+    layout.replenish()
+    slab, local = slab_range(layout), threading.local()
+
+    def staging():
+        if not hasattr(local, "staging"):
+            local.staging = cuda.Staging()
+        return local.staging
+
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(cuda, "staging", staging)
+    restored = layout.read(key)
+    assert layout.reserve.served == 1 and inside(tensor_ranges(restored), slab)
+    assert_same_entry(restored, entry)
+
+
 def test_a_refill_replaces_the_rests_earlier_restores_left():
     reserve = BufferReserve(1 << 20)
     reserve.refill(8192)
