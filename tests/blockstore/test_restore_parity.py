@@ -1,6 +1,7 @@
 """An entry stored in blocks restores exactly as the single-file layout restores it: the
 same tensors bit for bit, and greedy decoding from it emits the same tokens, for Qwen3,
-Gemma models whose sliding window has wrapped, and quantized KV."""
+Gemma models whose sliding window has wrapped, and quantized KV; also when its buffers come
+from the restore reserve."""
 
 from __future__ import annotations
 
@@ -70,6 +71,16 @@ def test_block_store_restores_token_identically_to_single_file(tiny, tmp_path, i
             assert np.array_equal(np.asarray(a.tensors[name].view(mx.uint8)),
                                   np.asarray(b.tensors[name].view(mx.uint8)))
 
+    blocks.replenish()  # the restore reserve: the next read carves its buffers from it
+    from_reserve = blocks.read(blocks.key_for(entry.tokens))
+    assert blocks.reserve.served == 1
+    for a, b in zip(from_blocks.layers, from_reserve.layers):
+        for name in a.tensors:
+            assert a.tensors[name].dtype == b.tensors[name].dtype
+            assert np.array_equal(np.asarray(a.tensors[name].view(mx.uint8)),
+                                  np.asarray(b.tensors[name].view(mx.uint8)))
+
     expected = greedy(model, caches, PROMPT[-1], steps=6)
     assert greedy(model, restore_caches(from_single, codecs), PROMPT[-1], steps=6) == expected
     assert greedy(model, restore_caches(from_blocks, codecs), PROMPT[-1], steps=6) == expected
+    assert greedy(model, restore_caches(from_reserve, codecs), PROMPT[-1], steps=6) == expected
