@@ -296,12 +296,14 @@ class BlockStoreLayout:
         cap: ``restore_reserve_mb``, ``FORETELL_RESTORE_RESERVE_MB``, the device's default);
         a no-op when it holds that much. Runs MLX: the tier calls it where MLX runs and no
         request waits (:class:`foretell.store.layout.KeepsRestoreReserve`)."""
-        if self.reserve is None:
-            on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
-            cap = self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(on_gpu)
-            if cap == 0:
-                return
-            self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
+        on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
+        with self._lock:  # engines sharing a tier may finish requests on two threads
+            if self.reserve is None:
+                cap = (self._reserve_cap if self._reserve_cap is not None
+                       else rsv.default_cap(on_gpu))
+                if cap == 0:
+                    return
+                self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
         largest = max((i.buffer_bytes for i in self._indexed()), default=0)
         self.reserve.refill(largest)
 
