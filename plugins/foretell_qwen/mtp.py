@@ -215,11 +215,14 @@ class MTPSource:
         #: follows the sequence), or None before any position was absorbed.
         self.last: mx.array | None = None
         self._chained = 0
-        # On CUDA the head's forwards replay compiled over fixed shapes, as the verifier's do.
+        # On CUDA the head's absorbing forwards replay compiled over fixed shapes, as the
+        # verifier's do. A chained step (one position) does not: over a whole buffer its
+        # single query needs a mask, and the H200 ran such steps slower (MTP k = 3 1.15x
+        # plain with them, 1.32x without; docs/speculation.md).
         self.fixed = fixed_for(head, "MTP head", _head_forward) if fixed_shapes_on() else None
 
     def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        if self.fixed is not None and fits_fixed_shapes(self.caches):
+        if self.fixed is not None and embedded.shape[1] > 1 and fits_fixed_shapes(self.caches):
             out = self.fixed(embedded, hidden, caches=self.caches, length=embedded.shape[1])
             if out is not None:
                 return out[0]

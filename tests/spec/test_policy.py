@@ -220,3 +220,30 @@ def test_drafted_rounds_that_were_never_timed_lead_to_a_timed_one_not_an_error()
     assert policy.round_time(1) is None and policy.choose(100) == 4
     policy.observe(1, 1, 0.012)
     assert policy.round_time(1) is not None and policy.measured() == {0: 0.005, 1: 0.012}
+
+
+def test_a_round_that_paid_a_one_off_cost_is_not_timed_and_a_probe_runs_again():
+    """On CUDA a round may trace a fixed-shape forward for a new window length or cache
+    capacity (foretell.model.fixed); the verifier flags it and the policy keeps its time
+    out of the length's estimate. A probe whose timed round was such a round runs one more
+    (measured on the H200: probes of k = 1 and 2 timed at 4-5 ms against ~3 ms steady,
+    right after the caches' capacity grew, kept MTP switched off)."""
+    policy = DraftLengthPolicy(4)
+    for _ in range(3):  # warm-up drafted rounds (the first one untimed)
+        assert policy.choose(100) == 4
+        policy.observe(4, 4, 0.004)
+    assert policy.measured() == {4: 0.004}
+    # Switched off by a drafter that stops agreeing, then a probe from plain steps.
+    for _ in range(20):
+        if policy.choose(100) == 0:
+            policy.observe(0, 0, 0.001)
+        else:
+            policy.observe(4, 0, 0.004)
+    while (k := policy.choose(100)) == 0:
+        policy.observe(0, 0, 0.001)
+    policy.observe(k, 0, 0.004)  # the switch back: untimed, the probe goes on
+    again = policy.choose(100)
+    assert again == k
+    policy.observe(again, 0, 0.5, one_off=True)  # it traced: untimed, and once more
+    assert policy.choose(100) == k
+    assert policy.measured().get(k, 0.0) < 0.5

@@ -35,6 +35,19 @@ log = logging.getLogger(__name__)
 #: Buffers grow in steps of this many tokens on the fixed path, so a long generation
 #: re-traces a forward once per step, not once per 256 tokens.
 CAPACITY_STEP = 1024
+#: Windows longer than this take the ordinary forward: every new length is a new trace (and
+#: on CUDA new kernels), and longer ones (a drafter catching up after plain steps, prompt
+#: chunks) come in lengths that rarely repeat. Verify windows are shorter.
+MAX_TOKENS = 16
+
+_TRACES = 0
+
+
+def trace_count() -> int:
+    """Forwards traced so far in this process (one per new window length and capacity of
+    each compiled forward). A round during which it grew paid a one-off cost (the trace and,
+    on CUDA, its kernels), so the draft-length policy does not time it."""
+    return _TRACES
 
 
 class _Slot:
@@ -84,6 +97,7 @@ class FixedForward:
         self.failed = False
         self._compiled = mx.compile(self._traced)
         self._arity = 0
+        self._traced_shapes: set[tuple[Any, ...]] = set()
 
     def _traced(self, offset: mx.array, *flat: mx.array) -> tuple[mx.array, ...]:
         arrays, buffers = flat[: self._arity], flat[self._arity :]
@@ -93,14 +107,17 @@ class FixedForward:
 
     def __call__(self, *arrays: mx.array, caches: Sequence[KVCache], length: int
                  ) -> tuple[mx.array, ...] | None:
-        """Run over ``length`` new tokens; None (caches untouched) if ``fn`` cannot."""
-        if self.failed:
+        """Run over ``length`` new tokens; None (caches untouched) if ``fn`` cannot or the
+        window is longer than :data:`MAX_TOKENS`."""
+        global _TRACES
+        if self.failed or length > MAX_TOKENS:
             return None
         offset = caches[0].offset
         for cache in caches:
             cache.reserve(offset + length, CAPACITY_STEP)
         self._arity = len(arrays)
         buffers = [b for c in caches for b in (c.keys, c.values)]
+        shapes = tuple((a.shape, a.dtype) for a in (*arrays, *buffers))
         try:
             out = self._compiled(mx.array(offset, dtype=mx.int32), *arrays, *buffers)
         except Exception as exc:  # a layer that needs more of its cache than the protocol
@@ -108,6 +125,9 @@ class FixedForward:
             log.warning("foretell: the %s cannot run over fixed shapes (%s: %s); it takes "
                         "the ordinary path", self.name, type(exc).__name__, exc)
             return None
+        if shapes not in self._traced_shapes:
+            self._traced_shapes.add(shapes)
+            _TRACES += 1
         n = len(out) - len(buffers)
         for i, cache in enumerate(caches):
             cache.keys, cache.values = out[n + 2 * i], out[n + 2 * i + 1]

@@ -11,7 +11,8 @@ line (Theil-Sen) through the least recent round time of each draft length seen (
 tokens actually drafted), so the model tracks what the machine does now (a GPU where
 verifying 8 tokens costs little more than 1, a CPU where drafting costs the draft model's
 compute). The first round of each length is not timed (it compiles that shape's kernels on
-CUDA), and taking the least recent time lets one good round outvote a stall instead of a
+CUDA), nor a round the verifier flags as having paid a one-off cost (a fixed-shape forward
+traced for a new window length or cache capacity, :mod:`foretell.model.fixed`), and taking the least recent time lets one good round outvote a stall instead of a
 stall switching a good length off. The first drafted rounds draft ``max_k``, then plain
 stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
 the best ``k`` and the length timed longest ago among those that could still pay, so no
@@ -190,8 +191,11 @@ class DraftLengthPolicy:
         hopeful = [n for n in range(1, self.max_k + 1) if expected[n] / floor > 1.25 * best]
         return min(hopeful, key=lambda n: self._timed_at.get(n, -1)) if hopeful else None
 
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``.
+    def observe(self, drafted: int, accepted: int, seconds: float, *,
+                one_off: bool = False) -> None:
+        """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``;
+        ``one_off``: it paid a one-off cost besides (a graph traced for a new shape, say), so
+        its time says nothing of what the length costs, and a probe runs another round.
 
         A drafted round right after plain steps is not timed: it also pays for switching
         back (a model drafter catches up on every plain token since its last draft, the
@@ -201,11 +205,12 @@ class DraftLengthPolicy:
         both rounds lost."""
         switching = bool(drafted) and self._after_plain
         self._after_plain = not drafted
+        untimed = switching or (one_off and bool(drafted))
         if self._probing:
             plain = self._time.get(0)
-            if drafted and plain:
+            if drafted and plain and not one_off:
                 self._probe_lost += (seconds - (1 + accepted) * plain) / plain
-            if switching:
+            if untimed:
                 self._probe_again = drafted
             else:
                 self._probing = False
@@ -222,7 +227,7 @@ class DraftLengthPolicy:
                 break
         if drafted:
             self._drafted_rounds += 1
-        if switching:
+        if untimed:
             self._seen.add(drafted)  # it paid this length's first-use costs too
             return
         if drafted not in self._seen:

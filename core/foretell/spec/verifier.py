@@ -346,6 +346,7 @@ def _rounds(
         return k if k and stay_trimmable(v.caches, k + 1) else 0
 
     last = time.perf_counter()
+    traces = fixed.trace_count()  # a round that traced a new shape is not timed
     wanted = False  # the last choice asked for drafts (and the drafter may have had none)
     chosen = 0  # what a plain run chose for the round after it
     timed = 0  # tokens of the current plain run timed so far
@@ -387,7 +388,8 @@ def _rounds(
             round_, in_flight = in_flight, None
             kept = v.finish(round_)
             now = time.perf_counter()
-            v.policy.observe(round_.n, len(kept) - 1, now - last)
+            traced, traces = fixed.trace_count() != traces, fixed.trace_count()
+            v.policy.observe(round_.n, len(kept) - 1, now - last, one_off=traced)
             last = now
             produced += len(kept)
             if link is not None:
