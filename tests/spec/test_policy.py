@@ -247,3 +247,37 @@ def test_a_round_that_paid_a_one_off_cost_is_not_timed_and_a_probe_runs_again():
     policy.observe(again, 0, 0.5, one_off=True)  # it traced: untimed, and once more
     assert policy.choose(100) == k
     assert policy.measured().get(k, 0.0) < 0.5
+
+
+def _late_bloomer(seed: int, tokens: int = 256) -> float:
+    """A drafter that disagrees for the first 20 tokens of each request (the start of a
+    continuation it cannot guess: MTP on the demo's code prompt accepted ~1 of 6 drafts
+    there, later ~4.5), then agrees 92% of the time; H200-like costs (fixed shapes): a round
+    drafting k costs 2.2 + 0.5 k ms against a 1.2 ms plain step, so k = 4 pays ~1.2x once it
+    agrees. Two requests share the policy; returns the second one's share of drafted rounds."""
+    rng, policy = random.Random(seed), DraftLengthPolicy(4)
+    for _request in range(2):
+        produced, chosen = 0, []
+        while produced < tokens:
+            k = policy.choose(100)
+            chosen.append(k)
+            if k == 0:
+                policy.observe(0, 0, 0.0012)
+                produced += PLAIN_STRETCH
+                continue
+            rate, accepted = (0.3 if produced < 20 else 0.92), 0
+            while accepted < k and rng.random() < rate:
+                accepted += 1
+            policy.observe(k, accepted, 0.0022 + 0.0005 * k)
+            produced += accepted + 1
+    return sum(k > 0 for k in chosen) / len(chosen)
+
+
+def test_a_drafter_switched_off_early_comes_back_once_it_agrees():
+    """The warm-up's rounds fell in the part that disagrees, so drafting went off. A probe
+    from plain steps drafts the most it may (it hears of every position), the evidence from
+    before the plain steps weighs less the longer they ran, and a probe that paid drafts on
+    for a few rounds: so the second request drafts most of its rounds. Probing with one
+    token, whose fixed verify cost cannot pay, left it off (a share of ~0.12)."""
+    shares = [_late_bloomer(seed) for seed in range(8)]
+    assert sum(shares) / len(shares) > 0.5

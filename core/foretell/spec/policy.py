@@ -20,6 +20,14 @@ estimate goes stale for good, as often as a budget of about 1% of the decoding t
 (``PROBE_BUDGET``): cheap probes often, costly ones rarely. A drafted round right after
 plain steps is not timed, as it also pays for switching back (a model drafter catches up
 on the plain tokens); so a probe from plain steps is two rounds, the second one timed.
+
+Drafting that went off comes back once it pays (a drafter may disagree at the start of a
+continuation and agree later: MTP on the demo's code prompt accepted ~1 of 6 drafts over
+the first 20 tokens, ~4.5 after): a probe from plain steps drafts the most it may, so it
+hears of every position; the evidence from before the plain steps weighs less the longer
+they ran (never under ``AGED_ROUNDS`` rounds, so a drafter that never agrees stays judged
+by that); and a probe that paid drafts on for ``TRIAL_ROUNDS`` rounds before the policy
+chooses again.
 """
 
 from __future__ import annotations
@@ -36,6 +44,15 @@ DECAY = 0.98
 #: stall (measured on the H200: one 61 ms round kept an MTP length, really ~2 ms, switched
 #: off under a running mean); a lasting slow-down shows within TIME_SAMPLES rounds.
 TIME_SAMPLES = 5
+#: Weight kept by the acceptance observations per plain stretch while drafting is off (as
+#: many tokens as about four drafted rounds produce).
+STRETCH_DECAY = DECAY**4
+#: Rounds drafted at full length after a probe from plain steps that paid, before the
+#: policy chooses again: two rounds cannot outvote the evidence that switched drafting off.
+TRIAL_ROUNDS = 4
+#: Aging never takes a position's evidence below this many rounds, so a drafter that never
+#: agrees does not drift back to its prior and look worth probing again.
+AGED_ROUNDS = 4.0
 #: Strength of each draft position's prior, in rounds.
 PRIOR_ROUNDS = 2.0
 #: Every this many rounds, try a k other than the best one (see ``choose``).
@@ -89,6 +106,10 @@ class DraftLengthPolicy:
         self._probe_again = 0
         #: Plain steps' worth of time a probe has lost so far.
         self._probe_lost = 0.0
+        #: Plain stretches since the last drafted round.
+        self._stretches_off = 0
+        #: Rounds still to draft at full length after a probe that paid.
+        self._trial = 0
 
     # -- the model --------------------------------------------------------------------
 
@@ -166,6 +187,9 @@ class DraftLengthPolicy:
         if self._probe_again:
             k, self._probe_again = self._probe_again, 0
             return min(k, limit)
+        if self._trial:
+            self._trial -= 1
+            return limit
         times = self._round_times()
         if times is None:  # no drafted round timed yet (each was a length's first, say)
             return limit
@@ -178,6 +202,8 @@ class DraftLengthPolicy:
             self._probes += 1
             if self._probes % 2:
                 k = self._best - 1 if self._best == self.max_k else self._best + 1
+                if self._best == 0:  # from plain steps: the most, to hear of every position
+                    k = self.max_k
             else:
                 k = self._stale_probe(rates, expected) or k
         self._probing = self._best == 0 and k > 0
@@ -215,11 +241,24 @@ class DraftLengthPolicy:
             else:
                 self._probing = False
                 lost, self._probe_lost = self._probe_lost, 0.0
+                paid = seconds <= (1 + accepted) * plain if plain else False
+                if paid:  # a probe that paid drafts on a while: its evidence outweighs the past
+                    self._trial = TRIAL_ROUNDS
                 if lost > 0:
                     wait = math.ceil(lost / (PROBE_BUDGET * PLAIN_STRETCH))
                     self._probe_every = min(max(wait, PROBE_EVERY_MIN), PROBE_EVERY_MAX)
                 else:
                     self._probe_every = PROBE_EVERY
+        if not drafted:
+            self._stretches_off += 1
+        elif self._stretches_off:  # the text moved on while drafting was off: what was
+            # seen before weighs less than now, though never less than AGED_ROUNDS rounds
+            fade = STRETCH_DECAY**self._stretches_off
+            for i, offered in enumerate(self._offered):
+                scale = max(fade, min(1.0, AGED_ROUNDS / offered)) if offered else 1.0
+                self._offered[i] *= scale
+                self._accepted[i] *= scale
+            self._stretches_off = 0
         for i in range(drafted):
             self._offered[i] = self._offered[i] * DECAY + 1.0
             self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
