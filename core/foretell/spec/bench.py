@@ -219,14 +219,19 @@ def plain_row(row: str) -> str:
 def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens: int,
                   repeats: int, draft_model: str, num_draft_tokens: int,
                   ngram_draft_tokens: int = NGRAM_TOKENS, draft_vocab: int | None = None,
-                  adaptive: bool = True, progress=lambda _line: None) -> dict[str, Any]:
+                  adaptive: bool = True, fixed_shapes_ab: bool = False,
+                  progress=lambda _line: None) -> dict[str, Any]:
     """foretell's rows in one process, each round running every row once (order flipping
     per round), so drift lands on all of them; ratios are against ``plain`` on the same
     prompt. mlx-lm is not involved (``foretell bench --speculation`` adds it). ``adaptive``
-    False drafts every row's most tokens each round (what a round costs, drafting forced)."""
+    False drafts every row's most tokens each round (what a round costs, drafting forced).
+    ``fixed_shapes_ab`` runs every row twice per round, as ``ROW@fixed-on`` and
+    ``ROW@fixed-off`` (:mod:`foretell.model.fixed` forced either way), each against the plain
+    row of its own mode."""
     import statistics
 
     from foretell.generate import load, resolve_model_path
+    from foretell.model import fixed
     from foretell.tools.bench import machine_info, runtime_info, time_run
 
     engine = load(model)
@@ -236,11 +241,20 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
            "mtp_draft_vocab": draft_vocab, "adaptive": adaptive}
     prompts = code_prompts(engine.tokenizer, prompt_tokens)
     rows = [r for r in runnable(path, rows, job["draft_model"])]
+    if fixed_shapes_ab:
+        rows = [f"{row}@fixed-{mode}" for row in rows for mode in ("on", "off")]
     runs: dict[str, list[Any]] = {row: [] for row in rows}
 
-    def once(row: str):
+    def once(name: str):
+        row, _, mode = name.partition("@fixed-")
         prompt = prompts[ROWS[row]]
-        return time_run(foretell_runner(row)(engine, prompt, max_tokens, job), len(prompt))
+        saved = fixed._MODE
+        if mode:
+            fixed._MODE = mode
+        try:
+            return time_run(foretell_runner(row)(engine, prompt, max_tokens, job), len(prompt))
+        finally:
+            fixed._MODE = saved
 
     for row in rows:  # warm-up: compile, load drafters
         once(row)
@@ -252,7 +266,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     table = []
     for row in rows:
         decode = statistics.median(r.decode_tps for r in runs[row])
-        plain = plain_row(row)
+        base_row, at, mode = row.partition("@")
+        plain = plain_row(base_row) + at + mode
         base = statistics.median(r.decode_tps for r in runs[plain]) if plain in runs else None
         paired = [a.decode_tps / b.decode_tps for a, b in zip(runs[row], runs.get(plain, []))
                   if b.decode_tps > 0]
@@ -297,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row", action="append", default=None, choices=list(ROWS))
     ap.add_argument("--fixed-k", action="store_true",
                     help="draft the most tokens every round (no adaptive length)")
+    ap.add_argument("--fixed-shapes-ab", action="store_true",
+                    help="every row with fixed-shape verify forwards on and off, in turns "
+                         "(foretell.model.fixed; on by default on CUDA)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     report = foretell_only(
@@ -304,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.generate, repeats=args.repeats, draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens, ngram_draft_tokens=args.ngram_draft_tokens,
         draft_vocab=args.mtp_draft_vocab, adaptive=not args.fixed_k,
+        fixed_shapes_ab=args.fixed_shapes_ab,
         progress=lambda line: print(line, file=sys.stderr, flush=True))
     for row in report["rows"]:
         ex = row["extras"] or {}

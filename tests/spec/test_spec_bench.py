@@ -1,0 +1,27 @@
+"""``python -m foretell.spec.bench --fixed-shapes-ab``: every row runs with fixed-shape
+verify forwards forced on and off in turns, each against the plain row of its own mode."""
+
+from __future__ import annotations
+
+from foretell.model import fixed
+from foretell.spec.bench import foretell_only
+
+
+def test_fixed_shapes_ab_runs_each_row_in_both_modes(monkeypatch):
+    ran = []
+    real = fixed.FixedForward.__call__
+
+    def counted(self, *arrays, caches, length):
+        ran.append(fixed._MODE)
+        return real(self, *arrays, caches=caches, length=length)
+
+    monkeypatch.setattr(fixed.FixedForward, "__call__", counted)
+    monkeypatch.setattr(fixed, "_MODE", "off")
+    report = foretell_only("demo", ["plain", "mtp"], prompt_tokens=24, max_tokens=6, repeats=1,
+                           draft_model="demo-draft", num_draft_tokens=2, adaptive=False,
+                           fixed_shapes_ab=True)
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(rows) == {"plain@fixed-on", "plain@fixed-off", "mtp@fixed-on", "mtp@fixed-off"}
+    assert rows["plain@fixed-on"]["vs_plain"] == 1.0 and rows["mtp@fixed-off"]["vs_plain"] > 0
+    assert ran and set(ran) == {"on"}  # fixed forwards ran, and only in the "on" turns
+    assert fixed._MODE == "off"  # the process's own setting is back
