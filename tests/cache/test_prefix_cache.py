@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from foretell.cache.prefix import PrefixCache, can_serve, common_prefix, usable_length
+from foretell.model.kvcache import KVCache
 
 WINDOW = 16
 
@@ -113,17 +114,34 @@ def test_namespaces_never_serve_each_other(ram):
     assert ram.lookup([*range(10), 1], namespace="mtp/plain")[1] == 10
 
 
+def exact_entry(n):
+    """A cache whose buffers hold exactly its ``n`` tokens (no slack past them)."""
+    cache = filled_kv(n)
+    return [KVCache.from_state(cache.state, cache.meta)]
+
+
 def test_the_byte_cap_evicts_least_recently_used_by_bytes(codecs):
     size = PrefixCache(codecs, 1 << 30)
-    size.put(range(100, 110), kv_entry(10))
+    size.put(range(100, 110), exact_entry(10))
     unit = size.bytes()
     ram = PrefixCache(codecs, max_bytes=3 * unit)
-    ram.put(range(0, 10), kv_entry(10))       # oldest
-    ram.put(range(20, 30), kv_entry(10))
+    ram.put(range(0, 10), exact_entry(10))       # oldest
+    ram.put(range(20, 30), exact_entry(10))
     ram.lookup([*range(0, 10), 1])             # the oldest becomes the most recent
-    ram.put(range(40, 60), kv_entry(20))       # two units: one entry must go
+    ram.put(range(40, 60), exact_entry(20))       # two units: one entry must go
     kept = {e.tokens[0] for e in ram.entries()}
     assert kept == {0, 40} and ram.bytes() <= ram.max_bytes
+
+
+def test_the_cap_counts_the_buffers_an_entry_keeps_alive_not_only_its_tokens(codecs):
+    # A cache grown in steps (256 tokens; 1,024 after fixed-shape forwards on CUDA) leaves
+    # slots past its tokens; the stored clones are views that keep the whole buffer alive.
+    cache = filled_kv(10)
+    assert cache.nbytes > 10 * cache.nbytes // cache.keys.shape[2]  # slack past the tokens
+    ram = PrefixCache(codecs, 1 << 30)
+    ram.put(range(10), [cache])
+    assert ram.bytes() == cache.nbytes
+    assert PrefixCache(codecs, max_bytes=cache.nbytes - 1).put(range(10), [cache]) is False
 
 
 def test_an_entry_larger_than_the_cap_is_not_kept(codecs):

@@ -209,10 +209,16 @@ class PrefixCache:
         """Keep the state of ``caches`` after ``tokens`` (zero-copy; the caller may go on
         using its caches). False if the entry alone exceeds the cap."""
         donors = clone_caches(caches, self.codecs)
-        return self.adopt(tokens, donors, namespace) is not None
+        # The clones are views of the caches' buffers, which keep their unused slots alive
+        # too (up to 255 tokens per layer; up to 1,023 after fixed-shape forwards on CUDA,
+        # foretell.model.fixed): the cap counts what is held, not only what is viewed.
+        held = sum(getattr(c, "nbytes", 0) for c in caches)
+        return self.adopt(tokens, donors, namespace, held_bytes=held) is not None
 
-    def adopt(self, tokens: Sequence[int], donors: list[Any], namespace: str = "") -> PrefixEntry | None:
-        """Keep ``donors`` (caches nobody else holds) as the entry for ``tokens``."""
+    def adopt(self, tokens: Sequence[int], donors: list[Any], namespace: str = "", *,
+              held_bytes: int = 0) -> PrefixEntry | None:
+        """Keep ``donors`` (caches nobody else holds) as the entry for ``tokens``;
+        ``held_bytes``: the memory they keep alive, when more than their tensors' bytes."""
         tokens = tuple(tokens)
         if any(c.offset != len(tokens) for c in donors):
             raise ValueError(f"caches hold {[c.offset for c in donors][:3]}... tokens, "
@@ -220,7 +226,7 @@ class PrefixCache:
         snapshot = snapshot_entry(tokens, donors, self.codecs, namespace)
         trimmable, min_offset = entry_facts(snapshot, self.codecs)
         entry = PrefixEntry(tokens=tokens, namespace=namespace, caches=donors,
-                            nbytes=snapshot.tensor_bytes, trimmable=trimmable,
+                            nbytes=max(snapshot.tensor_bytes, held_bytes), trimmable=trimmable,
                             min_offset=min_offset,
                             attachment=attachment_identity(snapshot.layers))
         if entry.nbytes > self.max_bytes:
