@@ -85,10 +85,11 @@ def fits_fixed_shapes(caches: Sequence[Any]) -> bool:
 class FixedForward:
     """``fn(owner, *arrays, caches) -> tuple of arrays`` compiled over fixed shapes.
 
-    ``owner`` (a model or a head) is held weakly. ``fn`` must treat ``caches`` through the cache protocol only; ``__call__`` takes and
-    updates real :class:`KVCache` objects (see :func:`fits_fixed_shapes`) and returns ``fn``'s
-    outputs. ``None`` comes back instead when ``fn`` cannot be traced this way; the caller
-    then runs its ordinary forward (nothing changed)."""
+    ``owner`` (a model or a head) is held weakly. ``fn`` must treat ``caches`` through the
+    cache protocol only; ``__call__`` takes and updates real :class:`KVCache` objects (see
+    :func:`fits_fixed_shapes`) and returns ``fn``'s outputs. ``None`` comes back instead when
+    ``fn`` cannot be traced this way; the caller then runs its ordinary forward (nothing
+    changed)."""
 
     def __init__(self, owner: Any, fn: Callable[..., tuple[mx.array, ...]],
                  name: str = "forward"):
