@@ -130,3 +130,12 @@ def test_only_growable_caches_at_one_offset_qualify():
     ring = RotatingKVCache(8)
     ring.update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
     assert not fixed.fits_fixed_shapes([written(3), ring])
+
+
+def test_every_verify_window_the_settings_allow_fits_the_fixed_path():
+    from foretell.config import DraftSettings
+
+    DraftSettings(num_tokens=16)
+    with pytest.raises(ValueError):
+        DraftSettings(num_tokens=17)
+    assert fixed.MAX_TOKENS >= 16 + 1  # the pending token and the most drafts

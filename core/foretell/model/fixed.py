@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 CAPACITY_STEP = 1024
 #: Windows longer than this take the ordinary forward: every new length is a new trace (and
 #: on CUDA new kernels), and longer ones (a drafter catching up after plain steps, prompt
-#: chunks) come in lengths that rarely repeat. Verify windows are shorter.
-MAX_TOKENS = 16
+#: chunks) come in lengths that rarely repeat. A verify window is at most this long: the
+#: pending token and up to 16 drafts (``DraftConfig.num_tokens`` is capped there).
+MAX_TOKENS = 17
 
 _TRACES = 0
 
