@@ -16,6 +16,10 @@ uses (``offset``, ``update_and_fetch``, ``mask``); anything else a layer asks of
 the trace, and that forward falls back to the ordinary one for good. Only growable caches
 qualify (a ring or a quantized cache takes the ordinary forward), and the real caches change
 only after the compiled call returns, so a failure leaves them as they were.
+
+The rows of a ``[B, L]`` window share one offset here (B = 1 today). Continuous batching
+with per-row speculation will need an offset per row: a per-row write (a scatter instead of
+one ``slice_update``) and a mask built from the ``[B]`` offsets; the protocol stays as is.
 """
 
 from __future__ import annotations
