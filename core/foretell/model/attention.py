@@ -90,16 +90,10 @@ def use_matmul_attention(n_queries: int) -> bool:
     """
     global _MATMUL_MODE
     if _MATMUL_MODE is None:
-        import os
+        from foretell.platform.device import device_mode
 
-        forced = os.environ.get("FORETELL_ATTENTION", "auto")
-        if forced not in ("auto", "fused", "matmul", "matmul-all"):
-            forced = "auto"
-        if forced == "auto":
-            from foretell.platform.device import on_cuda
-
-            forced = "matmul" if on_cuda() else "fused"
-        _MATMUL_MODE = forced
+        _MATMUL_MODE = device_mode("FORETELL_ATTENTION", cuda="matmul", elsewhere="fused",
+                                   choices=("fused", "matmul", "matmul-all"))
     if _MATMUL_MODE == "fused":
         return False
     if _MATMUL_MODE == "matmul-all":

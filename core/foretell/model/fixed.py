@@ -25,7 +25,6 @@ one ``slice_update``) and a mask built from the ``[B]`` offsets; the protocol st
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -151,12 +150,10 @@ def fixed_shapes_on() -> bool:
     either (``on`` is how the CPU tests exercise this path)."""
     global _MODE
     if _MODE is None:
-        forced = os.environ.get("FORETELL_FIXED_SHAPES", "auto")
-        if forced == "auto":
-            from foretell.platform.device import on_cuda
+        from foretell.platform.device import device_mode
 
-            forced = "on" if on_cuda() else "off"
-        _MODE = forced
+        _MODE = device_mode("FORETELL_FIXED_SHAPES", cuda="on", elsewhere="off",
+                            choices=("on", "off"))
     return _MODE == "on"
 
 

@@ -9,3 +9,22 @@ def on_cuda() -> bool:
     import mlx.core as mx
 
     return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+
+
+def device_mode(variable: str, *, cuda: str, elsewhere: str, choices: tuple[str, ...]) -> str:
+    """A behaviour that differs on CUDA, read once by its caller: ``cuda`` there,
+    ``elsewhere`` otherwise, unless the environment variable ``variable`` forces one of
+    ``choices`` (``auto`` or unset: the device decides).
+
+    :raises ConfigError: naming ``variable`` when it holds anything else.
+    """
+    import os
+
+    from foretell.errors import ConfigError
+
+    forced = os.environ.get(variable, "").strip() or "auto"
+    if forced == "auto":
+        return cuda if on_cuda() else elsewhere
+    if forced not in choices:
+        raise ConfigError(variable, [f"{forced!r} is not one of auto, {', '.join(choices)}"])
+    return forced
