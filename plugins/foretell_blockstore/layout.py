@@ -293,9 +293,11 @@ class BlockStoreLayout:
 
     def replenish(self) -> None:
         """Fill the restore reserve up to the largest indexed entry's buffers (within its
-        cap: ``restore_reserve_mb``, ``FORETELL_RESTORE_RESERVE_MB``, the device's default);
-        a no-op when it holds that much. Runs MLX: the tier calls it where MLX runs and no
-        request waits (:class:`foretell.store.layout.KeepsRestoreReserve`)."""
+        cap: ``restore_reserve_mb``, ``FORETELL_RESTORE_RESERVE_MB``, the device's default),
+        the first time and after a restore took from it; a no-op otherwise, so a
+        conversation whose stored entries grow every turn does not pay a fill at each
+        request's end. Runs MLX: the tier calls it where MLX runs and no request waits
+        (:class:`foretell.store.layout.KeepsRestoreReserve`)."""
         on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
         with self._lock:  # engines sharing a tier may finish requests on two threads
             if self.reserve is None:
@@ -304,6 +306,8 @@ class BlockStoreLayout:
                 if cap == 0:
                     return
                 self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
+        if not self.reserve.used_since_fill():
+            return
         largest = max((i.buffer_bytes for i in self._indexed()), default=0)
         self.reserve.refill(largest)
 

@@ -158,6 +158,24 @@ def test_replenish_refills_once_a_restore_used_the_reserve(stored):
     assert layout.reserve.held() <= layout.reserve.max_bytes
 
 
+def test_a_larger_entry_stored_alone_does_not_refill_at_each_request_end(tmp_path, identity,
+                                                                         codecs):
+    # A conversation stores a longer entry every turn, mostly served from RAM: refilling
+    # to each new largest size would zero-fill a slab after every request.
+    layout = opened(tmp_path, identity, mb=8)
+    assert layout.write(entry_of(range(9), codecs))
+    layout.replenish()
+    held = layout.reserve.held()
+    larger = entry_of(range(100, 160), codecs)
+    assert layout.write(larger)
+    layout.replenish()
+    assert layout.reserve.fills == 1 and layout.reserve.held() == held
+    layout.read(layout.key_for(range(9)))  # a restore takes from it: now it refills, larger
+    layout.replenish()
+    assert layout.reserve.fills == 2
+    assert layout.reserve.held() >= mf.buffer_bytes(mf.plan_groups(larger))
+
+
 def test_the_reserve_holds_live_arrays_that_clear_cache_does_not_free(stored):
     layout, entry, key = stored
     layout.replenish()

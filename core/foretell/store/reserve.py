@@ -98,6 +98,13 @@ class BufferReserve:
         #: Slabs filled, and the seconds those fills took (none of them a restore's).
         self.fills = 0
         self.fill_seconds = 0.0
+        self._served_at_fill = 0
+
+    def used_since_fill(self) -> bool:
+        """Whether a restore took buffers from it since its last fill (or it was never
+        filled): what makes a refill worth its cost."""
+        with self._lock:
+            return not self.fills or self.served > self._served_at_fill
 
     def held(self) -> int:
         """Bytes the reserve holds for the next restore."""
@@ -157,6 +164,7 @@ class BufferReserve:
             # A dropped rest's memory goes back once the restore that took its slab's head
             # is freed (MLX frees a buffer when its last view goes).
             self._slabs = [slab]
+            self._served_at_fill = self.served
             self.fills += 1
             self.fill_seconds += seconds
         return seconds
