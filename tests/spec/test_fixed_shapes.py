@@ -139,3 +139,12 @@ def test_every_verify_window_the_settings_allow_fits_the_fixed_path():
     with pytest.raises(ValueError):
         DraftSettings(num_tokens=17)
     assert fixed.MAX_TOKENS >= 16 + 1  # the pending token and the most drafts
+
+
+def test_forced_sets_the_mode_inside_and_puts_the_processs_back(monkeypatch):
+    monkeypatch.setattr(fixed, "_MODE", "off")
+    with fixed.forced("on"):
+        assert fixed.fixed_shapes_on()
+    assert not fixed.fixed_shapes_on()
+    with pytest.raises(ValueError, match="'yes'"), fixed.forced("yes"):
+        pass

@@ -24,9 +24,10 @@ one ``slice_update``) and a mask built from the ``[B]`` offsets; the protocol st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -155,6 +156,20 @@ def fixed_shapes_on() -> bool:
         _MODE = device_mode("FORETELL_FIXED_SHAPES", cuda="on", elsewhere="off",
                             choices=("on", "off"))
     return _MODE == "on"
+
+
+@contextlib.contextmanager
+def forced(mode: str) -> Iterator[None]:
+    """Fixed shapes ``"on"`` or ``"off"`` for the requests started inside (a benchmark's
+    A/B in one process); the process's own setting afterwards."""
+    global _MODE
+    if mode not in ("on", "off"):
+        raise ValueError(f"fixed shapes are 'on' or 'off', not {mode!r}")
+    saved, _MODE = _MODE, mode
+    try:
+        yield
+    finally:
+        _MODE = saved
 
 
 _BY_OWNER: dict[tuple[int, str], FixedForward] = {}

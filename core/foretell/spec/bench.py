@@ -228,6 +228,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     ``fixed_shapes_ab`` runs every row twice per round, as ``ROW@fixed-on`` and
     ``ROW@fixed-off`` (:mod:`foretell.model.fixed` forced either way), each against the plain
     row of its own mode."""
+    import contextlib
     import statistics
 
     from foretell.generate import load, resolve_model_path
@@ -248,13 +249,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     def once(name: str):
         row, _, mode = name.partition("@fixed-")
         prompt = prompts[ROWS[row]]
-        saved = fixed._MODE
-        if mode:
-            fixed._MODE = mode
-        try:
+        with fixed.forced(mode) if mode else contextlib.nullcontext():
             return time_run(foretell_runner(row)(engine, prompt, max_tokens, job), len(prompt))
-        finally:
-            fixed._MODE = saved
 
     for row in rows:  # warm-up: compile, load drafters
         once(row)

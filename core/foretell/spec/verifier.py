@@ -388,8 +388,8 @@ def _rounds(
             round_, in_flight = in_flight, None
             kept = v.finish(round_)
             now = time.perf_counter()
-            traced, traces = fixed.trace_count() != traces, fixed.trace_count()
-            v.policy.observe(round_.n, len(kept) - 1, now - last, one_off=traced)
+            seen, traces = traces, fixed.trace_count()
+            v.policy.observe(round_.n, len(kept) - 1, now - last, one_off=traces != seen)
             last = now
             produced += len(kept)
             if link is not None:
