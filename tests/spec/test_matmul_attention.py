@@ -30,12 +30,18 @@ def test_matmul_attention_matches_the_fused_kernel(L, prior, window, mask_kind):
     np.testing.assert_allclose(np.array(ours), np.array(fused), rtol=1e-5, atol=1e-5)
 
 
-def test_only_short_multi_token_queries_take_the_matmul_path_when_on(monkeypatch):
+def test_multi_token_queries_take_the_matmul_path_up_to_a_score_size_when_on(monkeypatch):
     monkeypatch.setattr(attention, "_MATMUL_MODE", "matmul")
-    assert [attention.use_matmul_attention(n) for n in (1, 2, 32, 33, 2048)] == [
-        False, True, True, False, False]
+    limit = attention.MATMUL_MAX_SCORES
+    cases = [(1, 4096, 32), (2, 1000, 8), (33, 1000, 8), (2048, 3040, 8),  # demo shapes
+             (2048, 2048, 16), (2048, 4096, 32), (limit // 64, 8, 8), (limit // 64 + 1, 8, 8)]
+    assert [attention.use_matmul_attention(*case) for case in cases] == [
+        False, True, True, True, True, False, True, False]
     monkeypatch.setattr(attention, "_MATMUL_MODE", "fused")
-    assert not any(attention.use_matmul_attention(n) for n in (1, 2, 32))
+    assert not any(attention.use_matmul_attention(n, 100, 8) for n in (1, 2, 32))
+    monkeypatch.setattr(attention, "_MATMUL_MODE", "matmul-all")
+    assert attention.use_matmul_attention(1, 4096, 32)
+    assert attention.use_matmul_attention(2048, 4096, 32)
 
 
 def test_bfloat16_inputs_attend_in_float32_like_the_single_token_kernel():
@@ -66,3 +72,33 @@ def test_the_layers_of_one_forward_share_one_mask():
     assert causal_mask(4, 11) is not first and causal_mask(4, 10, 8) is not first
     np.testing.assert_array_equal(np.array(causal_mask(4, 10)),
                                   np.arange(14)[None] <= np.arange(10, 14)[:, None])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
+def test_prefill_chunks_under_the_cuda_rule_compute_what_the_fused_kernel_does(
+    engines, monkeypatch, name
+):
+    """On CUDA a prompt's chunks, and a suffix after a cache hit, attend through matmuls
+    (forced here on the CPU): the same logits and caches as the fused kernel's, also for
+    sliding-window layers whose window the chunks overrun."""
+    model = engines[name].model
+    taken = []
+    real = attention.matmul_attention
+
+    def counted(*args, **kwargs):
+        taken.append(args[0].shape[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "matmul_attention", counted)
+    chunks = [list(range(3, 43)), [(5 * i) % 190 + 2 for i in range(25)]]
+    out = {}
+    for mode in ("fused", "matmul"):
+        monkeypatch.setattr(attention, "_MATMUL_MODE", mode)
+        caches = model.make_caches()
+        logits = [model.logits(model.forward(mx.array([c]), caches)[0]) for c in chunks]
+        mx.eval(logits, [c.state for c in caches])
+        out[mode] = logits, caches
+        assert bool(taken) == (mode == "matmul"), mode
+    for a, b in zip(out["fused"][0], out["matmul"][0]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+    assert set(taken) == {40, 25}

@@ -61,32 +61,43 @@ def attend(
     queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
 ) -> mx.array:
     """Attention over ``[B, heads, L, dim]`` arrays (grouped KV heads allowed): the fused
-    kernel, except for short multi-token queries on CUDA (see :func:`use_matmul_attention`)."""
+    kernel, except for multi-token queries on CUDA (see :func:`use_matmul_attention`)."""
     if isinstance(keys, tuple):  # affine-quantized KV: (packed, scales, biases)
         from foretell.cache.quantized import quantized_attend
 
         return quantized_attend(queries, keys, values, scale=scale, mask=mask)
-    if use_matmul_attention(queries.shape[2]):
+    if use_matmul_attention(queries.shape[2], keys.shape[2], queries.shape[1]):
         return matmul_attention(queries, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-#: Queries up to this many tokens take :func:`matmul_attention` on CUDA (verify windows;
-#: prefill chunks are long enough to amortize the fused kernel's planning).
-MATMUL_MAX_QUERIES = 32
+#: On CUDA a multi-token query attends through :func:`matmul_attention` while its score
+#: matrix (query heads x queries x keys) has at most this many elements, and through the
+#: fused kernel beyond. The fused kernel is planned afresh for every new shape, 48-72 ms per
+#: forward, and then costs 0.2-0.5 ms a layer; matmul attention costs 0.4-2.3 ms a layer and
+#: nothing once (H200, bf16, Lk 4096: 32 heads x 2,048 queries 2.3 ms, 512 queries 1.0 ms).
+#: So matmuls win wherever the shape is new and the forward does not run ~30 layers of a
+#: large attention: verify windows, a drafter catching up on tokens it missed, a prompt's
+#: suffix after a cache hit, the last chunk of a prefill. A prefill's full chunks repeat
+#: their shapes from prompt to prompt, and the large ones (32 heads x 2,048 x 4,096: 268M)
+#: keep the fused kernel. The choice depends on the shape alone, so the same request runs
+#: the same arithmetic whatever ran before it in the process.
+MATMUL_MAX_SCORES = 128 * 2**20
 _MATMUL_MODE: str | None = None
 
 
-def use_matmul_attention(n_queries: int) -> bool:
-    """Whether ``n_queries`` new tokens attend through plain matmuls instead of the fused
-    kernel.
+def use_matmul_attention(n_queries: int, n_keys: int, heads: int) -> bool:
+    """Whether ``n_queries`` new tokens of ``heads`` query heads attend to ``n_keys`` keys
+    through plain matmuls instead of the fused kernel (see ``MATMUL_MAX_SCORES``).
 
-    Measured on an H200 (mlx-cuda 0.32.4): the fused kernel is re-planned whenever the key
-    length changes and the query has more than one token, 38 ms per call against 0.09 ms
-    when the length repeats, which made a speculative round cost ~100 ms whatever its
-    length; matmul + mask + softmax costs 1.6 ms for the same 3-token forward. Metal and the
-    CPU keep the fused kernel. ``FORETELL_ATTENTION=fused|matmul`` forces either path
-    (``matmul`` also for single-token decode), for measuring.
+    Measured on an H200 (mlx-cuda 0.32.4, ``docs/speculation.md``, "Pipelining and the
+    GPU"): the fused kernel is re-planned whenever the shape changes and the query has more
+    than one token, 38-72 ms per forward, which made a speculative round cost ~100 ms
+    whatever its length and a two-model drafter's catch-up after plain steps ~40 ms; matmul +
+    mask + softmax costs 1.6 ms for a 3-token demo forward, 2.5-7 ms for one of 33-2,048
+    tokens. Metal and the CPU keep the fused kernel. ``FORETELL_ATTENTION=fused|matmul``
+    forces either rule (``matmul-all`` takes matmuls also for single-token decode and any
+    size), for measuring.
     """
     global _MATMUL_MODE
     if _MATMUL_MODE is None:
@@ -98,7 +109,7 @@ def use_matmul_attention(n_queries: int) -> bool:
         return False
     if _MATMUL_MODE == "matmul-all":
         return True
-    return 1 < n_queries <= MATMUL_MAX_QUERIES
+    return n_queries > 1 and heads * n_queries * n_keys <= MATMUL_MAX_SCORES
 
 
 def matmul_attention(

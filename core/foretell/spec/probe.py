@@ -7,6 +7,9 @@
 2. A 3-token target forward at growing offsets (a verify window), fused vs matmul.
 3. Single-token decode latency over many steps (mean, p99, max: the "stalls"), fused vs
    matmul, by forcing ``FORETELL_ATTENTION`` per run.
+4. A forward of 8 to 2,048 tokens after a ~1,000-token prompt, at a key length not seen
+   before each time (a drafter's catch-up, a suffix after a cache hit, a prompt's last
+   chunk), per attention rule.
 """
 
 from __future__ import annotations
@@ -91,7 +94,28 @@ def _forward_probe(model_dir: str, mode: str, reps: int) -> dict[str, object]:
 
     decode_ms = _timed(decode, reps * 8)
     return {"verify3_growing_offset": _summary(verify_ms[5:]),
-            "decode1": _summary(decode_ms[5:])}
+            "decode1": _summary(decode_ms[5:]), "new_shape_ms": _new_shapes(model)}
+
+
+def _new_shapes(model: Any, repeats: int = 3) -> dict[int, list[float]]:
+    """Milliseconds of a forward of ``L`` tokens after a prompt of a length not used
+    before, per ``L``: what a shape the attention kernel has not seen costs."""
+    import mlx.core as mx
+
+    from foretell.generate import prefill
+
+    out: dict[int, list[float]] = {}
+    for i, length in enumerate((8, 64, 512, 2048)):
+        out[length] = []
+        for r in range(repeats):
+            caches = model.make_caches()
+            prefill(model, list(range(1, 990 + 5 * (i * repeats + r))), caches)
+            mx.synchronize()
+            start = time.perf_counter()
+            prefill(model, [7] * length, caches)
+            mx.synchronize()
+            out[length].append((time.perf_counter() - start) * 1000)
+    return out
 
 
 def _margins(engine: Any, context: list[int], window: int = 4) -> dict[str, object]:
