@@ -74,7 +74,7 @@ def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
 
     best = json.loads((DEMO_DIR / "demo" / "speculation.json").read_text())["best"]
     assert set(best) == {"cpu", "gpu"} and best["cpu"]["kind"] == "two-model"
-    assert best["gpu"]["kind"] == "none"  # measured on the H200: no drafter beat plain
+    assert best["gpu"]["kind"] == "mtp"  # measured on the H200: MTP 1.11-1.33x plain, adaptive
 
 
 def test_a_measured_none_means_plain_decoding_on_that_machine(
