@@ -103,3 +103,24 @@ def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
     assert not writer.is_alive() and count[0] == len(roots) >= 2
     assert set(threads) == {"foretell-spill"} and len(set(roots)) == len(roots)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_new_length_prefill_runs_prompt_lengths_the_process_has_not_run(tmp_path, monkeypatch):
+    """The GPU's cold row at a new length: each run a prompt one token shorter than the
+    last, the median of their times to first token, and the table shows it beside the cold
+    prefill."""
+    lengths, ttfts = [], iter([0.3, 0.1, 0.2])
+
+    class Stats:
+        def __init__(self):
+            self.ttft_s = next(ttfts)
+
+    def generate(engine, prompt, max_tokens=1):
+        lengths.append(len(prompt))
+        return Stats()
+
+    monkeypatch.setattr(bench, "_generate", generate)
+    assert bench._new_length_prefills(None, list(range(100)), 3) == 0.2
+    assert lengths == [99, 98, 97]
+    assert bench._new_length_cell({"cold_new_length_ttft_s": 0.2}) == " (0.200 s at a new length)"
+    assert bench._new_length_cell({}) == ""
