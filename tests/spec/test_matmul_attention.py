@@ -30,13 +30,17 @@ def test_matmul_attention_matches_the_fused_kernel(L, prior, window, mask_kind):
     np.testing.assert_allclose(np.array(ours), np.array(fused), rtol=1e-5, atol=1e-5)
 
 
-def test_multi_token_queries_take_the_matmul_path_up_to_a_score_size_when_on(monkeypatch):
+def test_multi_token_queries_under_a_full_chunk_take_the_matmul_path_when_on(monkeypatch):
+    from foretell.generate import PREFILL_CHUNK
+
+    assert attention.FULL_CHUNK == PREFILL_CHUNK  # full chunks repeat their shapes
     monkeypatch.setattr(attention, "_MATMUL_MODE", "matmul")
     limit = attention.MATMUL_MAX_SCORES
-    cases = [(1, 4096, 32), (2, 1000, 8), (33, 1000, 8), (2048, 3040, 8),  # demo shapes
-             (2048, 2048, 16), (2048, 4096, 32), (limit // 64, 8, 8), (limit // 64 + 1, 8, 8)]
+    cases = [(1, 4096, 32), (2, 1000, 8), (33, 1000, 8), (2047, 3040, 8),  # demo shapes
+             (2048, 2048, 8), (2048, 4096, 32), (2047, 4095, 32),  # 4B prefill chunks
+             (1024, limit // (1024 * 32), 32), (1024, limit // (1024 * 32) + 1, 32)]
     assert [attention.use_matmul_attention(*case) for case in cases] == [
-        False, True, True, True, True, False, True, False]
+        False, True, True, True, False, False, False, True, False]
     monkeypatch.setattr(attention, "_MATMUL_MODE", "fused")
     assert not any(attention.use_matmul_attention(n, 100, 8) for n in (1, 2, 32))
     monkeypatch.setattr(attention, "_MATMUL_MODE", "matmul-all")

@@ -71,24 +71,29 @@ def attend(
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
-#: On CUDA a multi-token query attends through :func:`matmul_attention` while its score
-#: matrix (query heads x queries x keys) has at most this many elements, and through the
-#: fused kernel beyond. The fused kernel is planned afresh for every new shape, 48-72 ms per
+#: On CUDA a multi-token query shorter than a full prefill chunk attends through
+#: :func:`matmul_attention` while its score matrix (query heads x queries x keys) has at most
+#: ``MATMUL_MAX_SCORES`` elements (512 MiB of float32 scores); full chunks and larger ones take
+#: the fused kernel. The fused kernel is planned afresh for every new shape, 48-72 ms per
 #: forward, and then costs 0.2-0.5 ms a layer; matmul attention costs 0.4-2.3 ms a layer and
-#: nothing once (H200, bf16, Lk 4096: 32 heads x 2,048 queries 2.3 ms, 512 queries 1.0 ms).
-#: So matmuls win wherever the shape is new and the forward does not run ~30 layers of a
-#: large attention: verify windows, a drafter catching up on tokens it missed, a prompt's
-#: suffix after a cache hit, the last chunk of a prefill. A prefill's full chunks repeat
-#: their shapes from prompt to prompt, and the large ones (32 heads x 2,048 x 4,096: 268M)
-#: keep the fused kernel. The choice depends on the shape alone, so the same request runs
-#: the same arithmetic whatever ran before it in the process.
+#: nothing once (H200, bf16, Lk 4,096: 32 heads x 2,048 queries 2.3 ms, 512 queries 1.0 ms).
+#: So matmuls win wherever the shape is new: verify windows, a drafter catching up on tokens
+#: it missed, a prompt's suffix after a cache hit, a prompt's last, ragged chunk. Past the
+#: cap a forward of ~36 layers spends more on matmuls than on one plan (a 4B model's
+#: 2,047-token chunk after 2,048 tokens: ~80 ms through matmuls, ~77 ms fused and planned
+#: afresh, 17 ms with the plan kept). A prefill's full chunks (``generate.PREFILL_CHUNK``
+#: tokens) repeat their shapes from prompt to prompt, so their plans are reused: its first
+#: chunk through matmuls, the 4B shape's 4,096-token prefill took 148 ms against 98. The choice
+#: depends on the shape alone, so a request runs the same arithmetic whatever ran before it
+#: in the process.
+FULL_CHUNK = 2048
 MATMUL_MAX_SCORES = 128 * 2**20
 _MATMUL_MODE: str | None = None
 
 
 def use_matmul_attention(n_queries: int, n_keys: int, heads: int) -> bool:
     """Whether ``n_queries`` new tokens of ``heads`` query heads attend to ``n_keys`` keys
-    through plain matmuls instead of the fused kernel (see ``MATMUL_MAX_SCORES``).
+    through plain matmuls instead of the fused kernel (see ``FULL_CHUNK``).
 
     Measured on an H200 (mlx-cuda 0.32.4, ``docs/speculation.md``, "Pipelining and the
     GPU"): the fused kernel is re-planned whenever the shape changes and the query has more
@@ -109,7 +114,7 @@ def use_matmul_attention(n_queries: int, n_keys: int, heads: int) -> bool:
         return False
     if _MATMUL_MODE == "matmul-all":
         return True
-    return n_queries > 1 and heads * n_queries * n_keys <= MATMUL_MAX_SCORES
+    return 1 < n_queries < FULL_CHUNK and heads * n_queries * n_keys <= MATMUL_MAX_SCORES
 
 
 def matmul_attention(
