@@ -156,27 +156,43 @@ def test_clock_counts_prompt_over_first_token_and_the_rest_over_the_remaining_ti
 
 
 def test_timed_runs_alternate_between_the_sides_and_flip_order_each_round():
-    calls = []
-
     class FakeSide:
         def __init__(self, side):
             self.side = side
 
-        def run(self, scenario):
+        def run(self, scenario, drop=0):
             calls.append(self.side)
+            drops.append(drop)
             return bench.Timing(prefill_tps=1.0, decode_tps=2.0, ttft_s=0.1, generated=3)
 
         def peak_memory_gb(self):
             return 0.5
 
+    calls, drops = [], []
     sides = {s: FakeSide(s) for s in bench.SIDES}
     summary = bench._measure(sides, "greedy", repeats=3)
     a, b = bench.SIDES
     # warm-ups first, then A B, B A, A B
     assert calls == [a, b, a, b, b, a, a, b]
+    assert drops == [0] * 8  # every run the whole prompt
     for side in bench.SIDES:
         assert len(summary[side]["runs"]) == 3
         assert summary[side]["decode_tps"] == 2.0 and summary[side]["peak_memory_gb"] == 0.5
+    # --new-lengths: the warm-ups run the whole prompt, round i both sides one shorter by i + 1
+    calls.clear(), drops.clear()
+    bench._measure(sides, "greedy", repeats=3, new_lengths=True)
+    assert calls == [a, b, a, b, b, a, a, b]
+    assert drops == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_new_lengths_runs_shorter_prompts_on_both_sides(tiny_model, tmp_path):
+    out = tmp_path / "new.json"
+    assert cli_main(["bench", "--model", str(tiny_model), "--prompt-tokens", "8", "--generate",
+                     "4", "--repeats", "2", "--new-lengths", "--json", str(out)]) == 0
+    (model,) = json.loads(out.read_text())["models"]
+    assert model["new_lengths"] is True
+    row = model["rows"][0]
+    assert len(row["foretell"]["runs"]) == len(row["mlx_lm"]["runs"]) == 2
 
 
 def test_sequential_mode_reports_the_same_shape(tiny_model, tmp_path):

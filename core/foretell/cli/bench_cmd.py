@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
     p.add_argument("--sequential", action="store_true",
                    help="run one side after the other instead of alternating their timed "
                         "runs (holds one copy of the model in memory instead of two)")
+    p.add_argument("--new-lengths", action="store_true",
+                   help="each timed round runs the prompt less its first 1, 2, ... tokens, the "
+                        "same on both sides, so no run repeats a shape the process has run (a "
+                        "GPU keeps its kernels' plans per shape, which a repeated prompt reuses)")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
     p.add_argument("--cache", action="store_true",
@@ -151,6 +155,7 @@ def run(args) -> int:
             max_tokens=args.max_tokens,
             repeats=args.repeats,
             interleave=not args.sequential,
+            new_lengths=args.new_lengths,
             scenarios=scenarios,
             draft={"draft_model": str(model_path(args.draft_model, "--draft-model")),
                    "num_draft_tokens": args.num_draft_tokens},
