@@ -83,6 +83,28 @@ def test_greedy_speculation_over_fixed_shapes_reproduces_plain_decoding(
         assert not forced_on
 
 
+def test_fixed_forwards_see_only_whole_capacity_steps_between_ordinary_steps(
+    engines, monkeypatch
+):
+    """Plain steps and a head's chained steps grow a cache by the ordinary path's 256-token
+    steps; a fixed forward after them still sees a whole multiple of CAPACITY_STEP, so a
+    long generation traces each window length once per step, not once per 256 tokens."""
+    model = engines["qwen3"].model
+    monkeypatch.setattr(fixed, "CAPACITY_STEP", 512)
+    run = fixed.FixedForward(model, verifier._verify, "test forward")
+    caches = _prefilled(model, [(3 * i) % 190 + 2 for i in range(250)])
+    assert caches[0].keys.shape[2] == 256  # the ordinary path's step
+    seen = set()
+    for i in range(40):  # a window of 3, then plain steps, crossing 256, 512 and 768
+        run(mx.array([[5, 6, 7]]), caches=caches, length=3)
+        seen.add(caches[0].keys.shape[2])
+        for _ in range(11):
+            model.forward(mx.array([[9]]), caches)
+    assert caches[0].offset > 768
+    assert seen == {512, 1024}
+    assert len(run._traced_shapes) == 2
+
+
 def test_the_donor_of_a_cloned_prefix_is_never_written(engines):
     model = engines["qwen3"].model
     donor = _prefilled(model, list(range(5, 30)))

@@ -120,7 +120,10 @@ class FixedForward:
             return None
         offset = caches[0].offset
         for cache in caches:
-            cache.reserve(offset + length, CAPACITY_STEP)
+            # A whole multiple of CAPACITY_STEP, also where the ordinary path (plain steps, a
+            # head's chained steps) grew the buffer by its own 256-token steps: every other
+            # capacity would be one more trace per window length, and on CUDA new kernels.
+            cache.reserve(_aligned(max(offset + length, cache.keys.shape[2])), CAPACITY_STEP)
         self._arity = len(arrays)
         buffers = [b for c in caches for b in (c.keys, c.values)]
         shapes = tuple((a.shape, a.dtype) for a in (*arrays, *buffers))
@@ -139,6 +142,10 @@ class FixedForward:
             cache.keys, cache.values = out[n + 2 * i], out[n + 2 * i + 1]
             cache.offset = offset + length
         return out[:n]
+
+
+def _aligned(tokens: int) -> int:
+    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
 
 
 _MODE: str | None = None
