@@ -74,7 +74,7 @@ def attend(
 #: On CUDA a multi-token query shorter than a full prefill chunk attends through
 #: :func:`matmul_attention` while its score matrix (query heads x queries x keys) has at most
 #: ``MATMUL_MAX_SCORES`` elements (512 MiB of float32 scores); full chunks and larger ones take
-#: the fused kernel. The fused kernel is planned afresh for every new shape, 48-72 ms per
+#: the fused kernel. The fused kernel is planned afresh for every new shape, 38-72 ms per
 #: forward, and then costs 0.2-0.5 ms a layer; matmul attention costs 0.4-2.3 ms a layer and
 #: nothing once (H200, bf16, Lk 4,096: 32 heads x 2,048 queries 2.3 ms, 512 queries 1.0 ms).
 #: So matmuls win wherever the shape is new: verify windows, a drafter catching up on tokens
