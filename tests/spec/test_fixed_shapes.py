@@ -95,7 +95,7 @@ def test_fixed_forwards_see_only_whole_capacity_steps_between_ordinary_steps(
     caches = _prefilled(model, [(3 * i) % 190 + 2 for i in range(250)])
     assert caches[0].keys.shape[2] == 256  # the ordinary path's step
     seen = set()
-    for i in range(40):  # a window of 3, then plain steps, crossing 256, 512 and 768
+    for _ in range(40):  # a window of 3, then plain steps, crossing 256, 512 and 768
         run(mx.array([[5, 6, 7]]), caches=caches, length=3)
         seen.add(caches[0].keys.shape[2])
         for _ in range(11):
