@@ -1,5 +1,6 @@
-"""``python -m foretell.spec.bench --fixed-shapes-ab``: every row runs with fixed-shape
-verify forwards forced on and off in turns, each against the plain row of its own mode."""
+"""``python -m foretell.spec.bench``: ``--fixed-shapes-ab`` runs every row with fixed-shape
+verify forwards forced on and off in turns, each against the plain row of its own mode;
+``--new-lengths`` gives every round a prompt length no earlier run had."""
 
 from __future__ import annotations
 
@@ -25,3 +26,28 @@ def test_fixed_shapes_ab_runs_each_row_in_both_modes(monkeypatch):
     assert rows["plain@fixed-on"]["vs_plain"] == 1.0 and rows["mtp@fixed-off"]["vs_plain"] > 0
     assert ran and set(ran) == {"on"}  # fixed forwards ran, and only in the "on" turns
     assert fixed._MODE == "off"  # the process's own setting is back
+
+
+def test_new_lengths_gives_each_round_a_prompt_one_token_shorter(monkeypatch):
+    from foretell.spec import bench
+
+    lengths = []
+    real = bench.foretell_runner
+
+    def runner(row):
+        run = real(row)
+
+        def recorded(engine, prompt, max_tokens, job):
+            lengths.append((row, len(prompt)))
+            return run(engine, prompt, max_tokens, job)
+
+        return recorded
+
+    monkeypatch.setattr(bench, "foretell_runner", runner)
+    report = foretell_only("demo", ["plain", "two-model"], prompt_tokens=24, max_tokens=4,
+                           repeats=2, draft_model="demo-draft", num_draft_tokens=2,
+                           new_lengths=True)
+    assert report["new_lengths"] is True
+    full = lengths[0][1]
+    # warm-ups on the whole prompt, then both rows one token shorter per round
+    assert [n for _row, n in lengths] == [full, full, full - 1, full - 1, full - 2, full - 2]

@@ -220,14 +220,16 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
                   repeats: int, draft_model: str, num_draft_tokens: int,
                   ngram_draft_tokens: int = NGRAM_TOKENS, draft_vocab: int | None = None,
                   adaptive: bool = True, fixed_shapes_ab: bool = False,
-                  progress=lambda _line: None) -> dict[str, Any]:
+                  new_lengths: bool = False, progress=lambda _line: None) -> dict[str, Any]:
     """foretell's rows in one process, each round running every row once (order flipping
     per round), so drift lands on all of them; ratios are against ``plain`` on the same
     prompt. mlx-lm is not involved (``foretell bench --speculation`` adds it). ``adaptive``
     False drafts every row's most tokens each round (what a round costs, drafting forced).
     ``fixed_shapes_ab`` runs every row twice per round, as ``ROW@fixed-on`` and
     ``ROW@fixed-off`` (:mod:`foretell.model.fixed` forced either way), each against the plain
-    row of its own mode."""
+    row of its own mode. ``new_lengths``: round ``i`` runs every row on its prompt less the
+    first ``i + 1`` tokens (the warm-up: the whole prompt), so no timed run repeats the
+    shapes an earlier one traced or planned (``foretell.tools.bench._measure``)."""
     import contextlib
     import statistics
 
@@ -246,9 +248,9 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
         rows = [f"{row}@fixed-{mode}" for row in rows for mode in ("on", "off")]
     runs: dict[str, list[Any]] = {row: [] for row in rows}
 
-    def once(name: str):
+    def once(name: str, drop: int = 0):
         row, _, mode = name.partition("@fixed-")
-        prompt = prompts[ROWS[row]]
+        prompt = prompts[ROWS[row]][drop:]
         with fixed.forced(mode) if mode else contextlib.nullcontext():
             return time_run(foretell_runner(row)(engine, prompt, max_tokens, job), len(prompt))
 
@@ -256,7 +258,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
         once(row)
     for i in range(repeats):
         for row in rows if i % 2 == 0 else rows[::-1]:
-            runs[row].append(once(row))
+            runs[row].append(once(row, i + 1 if new_lengths else 0))
         progress(f"round {i + 1}/{repeats}: " + ", ".join(
             f"{row} {runs[row][-1].decode_tps:.1f}" for row in rows))
     table = []
@@ -278,7 +280,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
             "repeats": repeats, "num_draft_tokens": num_draft_tokens,
             "ngram_draft_tokens": ngram_draft_tokens, "mtp_draft_vocab": mtp_draft_vocab(job),
-            "adaptive": adaptive, "rows": table}
+            "adaptive": adaptive, "new_lengths": new_lengths, "rows": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixed-shapes-ab", action="store_true",
                     help="every row with fixed-shape verify forwards on and off, in turns "
                          "(foretell.model.fixed; on by default on CUDA)")
+    ap.add_argument("--new-lengths", action="store_true",
+                    help="round i runs every row on its prompt less the first i + 1 tokens, so "
+                         "no timed run repeats an earlier one's shapes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     report = foretell_only(
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.generate, repeats=args.repeats, draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens, ngram_draft_tokens=args.ngram_draft_tokens,
         draft_vocab=args.mtp_draft_vocab, adaptive=not args.fixed_k,
-        fixed_shapes_ab=args.fixed_shapes_ab,
+        fixed_shapes_ab=args.fixed_shapes_ab, new_lengths=args.new_lengths,
         progress=lambda line: print(line, file=sys.stderr, flush=True))
     for row in report["rows"]:
         ex = row["extras"] or {}
