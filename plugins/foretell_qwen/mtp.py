@@ -38,9 +38,7 @@ from foretell.model import (
     PORT_MTP,
     KVCache,
     attention_mask,
-    fits_fixed_shapes,
     fixed_for,
-    fixed_shapes_on,
     make_rope,
     trim_all,
 )
@@ -219,10 +217,10 @@ class MTPSource:
         # verifier's do. A chained step (one position) does not: over a whole buffer its
         # single query needs a mask, and the H200 ran such steps slower (MTP k = 3 1.15x
         # plain with them, 1.32x without; docs/speculation.md).
-        self.fixed = fixed_for(head, "MTP head", _head_forward) if fixed_shapes_on() else None
+        self.fixed = fixed_for(head, "MTP head", _head_forward)
 
     def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        if self.fixed is not None and embedded.shape[1] > 1 and fits_fixed_shapes(self.caches):
+        if self.fixed is not None and embedded.shape[1] > 1:
             out = self.fixed(embedded, hidden, caches=self.caches, length=embedded.shape[1])
             if out is not None:
                 return out[0]

@@ -22,8 +22,10 @@ def forced_on(monkeypatch):
     real = fixed.FixedForward.__call__
 
     def counted(self, *arrays, caches, length):
+        qualifies = fixed.fits_fixed_shapes(caches)  # others take the ordinary forward
         out = real(self, *arrays, caches=caches, length=length)
-        calls.append(out is not None)
+        if qualifies:
+            calls.append(out is not None)
         return out
 
     monkeypatch.setattr(fixed.FixedForward, "__call__", counted)
@@ -137,6 +139,17 @@ def test_a_model_that_needs_more_of_its_caches_falls_back_once_with_a_warning(
     assert [c.offset for c in caches] == offsets
     assert run.failed
     assert sum("nosy forward cannot run over fixed shapes" in r.message for r in caplog.records) == 1
+
+
+def test_caches_that_do_not_qualify_get_none_and_stay_as_they_were(engines):
+    model = engines["qwen3"].model
+    run = fixed.FixedForward(model, verifier._verify, "test forward")
+    caches = _prefilled(model, list(range(3, 14)))
+    caches[0].trim(1)  # layers at two offsets
+    offsets, shapes = [c.offset for c in caches], [c.keys.shape for c in caches]
+    assert run(mx.array([[4, 5]]), caches=caches, length=2) is None
+    assert [c.offset for c in caches] == offsets and [c.keys.shape for c in caches] == shapes
+    assert not run.failed  # the next qualifying call still takes the fixed path
 
 
 def test_only_growable_caches_at_one_offset_qualify():

@@ -93,8 +93,8 @@ class FixedForward:
     ``owner`` (a model or a head) is held weakly. ``fn`` must treat ``caches`` through the
     cache protocol only; ``__call__`` takes and updates real :class:`KVCache` objects (see
     :func:`fits_fixed_shapes`) and returns ``fn``'s outputs. ``None`` comes back instead when
-    ``fn`` cannot be traced this way; the caller then runs its ordinary forward (nothing
-    changed)."""
+    ``fn`` cannot be traced this way or the caches do not qualify; the caller then runs its
+    ordinary forward (nothing changed)."""
 
     def __init__(self, owner: Any, fn: Callable[..., tuple[mx.array, ...]],
                  name: str = "forward"):
@@ -113,17 +113,18 @@ class FixedForward:
 
     def __call__(self, *arrays: mx.array, caches: Sequence[KVCache], length: int
                  ) -> tuple[mx.array, ...] | None:
-        """Run over ``length`` new tokens; None (caches untouched) if ``fn`` cannot or the
-        window is longer than :data:`MAX_TOKENS`."""
+        """Run over ``length`` new tokens; None (caches untouched) if ``fn`` cannot, the
+        caches do not qualify (:func:`fits_fixed_shapes`) or the window is longer than
+        :data:`MAX_TOKENS`: the caller then runs its ordinary forward."""
         global _TRACES
-        if self.failed or length > MAX_TOKENS:
+        if self.failed or length > MAX_TOKENS or not fits_fixed_shapes(caches):
             return None
         offset = caches[0].offset
         for cache in caches:
-            # A whole multiple of CAPACITY_STEP, also where the ordinary path (plain steps, a
-            # head's chained steps) grew the buffer by its own 256-token steps: every other
-            # capacity would be one more trace per window length, and on CUDA new kernels.
-            cache.reserve(_aligned(max(offset + length, cache.keys.shape[2])), CAPACITY_STEP)
+            # A whole multiple of CAPACITY_STEP, also after plain steps or a head's chained
+            # steps grew it by 256: any other capacity would be one more trace per window
+            # length, and on CUDA new kernels.
+            cache.reserve(offset + length, CAPACITY_STEP)
         self._arity = len(arrays)
         buffers = [b for c in caches for b in (c.keys, c.values)]
         shapes = tuple((a.shape, a.dtype) for a in (*arrays, *buffers))
@@ -142,10 +143,6 @@ class FixedForward:
             cache.keys, cache.values = out[n + 2 * i], out[n + 2 * i + 1]
             cache.offset = offset + length
         return out[:n]
-
-
-def _aligned(tokens: int) -> int:
-    return -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
 
 
 _MODE: str | None = None
@@ -182,10 +179,14 @@ def forced(mode: str) -> Iterator[None]:
 _BY_OWNER: dict[tuple[int, str], FixedForward] = {}
 
 
-def fixed_for(owner: Any, name: str, fn: Callable[..., tuple[mx.array, ...]]) -> FixedForward:
+def fixed_for(owner: Any, name: str, fn: Callable[..., tuple[mx.array, ...]]
+              ) -> FixedForward | None:
     """The one :class:`FixedForward` named ``name`` for ``owner`` (a model or a head), so
     every request replays the same traces; it goes when the owner does (``fn`` must not
-    hold the owner: it is handed it)."""
+    hold the owner: it is handed it). None where fixed shapes are off
+    (:func:`fixed_shapes_on`, read when a request starts)."""
+    if not fixed_shapes_on():
+        return None
     key = (id(owner), name)
     found = _BY_OWNER.get(key)
     if found is None:

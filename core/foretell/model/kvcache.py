@@ -58,11 +58,13 @@ class KVCache:
         return _view(self.keys, end), _view(self.values, end)
 
     def reserve(self, tokens: int, step: int) -> None:
-        """Buffers of at least ``tokens`` slots, grown in multiples of ``step`` (the
-        fixed-shape forwards of :mod:`foretell.model.fixed` write into them whole); the
-        first ``offset`` slots keep their tokens. Needs keys already written (their shape)."""
-        if self.keys.shape[2] < tokens:
-            capacity = -(-tokens // step) * step
+        """Buffers of at least ``tokens`` slots and a whole multiple of ``step`` (the
+        fixed-shape forwards of :mod:`foretell.model.fixed` write into them whole, and
+        trace once per capacity), also where :meth:`update_and_fetch` grew them by its own
+        smaller steps; the first ``offset`` slots keep their tokens. Needs keys already
+        written (their shape)."""
+        capacity = -(-max(tokens, self.keys.shape[2]) // step) * step
+        if capacity != self.keys.shape[2]:
             self.keys = _grow(self.keys, self.offset, self.keys, capacity)
             self.values = _grow(self.values, self.offset, self.values, capacity)
 

@@ -197,7 +197,7 @@ class _Verifier:
         if state.keys is None:  # a resumed generation continues its own stream
             state.keys = self.keys
         self.keys = state.keys
-        self.fixed = fixed.fixed_for(model, "verify forward", _verify) if fixed.fixed_shapes_on() else None
+        self.fixed = fixed.fixed_for(model, "verify forward", _verify)
 
     def joined_feed_hidden(self) -> mx.array | None:
         return _join(self.feed_hidden) if self.wants_hidden else None
@@ -243,11 +243,10 @@ class _Verifier:
     def verify_forward(self, window: mx.array) -> tuple[mx.array, mx.array]:
         """The target's hidden states and logits over ``window``, compiled over fixed
         shapes where that is on (:mod:`foretell.model.fixed`) and the caches allow it."""
-        if self.fixed is not None and fixed.fits_fixed_shapes(self.caches):
+        out = None
+        if self.fixed is not None:
             out = self.fixed(window, caches=self.caches, length=window.shape[1])
-            if out is not None:
-                return out
-        return _verify(self.model, window, self.caches)
+        return out if out is not None else _verify(self.model, window, self.caches)
 
     def finish(self, round_: _Round) -> list[int]:
         """The round's one host sync; roll back to the accepted prefix."""
