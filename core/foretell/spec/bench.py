@@ -227,15 +227,15 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     False drafts every row's most tokens each round (what a round costs, drafting forced).
     ``fixed_shapes_ab`` runs every row twice per round, as ``ROW@fixed-on`` and
     ``ROW@fixed-off`` (:mod:`foretell.model.fixed` forced either way), each against the plain
-    row of its own mode. ``new_lengths``: round ``i`` runs every row on its prompt less the
-    first ``i + 1`` tokens (the warm-up: the whole prompt), so no timed run repeats the
-    shapes an earlier one traced or planned (``foretell.tools.bench._measure``)."""
+    row of its own mode. ``new_lengths``: every row of a round runs its prompt less the
+    first tokens :func:`foretell.tools.bench.prompt_drop` says (the warm-up: the whole
+    prompt), so no timed run repeats the shapes an earlier one traced or planned."""
     import contextlib
     import statistics
 
     from foretell.generate import load, resolve_model_path
     from foretell.model import fixed
-    from foretell.tools.bench import machine_info, runtime_info, time_run
+    from foretell.tools.bench import machine_info, prompt_drop, runtime_info, time_run
 
     engine = load(model)
     path = resolve_model_path(model)
@@ -258,7 +258,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
         once(row)
     for i in range(repeats):
         for row in rows if i % 2 == 0 else rows[::-1]:
-            runs[row].append(once(row, i + 1 if new_lengths else 0))
+            runs[row].append(once(row, prompt_drop(i, new_lengths)))
         progress(f"round {i + 1}/{repeats}: " + ", ".join(
             f"{row} {runs[row][-1].decode_tps:.1f}" for row in rows))
     table = []

@@ -281,6 +281,13 @@ def _summary(runs: list[Timing], peak_memory_gb: float) -> dict[str, Any]:
     }
 
 
+def prompt_drop(round_index: int, new_lengths: bool) -> int:
+    """Prompt tokens a timed round leaves off its start: with ``new_lengths`` round ``i``
+    (from 0) runs the prompt less its first ``i + 1``, so no timed run repeats a length (and
+    a shape) the warm-up or an earlier round ran (see :func:`_measure`)."""
+    return round_index + 1 if new_lengths else 0
+
+
 def _measure(
     sides: dict[str, SideProcess],
     scenario: str,
@@ -304,7 +311,7 @@ def _measure(
         proc.peak_memory_gb()
     order = list(sides)
     for i in range(repeats):
-        drop = i + 1 if new_lengths else 0
+        drop = prompt_drop(i, new_lengths)
         for side in order if i % 2 == 0 else order[::-1]:
             runs[side].append(sides[side].run(scenario, drop))
         speeds = ", ".join(f"{side} {runs[side][-1].decode_tps:.1f}" for side in order)
@@ -620,8 +627,9 @@ def run_bench(
     draft: dict[str, Any] | None = None,
     new_lengths: bool = False,
 ) -> dict[str, Any]:
-    """Compare every model (``new_lengths``: see :func:`_measure`); ``on_model`` sees the report after each one (to save partial
-    results before a time limit cuts the run short)."""
+    """Compare every model (``new_lengths``: see :func:`_measure`); ``on_model`` sees the
+    report after each one (to save partial results before a time limit cuts the run
+    short)."""
     report: dict[str, Any] = {"machine": machine_info(), "models": []}
     for label, path in models:
         how = "alternating" if interleave else "one side after the other"
