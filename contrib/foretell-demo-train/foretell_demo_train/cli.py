@@ -50,6 +50,12 @@ def _run(args) -> None:
     run.log("finished")
 
 
+def _redraft(args) -> None:
+    from .redraft import redraft
+
+    redraft(args)
+
+
 def _pack(args) -> None:
     from .pack import pack
 
@@ -87,6 +93,22 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--compile", action="store_true", help="torch.compile the training step")
     r.add_argument("--pack-dir", default=None, help="also pack the output into <= 8 files here")
     r.set_defaults(fn=_run)
+    d = sub.add_parser("redraft", help="train draft candidates against a shipped target")
+    d.add_argument("--target-dir", required=True, help="the shipped target's model dir")
+    d.add_argument("--shape", action="append", required=True,
+                   help="LABEL:layers=N,hidden=N,heads=N,kv_heads=N,head_dim=N,ffn=N "
+                        "(repeatable: one candidate each)")
+    d.add_argument("--minutes", type=float, default=2.25, help="training budget per candidate")
+    d.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    d.add_argument("--work", default="build/redraft")
+    d.add_argument("--out", default="build/redraft-out")
+    d.add_argument("--max-files", type=int, default=None, help="corpus subset (0: all)")
+    d.add_argument("--roots", nargs="*", default=None, help="corpus roots (default: sysconfig+site)")
+    d.add_argument("--eval-windows", type=int, default=None)
+    d.add_argument("--gen-prompts", type=int, default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--pack-dir", default=None, help="pack the candidates into <= 8 files here")
+    d.set_defaults(fn=_redraft)
     p = sub.add_parser("pack", help="pack <out> into <= 8 files of <= 15 MiB")
     p.add_argument("--out", default="build/demo-out")
     p.add_argument("--pack-dir", required=True)
@@ -96,4 +118,5 @@ def main(argv: list[str] | None = None) -> None:
     u.add_argument("--dest", required=True)
     u.set_defaults(fn=_unpack)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.fn(args)

@@ -17,10 +17,10 @@ MAX_PARTS = 8
 STEM = "foretell-demo.tar.gz"
 
 
-def pack(out: Path, pack_dir: Path, log=print) -> list[Path]:
+def pack(out: Path, pack_dir: Path, log=print, names: list[str] = SHIPPED) -> list[Path]:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for name in SHIPPED:
+        for name in names:
             p = out / name
             if not p.exists():
                 raise FileNotFoundError(f"{p} is missing; run the export stage first")

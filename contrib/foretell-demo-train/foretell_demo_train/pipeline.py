@@ -52,7 +52,9 @@ class Run:
         return np.load(self.work / f"tokens_{split}.npy", mmap_mode="r")
 
 
-def stage_prepare(run: Run) -> None:
+def stage_prepare(run: Run, tokenizer: Path | None = None) -> None:
+    """Corpus, tokenizer and token cache. ``tokenizer``: encode with that tokenizer.json
+    (a shipped model's, for drafts trained against it) instead of training one."""
     p = run.preset
     run.work.mkdir(parents=True, exist_ok=True)
     t = time.time()
@@ -62,8 +64,14 @@ def stage_prepare(run: Run) -> None:
             f"{summary['heldout_files']} held-out ({summary['heldout_bytes'] / 1e6:.1f} MB), "
             f"skipped {summary['skipped']} in {time.time() - t:.1f}s")
     corpus.write_manifest(run.work / "manifest.txt")
-    tok, vocab_info = tok_mod.build(corpus.train, corpus.heldout, p.vocab_candidates,
-                                    p.tokenizer_sample_bytes, p.vocab_tolerance, log=run.log)
+    if tokenizer is None:
+        tok, vocab_info = tok_mod.build(corpus.train, corpus.heldout, p.vocab_candidates,
+                                        p.tokenizer_sample_bytes, p.vocab_tolerance, log=run.log)
+    else:
+        tok = Tokenizer.from_file(str(tokenizer))
+        vocab_info = {"type": f"reused from {tokenizer}",
+                      "chosen_vocab_size": tok.get_vocab_size()}
+        run.log(f"[tokenizer] reused {tokenizer} ({tok.get_vocab_size()} tokens)")
     tok.save(str(run.work / "tokenizer.json"))
     counts = {}
     for split, files in (("train", corpus.train), ("heldout", corpus.heldout)):
@@ -130,7 +138,7 @@ def stage_lm(run: Run, name: str, minutes: float) -> None:
     torch.manual_seed(run.seed)
     spec = model_spec(run, name, info["vocab_size"])
     model = CausalLM(spec).to(dev)
-    if name == "draft":  # fail before training, not at export
+    if name == "draft" or name.startswith("draft-"):  # fail before training, not at export
         target = CausalLM(model_spec(run, "target", info["vocab_size"]))
         require_draft_ratio(run.preset, count_params(target), count_params(model))
     cfg = train_config(run, name, minutes)

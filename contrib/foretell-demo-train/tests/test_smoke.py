@@ -13,18 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 st = pytest.importorskip("safetensors.torch")
 
-from foretell_demo_train.cli import main  # noqa: E402
-
 DIRS = ["demo", "demo-draft", "demo-gemma"]
-
-
-@pytest.fixture(scope="module")
-def produced(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo")
-    stdlib = str(Path(json.__file__).resolve().parent.parent)  # the stdlib alone: fast
-    main(["run", "--preset", "tiny", "--work", str(root / "work"), "--out", str(root / "out"),
-          "--roots", stdlib, "--pack-dir", str(root / "pack")])
-    return root
 
 
 def _config(d: Path) -> dict:

@@ -1,0 +1,214 @@
+"""Train draft models alone against a shipped target: ``python -m foretell_demo_train redraft``.
+
+The shipped draft is as deep as the target (6 layers), and on a GPU, where these small
+models are bound by kernel launches, a draft's depth sets its cost: the 6-layer draft costs
+more per forward than the target there (docs/benchmarks.md). This trains shallower
+candidates against the target *as shipped*: its MLX-quantized weights dequantized into the
+trainer's torch model (what the engine runs, so what acceptance is measured against), its
+tokenizer reused (a draft must share it), the corpus collected by the same rule as
+``prepare``. Each candidate is distilled (pure KL, as the shipped draft), measured on
+held-out code against that target, quantized within what the weights budget leaves, and
+written as a model dir ``demo-draft-<label>``; ``--pack-dir`` packs them for the return
+channel. Choosing which one ships is a measurement of the engine, not of this script.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import quantize as Q
+
+#: safetensors dtypes as the exporter writes them (bf16 travels as uint16 bit patterns).
+_NUMPY = {"BF16": np.uint16, "U32": np.uint32, "F32": np.float32}
+#: config.json keys -> ModelSpec fields, for the Qwen3 / Gemma 3 dirs the exporter writes.
+_SPEC_KEYS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size", "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings", "layer_types": "layer_types",
+    "rope_theta": "rope_theta",
+}
+#: ``--shape`` keys -> ModelSpec fields.
+_SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
+               "kv_heads": "num_kv_heads", "head_dim": "head_dim", "ffn": "intermediate_size"}
+MIB = 2**20
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as numpy arrays (bf16 as uint16 bit patterns)."""
+    raw = Path(path).read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    body = 8 + size
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _NUMPY:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, which the "
+                             f"trainer does not read ({', '.join(_NUMPY)})")
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(raw[body + start : body + end],
+                                  dtype=_NUMPY[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def read_model_dir(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """A model dir the exporter wrote (quantized or bf16) as ModelSpec kwargs and a float32
+    state dict: quantized matrices dequantized exactly as MLX computes them."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    arch = config["model_type"]
+    if arch not in ("qwen3", "gemma3_text"):
+        raise ValueError(f"{path}/config.json: model_type {arch!r} is not one the trainer "
+                         "builds (qwen3, gemma3_text)")
+    spec = {"arch": arch, **{field: config[key] for key, field in _SPEC_KEYS.items()
+                             if config.get(key) is not None}}
+    tensors = read_safetensors(path / "model.safetensors")
+    bits = (config.get("quantization") or {}).get("bits")
+    state: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and base + ".scales" in tensors:
+            state[name] = Q.dequantize(value, tensors[base + ".scales"],
+                                       tensors[base + ".biases"], bits)
+        elif value.dtype == np.uint16:
+            state[name] = Q.bf16_bits_to_f32(value).reshape(value.shape)
+        else:
+            state[name] = np.asarray(value, dtype=np.float32)
+    return spec, state
+
+
+def parse_shape(text: str) -> tuple[str, dict]:
+    """``LABEL:layers=2,hidden=128,...`` -> (label, ModelSpec kwargs)."""
+    label, _, fields = text.partition(":")
+    if not label or not fields:
+        raise ValueError(f"--shape {text!r}: expected LABEL:layers=N,hidden=N,heads=N,"
+                         "kv_heads=N,head_dim=N,ffn=N")
+    kwargs = {"arch": "qwen3"}
+    for item in fields.split(","):
+        key, _, value = item.partition("=")
+        if key not in _SHAPE_KEYS:
+            raise ValueError(f"--shape {text!r}: unknown key {key!r} "
+                             f"(choose from {', '.join(_SHAPE_KEYS)})")
+        kwargs[_SHAPE_KEYS[key]] = int(value)
+    missing = set(_SHAPE_KEYS.values()) - set(kwargs)
+    if missing:
+        raise ValueError(f"--shape {text!r}: missing {', '.join(sorted(missing))}")
+    return label, kwargs
+
+
+def other_weights_bytes(target_dir: Path, draft_dirname: str = "demo-draft") -> int:
+    """Bytes of every shipped weight file beside the draft's (the budget is for all)."""
+    family = Path(target_dir).parent
+    return sum(f.stat().st_size for d in family.iterdir()
+               if d.is_dir() and d.name != draft_dirname for f in d.glob("*.safetensors"))
+
+
+def redraft(args) -> None:
+    import torch
+
+    from . import evaluate as ev
+    from .export import export_quantized, quantized_size, state_numpy, write_training_json
+    from .export_stage import choose_bits, versions, with_state
+    from .models import CausalLM, ModelSpec, count_params
+    from .pipeline import Run, load_lm, require_draft_ratio, stage_lm, stage_prepare
+    from .presets import PRESETS
+    from .train import device
+
+    preset = PRESETS[args.preset]
+    if args.max_files is not None:
+        preset.max_files = args.max_files or None
+    if args.eval_windows:
+        preset.eval_windows = args.eval_windows
+    if args.gen_prompts:
+        preset.gen_prompts = args.gen_prompts
+    shapes = [parse_shape(s) for s in args.shape]
+    target_dir = Path(args.target_dir)
+    run = Run(preset=preset, work=Path(args.work), out=Path(args.out), seed=args.seed,
+              compile=False, roots=args.roots, t0=time.time())
+    torch.manual_seed(args.seed)
+    run.log(f"redraft: target {target_dir}, candidates {[label for label, _ in shapes]}, "
+            f"{args.minutes} min each, cuda {torch.cuda.is_available()}")
+    stage_prepare(run, tokenizer=target_dir / "tokenizer.json")
+
+    # The teacher is the shipped target, dequantized: the checkpoint the draft stage reads.
+    spec_kwargs, state = read_model_dir(target_dir)
+    spec = ModelSpec(**spec_kwargs)
+    teacher = CausalLM(spec)
+    teacher.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"spec": spec.to_dict(), "state": teacher.state_dict(), "train_config": None,
+                "train": {"source": str(target_dir), "note": "the shipped target, dequantized"}},
+               run.ckpt_dir / "target.pt")
+
+    draft_train = preset.train["draft"]
+    budget = int(preset.size_budget_mib * MIB) - other_weights_bytes(target_dir)
+    dev = device()
+    tok, prep = run.load_prepared()
+    windows = ev.heldout_windows(np.asarray(run.tokens("heldout")), preset.seq_len,
+                                 preset.eval_windows)
+    target_model = CausalLM(spec)
+    target_model.load_state_dict(teacher.state_dict())
+    target_model = target_model.to(dev).eval()
+    bpt = prep["heldout_bytes_per_token"]
+    summary = {"target_dir": str(target_dir), "weights_budget_left_mib": round(budget / MIB, 3),
+               "target": ev.lm_eval(target_model, windows, dev, preset.eval_batch, bpt),
+               "candidates": {}}
+    for label, kwargs in shapes:
+        name = f"draft-{label}"
+        preset.models[name] = kwargs
+        preset.train[name] = dict(draft_train)
+        preset.distill[name] = dict(preset.distill["draft"])
+        stage_lm(run, name, args.minutes)
+        model, ckpt = load_lm(run, name, dev)
+        params = count_params(model)
+        require_draft_ratio(preset, count_params(target_model), params)
+        draft_state = state_numpy(model)
+        measure = {"loss": {}, "size": {}, "metrics": {}}
+        for bits in (None, *preset.bits_choices):
+            m = ev.lm_eval(with_state(model, Q.roundtrip_state(draft_state, bits), dev),
+                           windows, dev, preset.eval_batch, bpt)
+            measure["loss"][bits], measure["metrics"][bits] = m["loss"], m
+            measure["size"][bits] = quantized_size(draft_state, bits)
+        chosen = choose_bits({name: {"loss": measure["loss"], "size": measure["size"]}},
+                             budget, preset.bits_choices, preset.min_bits_gain, run.log)[name]
+        shipped = with_state(model, Q.roundtrip_state(draft_state, chosen), dev)
+        quality = {
+            "params": params, "bits": chosen, "spec": ckpt["spec"],
+            "heldout": {"bf16": measure["metrics"][None], "shipped": measure["metrics"][chosen]},
+            "draft_teacher_forced": ev.draft_metrics(target_model, shipped, windows, dev,
+                                                     preset.eval_batch, 4, 0.8),
+            "draft_on_target_greedy_path": ev.greedy_path_acceptance(
+                target_model, shipped, windows, dev, preset.gen_prompt_len, preset.gen_len,
+                preset.gen_prompts, 4),
+        }
+        run.log(f"[{name}] {params:,} params, {chosen}-bit: " + json.dumps(
+            {k: quality[k] for k in ("draft_teacher_forced", "draft_on_target_greedy_path")}))
+        out = run.out / f"demo-draft-{label}"
+        size = export_quantized(out, ModelSpec(**ckpt["spec"]), draft_state, chosen, tok,
+                                prep["eos_id"])
+        quality["weights_bytes"] = size
+        write_training_json(out, {
+            "command": "python -m foretell_demo_train " + " ".join(args.argv),
+            "seed": args.seed, "versions": versions(), "model": name, "arch": "qwen3",
+            "teacher": {"dir": str(target_dir), "note": "the shipped target, dequantized"},
+            "corpus": prep["corpus"], "tokens": prep["tokens"], "tokenizer": prep["tokenizer"],
+            "train_config": ckpt["train_config"], "train": ckpt["train"], **quality})
+        summary["candidates"][label] = quality
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "redraft.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.pack_dir:
+        from .pack import pack
+
+        pack(run.out, Path(args.pack_dir), log=run.log,
+             names=[f"demo-draft-{label}" for label, _ in shapes] + ["redraft.json"])
+    run.log("finished")
