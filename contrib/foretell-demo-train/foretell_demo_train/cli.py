@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="LABEL:layers=N,hidden=N,heads=N,kv_heads=N,head_dim=N,ffn=N "
                         "(repeatable: one candidate each)")
     d.add_argument("--minutes", type=float, default=2.25, help="training budget per candidate")
+    d.add_argument("--seq-len", type=int, default=None,
+                   help="training window (default: the preset's); a shallow draft attends "
+                        "badly past the distances it trained on")
+    d.add_argument("--batch-size", type=int, default=None, help="windows per step")
     d.add_argument("--preset", choices=sorted(PRESETS), default="full")
     d.add_argument("--work", default="build/redraft")
     d.add_argument("--out", default="build/redraft-out")

@@ -131,6 +131,8 @@ def redraft(args) -> None:
         preset.eval_windows = args.eval_windows
     if args.gen_prompts:
         preset.gen_prompts = args.gen_prompts
+    if args.seq_len:
+        preset.seq_len = args.seq_len
     shapes = [parse_shape(s) for s in args.shape]
     target_dir = Path(args.target_dir)
     run = Run(preset=preset, work=Path(args.work), out=Path(args.out), seed=args.seed,
@@ -150,7 +152,9 @@ def redraft(args) -> None:
                 "train": {"source": str(target_dir), "note": "the shipped target, dequantized"}},
                run.ckpt_dir / "target.pt")
 
-    draft_train = preset.train["draft"]
+    draft_train = dict(preset.train["draft"])
+    if args.batch_size:
+        draft_train["batch_size"] = args.batch_size
     budget = int(preset.size_budget_mib * MIB) - other_weights_bytes(target_dir)
     dev = device()
     tok, prep = run.load_prepared()
