@@ -64,6 +64,17 @@ def test_a_shape_names_every_field():
         parse_shape("x:depth=1")
 
 
+def test_a_gemma_shape_slides_every_layer_over_its_window():
+    label, kwargs = parse_shape("g:arch=gemma3_text,window=512," + SHAPES["l2"].split(":")[1])
+    spec = ModelSpec(vocab_size=256, **kwargs)
+    assert label == "g" and spec.arch == "gemma3_text" and spec.sliding_window == 512
+    assert spec.layer_types == ["sliding_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="window=N goes with arch=gemma3_text"):
+        parse_shape("q:window=512," + SHAPES["l2"].split(":")[1])
+    with pytest.raises(ValueError, match="window=N goes with arch=gemma3_text"):
+        parse_shape("g:arch=gemma3_text," + SHAPES["l2"].split(":")[1])
+
+
 @pytest.fixture(scope="module")
 def redrafted(produced, stdlib, tmp_path_factory):
     from foretell_demo_train.cli import main
