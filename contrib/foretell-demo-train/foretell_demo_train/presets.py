@@ -40,8 +40,11 @@ FULL = Preset(
     models={
         "target": dict(arch="qwen3", hidden_size=512, num_layers=6, num_heads=8,
                        num_kv_heads=4, head_dim=64, intermediate_size=1536),
-        "draft": dict(arch="qwen3", hidden_size=144, num_layers=6, num_heads=4,
-                      num_kv_heads=2, head_dim=32, intermediate_size=384),
+        # Two layers, the lower one sliding: on a GPU a draft's depth sets its cost, and a
+        # shallow all-global draft attends badly past its training windows (redraft.py).
+        "draft": dict(arch="gemma3_text", hidden_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, intermediate_size=1024,
+                      sliding_window=512, sliding_window_pattern=2),
         "gemma": dict(arch="gemma3_text", hidden_size=384, num_layers=6, num_heads=6,
                       num_kv_heads=2, head_dim=64, intermediate_size=1024,
                       sliding_window=256, sliding_window_pattern=3, rope_theta=1_000_000.0),

@@ -12,7 +12,9 @@ from foretell_demo_train.models import ModelSpec
 from foretell_demo_train.redraft import parse_shape, read_model_dir
 
 SHAPES = {"l1": "l1:layers=1,hidden=64,heads=2,kv_heads=1,head_dim=32,ffn=128",
-          "l2": "l2:layers=2,hidden=64,heads=2,kv_heads=1,head_dim=32,ffn=64"}
+          "l2": "l2:layers=2,hidden=64,heads=2,kv_heads=1,head_dim=32,ffn=64",
+          "g2": "g2:arch=gemma3_text,window=16,layers=2,hidden=64,heads=2,kv_heads=1,"
+                "head_dim=32,ffn=64"}
 
 
 class _Tok:
@@ -64,15 +66,18 @@ def test_a_shape_names_every_field():
         parse_shape("x:depth=1")
 
 
-def test_a_gemma_shape_slides_every_layer_over_its_window():
-    label, kwargs = parse_shape("g:arch=gemma3_text,window=512," + SHAPES["l2"].split(":")[1])
+def test_a_gemma_shape_slides_every_layer_but_the_top_one_by_default():
+    fields = SHAPES["l2"].split(":")[1]
+    label, kwargs = parse_shape("g:arch=gemma3_text,window=512," + fields)
     spec = ModelSpec(vocab_size=256, **kwargs)
     assert label == "g" and spec.arch == "gemma3_text" and spec.sliding_window == 512
-    assert spec.layer_types == ["sliding_attention", "sliding_attention"]
-    with pytest.raises(ValueError, match="window=N goes with arch=gemma3_text"):
-        parse_shape("q:window=512," + SHAPES["l2"].split(":")[1])
-    with pytest.raises(ValueError, match="window=N goes with arch=gemma3_text"):
-        parse_shape("g:arch=gemma3_text," + SHAPES["l2"].split(":")[1])
+    assert spec.layer_types == ["sliding_attention", "full_attention"]
+    _, kwargs = parse_shape("g:arch=gemma3_text,window=512,pattern=1," + fields)
+    assert ModelSpec(vocab_size=256, **kwargs).layer_types == ["full_attention"] * 2
+    for bad in ("q:window=512,", "q:pattern=2,", "g:arch=gemma3_text,",
+                "g:arch=gemma3_text,window=512,pattern=3,"):
+        with pytest.raises(ValueError, match="window=N|pattern=3 must be"):
+            parse_shape(bad + fields)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +86,7 @@ def redrafted(produced, stdlib, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("redraft")
     main(["redraft", "--preset", "tiny", "--target-dir", str(produced / "out" / "demo"),
-          "--shape", SHAPES["l1"], "--shape", SHAPES["l2"], "--minutes", "0.03",
+          "--shape", SHAPES["l1"], "--shape", SHAPES["g2"], "--minutes", "0.03",
           "--work", str(root / "work"), "--out", str(root / "out"), "--roots", stdlib,
           "--pack-dir", str(root / "pack")])
     return root
@@ -106,22 +111,34 @@ def test_the_teacher_is_the_shipped_target(produced, redrafted):
     with torch.no_grad():
         ours = teacher(torch.from_numpy(windows)).float().numpy()
     model, _ = load(str(produced / "out" / "demo"))
-    oracle = np.array(model(mx.array(windows)).astype(mx.float32))
-    assert (ours.argmax(-1) == oracle.argmax(-1)).mean() > 0.97
-    assert np.abs(ours - oracle).max() < 0.1
+    model.set_dtype(mx.float32)  # the bf16 scales and norms, exactly; float32 arithmetic
+    oracle = np.array(model(mx.array(windows)))
+    np.testing.assert_allclose(ours, oracle, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_mlx_lm_loads_every_candidate(redrafted):
+    """The oracle must be able to run what ships: a draft only foretell could load would
+    leave its numerics unchecked."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm import generate, load
+
+    for label in ("l1", "g2"):
+        model, tok = load(str(redrafted / "out" / f"demo-draft-{label}"))
+        assert isinstance(generate(model, tok, prompt="def add(a, b):", max_tokens=24), str)
 
 
 @pytest.mark.slow
 def test_the_candidates_pair_with_the_target_in_the_engine(produced, redrafted):
     import foretell
-    from foretell.registry import Kind
+    from foretell.plugin.registry import Kind
 
     target = produced / "out" / "demo"
     summary = json.loads((redrafted / "out" / "redraft.json").read_text())
-    assert set(summary["candidates"]) == {"l1", "l2"}
+    assert set(summary["candidates"]) == {"l1", "g2"}
     engine = foretell.load(str(target))
     config = engine.registry.get(Kind.DRAFT, "two-model").config
-    for label, layers in (("l1", 1), ("l2", 2)):
+    for label, layers in (("l1", 1), ("g2", 2)):
         out = redrafted / "out" / f"demo-draft-{label}"
         assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == layers
         assert (out / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
@@ -129,6 +146,7 @@ def test_the_candidates_pair_with_the_target_in_the_engine(produced, redrafted):
         assert record["teacher"]["dir"] == str(target)
         assert "expected_accepted_of_4_temp0" in record["draft_teacher_forced"]
         engine.use_draft("two-model", config(model=str(out)), max_tokens=3)
-        plain = engine.generate_text("def add(a, b):", max_tokens=12, speculate=False)
-        assert engine.generate_text("def add(a, b):", max_tokens=12) == plain
+        # Past the Gemma draft's 16-token window, so its rings wrap while it drafts.
+        plain = engine.generate_text("def add(a, b):", max_tokens=40, speculate=False)
+        assert engine.generate_text("def add(a, b):", max_tokens=40) == plain
     assert sorted(p.name for p in (redrafted / "pack").iterdir()) == ["foretell-demo.tar.gz.part00"]
