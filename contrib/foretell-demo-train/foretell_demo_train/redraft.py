@@ -137,6 +137,24 @@ def parse_shape(text: str) -> tuple[str, dict]:
     return label, kwargs
 
 
+#: Options that say where this machine kept its files, not what was trained: left out of
+#: the command a model dir records.
+_WHERE = ("--work", "--out", "--pack-dir")
+
+
+def recorded_command(argv: list[str]) -> str:
+    """The command as ``training.json`` records it, without :data:`_WHERE` and their values."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _WHERE:
+            skip = True
+        elif not arg.startswith(tuple(f"{w}=" for w in _WHERE)):
+            kept.append(arg)
+    return " ".join(["python -m foretell_demo_train", *kept])
+
+
 def other_weights_bytes(target_dir: Path, draft_dirname: str = "demo-draft") -> int:
     """Bytes of every shipped weight file beside the draft's (the budget is for all)."""
     family = Path(target_dir).parent
@@ -233,7 +251,7 @@ def redraft(args) -> None:
                                 prep["eos_id"])
         quality["weights_bytes"] = size
         write_training_json(out, {
-            "command": "python -m foretell_demo_train " + " ".join(args.argv),
+            "command": recorded_command(args.argv),
             "seed": args.seed, "versions": versions(), "model": name, "arch": kwargs["arch"],
             "teacher": {"dir": str(target_dir), "note": "the shipped target, dequantized"},
             "corpus": prep["corpus"], "tokens": prep["tokens"], "tokenizer": prep["tokenizer"],

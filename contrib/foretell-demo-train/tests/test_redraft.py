@@ -9,7 +9,7 @@ import pytest
 from foretell_demo_train import quantize as Q
 from foretell_demo_train.export import export_quantized
 from foretell_demo_train.models import ModelSpec
-from foretell_demo_train.redraft import parse_shape, read_model_dir
+from foretell_demo_train.redraft import parse_shape, read_model_dir, recorded_command
 
 SHAPES = {"l1": "l1:layers=1,hidden=64,heads=2,kv_heads=1,head_dim=32,ffn=128",
           "l2": "l2:layers=2,hidden=64,heads=2,kv_heads=1,head_dim=32,ffn=64",
@@ -80,6 +80,13 @@ def test_a_gemma_shape_slides_every_layer_but_the_top_one_by_default():
             parse_shape(bad + fields)
 
 
+def test_the_recorded_command_leaves_out_where_files_went():
+    argv = ["redraft", "--target-dir", "core/foretell/demo/demo", "--work", "/root/w",
+            "--shape", SHAPES["l1"], "--out=/root/o", "--pack-dir", "/root/p", "--minutes", "2"]
+    assert recorded_command(argv) == ("python -m foretell_demo_train redraft --target-dir "
+                                      f"core/foretell/demo/demo --shape {SHAPES['l1']} --minutes 2")
+
+
 @pytest.fixture(scope="module")
 def redrafted(produced, stdlib, tmp_path_factory):
     from foretell_demo_train.cli import main
@@ -144,6 +151,7 @@ def test_the_candidates_pair_with_the_target_in_the_engine(produced, redrafted):
         assert (out / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
         record = json.loads((out / "training.json").read_text())
         assert record["teacher"]["dir"] == str(target)
+        assert str(redrafted) not in record["command"] and "--shape" in record["command"]
         assert "expected_accepted_of_4_temp0" in record["draft_teacher_forced"]
         engine.use_draft("two-model", config(model=str(out)), max_tokens=3)
         # Past the Gemma draft's 16-token window, so its rings wrap while it drafts.
