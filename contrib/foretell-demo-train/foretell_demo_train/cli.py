@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .presets import PRESETS
+from .presets import PRESETS, preset_from_args
 
 
 def _run(args) -> None:
@@ -15,13 +15,7 @@ def _run(args) -> None:
 
     from .pipeline import STAGES, Run, run_stages
 
-    preset = PRESETS[args.preset]
-    if args.max_files is not None:
-        preset.max_files = args.max_files or None
-    if args.eval_windows:
-        preset.eval_windows = args.eval_windows
-    if args.gen_prompts:
-        preset.gen_prompts = args.gen_prompts
+    preset = preset_from_args(args)
     if args.distill_ce_weight is not None:
         for cfg in preset.distill.values():
             cfg["ce_weight"] = args.distill_ce_weight

@@ -99,3 +99,16 @@ TINY = Preset(
 )
 
 PRESETS = {"full": FULL, "tiny": TINY}
+
+
+def preset_from_args(args) -> Preset:
+    """The preset ``--preset`` names, with the overrides every subcommand shares applied
+    (``--max-files``, ``--eval-windows``, ``--gen-prompts``)."""
+    preset = PRESETS[args.preset]
+    if args.max_files is not None:
+        preset.max_files = args.max_files or None
+    if args.eval_windows:
+        preset.eval_windows = args.eval_windows
+    if args.gen_prompts:
+        preset.gen_prompts = args.gen_prompts
+    return preset

@@ -170,16 +170,10 @@ def redraft(args) -> None:
     from .export_stage import choose_bits, versions, with_state
     from .models import CausalLM, ModelSpec, count_params
     from .pipeline import Run, load_lm, require_draft_ratio, stage_lm, stage_prepare
-    from .presets import PRESETS
+    from .presets import preset_from_args
     from .train import device
 
-    preset = PRESETS[args.preset]
-    if args.max_files is not None:
-        preset.max_files = args.max_files or None
-    if args.eval_windows:
-        preset.eval_windows = args.eval_windows
-    if args.gen_prompts:
-        preset.gen_prompts = args.gen_prompts
+    preset = preset_from_args(args)
     if args.seq_len:
         preset.seq_len = args.seq_len
     shapes = [parse_shape(s) for s in args.shape]
@@ -209,9 +203,7 @@ def redraft(args) -> None:
     tok, prep = run.load_prepared()
     windows = ev.heldout_windows(np.asarray(run.tokens("heldout")), preset.seq_len,
                                  preset.eval_windows)
-    target_model = CausalLM(spec)
-    target_model.load_state_dict(teacher.state_dict())
-    target_model = target_model.to(dev).eval()
+    target_model = teacher.to(dev).eval()
     bpt = prep["heldout_bytes_per_token"]
     summary = {"target_dir": str(target_dir), "weights_budget_left_mib": round(budget / MIB, 3),
                "target": ev.lm_eval(target_model, windows, dev, preset.eval_batch, bpt),
