@@ -10,6 +10,7 @@ import random
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from foretell.cache.codecs import SlidingKVCodec
 from foretell.kvcache import (
@@ -19,6 +20,7 @@ from foretell.kvcache import (
     stay_trimmable,
     trim_all,
 )
+from foretell.model import kvcache
 
 
 def _full_logits(model, tokens):
@@ -26,7 +28,16 @@ def _full_logits(model, tokens):
     return model.logits(hidden)[0]
 
 
-def test_rounds_and_rollbacks_match_a_fresh_forward_past_the_window(engines):
+@pytest.mark.parametrize("handed", ["view", "copy"])
+def test_rounds_and_rollbacks_match_a_fresh_forward_past_the_window(engines, monkeypatch,
+                                                                    handed):
+    """Both ways of handing attention the window (a view into the buffer; a copy, which
+    CUDA takes: ``window_copies``) compute the same, and copies happen only when asked."""
+    monkeypatch.setattr(kvcache, "_WINDOW_MODE", handed)
+    copies = []
+    real = mx.contiguous
+    monkeypatch.setattr(mx, "contiguous", lambda a, *args, **kw: copies.append(a.shape)
+                        or real(a, *args, **kw))
     model = engines["gemma3_text"].model  # window 8
     rng = random.Random(0)
     caches = add_rollback_reserve(model.make_caches(), 6)
@@ -46,6 +57,7 @@ def test_rounds_and_rollbacks_match_a_fresh_forward_past_the_window(engines):
         assert trim_all(caches, rejected) == rejected
         sequence += window[: n - rejected]
     assert checked > 10 and all(c.offset == len(sequence) for c in caches)
+    assert bool(copies) == (handed == "copy")
 
 
 def test_a_ring_becomes_a_sliding_cache_holding_the_same_window(engines):
@@ -76,3 +88,29 @@ def test_a_sliding_cache_snapshot_restores_and_continues_identically():
     b = restored.update_and_fetch(step, step)
     assert restored.offset == cache.offset == 41
     assert all(mx.array_equal(x, y) for x, y in zip(a, b))
+
+
+
+def _on_cuda() -> bool:
+    from foretell.platform.device import on_cuda
+
+    return on_cuda()
+
+
+@pytest.mark.skipif(not _on_cuda(), reason="the fused kernel's defect is MLX-CUDA's")
+def test_on_cuda_a_single_token_query_attends_to_the_window_itself():
+    """MLX-CUDA's fused attention read a window that starts past its buffer's start wrongly
+    (NaN); the cache hands it a copy there, so its answer equals attention over the same keys
+    in arrays of their own."""
+    cache = SlidingKVCache(16, reserve=4)
+    keys = mx.random.normal((1, 2, 60, 64), key=mx.random.key(2)).astype(mx.bfloat16)
+    for i in range(59):
+        cache.update_and_fetch(keys[:, :, i : i + 1], keys[:, :, i : i + 1] * 2)
+    k, v = cache.update_and_fetch(keys[:, :, 59:], keys[:, :, 59:] * 2)
+    assert k.shape[2] == 16
+    query = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3)).astype(mx.bfloat16)
+    got = mx.fast.scaled_dot_product_attention(query, k, v, scale=0.125)
+    own = [mx.array(np.array(a.astype(mx.float32))).astype(mx.bfloat16) for a in (k, v)]
+    expected = mx.fast.scaled_dot_product_attention(query, *own, scale=0.125)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                               np.array(expected.astype(mx.float32)), atol=2e-2)

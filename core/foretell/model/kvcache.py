@@ -307,6 +307,30 @@ class RotatingKVCache:
         return cache
 
 
+_WINDOW_MODE: str | None = None
+
+
+def window_copies() -> bool:
+    """Whether a :class:`SlidingKVCache` hands attention a copy of its window rather than a
+    view into its buffer, whenever the window does not start at the buffer's start.
+
+    On CUDA it must: MLX-CUDA 0.32.4's fused attention for a single-token query reads a key
+    view that starts past its buffer's start wrongly (NaN against a copy of the same keys,
+    ``docs/bench-data/2026-12-02-h200-sliding-window-view-0534.log``), so every speculative
+    round of a sliding-window model past its window computed garbage there: a Gemma target
+    lost greedy identity after 6 tokens, a Gemma draft accepted 0% of its drafts. The copy
+    is of the window only (0.108 against 0.093 ms for a decode-size call measured there).
+    The CPU and Metal take the view. ``FORETELL_SLIDING_WINDOW=copy|view`` forces either.
+    """
+    global _WINDOW_MODE
+    if _WINDOW_MODE is None:
+        from foretell.platform.device import device_mode
+
+        _WINDOW_MODE = device_mode("FORETELL_SLIDING_WINDOW", cuda="copy", elsewhere="view",
+                                   choices=("copy", "view"))
+    return _WINDOW_MODE == "copy"
+
+
 class SlidingKVCache:
     """A sliding-window layer's keys and values that can roll back: the window plus a
     rollback reserve, kept in time order.
@@ -321,7 +345,8 @@ class SlidingKVCache:
     window), never by overwriting in place.
 
     Attention receives the newest ``min(held, window - 1)`` tokens before the new ones plus
-    the new ones, in time order; :meth:`mask` describes exactly those keys.
+    the new ones, in time order; :meth:`mask` describes exactly those keys. They are a view
+    into the buffer, or on CUDA a copy of it (:func:`window_copies`).
     """
 
     step = 256
@@ -359,7 +384,10 @@ class SlidingKVCache:
         self.held = end
         self.offset += n
         first = start - min(start, self.max_size - 1)
-        return self.keys[..., first:end, :], self.values[..., first:end, :]
+        keys, values = self.keys[..., first:end, :], self.values[..., first:end, :]
+        if first and window_copies():
+            return mx.contiguous(keys), mx.contiguous(values)
+        return keys, values
 
     def _compact(self, new: mx.array) -> None:
         """Move the tokens still needed to the front of a buffer with room for ``new``."""
