@@ -46,9 +46,10 @@ def add_parser(sub) -> None:
                    help="run one side after the other instead of alternating their timed "
                         "runs (holds one copy of the model in memory instead of two)")
     p.add_argument("--new-lengths", action="store_true",
-                   help="each timed round runs the prompt less its first 1, 2, ... tokens, the "
-                        "same on both sides, so no run repeats a shape the process has run (a "
-                        "GPU keeps its kernels' plans per shape, which a repeated prompt reuses)")
+                   help="each timed round runs the prompt less its first 1, 2, ... tokens, "
+                        "counting on from row to row, the same on both sides, so no run "
+                        "repeats a shape the process has run (a GPU keeps its kernels' plans "
+                        "per shape, which a repeated prompt length reuses)")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
     p.add_argument("--cache", action="store_true",

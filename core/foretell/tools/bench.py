@@ -281,11 +281,12 @@ def _summary(runs: list[Timing], peak_memory_gb: float) -> dict[str, Any]:
     }
 
 
-def prompt_drop(round_index: int, new_lengths: bool) -> int:
+def prompt_drop(round_index: int, new_lengths: bool, earlier: int = 0) -> int:
     """Prompt tokens a timed round leaves off its start: with ``new_lengths`` round ``i``
-    (from 0) runs the prompt less its first ``i + 1``, so no timed run repeats a length (and
-    a shape) the warm-up or an earlier round ran (see :func:`_measure`)."""
-    return round_index + 1 if new_lengths else 0
+    (from 0) runs the prompt less its first ``earlier + i + 1``, where ``earlier`` counts the
+    timed rounds the process ran before (the scenarios before this one), so no timed run
+    repeats a length (and a shape) the warm-up or an earlier round ran (see :func:`_measure`)."""
+    return earlier + round_index + 1 if new_lengths else 0
 
 
 def _measure(
@@ -294,24 +295,28 @@ def _measure(
     repeats: int,
     progress: Callable[[str], None] = lambda _: None,
     new_lengths: bool = False,
+    earlier: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """A warm-up run per side, then ``repeats`` rounds in which each side runs once, the
     order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
     on both sides rather than on whichever ran during it.
 
-    ``new_lengths``: round ``i`` runs the prompt less its first ``i + 1`` tokens (the
-    warm-up the whole prompt), the same on both sides, so no timed run repeats a prompt
-    length, and no shape, the process has run. A GPU plans its kernels per shape and keeps
-    the plans: a run that repeats the warm-up's prompt gets every plan for free (mlx-lm's
-    speculative verify windows, each a new key length, and any prefill), which no user's
-    new prompt does."""
+    ``new_lengths``: round ``i`` runs the prompt less its first ``earlier + i + 1`` tokens
+    (the warm-up the whole prompt), the same on both sides; ``earlier`` is the number of
+    timed rounds the same processes ran for earlier scenarios, so no timed run repeats a
+    prompt length, and no shape, the process has run. A GPU plans its kernels per shape
+    and keeps the plans: a run that repeats an earlier run's prompt length gets its plans
+    for free (mlx-lm's speculative verify windows, each a new key length, and any prefill),
+    which no user's new prompt does. Until 2026-12-02 the count restarted with each
+    scenario, so a later row's round ``i`` met the lengths of every earlier row's round
+    ``i`` (mlx-lm's self-drafting row ran 694 tok/s in one round, 43-51 in the others)."""
     runs: dict[str, list[Timing]] = {side: [] for side in sides}
     for proc in sides.values():
         proc.run(scenario)
         proc.peak_memory_gb()
     order = list(sides)
     for i in range(repeats):
-        drop = prompt_drop(i, new_lengths)
+        drop = prompt_drop(i, new_lengths, earlier)
         for side in order if i % 2 == 0 else order[::-1]:
             runs[side].append(sides[side].run(scenario, drop))
         speeds = ", ".join(f"{side} {runs[side][-1].decode_tps:.1f}" for side in order)
@@ -459,9 +464,10 @@ def compare(
                         (group if interleave else groups).append(
                             SAME_BLAS if interleave else [SAME_BLAS]
                         )
-                for name in scenarios:
+                for earlier, name in enumerate(scenarios):
                     measured[name].update(_measure(running, name, repeats, progress,
-                                                   new_lengths=new_lengths))
+                                                   new_lengths=new_lengths,
+                                                   earlier=earlier * repeats))
             finally:
                 for proc in running.values():
                     proc.close()
