@@ -114,3 +114,15 @@ def test_on_cuda_a_single_token_query_attends_to_the_window_itself():
     expected = mx.fast.scaled_dot_product_attention(query, *own, scale=0.125)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)),
                                np.array(expected.astype(mx.float32)), atol=2e-2)
+
+
+def test_the_window_view_probe_finds_what_the_copy_rule_assumes():
+    """``python -m foretell.spec.probe --window-view``: the CPU's fused kernel reads a window
+    view as it reads a copy of it (so the CPU keeps the view); MLX-CUDA 0.32.4's does not
+    (so CUDA copies). On CUDA this fails once MLX fixes its kernel: the copy may then go."""
+    from foretell.spec import probe
+
+    cases = probe.window_view(kv_heads=(1, 2), head_dims=(64,))
+    assert len(cases) == 2
+    agree = [c["agrees"] for c in cases]
+    assert all(agree) != _on_cuda(), cases

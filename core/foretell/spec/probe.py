@@ -10,6 +10,12 @@
 4. A forward of 8 to 2,048 tokens after a ~1,000-token prompt, at a key length not seen
    before each time (a drafter's catch-up, a suffix after a cache hit, a prompt's last
    chunk), per attention rule.
+
+``--window-view`` instead asks whether the fused kernel reads a key view that starts past
+its buffer's start as it reads a copy of the same keys (what a sliding-window cache hands
+attention during speculation; MLX-CUDA 0.32.4 did not, so foretell copies the window there:
+``foretell.model.kvcache.window_copies``). Run it after an MLX upgrade: ``"agrees": true``
+for every case means the copy may go.
 """
 
 from __future__ import annotations
@@ -179,6 +185,31 @@ def identity(model_dir: str, tokens: int = 256, kinds: tuple[str, ...] = ("two-m
     return out
 
 
+def window_view(kv_heads: tuple[int, ...] = (1, 2, 8), head_dims: tuple[int, ...] = (64, 128)
+                ) -> list[dict[str, object]]:
+    """For each case, a single-token query's fused attention over ``keys[..., 89:600, :]``
+    of a 768-token buffer against the same keys copied out through the host: the largest
+    difference, and whether it is within bfloat16 rounding."""
+    import mlx.core as mx
+    import numpy as np
+
+    cases = []
+    for hk in kv_heads:
+        for dim in head_dims:
+            k, v = (mx.random.normal((1, hk, 768, dim), key=mx.random.key(seed))
+                    .astype(mx.bfloat16) for seed in (0, 1))
+            q = mx.random.normal((1, 2 * hk, 1, dim), key=mx.random.key(2)).astype(mx.bfloat16)
+            kv, vv = k[..., 89:600, :], v[..., 89:600, :]
+            own = [mx.array(np.array(a.astype(mx.float32))).astype(mx.bfloat16) for a in (kv, vv)]
+            scale = dim ** -0.5
+            got = mx.fast.scaled_dot_product_attention(q, kv, vv, scale=scale)
+            expected = mx.fast.scaled_dot_product_attention(q, *own, scale=scale)
+            diff = mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)).max().item()
+            cases.append({"kv_heads": hk, "head_dim": dim, "max_diff": diff,
+                          "agrees": bool(diff <= 2e-2)})
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     from foretell.platform import blas
 
@@ -189,11 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--identity", action="store_true",
                     help="instead: greedy output of each drafter vs plain decoding")
+    ap.add_argument("--window-view", action="store_true",
+                    help="instead: does the fused kernel read a window view as a copy of it")
     args = ap.parse_args(argv)
     import mlx.core as mx
 
     if args.identity:
         print(json.dumps(identity(args.model), indent=2))
+        return 0
+    if args.window_view:
+        print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
+                          "cases": window_view()}, indent=2))
         return 0
 
     report: dict[str, object] = {"device": str(mx.default_device()), "mlx": mx.__version__,
