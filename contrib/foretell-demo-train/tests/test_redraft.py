@@ -80,9 +80,10 @@ def test_a_gemma_shape_slides_every_layer_but_the_top_one_by_default():
             parse_shape(bad + fields)
 
 
-def test_the_recorded_command_leaves_out_where_files_went():
-    argv = ["redraft", "--target-dir", "core/foretell/demo/demo", "--work", "/root/w",
-            "--shape", SHAPES["l1"], "--out=/root/o", "--pack-dir", "/root/p", "--minutes", "2"]
+def test_the_recorded_command_leaves_out_where_files_went(tmp_path):
+    argv = ["redraft", "--target-dir", "core/foretell/demo/demo", "--work", str(tmp_path / "w"),
+            "--shape", SHAPES["l1"], f"--out={tmp_path / 'o'}", "--pack-dir", str(tmp_path / "p"),
+            "--minutes", "2"]
     assert recorded_command(argv) == ("python -m foretell_demo_train redraft --target-dir "
                                       f"core/foretell/demo/demo --shape {SHAPES['l1']} --minutes 2")
 
