@@ -321,6 +321,11 @@ def window_copies() -> bool:
     lost greedy identity after 6 tokens, a Gemma draft accepted 0% of its drafts. The copy
     is of the window only (0.108 against 0.093 ms for a decode-size call measured there).
     The CPU and Metal take the view. ``FORETELL_SLIDING_WINDOW=copy|view`` forces either.
+    The cache is the place: only it knows its window starts past its buffer's start, and a
+    copy in attention could not tell such a view from a growable cache's (which starts at
+    its buffer's start and which the kernel reads right), so it would copy every layer's
+    whole cache each step. ``python -m foretell.spec.probe --window-view`` re-checks the
+    kernel after an MLX upgrade.
     """
     global _WINDOW_MODE
     if _WINDOW_MODE is None:
