@@ -8,6 +8,8 @@
    round's one sync waits for the device.
 2. The adaptive policy's own figures after a few requests with the adaptive length: the
    round time it keeps per draft length and its acceptance per draft position.
+3. With ``--trace N``, the first ``N`` things the policy was told and chose in the first
+   adaptive request, in order (why a drafter went off, or stayed off).
 
 It measures by wrapping ``mx.async_eval`` and the verifier's ``finish`` for its own runs and
 puts both back afterwards.
@@ -83,13 +85,42 @@ def host_split(engine: Any, prompt: list[int], tokens: int, rows: dict[str, Any]
     return table
 
 
+@contextlib.contextmanager
+def _traced_policy(policy: Any, events: list[str]):
+    """Append to ``events`` each choice ``policy`` makes and each round it is told of,
+    while inside (the policy instance only; the class stays as it is)."""
+    choose, observe = policy.choose, policy.observe
+
+    def traced_choose(limit: int) -> int:
+        k = choose(limit)
+        known = ", ".join(f"{n}: {t * 1e3:.2f}" for n, t in policy.measured().items())
+        events.append(f"choose {k} (ms per round by k {{{known}}})")
+        return k
+
+    def traced_observe(drafted: int, accepted: int, seconds: float, *,
+                       one_off: bool = False) -> None:
+        what = f"drafted {drafted}, kept {accepted}" if drafted else "plain step"
+        events.append(f"{what}: {seconds * 1e3:.2f} ms" + (" (one-off)" if one_off else ""))
+        observe(drafted, accepted, seconds, one_off=one_off)
+
+    policy.choose, policy.observe = traced_choose, traced_observe
+    try:
+        yield
+    finally:
+        del policy.choose, policy.observe
+
+
 def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
-                   requests: int) -> list[dict[str, Any]]:
+                   requests: int, events: list[str] | None = None) -> list[dict[str, Any]]:
     """After each of ``requests`` adaptive requests: tok/s, mean k, and what the policy
-    keeps (ms per round by draft length, acceptance per draft position)."""
+    keeps (ms per round by draft length, acceptance per draft position). ``events``
+    collects what the policy was told and chose during the first request."""
     out = []
-    for _ in range(requests):
-        stats = _generate(engine, prompt, tokens, speculator)
+    for i in range(requests):
+        traced = _traced_policy(speculator.policy, events) if i == 0 and events is not None \
+            else contextlib.nullcontext()
+        with traced:
+            stats = _generate(engine, prompt, tokens, speculator)
         policy = speculator.policy
         out.append({"tps": stats.generation_tps, "mean_k": stats.speculation["mean_k"],
                     "round_ms": {n: t * 1e3 for n, t in policy.measured().items()},
@@ -115,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--requests", type=int, default=4,
                     help="adaptive requests before the policy's figures are read")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="print the first N choices and rounds of the first adaptive request")
     args = ap.parse_args(argv)
     engine = load(args.model)
     prompt = code_prompts(engine.tokenizer, args.prompt_tokens)["code"]
@@ -134,12 +167,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['wall_ms']:.2f} ms, inside async_eval {row['encode_ms']:.2f} ms, "
               f"waiting {row['wait_ms']:.2f} ms ({row['tokens_per_round']:.2f} tokens)")
     adaptive = speculator(True)
+    events: list[str] = []
     for i, seen in enumerate(policy_figures(engine, prompt, args.generate, adaptive,
-                                            args.requests)):
+                                            args.requests, events)):
         times = ", ".join(f"{n}: {t:.2f}" for n, t in seen["round_ms"].items())
         rates = ", ".join(f"{a:.2f}" for a in seen["acceptance"])
         print(f"adaptive request {i + 1}: {seen['tps']:.1f} tok/s, mean k {seen['mean_k']:.2f}; "
               f"policy: ms per round by k {{{times}}}, acceptance by position [{rates}]")
+    for event in events[: args.trace]:
+        print(f"  {event}")
     return 0
 
 
