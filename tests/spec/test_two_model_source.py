@@ -1,0 +1,55 @@
+"""The two-model source drafts what the draft model itself says next: each greedy draft is
+mlx-lm's greedy continuation of the sequence on the same weights, however the last round
+ended (every draft kept, some, none, plain steps after it), and whatever tokens its caches
+lack ride in the first draft's forward (n forwards for n drafts, never one more)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from foretell_two_model.source import TwoModelSource
+
+from foretell.model import load_model
+from foretell.sampling import Sampler
+from foretell.spec import Feed
+
+
+def _mlx_lm_greedy(lm, sequence: list[int], n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    return [t for t, _ in generate_step(mx.array(sequence), lm, max_tokens=n)]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])  # gemma: a window of 8 that wraps
+def test_each_draft_is_the_draft_models_greedy_continuation(name, model_dirs, registry):
+    import mlx_lm
+
+    lm, _ = mlx_lm.load(str(model_dirs[name]))
+    source = TwoModelSource(load_model(model_dirs[name], registry), Sampler())
+    forwards = []
+    real_forward = source.model.forward
+    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
+                                                   real_forward(tokens, caches))[1]
+    sequence = list(range(3, 23))
+    source.prefill(Feed(list(sequence)))
+
+    # (what the round kept, the tokens the verifier feeds next, the next draft's length)
+    rounds = [
+        (4, lambda d: d + [5], 3),            # every draft kept, then the target's token
+        (1, lambda d: d[:1] + [9], 2),        # one kept
+        (0, lambda d: [11, 12, 13, 14], 4),   # none kept, then plain steps
+        (2, lambda d: d[:2] + [6], 4),
+    ]
+    draft = source.draft(Feed([]), 4).tokens.tolist()[0]
+    assert draft == _mlx_lm_greedy(lm, sequence, 4)
+    for kept, fed, n in rounds:
+        source.commit(kept)
+        feed = fed(draft)
+        # The caches hold the drafts fed (all but the last) that were kept; the rest of the
+        # feed is new to them.
+        new = len(feed) - min(kept, len(draft) - 1)
+        sequence += feed
+        forwards.clear()
+        draft = source.draft(Feed(feed), n).tokens.tolist()[0]
+        assert draft == _mlx_lm_greedy(lm, sequence, n), (kept, feed)
+        assert forwards == [new] + [1] * (n - 1)  # what the caches lacked, in one forward
