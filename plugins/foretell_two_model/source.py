@@ -112,9 +112,10 @@ class TwoModelSource:
         self.sequence.extend(feed.tokens)
         # One forward takes every token the caches lack and gives the first draft: after a
         # fully accepted round that is the last draft and the target's token, after plain
-        # steps each of theirs (none of them ever rolls back). A forward per token instead
-        # cost one more draft forward in most rounds: on the H200, where each is ~0.9 ms of
-        # host time whatever its length, an eighth of a 4-token round.
+        # steps each of theirs (none of them ever rolls back). Feeding the last draft apart
+        # cost one more forward in most rounds for the same drafts (on the H200 a forward of
+        # the 2-layer demo draft is mostly host time, whatever its length; neither there nor
+        # on the CPU did tok/s resolve the difference: docs/benchmarks.md, tenth session).
         todo = self.sequence[self.fed :]
         hidden, _ = self.model.forward(mx.array([todo], dtype=mx.int32), self.caches)
         self.fed = len(self.sequence)
