@@ -123,10 +123,10 @@ class TwoModelSource:
             self._drafted = 0
             return Draft.of([])  # a cache that could not roll back: the target steps alone
         drafting = Drafting(self.sampler, self.keys)
-        for i in range(n):
-            if i:
-                hidden, _ = self.model.forward(x, self.caches)
-            x = drafting.add(self.model.logits(hidden[:, -1, :]))[:, None]
+        token = drafting.add(self.model.logits(hidden[:, -1, :]))
+        for _ in range(n - 1):
+            hidden, _ = self.model.forward(token[:, None], self.caches)
+            token = drafting.add(self.model.logits(hidden[:, -1, :]))
         # The last draft was not fed: the caches hold the sequence plus n - 1 drafts.
         self.fed = len(self.sequence) + n - 1
         self._drafted = n

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from foretell_two_model.source import TwoModelSource
 
 from foretell.model import load_model
 from foretell.sampling import Sampler
 from foretell.spec import Feed
+from foretell_two_model.source import TwoModelSource
 
 
 def _mlx_lm_greedy(lm, sequence: list[int], n: int) -> list[int]:
