@@ -1,6 +1,7 @@
 """``python -m foretell.spec.bench``: ``--fixed-shapes-ab`` runs every row with fixed-shape
 verify forwards forced on and off in turns, each against the plain row of its own mode;
-``--new-lengths`` gives every round a prompt length no earlier run had."""
+``--new-lengths`` gives every round a prompt length no earlier run had; the sampled row runs
+what a user's sampled request gets, and the acceptance rules meet at a fixed length."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def test_new_lengths_gives_each_round_a_prompt_one_token_shorter(monkeypatch):
     full = lengths[0][1]
     # warm-ups on the whole prompt, then both rows one token shorter per round
     assert [n for _row, n in lengths] == [full, full, full - 1, full - 1, full - 2, full - 2]
+
+
+def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_one(monkeypatch):
+    from foretell.spec import bench
+
+    used = {}
+    real = bench._foretell
+
+    def recorded(engine, prompt, max_tokens, speculate, temp=0.0):
+        used.setdefault(temp, []).append(speculate)
+        return real(engine, prompt, max_tokens, speculate, temp)
+
+    monkeypatch.setattr(bench, "_foretell", recorded)
+    monkeypatch.setattr(bench, "_SPECULATORS", {})
+    rows = ["two-model", "two-model-t0.8", "two-model-t0.8-fixed", "two-model-t0.8-match"]
+    foretell_only("demo", rows, prompt_tokens=24, max_tokens=4, repeats=1,
+                  draft_model="demo-draft", num_draft_tokens=2)
+    # every row's warm-up in order, then its timed run
+    greedy, sampled = used[0.0][:1], used[bench.SAMPLED][:3]
+    assert used[0.0][1] is greedy[0] and used[bench.SAMPLED][3:] == sampled
+    assert [(s.adaptive, s.acceptance) for s in greedy + sampled] == [
+        (True, "rejection"), (True, "rejection"), (False, "rejection"), (False, "token-match")]
+    assert greedy[0] is not sampled[0]  # one policy per sampling regime
