@@ -118,9 +118,8 @@ class TwoModelSource:
         # on the CPU did tok/s resolve the difference: docs/benchmarks.md, tenth session).
         todo = self.sequence[self.fed :]
         hidden, _ = self.model.forward(mx.array([todo], dtype=mx.int32), self.caches)
-        self.fed = len(self.sequence)
         if not stay_trimmable(self.caches, n - 1):
-            self._drafted = 0
+            self.fed, self._drafted = len(self.sequence), 0
             return Draft.of([])  # a cache that could not roll back: the target steps alone
         drafting = Drafting(self.sampler, self.keys)
         token = drafting.add(self.model.logits(hidden[:, -1, :]))

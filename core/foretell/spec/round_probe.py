@@ -117,9 +117,8 @@ def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
     collects what the policy was told and chose during the first request."""
     out = []
     for i in range(requests):
-        traced = _traced_policy(speculator.policy, events) if i == 0 and events is not None \
-            else contextlib.nullcontext()
-        with traced:
+        traced = i == 0 and events is not None
+        with _traced_policy(speculator.policy, events) if traced else contextlib.nullcontext():
             stats = _generate(engine, prompt, tokens, speculator)
         policy = speculator.policy
         out.append({"tps": stats.generation_tps, "mean_k": stats.speculation["mean_k"],
