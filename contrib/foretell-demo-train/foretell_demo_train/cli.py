@@ -1,4 +1,4 @@
-"""Command line: ``python -m foretell_demo_train run|pack|unpack``."""
+"""Command line: ``python -m foretell_demo_train run|redraft|remtp|pack|unpack``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def _redraft(args) -> None:
     from .redraft import redraft
 
     redraft(args)
+
+
+def _remtp(args) -> None:
+    from .remtp import remtp
+
+    remtp(args)
 
 
 def _pack(args) -> None:
@@ -107,6 +113,32 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--pack-dir", default=None, help="pack the candidates into <= 8 files here")
     d.set_defaults(fn=_redraft)
+    m = sub.add_parser("remtp", help="retrain the MTP head, chained, against a shipped target")
+    m.add_argument("--target-dir", required=True, help="the shipped target's model dir")
+    m.add_argument("--minutes", type=float, default=3.0, help="training budget")
+    m.add_argument("--depth", type=int, default=4,
+                   help="chained steps trained (and measured) from every anchor")
+    m.add_argument("--decay", type=float, default=0.8,
+                   help="step j's loss weighs decay ** (j - 1)")
+    m.add_argument("--seq-len", type=int, default=1024,
+                   help="training window: the head attends over the prompt it drafts after")
+    m.add_argument("--batch-size", type=int, default=64, help="windows per step")
+    m.add_argument("--lr", type=float, default=1e-3)
+    m.add_argument("--warmup-steps", type=int, default=50)
+    m.add_argument("--from-scratch", action="store_true",
+                   help="start from the target's last layer instead of the shipped head")
+    m.add_argument("--eval-prompt-tokens", type=int, nargs="+", default=[256, 960],
+                   help="prompt lengths of the greedy-path measurement")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    m.add_argument("--work", default="build/remtp")
+    m.add_argument("--out", default="build/remtp-out")
+    m.add_argument("--max-files", type=int, default=None, help="corpus subset (0: all)")
+    m.add_argument("--roots", nargs="*", default=None, help="corpus roots (default: sysconfig+site)")
+    m.add_argument("--eval-windows", type=int, default=None)
+    m.add_argument("--gen-prompts", type=int, default=None)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--pack-dir", default=None, help="pack the result into <= 8 files here")
+    m.set_defaults(fn=_remtp)
     p = sub.add_parser("pack", help="pack <out> into <= 8 files of <= 15 MiB")
     p.add_argument("--out", default="build/demo-out")
     p.add_argument("--pack-dir", required=True)

@@ -13,9 +13,10 @@ All norms are Qwen3 RMSNorms (``x * w``, not Qwen3-Next's ``x * (1 + w)``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .models import CausalLM, DecoderLayer, ModelSpec, RMSNorm
+from .models import CausalLM, DecoderLayer, ModelSpec, RMSNorm, apply_rope
 
 MTP_DESCRIPTION = {
     "file": "mtp.safetensors",
@@ -75,3 +76,76 @@ def mtp_logits(head: MTPHead, target: CausalLM, window: torch.Tensor) -> tuple[t
         hidden = target.hidden(ids)
     out = head(target, hidden[:, :-1], ids[:, 1:])
     return target.head(out), window[:, 2:]
+
+
+def _merge(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    e = head.pre_fc_norm_embedding(target.embed(ids))
+    return head.fc(torch.cat([e, head.pre_fc_norm_hidden(hidden)], dim=-1))
+
+
+def chain_outputs(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: torch.Tensor,
+                  depth: int) -> list[torch.Tensor]:
+    """The head chained ``depth`` steps deep from every anchor at once, as the engine drafts.
+
+    ``hidden`` [B, T, H]: the target's final-normed states at anchors t = 0..T-1; ``ids``
+    [B, T + depth]: step j (1-based) at anchor t reads token ``ids[:, t + j]`` and, for j > 1,
+    step j - 1's output at t instead of a target state; it predicts token t + j + 1.
+
+    In the engine the head's cache holds one entry per position the target verified (step 1's
+    inputs), and a chained step appends its own entry after the anchor's: so step j at anchor
+    t attends to step 1's entries at anchors <= t and to steps 2..j's at anchor t alone, at
+    positions t + j - 1. Here that is one masked attention per step over the keys of every
+    step so far. Returns the normed outputs of steps 1..depth, each [B, T, H].
+    """
+    B, T, _ = hidden.shape
+    layer = head.layers[0]
+    attn = layer.self_attn
+    cos, sin = target.rope("full_attention", T + depth, hidden.device)
+    anchors = torch.arange(T, device=hidden.device)
+    causal = anchors[None, :] <= anchors[:, None]
+    same = anchors[None, :] == anchors[:, None]
+    keys, values, outputs = [], [], []
+    h = hidden
+    for j in range(1, depth + 1):
+        x = _merge(head, target, h, ids[:, j : j + T])
+        a = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(a).view(B, T, attn.nh, attn.hd)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(a).view(B, T, attn.nkv, attn.hd)).transpose(1, 2)
+        v = attn.v_proj(a).view(B, T, attn.nkv, attn.hd).transpose(1, 2)
+        c, s = cos[j - 1 : j - 1 + T], sin[j - 1 : j - 1 + T]
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        keys.append(k)
+        values.append(v)
+        kk, vv = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        if attn.nkv != attn.nh:
+            kk = kk.repeat_interleave(attn.nh // attn.nkv, dim=1)
+            vv = vv.repeat_interleave(attn.nh // attn.nkv, dim=1)
+        mask = torch.cat([causal] + [same] * (j - 1), dim=1)
+        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=attn.scale)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = head.norm(x)
+        outputs.append(h)
+    return outputs
+
+
+def chain_loss(head: MTPHead, target: CausalLM, window: torch.Tensor, depth: int,
+               decay: float) -> torch.Tensor:
+    """Distillation through the chain: step j's distribution against the frozen target's at
+    the position it predicts (KL(target || head), what acceptance measures), weighted
+    ``decay ** (j - 1)``: a later draft only counts once every earlier one was accepted."""
+    ids = window[:, :-1]
+    T = ids.shape[1] - depth
+    with torch.no_grad():
+        states = target.hidden(ids)
+        teacher = target.head(states)
+    outputs = chain_outputs(head, target, states[:, :T], ids, depth)
+    total, weights = 0.0, 0.0
+    for j, out in enumerate(outputs, start=1):
+        w = decay ** (j - 1)
+        V = teacher.shape[-1]
+        log_q = F.log_softmax(target.head(out).float().reshape(-1, V), dim=-1)
+        log_p = F.log_softmax(teacher[:, j : j + T].float().reshape(-1, V), dim=-1)
+        total = total + w * F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+        weights += w
+    return total / weights

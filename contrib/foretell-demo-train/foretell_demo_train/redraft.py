@@ -80,8 +80,13 @@ def read_model_dir(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
                          "builds (qwen3, gemma3_text)")
     spec = {"arch": arch, **{field: config[key] for key, field in _SPEC_KEYS.items()
                              if config.get(key) is not None}}
-    tensors = read_safetensors(path / "model.safetensors")
     bits = (config.get("quantization") or {}).get("bits")
+    return spec, dequantized_state(read_safetensors(path / "model.safetensors"), bits)
+
+
+def dequantized_state(tensors: dict[str, np.ndarray], bits: int | None) -> dict[str, np.ndarray]:
+    """A checkpoint's tensors as a float32 state dict: quantized matrices dequantized exactly
+    as MLX computes them, bf16 widened."""
     state: dict[str, np.ndarray] = {}
     for name, value in tensors.items():
         if name.endswith((".scales", ".biases")):
@@ -94,7 +99,7 @@ def read_model_dir(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
             state[name] = Q.bf16_bits_to_f32(value).reshape(value.shape)
         else:
             state[name] = np.asarray(value, dtype=np.float32)
-    return spec, state
+    return state
 
 
 def parse_shape(text: str) -> tuple[str, dict]:
