@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("remtp", help="retrain the MTP head, chained, against a shipped target")
     m.add_argument("--target-dir", required=True, help="the shipped target's model dir")
     m.add_argument("--minutes", type=float, default=3.0, help="training budget")
-    m.add_argument("--depth", type=int, default=4,
+    m.add_argument("--depth", type=int, default=5,
                    help="chained steps trained (and measured) from every anchor")
     m.add_argument("--decay", type=float, default=0.8,
                    help="step j's loss weighs decay ** (j - 1)")

@@ -92,12 +92,18 @@ class Attention(nn.Module):
         # gemma: query_pre_attn_scalar == head_dim, so both scale by head_dim ** -0.5
         self.scale = s.head_dim**-0.5
 
-    def forward(self, x, cos, sin, mask):
+    def qkv(self, x, cos, sin):
+        """Queries [B, heads, T, D] and keys, values [B, kv heads, T, D], normed and rotated."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, mask):
+        """The attention block's output (through ``o_proj``); ``mask`` None is causal, else
+        a boolean [T, S] of the keys each query may read."""
+        B, _, T, _ = q.shape
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
@@ -106,6 +112,9 @@ class Attention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def forward(self, x, cos, sin, mask):
+        return self.attend(*self.qkv(x, cos, sin), mask)
 
 
 class MLP(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import CausalLM, DecoderLayer, ModelSpec, RMSNorm, apply_rope
+from .models import CausalLM, DecoderLayer, ModelSpec, RMSNorm
 
 MTP_DESCRIPTION = {
     "file": "mtp.safetensors",
@@ -58,12 +58,15 @@ class MTPHead(nn.Module):
     def forward(self, target: CausalLM, hidden: torch.Tensor, next_ids: torch.Tensor):
         """hidden [B, T, H] final-normed target states at t; next_ids [B, T] tokens t+1.
         Returns the normed MTP hidden states (logits via ``target.head``)."""
-        e = self.pre_fc_norm_embedding(target.embed(next_ids))
-        h = self.pre_fc_norm_hidden(hidden)
-        x = self.fc(torch.cat([e, h], dim=-1))
+        x = self.merge(target, hidden, next_ids)
         cos, sin = target.rope("full_attention", x.shape[1], x.device)
         x = self.layers[0](x, cos, sin, None)
         return self.norm(x)
+
+    def merge(self, target: CausalLM, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """``fc`` over the normed embedding of token t+1 and the normed state at t."""
+        e = self.pre_fc_norm_embedding(target.embed(next_ids))
+        return self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
 
     def export_state(self) -> dict[str, torch.Tensor]:
         return {f"mtp.{k}": v for k, v in self.state_dict().items()}
@@ -76,11 +79,6 @@ def mtp_logits(head: MTPHead, target: CausalLM, window: torch.Tensor) -> tuple[t
         hidden = target.hidden(ids)
     out = head(target, hidden[:, :-1], ids[:, 1:])
     return target.head(out), window[:, 2:]
-
-
-def _merge(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    e = head.pre_fc_norm_embedding(target.embed(ids))
-    return head.fc(torch.cat([e, head.pre_fc_norm_hidden(hidden)], dim=-1))
 
 
 def chain_outputs(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: torch.Tensor,
@@ -97,7 +95,7 @@ def chain_outputs(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: to
     positions t + j - 1. Here that is one masked attention per step over the keys of every
     step so far. Returns the normed outputs of steps 1..depth, each [B, T, H].
     """
-    B, T, _ = hidden.shape
+    T = hidden.shape[1]
     layer = head.layers[0]
     attn = layer.self_attn
     cos, sin = target.rope("full_attention", T + depth, hidden.device)
@@ -107,22 +105,12 @@ def chain_outputs(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: to
     keys, values, outputs = [], [], []
     h = hidden
     for j in range(1, depth + 1):
-        x = _merge(head, target, h, ids[:, j : j + T])
-        a = layer.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(a).view(B, T, attn.nh, attn.hd)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(a).view(B, T, attn.nkv, attn.hd)).transpose(1, 2)
-        v = attn.v_proj(a).view(B, T, attn.nkv, attn.hd).transpose(1, 2)
-        c, s = cos[j - 1 : j - 1 + T], sin[j - 1 : j - 1 + T]
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        x = head.merge(target, h, ids[:, j : j + T])
+        q, k, v = attn.qkv(layer.input_layernorm(x), cos[j - 1 : j - 1 + T], sin[j - 1 : j - 1 + T])
         keys.append(k)
         values.append(v)
-        kk, vv = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        if attn.nkv != attn.nh:
-            kk = kk.repeat_interleave(attn.nh // attn.nkv, dim=1)
-            vv = vv.repeat_interleave(attn.nh // attn.nkv, dim=1)
         mask = torch.cat([causal] + [same] * (j - 1), dim=1)
-        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=attn.scale)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, attn.nh * attn.hd))
+        x = x + attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         h = head.norm(x)
         outputs.append(h)

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from foretell_demo_train.models import CausalLM, ModelSpec  # noqa: E402
-from foretell_demo_train.mtp import MTPHead, _merge, chain_loss, chain_outputs  # noqa: E402
+from foretell_demo_train.mtp import MTPHead, chain_loss, chain_outputs  # noqa: E402
 
 SPEC = ModelSpec(arch="qwen3", vocab_size=97, hidden_size=64, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16, intermediate_size=96)
@@ -29,11 +29,11 @@ def _engine_chain(head, target, states, ids, anchor, depth):
     """What the engine does at one anchor: its cache holds step 1's entries for every anchor
     up to this one, each chained step appends one entry and runs causally over all of them."""
     layer = head.layers[0]
-    xs = _merge(head, target, states[:, : anchor + 1], ids[:, 1 : anchor + 2])
+    xs = head.merge(target, states[:, : anchor + 1], ids[:, 1 : anchor + 2])
     outs = []
     for j in range(1, depth + 1):
         if j > 1:
-            xs = torch.cat([xs, _merge(head, target, outs[-1], ids[:, anchor + j : anchor + j + 1])],
+            xs = torch.cat([xs, head.merge(target, outs[-1], ids[:, anchor + j : anchor + j + 1])],
                            dim=1)
         cos, sin = target.rope("full_attention", xs.shape[1], xs.device)
         outs.append(head.norm(layer(xs, cos, sin, None))[:, -1:])
