@@ -189,6 +189,43 @@ def test_timed_runs_alternate_between_the_sides_and_flip_order_each_round():
     assert drops == [0, 0, 4, 4, 5, 5, 6, 6]
 
 
+def test_a_speculation_row_pairs_each_round_with_a_plain_run_beside_it():
+    speeds = {"mtp": iter([30.0, 60.0, 90.0, 10.0]), "plain": iter([20.0, 20.0, 40.0, 90.0])}
+
+    class FakeSide:
+        def __init__(self, side):
+            self.side = side
+
+        def run(self, scenario, drop=0):
+            calls.append((self.side, scenario, drop))
+            decode = next(speeds[scenario]) if self.side == "foretell" else 5.0
+            return bench.Timing(prefill_tps=1.0, decode_tps=decode, ttft_s=0.1, generated=3)
+
+        def peak_memory_gb(self):
+            return 0.5
+
+    calls = []
+    sides = {s: FakeSide(s) for s in bench.SIDES}
+    summary = bench._measure(sides, "mtp", repeats=3, new_lengths=True, paired_plain="plain")
+    a, b = bench.SIDES
+    assert a == "foretell"
+    # warm-ups (foretell's plain row too), then each round's plain run beside foretell's
+    # timed one at the same prompt length, before it and after it in turn; mlx-lm never
+    assert calls == [(a, "plain", 0), (a, "mtp", 0), (b, "mtp", 0),
+                     (a, "plain", 1), (a, "mtp", 1), (b, "mtp", 1),
+                     (b, "mtp", 2), (a, "mtp", 2), (a, "plain", 2),
+                     (a, "plain", 3), (a, "mtp", 3), (b, "mtp", 3)]
+    ours = summary["foretell"]
+    assert [r["decode_tps"] for r in ours["runs"]] == [60.0, 90.0, 10.0]
+    assert [r["decode_tps"] for r in ours["plain_runs"]] == [20.0, 40.0, 90.0]
+    assert "plain_runs" not in summary["mlx-lm"]
+    # paired: median of 3.0, 2.25, 0.11; row against row: 60 / 40 = 1.5
+    assert bench._vs_plain_paired(ours) == 2.25
+    assert bench._paired_plain("mtp") == "plain" and bench._paired_plain("plain") is None
+    assert bench._paired_plain("ngram-edit") == "plain-edit"
+    assert bench._paired_plain("greedy") is None
+
+
 def test_new_lengths_runs_shorter_prompts_on_both_sides(tiny_model, tmp_path):
     out = tmp_path / "new.json"
     assert cli_main(["bench", "--model", str(tiny_model), "--prompt-tokens", "8", "--generate",

@@ -296,10 +296,18 @@ def _measure(
     progress: Callable[[str], None] = lambda _: None,
     new_lengths: bool = False,
     earlier: int = 0,
+    paired_plain: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """A warm-up run per side, then ``repeats`` rounds in which each side runs once, the
     order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
     on both sides rather than on whichever ran during it.
+
+    ``paired_plain`` (a speculation row's plain row): in every round foretell also runs that
+    row on the same prompt right beside its timed run (before it in even rounds, after it
+    in odd ones), so the speculation row's ratio to plain decoding pairs runs the host ran
+    back to back (``plain_runs`` in foretell's summary). A ratio between rows run minutes
+    apart is as noisy as the host: on the H200 the same MTP row measured 1.15x and 1.43x
+    row against row, 1.49x as a paired median (docs/benchmarks.md).
 
     ``new_lengths``: round ``i`` runs the prompt less its first ``earlier + i + 1`` tokens
     (the warm-up the whole prompt), the same on both sides; ``earlier`` is the number of
@@ -311,17 +319,29 @@ def _measure(
     scenario, so a later row's round ``i`` met the lengths of every earlier row's round
     ``i`` (mlx-lm's self-drafting row ran 694 tok/s in one round, 43-51 in the others)."""
     runs: dict[str, list[Timing]] = {side: [] for side in sides}
-    for proc in sides.values():
+    plain: list[Timing] = []
+    for side, proc in sides.items():
+        if side == "foretell" and paired_plain:
+            proc.run(paired_plain)
         proc.run(scenario)
         proc.peak_memory_gb()
     order = list(sides)
     for i in range(repeats):
         drop = prompt_drop(i, new_lengths, earlier)
         for side in order if i % 2 == 0 else order[::-1]:
+            if side == "foretell" and paired_plain and i % 2 == 0:
+                plain.append(sides[side].run(paired_plain, drop))
             runs[side].append(sides[side].run(scenario, drop))
+            if side == "foretell" and paired_plain and i % 2 == 1:
+                plain.append(sides[side].run(paired_plain, drop))
         speeds = ", ".join(f"{side} {runs[side][-1].decode_tps:.1f}" for side in order)
+        if plain:
+            speeds += f" (foretell {paired_plain} {plain[-1].decode_tps:.1f})"
         progress(f"  {scenario} round {i + 1}/{repeats}: decode tok/s {speeds}")
-    return {side: _summary(runs[side], sides[side].peak_memory_gb()) for side in sides}
+    summary = {side: _summary(runs[side], sides[side].peak_memory_gb()) for side in sides}
+    if plain:
+        summary["foretell"]["plain_runs"] = [attrs.asdict(r) for r in plain]
+    return summary
 
 
 def runtime_info() -> dict[str, Any]:
@@ -467,7 +487,8 @@ def compare(
                 for earlier, name in enumerate(scenarios):
                     measured[name].update(_measure(running, name, repeats, progress,
                                                    new_lengths=new_lengths,
-                                                   earlier=earlier * repeats))
+                                                   earlier=earlier * repeats,
+                                                   paired_plain=_paired_plain(name)))
             finally:
                 for proc in running.values():
                     proc.close()
@@ -493,8 +514,10 @@ def compare(
                 "acceptance": ours["extras"].get("acceptance"),
                 "tokens_per_forward": ours["extras"].get("tokens_per_forward"),
                 "mlx_lm_from_draft": theirs["extras"].get("from_draft"),
-                # Against plain foretell on the same prompt, in this run.
+                # Against plain foretell on the same prompt, in this run: row against row,
+                # and the median of each round's run against the plain run beside it.
                 "vs_plain": _vs_plain(measured, name),
+                "vs_plain_paired": _vs_plain_paired(ours),
             }
         )
     return {
@@ -536,6 +559,21 @@ def paired_ratio_ci(
     mean = statistics.fmean(logs)
     half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return [math.exp(mean - half), math.exp(mean + half)]
+
+
+def _paired_plain(name: str) -> str | None:
+    """The plain row a speculation row's rounds pair with, or None (not a speculation row,
+    or a plain row itself)."""
+    from foretell.spec.bench import plain_row
+
+    plain = plain_row(name)
+    return plain if name in SPECULATION and plain != name else None
+
+
+def _vs_plain_paired(ours: dict[str, Any]) -> float | None:
+    pairs = zip(ours["runs"], ours.get("plain_runs", []))
+    ratios = [a["decode_tps"] / b["decode_tps"] for a, b in pairs if b["decode_tps"] > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def _vs_plain(measured: dict[str, dict[str, Any]], name: str) -> float | None:
@@ -696,7 +734,9 @@ def render(report: dict[str, Any]) -> str:
             accept = f"{row['acceptance']:.0%}" if row["acceptance"] is not None else ""
             per_forward = row.get("tokens_per_forward")
             per_forward = f"{per_forward:.2f}" if per_forward is not None else ""
-            vs_plain = f"{row['vs_plain']:.2f}x" if row.get("vs_plain") is not None else ""
+            # The paired median where the rounds ran a plain run beside each timed one.
+            shown = row.get("vs_plain_paired") or row.get("vs_plain")
+            vs_plain = f"{shown:.2f}x" if shown is not None else ""
             ci = row.get("decode_ratio_ci95")
             shown_ci = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
             blas = "OpenBLAS" if row.get("baseline") == SAME_BLAS else "its BLAS"
