@@ -75,3 +75,46 @@ def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_
     assert [(s.adaptive, s.acceptance) for s in greedy + sampled] == [
         (True, "rejection"), (True, "rejection"), (False, "rejection"), (False, "token-match")]
     assert greedy[0] is not sampled[0]  # one policy per sampling regime
+
+
+def test_the_sampled_mtp_row_drafts_with_the_head_at_temperature(monkeypatch):
+    """``mtp-t0.8`` is what a sampled request gets by default on a GPU: the MTP head with
+    rejection sampling and the adaptive length, its policy apart from the greedy row's."""
+    from foretell.spec import bench
+
+    used = {}
+    real = bench._foretell
+
+    def recorded(engine, prompt, max_tokens, speculate, temp=0.0):
+        used.setdefault(temp, []).append(speculate)
+        return real(engine, prompt, max_tokens, speculate, temp)
+
+    monkeypatch.setattr(bench, "_foretell", recorded)
+    monkeypatch.setattr(bench, "_SPECULATORS", {})
+    report = foretell_only("demo", ["plain-t0.8", "mtp", "mtp-t0.8"], prompt_tokens=24,
+                           max_tokens=4, repeats=1, draft_model="demo-draft",
+                           num_draft_tokens=2)
+    sampled = [s for s in used[bench.SAMPLED] if s]
+    greedy = [s for s in used[0.0] if s]
+    assert sampled and greedy and sampled[0] is not greedy[0]
+    assert (sampled[0].kind, sampled[0].adaptive, sampled[0].acceptance) == (
+        "mtp", True, "rejection")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert bench.plain_row("mtp-t0.8") == "plain-t0.8" and rows["mtp-t0.8"]["vs_plain"] > 0
+
+
+def test_a_target_without_a_head_skips_the_mtp_rows(tmp_path):
+    import json
+    import shutil
+
+    from foretell.generate import resolve_model_path
+    from foretell.spec import bench
+
+    target = tmp_path / "no-head"
+    shutil.copytree(resolve_model_path("demo"), target)
+    config = json.loads((target / "config.json").read_text())
+    del config["mtp_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    rows = ["plain", "mtp", "mtp-t0.8", "plain-t0.8"]
+    assert bench.runnable(target, rows, None) == ["plain", "plain-t0.8"]
+    assert bench.runnable(resolve_model_path("demo"), rows, None) == rows

@@ -11,6 +11,7 @@ Every row runs on both sides in the same run, on the same weights and prompt ids
 | ``plain-edit`` / ``ngram-edit`` | plain / prompt lookup on a code-editing prompt | plain |
 | ``two-model-t0.8`` | sampled two-model, rejection, the adaptive length | speculative, temp 0.8 |
 | ``two-model-t0.8-fixed`` / ``-match`` | the same at a fixed k, rejection / token-match | the same |
+| ``mtp-t0.8`` | sampled MTP (the GPU's default drafter), the adaptive length | plain, temp 0.8 |
 
 The code prompts are Python from the standard library (what the demo family was trained
 on): ``code`` continues a module, ``edit`` asks to rewrite code that is in the prompt (the
@@ -122,6 +123,10 @@ def foretell_runner(row: str):
             spec = _speculator(engine, job, "two-model", job["model"], adaptive=adaptive)
         elif row == "mtp":
             spec = _speculator(engine, job, "mtp", adaptive=adaptive)
+        elif row == "mtp-t0.8":
+            # What a sampled request gets by default on a GPU: the head, rejection sampling.
+            spec = _speculator(engine, job, "mtp", adaptive=adaptive, sampled=True)
+            return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
         elif row == "ngram-edit":
             spec = _speculator(engine, job, "ngram", adaptive=adaptive)
         elif row.startswith("two-model-t0.8"):
@@ -190,7 +195,7 @@ def runnable(model: Any, rows: list[str], draft_model: str | None) -> list[str]:
         draft_vocab = json.loads((Path(draft_model) / "config.json").read_text()).get("vocab_size")
     keep = []
     for row in rows:
-        if row == "mtp" and not isinstance(config.get("mtp_config"), dict):
+        if row.startswith("mtp") and not isinstance(config.get("mtp_config"), dict):
             continue
         if row.startswith("two-model") and draft_vocab != config.get("vocab_size"):
             continue
@@ -210,6 +215,7 @@ ROWS = {
     "two-model-t0.8": "code",
     "two-model-t0.8-fixed": "code",
     "two-model-t0.8-match": "code",
+    "mtp-t0.8": "code",
 }
 
 
