@@ -226,6 +226,44 @@ def test_a_speculation_row_pairs_each_round_with_a_plain_run_beside_it():
     assert bench._paired_plain("greedy") is None
 
 
+def test_cold_mlx_lm_runs_each_timed_run_in_a_fresh_process_warmed_on_a_short_prompt():
+    class FakeSide:
+        made = 0
+
+        def __init__(self, side):
+            self.side, self.closed = side, False
+            FakeSide.made += 1
+            self.number = FakeSide.made
+
+        def run(self, scenario, drop=0):
+            calls.append((self.side, self.number, drop))
+            return bench.Timing(prefill_tps=1.0, decode_tps=float(self.number), ttft_s=0.1,
+                                generated=3)
+
+        def peak_memory_gb(self):
+            return 0.25 * self.number
+
+        def close(self):
+            self.closed = True
+            closed.append(self.number)
+
+    calls, closed = [], []
+    sides = {s: FakeSide(s) for s in bench.SIDES}  # processes 1 and 2, long-lived
+    a, b = bench.SIDES
+    summary = bench._measure(sides, "two-model", repeats=2, new_lengths=True,
+                             fresh={b: lambda: FakeSide(b)}, warm_drop=90)
+    # foretell warms up and runs in its own process; mlx-lm's long-lived process (2) sits
+    # the row out; each of its timed runs is a new process: a warm-up on the prompt less
+    # its first 90 tokens, then the timed run, then the process closes
+    assert calls == [(a, 1, 0), (a, 1, 1), (b, 3, 90), (b, 3, 1),
+                     (b, 4, 90), (b, 4, 2), (a, 1, 2)]
+    assert closed == [3, 4] and not sides[b].closed
+    assert [r["decode_tps"] for r in summary[b]["runs"]] == [3.0, 4.0]
+    assert summary[b]["peak_memory_gb"] == 1.0  # the last fresh process's
+    assert bench._mlx_lm_speculates("two-model-t0.8-match") and bench._mlx_lm_speculates("self")
+    assert not bench._mlx_lm_speculates("mtp") and not bench._mlx_lm_speculates("greedy")
+
+
 def test_new_lengths_runs_shorter_prompts_on_both_sides(tiny_model, tmp_path):
     out = tmp_path / "new.json"
     assert cli_main(["bench", "--model", str(tiny_model), "--prompt-tokens", "8", "--generate",

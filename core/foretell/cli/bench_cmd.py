@@ -50,6 +50,11 @@ def add_parser(sub) -> None:
                         "counting on from row to row, the same on both sides, so no run "
                         "repeats a shape the process has run (a GPU keeps its kernels' plans "
                         "per shape, which a repeated prompt length reuses)")
+    p.add_argument("--cold-mlx-lm", action="store_true",
+                   help="mlx-lm's speculative rows run each timed run in a fresh process "
+                        "warmed up on a 32-token prompt, so its verify windows meet no kernel "
+                        "plan an earlier run left (what a user's first request meets; "
+                        "without it later rows reuse earlier rows' plans on a GPU)")
     p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                    help="where synthetic models are made once (default ~/.cache/foretell/bench)")
     p.add_argument("--cache", action="store_true",
@@ -157,6 +162,7 @@ def run(args) -> int:
             repeats=args.repeats,
             interleave=not args.sequential,
             new_lengths=args.new_lengths,
+            cold_mlx_lm=args.cold_mlx_lm,
             scenarios=scenarios,
             draft={"draft_model": str(model_path(args.draft_model, "--draft-model")),
                    "num_draft_tokens": args.num_draft_tokens},

@@ -147,6 +147,12 @@ def foretell_runner(row: str):
 # -- mlx-lm side --------------------------------------------------------------------------
 
 
+def mlx_lm_drafts(row: str) -> bool:
+    """Whether mlx-lm's side of ``row`` runs its speculative decoding (a draft model or the
+    target drafting for itself) rather than plain decoding."""
+    return row in ("two-model", "self") or row.startswith("two-model-t0.8")
+
+
 def mlx_lm_runner(row: str):
     def run(loaded: Any, prompt: list[int], max_tokens: int, job: dict[str, Any]):
         from mlx_lm import stream_generate
@@ -155,10 +161,8 @@ def mlx_lm_runner(row: str):
         model, tokenizer = loaded
         kwargs: dict[str, Any] = {}
         draft = None
-        if row == "two-model" or row.startswith("two-model-t0.8"):
-            draft = _mlx_draft(job["draft_model"])
-        elif row == "self":
-            draft = model
+        if mlx_lm_drafts(row):
+            draft = model if row == "self" else _mlx_draft(job["draft_model"])
         if draft is not None:
             kwargs.update(draft_model=draft, num_draft_tokens=job["num_draft_tokens"])
         if row.endswith("t0.8") or "-t0.8-" in row:

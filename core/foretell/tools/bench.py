@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,10 @@ SIDES = ("foretell", "mlx-lm")
 #: On the CPU a third side: mlx-lm on the same OpenBLAS foretell binds, so the table shows
 #: the engine's own gain apart from the BLAS's (the mlx-lm row is what users get).
 SAME_BLAS = "mlx-lm+openblas"
+#: ``--cold-mlx-lm``: the prompt length of the warm-up each fresh mlx-lm process runs before
+#: its one timed run. It compiles the kernels, and with prompts longer than it plus the
+#: tokens generated its verify windows meet none of the timed run's key lengths.
+COLD_WARMUP_TOKENS = 32
 #: Default synthetic cache: random weights are made once per (shape, dtype).
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foretell" / "bench"
 
@@ -194,8 +199,7 @@ def _worker_loop() -> int:
             continue
         scenario = scenarios[request["scenario"]]
         runner = scenario.foretell if side == "foretell" else scenario.mlx_lm
-        prompt = job["prompts"][scenario.prompt] if scenario.prompt != "random" else job["prompt"]
-        prompt = prompt[request.get("drop", 0):]
+        prompt = _prompt(job, scenario.name)[request.get("drop", 0):]
         extra = (job,) if scenario.with_job else ()
         timing = time_run(runner(loaded, prompt, job["max_tokens"], *extra), len(prompt))
         reply(attrs.asdict(timing))
@@ -297,6 +301,8 @@ def _measure(
     new_lengths: bool = False,
     earlier: int = 0,
     paired_plain: str | None = None,
+    fresh: dict[str, Callable[[], SideProcess]] | None = None,
+    warm_drop: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """A warm-up run per side, then ``repeats`` rounds in which each side runs once, the
     order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
@@ -309,6 +315,12 @@ def _measure(
     apart is as noisy as the host: on the H200 the same MTP row measured 1.15x and 1.43x
     row against row, 1.49x as a paired median (docs/benchmarks.md).
 
+    ``fresh`` (side -> a factory of its process): that side runs every timed run in a process
+    of its own, warmed up first by one run of the prompt less its first ``warm_drop`` tokens
+    (a short prompt), and closed after; its long-lived process in ``sides`` sits the scenario
+    out. So none of its verify windows meets a kernel plan an earlier run of the bench left,
+    which is what a user's first request to mlx-lm meets (``--cold-mlx-lm``).
+
     ``new_lengths``: round ``i`` runs the prompt less its first ``earlier + i + 1`` tokens
     (the warm-up the whole prompt), the same on both sides; ``earlier`` is the number of
     timed rounds the same processes ran for earlier scenarios, so no timed run repeats a
@@ -318,9 +330,13 @@ def _measure(
     which no user's new prompt does. Until 2026-12-02 the count restarted with each
     scenario, so a later row's round ``i`` met the lengths of every earlier row's round
     ``i`` (mlx-lm's self-drafting row ran 694 tok/s in one round, 43-51 in the others)."""
+    fresh = fresh or {}
     runs: dict[str, list[Timing]] = {side: [] for side in sides}
+    peaks: dict[str, float] = {}
     plain: list[Timing] = []
     for side, proc in sides.items():
+        if side in fresh:
+            continue
         if side == "foretell" and paired_plain:
             proc.run(paired_plain)
         proc.run(scenario)
@@ -331,17 +347,35 @@ def _measure(
         for side in order if i % 2 == 0 else order[::-1]:
             if side == "foretell" and paired_plain and i % 2 == 0:
                 plain.append(sides[side].run(paired_plain, drop))
-            runs[side].append(sides[side].run(scenario, drop))
+            if side in fresh:
+                runs[side].append(_cold_run(fresh[side], scenario, drop, warm_drop, peaks, side))
+            else:
+                runs[side].append(sides[side].run(scenario, drop))
             if side == "foretell" and paired_plain and i % 2 == 1:
                 plain.append(sides[side].run(paired_plain, drop))
         speeds = ", ".join(f"{side} {runs[side][-1].decode_tps:.1f}" for side in order)
         if plain:
             speeds += f" (foretell {paired_plain} {plain[-1].decode_tps:.1f})"
         progress(f"  {scenario} round {i + 1}/{repeats}: decode tok/s {speeds}")
-    summary = {side: _summary(runs[side], sides[side].peak_memory_gb()) for side in sides}
+    summary = {side: _summary(runs[side], peaks[side] if side in fresh
+                              else sides[side].peak_memory_gb()) for side in sides}
     if plain:
         summary["foretell"]["plain_runs"] = [attrs.asdict(r) for r in plain]
     return summary
+
+
+def _cold_run(make: Callable[[], SideProcess], scenario: str, drop: int, warm_drop: int,
+              peaks: dict[str, float], side: str) -> Timing:
+    """One timed run in a new process of its own, after one warm-up run on a short prompt."""
+    proc = make()
+    try:
+        proc.run(scenario, warm_drop)
+        proc.peak_memory_gb()
+        timing = proc.run(scenario, drop)
+        peaks[side] = proc.peak_memory_gb()
+    finally:
+        proc.close()
+    return timing
 
 
 def runtime_info() -> dict[str, Any]:
@@ -450,8 +484,12 @@ def compare(
     progress: Callable[[str], None] = lambda _: None,
     draft: dict[str, Any] | None = None,
     new_lengths: bool = False,
+    cold_mlx_lm: bool = False,
 ) -> dict[str, Any]:
     """Both sides on one model: per scenario, each side's medians and foretell/mlx-lm.
+
+    ``cold_mlx_lm``: the rows where mlx-lm speculates run each of its timed runs in a fresh
+    process warmed up on a :data:`COLD_WARMUP_TOKENS`-token prompt (see :func:`_measure`).
 
     ``draft`` (``{"draft_model": ..., "num_draft_tokens": ...}``) feeds the speculation rows.
 
@@ -485,10 +523,16 @@ def compare(
                             SAME_BLAS if interleave else [SAME_BLAS]
                         )
                 for earlier, name in enumerate(scenarios):
+                    fresh, warm_drop = {}, 0
+                    if cold_mlx_lm and _mlx_lm_speculates(name):
+                        fresh = {side: partial(SideProcess, side, job, Path(scratch))
+                                 for side in running if side != "foretell"}
+                        warm_drop = max(len(_prompt(job, name)) - COLD_WARMUP_TOKENS, 0)
                     measured[name].update(_measure(running, name, repeats, progress,
                                                    new_lengths=new_lengths,
                                                    earlier=earlier * repeats,
-                                                   paired_plain=_paired_plain(name)))
+                                                   paired_plain=_paired_plain(name),
+                                                   fresh=fresh, warm_drop=warm_drop))
             finally:
                 for proc in running.values():
                     proc.close()
@@ -528,6 +572,7 @@ def compare(
         "repeats": repeats,
         "interleaved": interleave,
         "new_lengths": new_lengths,
+        "cold_mlx_lm": cold_mlx_lm,
         "load_s": {side: proc.load_s for side, proc in procs.items()},
         "runtime": {side: proc.runtime for side, proc in procs.items()},
         "rows": rows,
@@ -559,6 +604,18 @@ def paired_ratio_ci(
     mean = statistics.fmean(logs)
     half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return [math.exp(mean - half), math.exp(mean + half)]
+
+
+def _mlx_lm_speculates(name: str) -> bool:
+    from foretell.spec.bench import mlx_lm_drafts
+
+    return name in SPECULATION and mlx_lm_drafts(name)
+
+
+def _prompt(job: dict[str, Any], name: str) -> list[int]:
+    """The prompt ids a scenario runs on (as the worker picks them)."""
+    prompt = {s.name: s.prompt for s in SCENARIOS}[name]
+    return job["prompts"][prompt] if prompt != "random" else job["prompt"]
 
 
 def _paired_plain(name: str) -> str | None:
@@ -670,6 +727,7 @@ def run_bench(
     scenarios: Sequence[str] = ("greedy",),
     draft: dict[str, Any] | None = None,
     new_lengths: bool = False,
+    cold_mlx_lm: bool = False,
 ) -> dict[str, Any]:
     """Compare every model (``new_lengths``: see :func:`_measure`); ``on_model`` sees the
     report after each one (to save partial results before a time limit cuts the run
@@ -690,6 +748,7 @@ def run_bench(
                 scenarios=scenarios,
                 draft=draft,
                 new_lengths=new_lengths,
+                cold_mlx_lm=cold_mlx_lm,
             )
         )
         on_model(report)
