@@ -525,7 +525,9 @@ def compare(
                 for earlier, name in enumerate(scenarios):
                     fresh, warm_drop = {}, 0
                     if cold_mlx_lm and _mlx_lm_speculates(name):
-                        fresh = {side: partial(SideProcess, side, job, Path(scratch))
+                        cold = Path(scratch) / "cold"  # stderr files apart from the long-lived
+                        cold.mkdir(exist_ok=True)
+                        fresh = {side: partial(SideProcess, side, job, cold)
                                  for side in running if side != "foretell"}
                         warm_drop = max(len(_prompt(job, name)) - COLD_WARMUP_TOKENS, 0)
                     measured[name].update(_measure(running, name, repeats, progress,
