@@ -54,10 +54,12 @@ def test_new_lengths_gives_each_round_a_prompt_one_token_shorter(monkeypatch):
     assert [n for _row, n in lengths] == [full, full, full - 1, full - 1, full - 2, full - 2]
 
 
-def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_one(monkeypatch):
+def _speculators_by_temperature(monkeypatch) -> dict:
+    """Temperature -> the speculators the bench's foretell runs used, in order (a fresh set
+    of speculators for the test)."""
     from foretell.spec import bench
 
-    used = {}
+    used: dict = {}
     real = bench._foretell
 
     def recorded(engine, prompt, max_tokens, speculate, temp=0.0):
@@ -66,6 +68,13 @@ def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_
 
     monkeypatch.setattr(bench, "_foretell", recorded)
     monkeypatch.setattr(bench, "_SPECULATORS", {})
+    return used
+
+
+def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_one(monkeypatch):
+    from foretell.spec import bench
+
+    used = _speculators_by_temperature(monkeypatch)
     rows = ["two-model", "two-model-t0.8", "two-model-t0.8-fixed", "two-model-t0.8-match"]
     foretell_only("demo", rows, prompt_tokens=24, max_tokens=4, repeats=1,
                   draft_model="demo-draft", num_draft_tokens=2)
@@ -82,15 +91,7 @@ def test_the_sampled_mtp_row_drafts_with_the_head_at_temperature(monkeypatch):
     rejection sampling and the adaptive length, its policy apart from the greedy row's."""
     from foretell.spec import bench
 
-    used = {}
-    real = bench._foretell
-
-    def recorded(engine, prompt, max_tokens, speculate, temp=0.0):
-        used.setdefault(temp, []).append(speculate)
-        return real(engine, prompt, max_tokens, speculate, temp)
-
-    monkeypatch.setattr(bench, "_foretell", recorded)
-    monkeypatch.setattr(bench, "_SPECULATORS", {})
+    used = _speculators_by_temperature(monkeypatch)
     report = foretell_only("demo", ["plain-t0.8", "mtp", "mtp-t0.8"], prompt_tokens=24,
                            max_tokens=4, repeats=1, draft_model="demo-draft",
                            num_draft_tokens=2)

@@ -68,6 +68,21 @@ def _unpack(args) -> None:
     unpack(Path(args.pack_dir), Path(args.dest))
 
 
+def _against_shipped_target(parser: argparse.ArgumentParser, name: str, packed: str) -> None:
+    """The options every command training against a shipped target takes."""
+    parser.add_argument("--target-dir", required=True, help="the shipped target's model dir")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--work", default=f"build/{name}")
+    parser.add_argument("--out", default=f"build/{name}-out")
+    parser.add_argument("--max-files", type=int, default=None, help="corpus subset (0: all)")
+    parser.add_argument("--roots", nargs="*", default=None,
+                        help="corpus roots (default: sysconfig+site)")
+    parser.add_argument("--eval-windows", type=int, default=None)
+    parser.add_argument("--gen-prompts", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pack-dir", default=None, help=f"pack {packed} into <= 8 files here")
+
+
 def main(argv: list[str] | None = None) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     ap = argparse.ArgumentParser(prog="foretell-demo-train", description=__doc__)
@@ -94,7 +109,6 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--pack-dir", default=None, help="also pack the output into <= 8 files here")
     r.set_defaults(fn=_run)
     d = sub.add_parser("redraft", help="train draft candidates against a shipped target")
-    d.add_argument("--target-dir", required=True, help="the shipped target's model dir")
     d.add_argument("--shape", action="append", required=True,
                    help="LABEL:layers=N,hidden=N,heads=N,kv_heads=N,head_dim=N,ffn=N "
                         "(repeatable: one candidate each)")
@@ -103,18 +117,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="training window (default: the preset's); a shallow draft attends "
                         "badly past the distances it trained on")
     d.add_argument("--batch-size", type=int, default=None, help="windows per step")
-    d.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    d.add_argument("--work", default="build/redraft")
-    d.add_argument("--out", default="build/redraft-out")
-    d.add_argument("--max-files", type=int, default=None, help="corpus subset (0: all)")
-    d.add_argument("--roots", nargs="*", default=None, help="corpus roots (default: sysconfig+site)")
-    d.add_argument("--eval-windows", type=int, default=None)
-    d.add_argument("--gen-prompts", type=int, default=None)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--pack-dir", default=None, help="pack the candidates into <= 8 files here")
+    _against_shipped_target(d, "redraft", "the candidates")
     d.set_defaults(fn=_redraft)
     m = sub.add_parser("remtp", help="retrain the MTP head, chained, against a shipped target")
-    m.add_argument("--target-dir", required=True, help="the shipped target's model dir")
     m.add_argument("--minutes", type=float, default=3.0, help="training budget")
     m.add_argument("--depth", type=int, default=5,
                    help="chained steps trained (and measured) from every anchor")
@@ -129,15 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="start from the target's last layer instead of the shipped head")
     m.add_argument("--eval-prompt-tokens", type=int, nargs="+", default=[256, 960],
                    help="prompt lengths of the greedy-path measurement")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="full")
-    m.add_argument("--work", default="build/remtp")
-    m.add_argument("--out", default="build/remtp-out")
-    m.add_argument("--max-files", type=int, default=None, help="corpus subset (0: all)")
-    m.add_argument("--roots", nargs="*", default=None, help="corpus roots (default: sysconfig+site)")
-    m.add_argument("--eval-windows", type=int, default=None)
-    m.add_argument("--gen-prompts", type=int, default=None)
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--pack-dir", default=None, help="pack the result into <= 8 files here")
+    _against_shipped_target(m, "remtp", "the result")
     m.set_defaults(fn=_remtp)
     p = sub.add_parser("pack", help="pack <out> into <= 8 files of <= 15 MiB")
     p.add_argument("--out", default="build/demo-out")

@@ -167,6 +167,23 @@ def other_weights_bytes(target_dir: Path, draft_dirname: str = "demo-draft") -> 
                if d.is_dir() and d.name != draft_dirname for f in d.glob("*.safetensors"))
 
 
+def open_run(args, preset, headline: str):
+    """The run of a command that trains against the shipped target ``args.target_dir``:
+    seeded, its corpus collected and encoded with that target's tokenizer (a draft or head
+    must share it). Returns the run and the target's dir."""
+    import torch
+
+    from .pipeline import Run, stage_prepare
+
+    target_dir = Path(args.target_dir)
+    run = Run(preset=preset, work=Path(args.work), out=Path(args.out), seed=args.seed,
+              compile=False, roots=args.roots, t0=time.time())
+    torch.manual_seed(args.seed)
+    run.log(f"{headline}, target {target_dir}, cuda {torch.cuda.is_available()}")
+    stage_prepare(run, tokenizer=target_dir / "tokenizer.json")
+    return run, target_dir
+
+
 def redraft(args) -> None:
     import torch
 
@@ -174,7 +191,7 @@ def redraft(args) -> None:
     from .export import export_quantized, quantized_size, state_numpy, write_training_json
     from .export_stage import choose_bits, versions, with_state
     from .models import CausalLM, ModelSpec, count_params
-    from .pipeline import Run, load_lm, require_draft_ratio, stage_lm, stage_prepare
+    from .pipeline import load_lm, require_draft_ratio, stage_lm
     from .presets import preset_from_args
     from .train import device
 
@@ -182,13 +199,8 @@ def redraft(args) -> None:
     if args.seq_len:
         preset.seq_len = args.seq_len
     shapes = [parse_shape(s) for s in args.shape]
-    target_dir = Path(args.target_dir)
-    run = Run(preset=preset, work=Path(args.work), out=Path(args.out), seed=args.seed,
-              compile=False, roots=args.roots, t0=time.time())
-    torch.manual_seed(args.seed)
-    run.log(f"redraft: target {target_dir}, candidates {[label for label, _ in shapes]}, "
-            f"{args.minutes} min each, cuda {torch.cuda.is_available()}")
-    stage_prepare(run, tokenizer=target_dir / "tokenizer.json")
+    run, target_dir = open_run(args, preset, f"redraft: candidates "
+                               f"{[label for label, _ in shapes]}, {args.minutes} min each")
 
     # The teacher is the shipped target, dequantized: the checkpoint the draft stage reads.
     spec_kwargs, state = read_model_dir(target_dir)

@@ -15,13 +15,18 @@ is a measurement of the engine, not of this script.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from . import quantize as Q
-from .redraft import dequantized_state, read_model_dir, read_safetensors, recorded_command
+from .redraft import (
+    dequantized_state,
+    open_run,
+    read_model_dir,
+    read_safetensors,
+    recorded_command,
+)
 
 #: Files of the target's dir that travel with the new head (the head alone is not a model).
 _DIR_FILES = ("config.json", "generation_config.json", "special_tokens_map.json",
@@ -78,18 +83,12 @@ def remtp(args) -> None:
     from .export_stage import versions, with_state
     from .models import CausalLM, ModelSpec, count_params
     from .mtp import MTP_DESCRIPTION, MTPHead, chain_loss
-    from .pipeline import Run, stage_prepare
     from .presets import preset_from_args
     from .train import TrainConfig, WindowSampler, device, train
 
     preset = preset_from_args(args)
-    target_dir = Path(args.target_dir)
-    run = Run(preset=preset, work=Path(args.work), out=Path(args.out), seed=args.seed,
-              compile=False, roots=args.roots, t0=time.time())
-    torch.manual_seed(args.seed)
-    run.log(f"remtp: target {target_dir}, depth {args.depth}, decay {args.decay}, "
-            f"{args.minutes} min, windows {args.seq_len}, cuda {torch.cuda.is_available()}")
-    stage_prepare(run, tokenizer=target_dir / "tokenizer.json")
+    run, target_dir = open_run(args, preset, f"remtp: depth {args.depth}, decay {args.decay}, "
+                               f"{args.minutes} min, windows {args.seq_len}")
     tok, prep = run.load_prepared()
     dev = device()
 
