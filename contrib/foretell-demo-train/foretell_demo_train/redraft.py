@@ -102,6 +102,19 @@ def dequantized_state(tensors: dict[str, np.ndarray], bits: int | None) -> dict[
     return state
 
 
+def shipped_target(path: Path):
+    """The trainer's model of a shipped model dir, its weights as MLX computes them (see
+    :func:`read_model_dir`), on the CPU."""
+    import torch
+
+    from .models import CausalLM, ModelSpec
+
+    spec_kwargs, state = read_model_dir(path)
+    model = CausalLM(ModelSpec(**spec_kwargs))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    return model
+
+
 def parse_shape(text: str) -> tuple[str, dict]:
     """``LABEL:layers=2,hidden=128,...`` -> (label, ModelSpec kwargs)."""
     label, _, fields = text.partition(":")
@@ -190,7 +203,7 @@ def redraft(args) -> None:
     from . import evaluate as ev
     from .export import export_quantized, quantized_size, state_numpy, write_training_json
     from .export_stage import choose_bits, versions, with_state
-    from .models import CausalLM, ModelSpec, count_params
+    from .models import ModelSpec, count_params
     from .pipeline import load_lm, require_draft_ratio, stage_lm
     from .presets import preset_from_args
     from .train import device
@@ -203,12 +216,9 @@ def redraft(args) -> None:
                                f"{[label for label, _ in shapes]}, {args.minutes} min each")
 
     # The teacher is the shipped target, dequantized: the checkpoint the draft stage reads.
-    spec_kwargs, state = read_model_dir(target_dir)
-    spec = ModelSpec(**spec_kwargs)
-    teacher = CausalLM(spec)
-    teacher.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    teacher = shipped_target(target_dir)
     run.ckpt_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"spec": spec.to_dict(), "state": teacher.state_dict(), "train_config": None,
+    torch.save({"spec": teacher.spec.to_dict(), "state": teacher.state_dict(), "train_config": None,
                 "train": {"source": str(target_dir), "note": "the shipped target, dequantized"}},
                run.ckpt_dir / "target.pt")
 

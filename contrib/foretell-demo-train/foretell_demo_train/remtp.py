@@ -14,6 +14,7 @@ is a measurement of the engine, not of this script.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -23,9 +24,9 @@ from . import quantize as Q
 from .redraft import (
     dequantized_state,
     open_run,
-    read_model_dir,
     read_safetensors,
     recorded_command,
+    shipped_target,
 )
 
 #: Files of the target's dir that travel with the new head (the head alone is not a model).
@@ -81,7 +82,7 @@ def remtp(args) -> None:
     from . import evaluate as ev
     from .export import export_mtp, state_numpy
     from .export_stage import versions, with_state
-    from .models import CausalLM, ModelSpec, count_params
+    from .models import count_params
     from .mtp import MTP_DESCRIPTION, MTPHead, chain_loss
     from .presets import preset_from_args
     from .train import TrainConfig, WindowSampler, device, train
@@ -89,21 +90,15 @@ def remtp(args) -> None:
     preset = preset_from_args(args)
     run, target_dir = open_run(args, preset, f"remtp: depth {args.depth}, decay {args.decay}, "
                                f"{args.minutes} min, windows {args.seq_len}")
-    tok, prep = run.load_prepared()
+    _, prep = run.load_prepared()
     dev = device()
 
-    spec_kwargs, state = read_model_dir(target_dir)
-    spec = ModelSpec(**spec_kwargs)
-    target = CausalLM(spec)
-    target.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    target = target.to(dev).eval().requires_grad_(False)
+    target = shipped_target(target_dir).to(dev).eval().requires_grad_(False)
     mtp_config, shipped_state = shipped_head_state(target_dir)
-    shipped = MTPHead(spec)
+    shipped = MTPHead(target.spec)
     shipped.load_state_dict({k: torch.from_numpy(v) for k, v in shipped_state.items()})
     shipped = shipped.to(dev).eval()
-    head = MTPHead.from_target(target) if args.from_scratch else MTPHead(spec)
-    if not args.from_scratch:
-        head.load_state_dict(shipped.state_dict())
+    head = MTPHead.from_target(target) if args.from_scratch else copy.deepcopy(shipped)
     head = head.to(dev)
 
     cfg = TrainConfig(budget_s=args.minutes * 60, lr=args.lr, batch_size=args.batch_size,

@@ -348,7 +348,8 @@ def _measure(
             if side == "foretell" and paired_plain and i % 2 == 0:
                 plain.append(sides[side].run(paired_plain, drop))
             if side in fresh:
-                runs[side].append(_cold_run(fresh[side], scenario, drop, warm_drop, peaks, side))
+                timing, peaks[side] = _cold_run(fresh[side], scenario, drop, warm_drop)
+                runs[side].append(timing)
             else:
                 runs[side].append(sides[side].run(scenario, drop))
             if side == "foretell" and paired_plain and i % 2 == 1:
@@ -364,18 +365,17 @@ def _measure(
     return summary
 
 
-def _cold_run(make: Callable[[], SideProcess], scenario: str, drop: int, warm_drop: int,
-              peaks: dict[str, float], side: str) -> Timing:
-    """One timed run in a new process of its own, after one warm-up run on a short prompt."""
+def _cold_run(make: Callable[[], SideProcess], scenario: str, drop: int, warm_drop: int
+              ) -> tuple[Timing, float]:
+    """One timed run in a new process of its own, after one warm-up run on a short prompt;
+    with the timed run's peak memory."""
     proc = make()
     try:
         proc.run(scenario, warm_drop)
         proc.peak_memory_gb()
-        timing = proc.run(scenario, drop)
-        peaks[side] = proc.peak_memory_gb()
+        return proc.run(scenario, drop), proc.peak_memory_gb()
     finally:
         proc.close()
-    return timing
 
 
 def runtime_info() -> dict[str, Any]:
