@@ -648,9 +648,11 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     """Read one block: its header must be the one its manifest implies; each piece's bytes go
     to its runs (``pieces``, in file order) and are checksummed right after they land, while
     still in the cache; together they must match the manifest's checksum. ``staged``: each
-    piece is read into this thread's staging slot, hashed there in one call, and copied into
-    its runs by the staging (on a CUDA GPU, by DMA: ``foretell.platform.cuda``); otherwise
-    it is read straight into its runs and hashed there.
+    piece is read into this thread's staging slot, its copy into its runs started (on a CUDA
+    GPU, by DMA: ``foretell.platform.cuda``), and the slot hashed in one call while the copy
+    runs (no later piece overwrites the slot before that copy has finished; a block that
+    fails its checksum is never returned, whatever landed); otherwise it is read straight
+    into its runs and hashed there.
 
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
@@ -676,9 +678,9 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                 continue
             slot = stage.slot(sum(run.nbytes for run in runs))
             offset = _read_runs(fd, [slot], offset, ref)
+            stage.send(slot, runs)  # the copy reads the slot while the checksum does
             if verify:
                 checksums.append(fmt.checksum(slot))
-            stage.send(slot, runs)
     finally:
         try:
             if stage is not None:
