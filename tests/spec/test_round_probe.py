@@ -14,16 +14,46 @@ from foretell.spec import round_probe, verifier
 def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
     async_eval, finish = mx.async_eval, verifier._Verifier.finish
     assert round_probe.main(["--prompt-tokens", "24", "--generate", "12", "--repeats", "1",
-                             "--requests", "2", "--num-draft-tokens", "2", "--trace", "6"]) == 0
+                             "--requests", "2", "--num-draft-tokens", "2", "--trace", "6",
+                             "--gaps", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert re.match(r"plain +[\d.]+ tok/s; per token: wall [\d.]+ ms, inside async_eval "
                     r"[\d.]+ ms, waiting 0\.00 ms \(1\.00 tokens\)", out[0])
     assert re.match(r"mtp k=2 +[\d.]+ tok/s; per round: wall [\d.]+ ms, inside async_eval "
                     r"[\d.]+ ms, waiting [\d.]+ ms \([\d.]+ tokens\)", out[1])
-    assert all(line.startswith("adaptive request ") for line in out[2:4])
-    assert "acceptance by position [" in out[3]
+    assert out[2].startswith("adaptive request 1") and out[4].startswith("adaptive request 2")
+    assert "acceptance by position [" in out[4]
+    # Every wait between two tokens is over 0 ms: one per event after the first, at the
+    # positions the sequence reached, prompt (24 tokens) included, up to its end.
+    positions = [int(p) for p in re.findall(r"(\d+): [\d.]+", out[3])]
+    assert out[3].startswith("  waits over 0 ms between tokens (position: ms): [")
+    assert positions == sorted(positions) and 25 < positions[0] and positions[-1] == 24 + 12
     # The trace: the first request's first choices (the warm-up drafts the most) and rounds.
-    trace = [line.strip() for line in out[4:]]
+    trace = [line.strip() for line in out[6:]]
     assert len(trace) == 6 and trace[0] == "choose 2 (ms per round by k {})"
     assert re.fullmatch(r"drafted [12], kept [0-2]: [\d.]+ ms( \(one-off\))?", trace[1])
     assert mx.async_eval is async_eval and verifier._Verifier.finish is finish
+
+
+def test_gaps_are_the_waits_between_tokens_by_the_position_the_later_one_reached(monkeypatch):
+    """A stall shows where in the sequence it fell: a wait is timed from one event that
+    carries tokens to the next, and placed at the position the later one reached (a round's
+    burst counts all its tokens); waits under the threshold and the final flush are not."""
+    from foretell.generate import TextEvent
+
+    clock = iter([0.0, 0.050, 0.051, 0.052])
+    monkeypatch.setattr(round_probe.time, "perf_counter", lambda: next(clock))
+
+    class Engine:
+        def generate(self, prompt, **_kw):
+            yield TextEvent(text="a", tokens=(1,))
+            yield TextEvent(text="b", tokens=(2, 3, 4))  # a burst, 50 ms after
+            yield TextEvent(text="c", tokens=(5,))  # 1 ms after
+            yield TextEvent(text="", tokens=())  # the flush
+            yield TextEvent(text="d", tokens=(6,))  # 1 ms after
+            yield type("Stats", (), {"type": "stats"})()
+
+    gaps: list = []
+    stats = round_probe._generate(Engine(), list(range(10)), 8, None, gaps, over_ms=10)
+    assert stats.type == "stats"
+    assert [(at, round(ms)) for at, ms in gaps] == [(14, 50)]

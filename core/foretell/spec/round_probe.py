@@ -10,6 +10,10 @@
    round time it keeps per draft length and its acceptance per draft position.
 3. With ``--trace N``, the first ``N`` things the policy was told and chose in the first
    adaptive request, in order (why a drafter went off, or stayed off).
+4. With ``--gaps MS``, each adaptive request's waits of more than ``MS`` ms between tokens,
+   by position in the sequence: where a one-off stall falls (on the H200 the first
+   adaptive request of a process stalled 0.3-0.6 s after its first probe from plain steps,
+   docs/benchmarks.md, "H200 with mlx-lm cold").
 
 It measures by wrapping ``mx.async_eval`` and the verifier's ``finish`` for its own runs and
 puts both back afterwards.
@@ -21,6 +25,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import time
 from typing import Any
 
 
@@ -48,12 +53,22 @@ def _timed_host_work(spent: dict[str, list[float]]):
         mx.async_eval, verifier._Verifier.finish = real_async, real_finish
 
 
-def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any) -> Any:
-    stats = None
+def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any,
+              gaps: list[tuple[int, float]] | None = None, over_ms: float = 0.0) -> Any:
+    """Run one request; its stats. ``gaps`` collects ``(position, ms)`` for every wait of
+    more than ``over_ms`` between two text events that carry tokens: the position (tokens
+    in the sequence, prompt included) the later event reached, so a stall shows where in
+    the sequence it happened (a round's burst is one event)."""
+    stats, last, position = None, None, len(prompt)
     for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
                                  speculate=speculate):
         if event.type == "stats":
             stats = event
+        elif gaps is not None and event.tokens:
+            now, position = time.perf_counter(), position + len(event.tokens)
+            if last is not None and (now - last) * 1e3 > over_ms:
+                gaps.append((position, (now - last) * 1e3))
+            last = now
     return stats
 
 
@@ -111,19 +126,23 @@ def _traced_policy(policy: Any, events: list[str]):
 
 
 def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
-                   requests: int, events: list[str] | None = None) -> list[dict[str, Any]]:
+                   requests: int, events: list[str] | None = None,
+                   gaps_over_ms: float | None = None) -> list[dict[str, Any]]:
     """After each of ``requests`` adaptive requests: tok/s, mean k, and what the policy
     keeps (ms per round by draft length, acceptance per draft position). ``events``
-    collects what the policy was told and chose during the first request."""
+    collects what the policy was told and chose during the first request. With
+    ``gaps_over_ms``, each request's waits over that many ms between tokens, by position
+    (``"gaps"``: where a one-off stall falls)."""
     out = []
     for i in range(requests):
         traced = i == 0 and events is not None
+        gaps: list[tuple[int, float]] | None = [] if gaps_over_ms is not None else None
         with _traced_policy(speculator.policy, events) if traced else contextlib.nullcontext():
-            stats = _generate(engine, prompt, tokens, speculator)
+            stats = _generate(engine, prompt, tokens, speculator, gaps, gaps_over_ms or 0.0)
         policy = speculator.policy
         out.append({"tps": stats.generation_tps, "mean_k": stats.speculation["mean_k"],
                     "round_ms": {n: t * 1e3 for n, t in policy.measured().items()},
-                    "acceptance": policy.acceptance()})
+                    "acceptance": policy.acceptance(), "gaps": gaps})
     return out
 
 
@@ -147,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="adaptive requests before the policy's figures are read")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="print the first N choices and rounds of the first adaptive request")
+    ap.add_argument("--gaps", type=float, default=None, metavar="MS",
+                    help="print each adaptive request's waits of more than MS ms between "
+                         "tokens, by position in the sequence (where a one-off stall falls)")
     args = ap.parse_args(argv)
     engine = load(args.model)
     prompt = code_prompts(engine.tokenizer, args.prompt_tokens)["code"]
@@ -168,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     adaptive = speculator(True)
     events: list[str] = []
     for i, seen in enumerate(policy_figures(engine, prompt, args.generate, adaptive,
-                                            args.requests, events)):
+                                            args.requests, events, args.gaps)):
         times = ", ".join(f"{n}: {t:.2f}" for n, t in seen["round_ms"].items())
         rates = ", ".join(f"{a:.2f}" for a in seen["acceptance"])
         print(f"adaptive request {i + 1}: {seen['tps']:.1f} tok/s, mean k {seen['mean_k']:.2f}; "
               f"policy: ms per round by k {{{times}}}, acceptance by position [{rates}]")
+        if seen["gaps"] is not None:
+            found = ", ".join(f"{at}: {ms:.1f}" for at, ms in seen["gaps"])
+            print(f"  waits over {args.gaps:g} ms between tokens (position: ms): [{found}]")
     for event in events[: args.trace]:
         print(f"  {event}")
     return 0
