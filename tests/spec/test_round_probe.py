@@ -15,12 +15,16 @@ def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
     async_eval, finish = mx.async_eval, verifier._Verifier.finish
     assert round_probe.main(["--prompt-tokens", "24", "--generate", "12", "--repeats", "1",
                              "--requests", "2", "--num-draft-tokens", "2", "--trace", "6",
-                             "--gaps", "0"]) == 0
+                             "--gaps", "0", "--plain-steps"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert re.match(r"plain +[\d.]+ tok/s; per token: wall [\d.]+ ms, inside async_eval "
                     r"[\d.]+ ms, waiting 0\.00 ms \(1\.00 tokens\)", out[0])
     assert re.match(r"mtp k=2 +[\d.]+ tok/s; per round: wall [\d.]+ ms, inside async_eval "
                     r"[\d.]+ ms, waiting [\d.]+ ms \([\d.]+ tokens\)", out[1])
+    # The policy pinned to k = 0: every round one plain step, so its own loop's cost shows.
+    assert re.match(r"mtp k=0 +[\d.]+ tok/s; per round: wall [\d.]+ ms, inside async_eval "
+                    r"[\d.]+ ms, waiting [\d.]+ ms \(1\.00 tokens\)", out[2])
+    out = out[:2] + out[3:]
     assert out[2].startswith("adaptive request 1") and out[4].startswith("adaptive request 2")
     assert "acceptance by position [" in out[4]
     # Every wait between two tokens is over 0 ms: one per event after the first, at the

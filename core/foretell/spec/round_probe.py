@@ -5,7 +5,8 @@
 1. Plain decoding and the drafter at a fixed draft length, in turns: tok/s, and per token
    (plain) or per round the wall time, the time inside ``mx.async_eval`` (on CUDA MLX encodes
    every graph node there, on the calling thread, so it is host time) and the time the
-   round's one sync waits for the device.
+   round's one sync waits for the device. ``--plain-steps`` adds the drafter with its policy
+   pinned to k = 0: what the speculative loop itself costs over plain decoding.
 2. The adaptive policy's own figures after a few requests with the adaptive length: the
    round time it keeps per draft length and its acceptance per draft position.
 3. With ``--trace N``, the first ``N`` things the policy was told and chose in the first
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gaps", type=float, default=None, metavar="MS",
                     help="print each adaptive request's waits of more than MS ms between "
                          "tokens, by position in the sequence (where a one-off stall falls)")
+    ap.add_argument("--plain-steps", action="store_true",
+                    help="add a row whose policy always chooses k = 0: the speculative "
+                         "loop's plain steps against plain decoding (its own host time)")
     args = ap.parse_args(argv)
     engine = load(args.model)
     prompt = code_prompts(engine.tokenizer, args.prompt_tokens)["code"]
@@ -181,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         engine.use_draft(None)
         return made
 
-    fixed = f"{args.draft} k={args.num_draft_tokens}"
-    for row in host_split(engine, prompt, args.generate, {"plain": None, fixed: speculator(False)},
-                          args.repeats):
+    rows = {"plain": None, f"{args.draft} k={args.num_draft_tokens}": speculator(False)}
+    if args.plain_steps:
+        pinned = speculator(True)
+        pinned.policy.choose = lambda _limit: 0  # this throwaway speculator never drafts
+        rows[f"{args.draft} k=0"] = pinned
+    for row in host_split(engine, prompt, args.generate, rows, args.repeats):
         print(f"{row['row']:<16} {row['tps']:8.1f} tok/s; per {row['per']}: wall "
               f"{row['wall_ms']:.2f} ms, inside async_eval {row['encode_ms']:.2f} ms, "
               f"waiting {row['wait_ms']:.2f} ms ({row['tokens_per_round']:.2f} tokens)")
