@@ -25,7 +25,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.errors import GenerationError, ModelNotFound
-from foretell.sampling import Sampler, repetition_windows
+from foretell.sampling import Sampler, decode_step, repetition_windows
 from foretell.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -270,27 +270,18 @@ def plain_steps(
     """
     if state.keys is None:
         state.keys = sampler.keys()
-    keys = state.keys
     size = sampler.window
     sequence = mx.array(state.prompt + state.generated, dtype=mx.int32)
     window = repetition_windows(sequence, sequence[:0], size) if size else None
+    step = decode_step(model, state.caches, sampler, state.keys, window)
 
-    def step(tokens: mx.array) -> mx.array:
-        nonlocal window
-        hidden, _ = model.forward(tokens, state.caches)
-        logits = model.logits(hidden[:, -1, :])
-        token = sampler(logits, window, keys.next() if keys is not None else None)
-        if window is not None:
-            window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
-        return token
-
-    token = step(sequence[None, -1:])
+    token, _ = step(sequence[None, -1:])
     mx.async_eval(token)
     produced = 0
     while True:
         produced += 1
         if produced < limit:
-            following = step(token[:, None])
+            following, _ = step(token[:, None])
             mx.async_eval(following)
         value = token.item()
         state.generated.append(value)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -185,3 +186,24 @@ def repetition_windows(context: mx.array, appended: mx.array, size: int) -> mx.a
     starts = mx.maximum(ends - size, 0)
     positions = mx.maximum(ends - width + mx.arange(width)[None, :], starts)
     return seq[positions]
+
+
+def decode_step(model: Any, caches: list[Any], sampler: Sampler, keys: RandomKeys | None,
+                window: mx.array | None) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """One plain decoding step as a function of the tokens it feeds (``[B, L]``): the
+    forward into ``caches``, the last position's logits, a token drawn with the next of
+    ``keys`` (None: greedy or unseeded); the repetition ``window`` (``[B, n]`` or None)
+    slides on by each token drawn. ``step(tokens) -> (token [B], hidden [B, L, H])``: plain
+    decoding and the verifier's plain stretches take this same step."""
+    size = sampler.window
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        nonlocal window
+        hidden, _ = model.forward(tokens, caches)
+        logits = model.logits(hidden[:, -1, :])
+        token = sampler(logits, window, keys.next() if keys is not None else None)
+        if window is not None:
+            window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
+        return token, hidden
+
+    return step

@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.sampling import RandomKeys, Sampler, repetition_windows
+from foretell.sampling import RandomKeys, Sampler, decode_step, repetition_windows
 from foretell.spec.attach import start_source
 from foretell.spec.contract import PORT_HIDDEN, Draft, DraftError, Feed, Target
 from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
@@ -283,18 +283,8 @@ class _Verifier:
         again after as many more as it answers; 0 makes that queued step the run's last.
         So consecutive stretches stay pipelined and a request whose drafter is switched off
         decodes as plain decoding does. The drafter hears of these tokens in its next feed."""
-        model, sampler, size = self.model, self.sampler, self.size
-        window = mx.array([self.recent], dtype=mx.int32) if size else None
-
-        def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
-            nonlocal window
-            hidden, _ = model.forward(tokens, self.caches)
-            logits = model.logits(hidden[:, -1, :])
-            key = self.keys.next() if self.keys is not None else None
-            token = sampler(logits, window, key)
-            if window is not None:
-                window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
-            return token, hidden
+        window = mx.array([self.recent], dtype=mx.int32) if self.size else None
+        step = decode_step(self.model, self.caches, self.sampler, self.keys, window)
 
         token, hidden = step(mx.array([[self.pending]], dtype=mx.int32))
         mx.async_eval(token)
