@@ -108,8 +108,8 @@ def test_a_piece_checksum_is_its_runs_bytes_hashed_as_one():
 
 def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byte(
         layout, codecs, monkeypatch):
-    """On a CUDA GPU each piece is read into the reader thread's staging slot, hashed there,
-    and copied into its tensor's runs by the staging (foretell.platform.cuda, by DMA). Here
+    """On a CUDA GPU each piece is read into the reader thread's staging slot, copied into
+    its tensor's runs by the staging (foretell.platform.cuda, by DMA) and hashed there. Here
     the host staging stands in for the GPU's: every piece goes through it, into the right
     places, and a damaged block is still refused."""
     import threading
