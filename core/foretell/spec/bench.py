@@ -109,24 +109,25 @@ def _foretell(engine: Any, prompt: list[int], max_tokens: int, speculate: Any,
             "mean_k": spec["mean_k"]}
 
 
+def sampled(row: str) -> bool:
+    """Whether ``row`` samples at temperature 0.8 (on both sides) rather than greedily."""
+    return "t0.8" in row
+
+
 def foretell_runner(row: str):
     def run(engine: Any, prompt: list[int], max_tokens: int, job: dict[str, Any]):
         draft = job.get("draft_model")
-        if row in ("plain", "plain-edit"):
-            return (yield from _foretell(engine, prompt, max_tokens, False))
-        if row == "plain-t0.8":
-            return (yield from _foretell(engine, prompt, max_tokens, False, SAMPLED))
         adaptive = job.get("adaptive", True)
-        if row == "two-model":
+        hot = sampled(row)
+        if row in ("plain", "plain-edit", "plain-t0.8"):
+            spec = False
+        elif row == "two-model":
             spec = _speculator(engine, job, "two-model", draft, adaptive=adaptive)
         elif row == "self":
             spec = _speculator(engine, job, "two-model", job["model"], adaptive=adaptive)
-        elif row == "mtp":
-            spec = _speculator(engine, job, "mtp", adaptive=adaptive)
-        elif row == "mtp-t0.8":
-            # What a sampled request gets by default on a GPU: the head, rejection sampling.
-            spec = _speculator(engine, job, "mtp", adaptive=adaptive, sampled=True)
-            return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
+        elif row in ("mtp", "mtp-t0.8"):
+            # Sampled: what a sampled request gets by default on a GPU (rejection sampling).
+            spec = _speculator(engine, job, "mtp", adaptive=adaptive, sampled=hot)
         elif row == "ngram-edit":
             spec = _speculator(engine, job, "ngram", adaptive=adaptive)
         elif row.startswith("two-model-t0.8"):
@@ -136,10 +137,9 @@ def foretell_runner(row: str):
             fixed = row != "two-model-t0.8"
             spec = _speculator(engine, job, "two-model", draft, rule,
                                adaptive=adaptive and not fixed, sampled=True)
-            return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED))
         else:
             raise KeyError(row)
-        return (yield from _foretell(engine, prompt, max_tokens, spec))
+        return (yield from _foretell(engine, prompt, max_tokens, spec, SAMPLED if hot else 0.0))
 
     return run
 
@@ -165,7 +165,7 @@ def mlx_lm_runner(row: str):
             draft = model if row == "self" else _mlx_draft(job["draft_model"])
         if draft is not None:
             kwargs.update(draft_model=draft, num_draft_tokens=job["num_draft_tokens"])
-        if row.endswith("t0.8") or "-t0.8-" in row:
+        if sampled(row):
             kwargs["sampler"] = make_sampler(temp=SAMPLED)
         total = drafted = 0
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
@@ -228,7 +228,7 @@ def plain_row(row: str) -> str:
     sampling."""
     if ROWS.get(row) == "edit":
         return "plain-edit"
-    return "plain-t0.8" if "t0.8" in row else "plain"
+    return "plain-t0.8" if sampled(row) else "plain"
 
 
 # -- foretell alone: every drafter against plain decoding, alternating -------------------
