@@ -113,8 +113,16 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-    def forward(self, x, cos, sin, mask):
-        return self.attend(*self.qkv(x, cos, sin), mask)
+    def forward(self, x, cos, sin, mask, earlier=None):
+        """``earlier``: a list of the (keys, values) of this layer's earlier calls (a chained
+        head's steps), which the queries also read, before this call's own keys (``mask``
+        then spans all of them); this call's are appended to it."""
+        q, k, v = self.qkv(x, cos, sin)
+        if earlier is not None:
+            earlier.append((k, v))
+            k = torch.cat([keys for keys, _ in earlier], dim=2)
+            v = torch.cat([values for _, values in earlier], dim=2)
+        return self.attend(q, k, v, mask)
 
 
 class MLP(nn.Module):
@@ -143,15 +151,16 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, True)
             self.post_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, True)
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, cos, sin, mask=None, earlier=None):
+        """``earlier``: see :meth:`Attention.forward`."""
         if self.gemma:
             x = x + self.post_attention_layernorm(
-                self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                self.self_attn(self.input_layernorm(x), cos, sin, mask, earlier)
             )
             return x + self.post_feedforward_layernorm(
                 self.mlp(self.pre_feedforward_layernorm(x))
             )
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, earlier)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -96,22 +96,16 @@ def chain_outputs(head: MTPHead, target: CausalLM, hidden: torch.Tensor, ids: to
     step so far. Returns the normed outputs of steps 1..depth, each [B, T, H].
     """
     T = hidden.shape[1]
-    layer = head.layers[0]
-    attn = layer.self_attn
     cos, sin = target.rope("full_attention", T + depth, hidden.device)
     anchors = torch.arange(T, device=hidden.device)
     causal = anchors[None, :] <= anchors[:, None]
     same = anchors[None, :] == anchors[:, None]
-    keys, values, outputs = [], [], []
-    h = hidden
+    earlier: list = []  # each step's keys and values, read by every later step
+    outputs, h = [], hidden
     for j in range(1, depth + 1):
         x = head.merge(target, h, ids[:, j : j + T])
-        q, k, v = attn.qkv(layer.input_layernorm(x), cos[j - 1 : j - 1 + T], sin[j - 1 : j - 1 + T])
-        keys.append(k)
-        values.append(v)
         mask = torch.cat([causal] + [same] * (j - 1), dim=1)
-        x = x + attn.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = head.layers[0](x, cos[j - 1 : j - 1 + T], sin[j - 1 : j - 1 + T], mask, earlier)
         h = head.norm(x)
         outputs.append(h)
     return outputs
