@@ -221,6 +221,16 @@ def test_a_speculation_row_pairs_each_round_with_a_plain_run_beside_it():
     assert "plain_runs" not in summary["mlx-lm"]
     # paired: median of 3.0, 2.25, 0.11; row against row: 60 / 40 = 1.5
     assert bench._vs_plain_paired(ours) == 2.25
+    # In one run the paired plain row is warmed up once: a later row pairing with it (or
+    # the plain row's own scenario before) leaves it out of that row's warm-ups.
+    speeds.update(mtp=iter([30.0] * 4), plain=iter([20.0] * 8))
+    warmed: set[str] = set()
+    bench._measure(sides, "plain", repeats=1, warmed=warmed)
+    calls.clear()
+    bench._measure(sides, "mtp", repeats=1, paired_plain="plain", warmed=warmed)
+    assert calls == [(a, "mtp", 0), (b, "mtp", 0), (a, "plain", 0), (a, "mtp", 0),
+                     (b, "mtp", 0)]
+    assert warmed == {"plain", "mtp"}
     assert bench._paired_plain("mtp") == "plain" and bench._paired_plain("plain") is None
     assert bench._paired_plain("ngram-edit") == "plain-edit"
     assert bench._paired_plain("greedy") is None

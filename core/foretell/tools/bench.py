@@ -303,6 +303,7 @@ def _measure(
     paired_plain: str | None = None,
     fresh: dict[str, Callable[[], SideProcess]] | None = None,
     warm_drop: int = 0,
+    warmed: set[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """A warm-up run per side, then ``repeats`` rounds in which each side runs once, the
     order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
@@ -321,6 +322,10 @@ def _measure(
     out. So none of its verify windows meets a kernel plan an earlier run of the bench left,
     which is what a user's first request to mlx-lm meets (``--cold-mlx-lm``).
 
+    ``warmed``: the rows foretell's process has already had a warm-up run of, shared by the
+    scenarios of one run (a paired plain row is warmed up once, not before every speculation
+    row it pairs with); this scenario's are added to it.
+
     ``new_lengths``: round ``i`` runs the prompt less its first ``earlier + i + 1`` tokens
     (the warm-up the whole prompt), the same on both sides; ``earlier`` is the number of
     timed rounds the same processes ran for earlier scenarios, so no timed run repeats a
@@ -331,16 +336,18 @@ def _measure(
     scenario, so a later row's round ``i`` met the lengths of every earlier row's round
     ``i`` (mlx-lm's self-drafting row ran 694 tok/s in one round, 43-51 in the others)."""
     fresh = fresh or {}
+    warmed = set() if warmed is None else warmed
     runs: dict[str, list[Timing]] = {side: [] for side in sides}
     peaks: dict[str, float] = {}
     plain: list[Timing] = []
     for side, proc in sides.items():
         if side in fresh:
             continue
-        if side == "foretell" and paired_plain:
+        if side == "foretell" and paired_plain and paired_plain not in warmed:
             proc.run(paired_plain)
         proc.run(scenario)
         proc.peak_memory_gb()
+    warmed.update(r for r in (scenario, paired_plain) if r)
     order = list(sides)
     for i in range(repeats):
         drop = prompt_drop(i, new_lengths, earlier)
@@ -522,6 +529,7 @@ def compare(
                         (group if interleave else groups).append(
                             SAME_BLAS if interleave else [SAME_BLAS]
                         )
+                warmed: set[str] = set()
                 for earlier, name in enumerate(scenarios):
                     fresh, warm_drop = {}, 0
                     if cold_mlx_lm and _mlx_lm_speculates(name):
@@ -534,7 +542,8 @@ def compare(
                                                    new_lengths=new_lengths,
                                                    earlier=earlier * repeats,
                                                    paired_plain=_paired_plain(name),
-                                                   fresh=fresh, warm_drop=warm_drop))
+                                                   fresh=fresh, warm_drop=warm_drop,
+                                                   warmed=warmed))
             finally:
                 for proc in running.values():
                     proc.close()
