@@ -25,7 +25,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.errors import GenerationError, ModelNotFound
-from foretell.sampling import Sampler, decode_step, repetition_windows
+from foretell.sampling import Sampler, decode_step
 from foretell.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -270,12 +270,10 @@ def plain_steps(
     """
     if state.keys is None:
         state.keys = sampler.keys()
-    size = sampler.window
-    sequence = mx.array(state.prompt + state.generated, dtype=mx.int32)
-    window = repetition_windows(sequence, sequence[:0], size) if size else None
-    step = decode_step(model, state.caches, sampler, state.keys, window)
+    sequence = state.prompt + state.generated
+    step = decode_step(model, state.caches, sampler, state.keys, sequence)
 
-    token, _ = step(sequence[None, -1:])
+    token, _ = step(mx.array([sequence[-1:]], dtype=mx.int32))
     mx.async_eval(token)
     produced = 0
     while True:

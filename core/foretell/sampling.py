@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -189,13 +189,15 @@ def repetition_windows(context: mx.array, appended: mx.array, size: int) -> mx.a
 
 
 def decode_step(model: Any, caches: list[Any], sampler: Sampler, keys: RandomKeys | None,
-                window: mx.array | None) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+                recent: Sequence[int]) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
     """One plain decoding step as a function of the tokens it feeds (``[B, L]``): the
     forward into ``caches``, the last position's logits, a token drawn with the next of
-    ``keys`` (None: greedy or unseeded); the repetition ``window`` (``[B, n]`` or None)
-    slides on by each token drawn. ``step(tokens) -> (token [B], hidden [B, L, H])``: plain
-    decoding and the verifier's plain stretches take this same step."""
+    ``keys`` (None: greedy or unseeded). The repetition penalty's window starts as the last
+    of ``recent`` (the sequence so far, B = 1) and slides on by each token drawn.
+    ``step(tokens) -> (token [B], hidden [B, L, H])``: plain decoding and the verifier's
+    plain stretches take this same step."""
     size = sampler.window
+    window = mx.array([list(recent[-size:])], dtype=mx.int32) if size else None
 
     def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
         nonlocal window

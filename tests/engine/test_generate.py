@@ -44,6 +44,27 @@ def test_repetition_penalty_is_token_identical_to_mlx_lm(engine):
     )
     assert ours == theirs
     assert ours != run(engine, prompt, max_tokens=24)[1]  # the penalty did change the output
+    # The window starts inside the prompt. Cut the greedy continuation before a token whose
+    # last use was ``b`` tokens back, at the first such cut where mlx-lm's penalty over a
+    # window of exactly ``b`` changes the token that comes next; prompt with what comes
+    # before it, with windows of ``b`` (the repeat at its far end) and ``b - 1`` (just
+    # outside). A window one token short or one too long then serves another first token.
+    greedy = run(engine, prompt, max_tokens=96, ignore_eos=True)[1]
+
+    def theirs(ids, size, n=12):
+        return mlx_lm_tokens(engine.model.lm, ids, n,
+                             logits_processors=[make_repetition_penalty(1.8, size)])
+
+    def back(n):
+        return n - max(i for i in range(n) if greedy[i] == greedy[n]) if greedy[n] in greedy[:n] else 0
+
+    cut = next(n for n in range(len(greedy)) if 2 < back(n) <= 8
+               and theirs(prompt + greedy[:n], back(n), 1) != [greedy[n]])
+    for size in (back(cut), back(cut) - 1):
+        config = SamplingConfig(repetition_penalty=1.8, repetition_context_size=size)
+        looping = prompt + greedy[:cut]
+        ours = run(engine, looping, max_tokens=12, sampling=config, ignore_eos=True)[1]
+        assert ours == theirs(looping, size), size
 
 
 @pytest.fixture(scope="module")

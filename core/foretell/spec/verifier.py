@@ -283,8 +283,7 @@ class _Verifier:
         again after as many more as it answers; 0 makes that queued step the run's last.
         So consecutive stretches stay pipelined and a request whose drafter is switched off
         decodes as plain decoding does. The drafter hears of these tokens in its next feed."""
-        window = mx.array([self.recent], dtype=mx.int32) if self.size else None
-        step = decode_step(self.model, self.caches, self.sampler, self.keys, window)
+        step = decode_step(self.model, self.caches, self.sampler, self.keys, self.recent)
 
         token, hidden = step(mx.array([[self.pending]], dtype=mx.int32))
         mx.async_eval(token)
