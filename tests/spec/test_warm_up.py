@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from foretell.cache.tier import CacheTier
 from foretell.spec import verifier, warmup
+from foretell.spec.policy import PLAIN_STRETCH
 
 
 def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: int = 5):
@@ -70,3 +71,29 @@ def test_generation_after_warming_is_unchanged(engines, monkeypatch):
     finally:
         engine.use_draft(None)
     assert out == plain
+
+
+def test_the_warm_up_switches_back_to_drafting_after_plain_stretches(engines, monkeypatch):
+    """The drafter hears of each plain stretch in one feed when drafting resumes (a model
+    drafter's catch-up forward, a shape no fixed-length round makes): feeds as long as each
+    scripted stretch reach it while preparing."""
+    feeds = []
+    real_call = verifier._call
+
+    def recording(speculator, what, fn, *args):
+        if what == "draft":
+            feeds.append(len(args[0].tokens))
+        return real_call(speculator, what, fn, *args)
+
+    monkeypatch.setattr(verifier, "_call", recording)
+    speculator, _lengths, _sampled = _prepare(engines["qwen3"], monkeypatch, cuda=True, max_tokens=3)
+    stretches = [n * PLAIN_STRETCH for n in warmup.SWITCH_BACKS]
+    assert all(any(f >= s for f in feeds) for s in stretches), (feeds, stretches)
+    assert speculator.policy._rounds == 0
+
+
+def test_the_scripted_policy_follows_its_script_within_the_limit():
+    policy = warmup.ScriptedPolicy(4, [4, 0, 0, 2])
+    assert [policy.choose(3), policy.choose(9), policy.choose(9), policy.choose(1)] == [3, 0, 0, 1]
+    policy.observe(4, 4, 1.0)
+    assert policy.choose(9) == 4  # the script ran out: max_k

@@ -12,6 +12,13 @@ verifier at every draft length, greedy and sampled, on a throwaway copy of the s
 (its own policy, drafting a fixed length) and with the engine's cache tier set aside, so
 nothing of it is learned or stored. With the kernels already on disk it takes milliseconds
 per length.
+
+Fixed-length rounds never switch back from plain steps, and an adaptive request does: its
+first probe after a plain stretch had a model drafter catch up on every plain token in one
+forward (16-64 tokens), and on the H200 the first adaptive request of a fresh process
+stalled 0.3-0.6 s right there, after a fixed-length warm-up over the same lengths. So the
+warm-up also runs one request on a scripted policy that drafts, decodes plain stretches of
+``SWITCH_BACKS`` lengths and drafts again after each.
 """
 
 from __future__ import annotations
@@ -21,10 +28,38 @@ from typing import Any
 import attrs
 
 from foretell.config import SamplingConfig
+from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
 
 #: A prompt every drafter drafts on at any length: prompt lookup matches a repeated cycle
 #: as deep as it likes; a draft model drafts on anything.
 PROMPT = list(range(1, 9)) * 3
+#: Plain stretches (of ``PLAIN_STRETCH`` steps each) the scripted request decodes before
+#: each switch back to drafting: catch-up forwards of about 18, 34 and 66 tokens.
+SWITCH_BACKS = (2, 4, 8)
+
+
+class ScriptedPolicy(DraftLengthPolicy):
+    """Chooses the draft lengths of ``script`` in turn (then ``max_k``) and learns nothing."""
+
+    def __init__(self, max_k: int, script: list[int]):
+        super().__init__(max_k, adaptive=False)
+        self.script = list(script)
+
+    def choose(self, limit: int) -> int:
+        k = self.script.pop(0) if self.script else self.max_k
+        return max(0, min(k, limit, self.max_k))
+
+    def observe(self, drafted: int, accepted: int, seconds: float, *, one_off: bool = False) -> None:
+        pass
+
+
+def switch_back_script(k: int) -> tuple[list[int], int]:
+    """A script that drafts ``k`` twice, then decodes each of ``SWITCH_BACKS`` plain
+    stretches and drafts twice after it; and the tokens that takes at most."""
+    script = [k, k]
+    for stretches in SWITCH_BACKS:
+        script += [0] * stretches + [k, k]
+    return script, 2 * (k + 1) * (len(SWITCH_BACKS) + 1) + PLAIN_STRETCH * sum(SWITCH_BACKS)
 
 
 def compiles_per_shape() -> bool:
@@ -49,5 +84,18 @@ def warm_up(engine: Any, speculator: Any) -> None:
                 for _event in engine.generate(PROMPT, max_tokens=2 * (k + 1), sampling=sampling,
                                               speculate=fixed, ignore_eos=True, chat=False):
                     pass
+        switch_backs(engine, speculator)
     finally:
         engine.cache = cache
+
+
+def switch_backs(engine: Any, speculator: Any) -> None:
+    """One greedy request on a scripted copy of ``speculator``: plain stretches, each
+    followed by a switch back to drafting ``speculator.max_tokens``."""
+    scripted = attrs.evolve(speculator, adaptive=False)
+    script, tokens = switch_back_script(speculator.max_tokens)
+    # A speculator is frozen and makes its own policy; this throwaway copy gets the script.
+    object.__setattr__(scripted, "policy", ScriptedPolicy(speculator.max_tokens, script))
+    for _event in engine.generate(PROMPT, max_tokens=tokens, speculate=scripted,
+                                  ignore_eos=True, chat=False):
+        pass
