@@ -30,7 +30,7 @@ def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
     # Every wait between two tokens is over 0 ms: one per event after the first, at the
     # positions the sequence reached, prompt (24 tokens) included, up to its end.
     positions = [int(p) for p in re.findall(r"(\d+): [\d.]+", out[3])]
-    assert out[3].startswith("  waits over 0 ms between tokens (position: ms): [")
+    assert out[3].startswith("  waits over 0 ms between tokens (position: ms, 'traced' where a")
     assert positions == sorted(positions) and 25 < positions[0] and positions[-1] == 24 + 12
     # The trace: the first request's first choices (the warm-up drafts the most) and rounds.
     trace = [line.strip() for line in out[6:]]
@@ -42,11 +42,16 @@ def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
 def test_gaps_are_the_waits_between_tokens_by_the_position_the_later_one_reached(monkeypatch):
     """A stall shows where in the sequence it fell: a wait is timed from one event that
     carries tokens to the next, and placed at the position the later one reached (a round's
-    burst counts all its tokens); waits under the threshold and the final flush are not."""
+    burst counts all its tokens), marked when a fixed-shape forward traced meanwhile; waits
+    under the threshold and the final flush are not."""
     from foretell.generate import TextEvent
+    from foretell.model import fixed
 
     clock = iter([0.0, 0.050, 0.051, 0.052])
     monkeypatch.setattr(round_probe.time, "perf_counter", lambda: next(clock))
+    # A shape traced during the burst's wait (the count read once before and at each event).
+    counts = iter([0, 0, 1, 1, 1])
+    monkeypatch.setattr(fixed, "trace_count", lambda: next(counts))
 
     class Engine:
         def generate(self, prompt, **_kw):
@@ -60,4 +65,4 @@ def test_gaps_are_the_waits_between_tokens_by_the_position_the_later_one_reached
     gaps: list = []
     stats = round_probe._generate(Engine(), list(range(10)), 8, None, gaps, over_ms=10)
     assert stats.type == "stats"
-    assert [(at, round(ms)) for at, ms in gaps] == [(14, 50)]
+    assert [(at, round(ms), traced) for at, ms, traced in gaps] == [(14, 50, True)]

@@ -14,7 +14,8 @@
 4. With ``--gaps MS``, each adaptive request's waits of more than ``MS`` ms between tokens,
    by position in the sequence: where a one-off stall falls (on the H200 the first
    adaptive request of a process stalled 0.3-0.6 s after its first probe from plain steps,
-   docs/benchmarks.md, "H200 with mlx-lm cold").
+   docs/benchmarks.md, "H200 with mlx-lm cold"), marked where a fixed-shape forward traced
+   a new shape meanwhile.
 
 It measures by wrapping ``mx.async_eval`` and the verifier's ``finish`` for its own runs and
 puts both back afterwards.
@@ -55,20 +56,25 @@ def _timed_host_work(spent: dict[str, list[float]]):
 
 
 def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any,
-              gaps: list[tuple[int, float]] | None = None, over_ms: float = 0.0) -> Any:
-    """Run one request; its stats. ``gaps`` collects ``(position, ms)`` for every wait of
-    more than ``over_ms`` between two text events that carry tokens: the position (tokens
-    in the sequence, prompt included) the later event reached, so a stall shows where in
-    the sequence it happened (a round's burst is one event)."""
+              gaps: list[tuple[int, float, bool]] | None = None, over_ms: float = 0.0) -> Any:
+    """Run one request; its stats. ``gaps`` collects ``(position, ms, traced)`` for every
+    wait of more than ``over_ms`` between two text events that carry tokens: the position
+    (tokens in the sequence, prompt included) the later event reached, so a stall shows
+    where in the sequence it happened (a round's burst is one event), and whether a
+    fixed-shape forward traced a new shape in that wait (:func:`foretell.model.fixed.trace_count`)."""
+    from foretell.model import fixed
+
     stats, last, position = None, None, len(prompt)
+    traces = fixed.trace_count()
     for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
                                  speculate=speculate):
         if event.type == "stats":
             stats = event
         elif gaps is not None and event.tokens:
             now, position = time.perf_counter(), position + len(event.tokens)
+            seen, traces = traces, fixed.trace_count()
             if last is not None and (now - last) * 1e3 > over_ms:
-                gaps.append((position, (now - last) * 1e3))
+                gaps.append((position, (now - last) * 1e3, traces != seen))
             last = now
     return stats
 
@@ -137,7 +143,7 @@ def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
     out = []
     for i in range(requests):
         traced = i == 0 and events is not None
-        gaps: list[tuple[int, float]] | None = [] if gaps_over_ms is not None else None
+        gaps: list[tuple[int, float, bool]] | None = [] if gaps_over_ms is not None else None
         with _traced_policy(speculator.policy, events) if traced else contextlib.nullcontext():
             stats = _generate(engine, prompt, tokens, speculator, gaps, gaps_over_ms or 0.0)
         policy = speculator.policy
@@ -203,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"adaptive request {i + 1}: {seen['tps']:.1f} tok/s, mean k {seen['mean_k']:.2f}; "
               f"policy: ms per round by k {{{times}}}, acceptance by position [{rates}]")
         if seen["gaps"] is not None:
-            found = ", ".join(f"{at}: {ms:.1f}" for at, ms in seen["gaps"])
-            print(f"  waits over {args.gaps:g} ms between tokens (position: ms): [{found}]")
+            found = ", ".join(f"{at}: {ms:.1f}" + (" traced" if traced else "")
+                              for at, ms, traced in seen["gaps"])
+            print(f"  waits over {args.gaps:g} ms between tokens (position: ms, 'traced' where "
+                  f"a fixed-shape forward traced a new shape): [{found}]")
     for event in events[: args.trace]:
         print(f"  {event}")
     return 0
