@@ -75,6 +75,32 @@ def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
     best = json.loads((DEMO_DIR / "demo" / "speculation.json").read_text())["best"]
     assert set(best) == {"cpu", "gpu"} and best["cpu"]["kind"] == "two-model"
     assert best["gpu"]["kind"] == "mtp"  # measured on the H200: MTP 1.11-1.33x plain, adaptive
+    assert best["gpu"]["num_tokens"] == 6  # up to 6 a round: 1.55x plain, up to 4: 1.26x
+
+
+def test_auto_drafts_the_measured_number_of_tokens_unless_the_user_sets_one(
+    registry, engines, model_dirs, tmp_path
+):
+    engine = engines["qwen3"]
+    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured-tokens")
+    measured = model / "speculation.json"
+    path, engine.path = engine.path, model
+    try:
+        measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram", "num_tokens": 7}}}))
+        apply_draft(engine, None, registry)
+        assert engine.speculator.max_tokens == 7
+        apply_draft(engine, _config(registry, draft="auto", num_draft_tokens=2).draft, registry)
+        assert engine.speculator.max_tokens == 2  # --num-draft-tokens wins
+        measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram"}}}))
+        apply_draft(engine, None, registry)
+        assert engine.speculator.max_tokens == 4  # nothing measured: the default
+        measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram", "num_tokens": 0}}}))
+        with pytest.raises(ConfigError, match=rf"speculation.json.*best.{machine_kind()}.num_tokens: "
+                                              r"must be an integer in 1..16, got 0"):
+            apply_draft(engine, None, registry)
+    finally:
+        engine.path = path
+        engine.use_draft(None)
 
 
 def test_a_measured_none_means_plain_decoding_on_that_machine(

@@ -177,12 +177,13 @@ def draft_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
 
 def apply_draft(engine: Any, section: Any, registry: Any) -> None:
     """Speculate as ``[draft]`` says: a named provider, ``none``, or ``auto`` (unset)."""
-    from foretell.config import DRAFT_AUTO, DRAFT_NONE, DraftSettings
+    from foretell.config import DEFAULT_DRAFT_TOKENS, DRAFT_AUTO, DRAFT_NONE, DraftSettings
     from foretell.spec.auto import measured_drafter
 
     kind = section.kind if section is not None else DRAFT_AUTO
     settings = section.settings if section is not None else DraftSettings()
     options = section.options if section is not None else None
+    num_tokens = settings.num_tokens
     if kind == DRAFT_NONE:
         engine.use_draft(None)  # an engine that speculated before stops
         return
@@ -191,9 +192,10 @@ def apply_draft(engine: Any, section: Any, registry: Any) -> None:
         if chosen is None:
             engine.use_draft(None)
             return
-        kind, options = chosen
-    engine.use_draft(kind, options, max_tokens=settings.num_tokens, adaptive=settings.adaptive,
-                     acceptance=settings.acceptance)
+        kind, options = chosen.kind, chosen.options
+        num_tokens = num_tokens or chosen.num_tokens  # the user's own setting wins
+    engine.use_draft(kind, options, max_tokens=num_tokens or DEFAULT_DRAFT_TOKENS,
+                     adaptive=settings.adaptive, acceptance=settings.acceptance)
 
 
 def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = None,

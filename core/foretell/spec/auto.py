@@ -4,13 +4,14 @@ A model directory may carry ``speculation.json``, written from benchmark runs
 (``foretell bench --speculation``; the shipped demo's comes from docs/benchmarks.md)::
 
     {"best": {"cpu": {"kind": "two-model", "options": {"model": "demo-draft"}},
-              "gpu": {"kind": "none"}},
+              "gpu": {"kind": "mtp", "num_tokens": 6}},
      "measured": "where the figures are"}
 
 ``cpu`` is chosen on MLX's CPU device, ``gpu`` on any GPU (CUDA measured; Metal takes the
 same entry until it is measured there). ``"kind": "none"`` records that plain decoding
-measured best there. No file, no entry for this machine, or a drafter this installation
-lacks: no drafter.
+measured best there. ``num_tokens`` (optional) is the most tokens drafted per round that
+measured best; ``[draft] num_tokens`` / ``--num-draft-tokens`` overrides it. No file, no
+entry for this machine, or a drafter this installation lacks: no drafter.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
 from foretell.errors import ConfigError
@@ -30,8 +32,18 @@ def machine_kind() -> str:
     return "cpu" if mx.default_device() == mx.cpu else "gpu"
 
 
-def measured_drafter(model_dir: Path | None, registry: Any) -> tuple[str, Any] | None:
-    """``(kind, options)`` for this machine from ``model_dir/speculation.json``, or None."""
+@attrs.frozen
+class Measured:
+    """The drafter a model's ``speculation.json`` names for this kind of machine."""
+
+    kind: str
+    options: Any = None
+    #: The most tokens drafted per round that measured best; None: the engine's default.
+    num_tokens: int | None = None
+
+
+def measured_drafter(model_dir: Path | None, registry: Any) -> Measured | None:
+    """The drafter for this machine from ``model_dir/speculation.json``, or None."""
     from foretell.config import make_converter, structure
     from foretell.plugin.registry import Kind
 
@@ -50,7 +62,11 @@ def measured_drafter(model_dir: Path | None, registry: Any) -> tuple[str, Any] |
         return None  # plain decoding measured best on this kind of machine
     if kind not in registry.names(Kind.DRAFT):
         return None  # measured with a drafter this installation lacks (e.g. contrib n-gram)
+    num_tokens = entry.get("num_tokens")
+    if num_tokens is not None and (type(num_tokens) is not int or not 1 <= num_tokens <= 16):
+        raise ConfigError(str(path), [f"best.{machine_kind()}.num_tokens: must be an integer "
+                                      f"in 1..16, got {num_tokens!r}"])
     config = registry.get(Kind.DRAFT, kind).config
     raw = entry.get("options") or {}
     options = structure(make_converter(registry), raw, config, str(path)) if config else None
-    return kind, options
+    return Measured(kind, options, num_tokens)

@@ -31,6 +31,11 @@ NGRAM_TOKENS = 16
 #: 2,048 ids drafted faster than 4,096, 8,192 or the whole 12,288-token head
 #: (docs/speculation.md). GPUs draft from the whole head (0), where its size costs little.
 MTP_DRAFT_VOCAB = 2048
+#: The most tokens the MTP rows draft per round on a GPU, as the demo's speculation.json
+#: has ``foretell run`` draft there: on the H200 the adaptive length with up to 6 ran MTP at
+#: 1.55x plain against 1.26x with up to 4, the same host in turn (docs/benchmarks.md). A
+#: CPU's rows draft ``--num-draft-tokens``.
+MTP_GPU_TOKENS = 6
 
 
 def mtp_draft_vocab(job: dict[str, Any]) -> int:
@@ -39,6 +44,17 @@ def mtp_draft_vocab(job: dict[str, Any]) -> int:
     default = MTP_DRAFT_VOCAB if machine_kind() == "cpu" else 0
     value = job.get("mtp_draft_vocab")
     return default if value is None else value
+
+
+def mtp_draft_tokens(job: dict[str, Any]) -> int:
+    from foretell.spec.auto import machine_kind
+
+    value = job.get("mtp_draft_tokens")
+    if value is not None:
+        return value
+    return job["num_draft_tokens"] if machine_kind() == "cpu" else MTP_GPU_TOKENS
+
+
 _SPECULATORS: dict[tuple[Any, ...], Any] = {}
 _MLX_DRAFTS: dict[str, Any] = {}
 
@@ -76,6 +92,8 @@ def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None =
     tokens = job["num_draft_tokens"]
     if kind == "ngram":
         tokens = job.get("ngram_draft_tokens", NGRAM_TOKENS)
+    elif kind == "mtp":
+        tokens = mtp_draft_tokens(job)
     key = (kind, model, acceptance, adaptive, sampled, tokens, mtp_draft_vocab(job))
     if key not in _SPECULATORS:
         config = engine.registry.get(Kind.DRAFT, kind).config
@@ -237,7 +255,8 @@ def plain_row(row: str) -> str:
 def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens: int,
                   repeats: int, draft_model: str, num_draft_tokens: int,
                   ngram_draft_tokens: int = NGRAM_TOKENS, draft_vocab: int | None = None,
-                  adaptive: bool = True, fixed_shapes_ab: bool = False,
+                  mtp_tokens: int | None = None, adaptive: bool = True,
+                  fixed_shapes_ab: bool = False,
                   new_lengths: bool = False, progress=lambda _line: None) -> dict[str, Any]:
     """foretell's rows in one process, each round running every row once (order flipping
     per round), so drift lands on all of them; ratios are against ``plain`` on the same
@@ -259,7 +278,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     path = resolve_model_path(model)
     job = {"model": str(path), "draft_model": str(resolve_model_path(draft_model)),
            "num_draft_tokens": num_draft_tokens, "ngram_draft_tokens": ngram_draft_tokens,
-           "mtp_draft_vocab": draft_vocab, "adaptive": adaptive}
+           "mtp_draft_vocab": draft_vocab, "mtp_draft_tokens": mtp_tokens,
+           "adaptive": adaptive}
     prompts = code_prompts(engine.tokenizer, prompt_tokens)
     rows = [r for r in runnable(path, rows, job["draft_model"])]
     if fixed_shapes_ab:
@@ -298,7 +318,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
             "repeats": repeats, "num_draft_tokens": num_draft_tokens,
             "ngram_draft_tokens": ngram_draft_tokens, "mtp_draft_vocab": mtp_draft_vocab(job),
-            "adaptive": adaptive, "new_lengths": new_lengths, "rows": table}
+            "mtp_draft_tokens": mtp_draft_tokens(job), "adaptive": adaptive,
+            "new_lengths": new_lengths, "rows": table}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-draft-vocab", type=int, default=None,
                     help=f"the MTP rows draft from the ids below this (0: the whole vocabulary; "
                          f"default {MTP_DRAFT_VOCAB} on a CPU, 0 on a GPU)")
+    ap.add_argument("--mtp-draft-tokens", type=int, default=None,
+                    help=f"the most tokens the MTP rows draft per round (default "
+                         f"{MTP_GPU_TOKENS} on a GPU, --num-draft-tokens on a CPU)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--generate", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
@@ -340,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.row or list(ROWS), prompt_tokens=args.prompt_tokens,
         max_tokens=args.generate, repeats=args.repeats, draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens, ngram_draft_tokens=args.ngram_draft_tokens,
-        draft_vocab=args.mtp_draft_vocab, adaptive=not args.fixed_k,
+        draft_vocab=args.mtp_draft_vocab, mtp_tokens=args.mtp_draft_tokens,
+        adaptive=not args.fixed_k,
         fixed_shapes_ab=args.fixed_shapes_ab, new_lengths=args.new_lengths,
         progress=lambda line: print(line, file=sys.stderr, flush=True))
     for row in report["rows"]:
