@@ -362,11 +362,14 @@ class Engine:
         max_tokens: int = 4,
         adaptive: bool = True,
         acceptance: str = "rejection",
+        progress: Progress | None = None,
     ) -> Speculator | None:
         """Speculate with the draft provider registered as ``kind`` (None: stop speculating).
 
         The pairing is checked and the draft weights are loaded now, once; every later
         request uses them. ``options`` is an instance of the provider's config class.
+        ``progress(done, total)`` hears of the warm-up's steps where the device compiles
+        kernels per shape (:mod:`foretell.spec.warmup`).
         """
         if kind is None:
             self.speculator = None
@@ -381,7 +384,7 @@ class Engine:
         )
         from foretell.spec.warmup import warm_up
 
-        warm_up(self, self.speculator)
+        warm_up(self, self.speculator, progress)
         return self.speculator
 
     # -- prompts --

@@ -183,3 +183,28 @@ def test_chat_reports_a_refused_turn_and_carries_on(model_dir, tmp_path, capsys,
     # the refused turn is dropped from the conversation; the next one is answered
     assert sent[-1] == [{"role": "user", "content": "fine"}]
     assert captured.err.count(" tokens, ") == 1 and captured.out.endswith("\n")
+
+
+def test_chat_speculates_with_the_drafter_it_is_given(model_dir, capsys, monkeypatch):
+    """`foretell chat` takes `run`'s drafter flags and uses them: each turn's note names the
+    drafter, and greedy replies are the ones plain decoding gives."""
+    replies = {}
+    for draft in ("none", "ngram"):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello hello hello\nagain\n"))
+        options = ["--draft-option", "min_ngram=1"] if draft == "ngram" else []
+        assert main(["chat", "--model", str(model_dir), "--max-tokens", "12", "--temp", "0",
+                     "--draft", draft, *options]) == 0
+        captured = capsys.readouterr()
+        replies[draft] = captured.out
+        notes = [line for line in captured.err.splitlines() if "tok/s" in line]
+        assert len(notes) == 2
+        assert all(("drafter ngram, " in n) == (draft == "ngram") for n in notes), notes
+    assert replies["ngram"] == replies["none"] and replies["none"].count("\n") == 2
+
+
+def test_run_reports_what_the_drafter_did(model_dir, capsys):
+    assert main(["run", "--model", str(model_dir), "--prompt", "a b a b a b", "--max-tokens", "8",
+                 "--draft", "ngram", "--draft-option", "min_ngram=1", "--no-chat"]) == 0
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("Speculation: ")]
+    assert len(line) == 1 and line[0].startswith("Speculation: ngram, ")
+    assert "drafts accepted" in line[0] and "tokens per target forward" in line[0]

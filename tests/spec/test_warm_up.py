@@ -97,3 +97,13 @@ def test_the_scripted_policy_follows_its_script_within_the_limit():
     assert [policy.choose(3), policy.choose(9), policy.choose(9), policy.choose(1)] == [3, 0, 0, 1]
     policy.observe(4, 4, 1.0)
     assert policy.choose(9) == 4  # the script ran out: max_k
+
+
+def test_the_warm_up_reports_its_progress_to_the_end(engines, monkeypatch):
+    calls = []
+    monkeypatch.setattr(warmup, "compiles_per_shape", lambda: True)
+    try:
+        engines["qwen3"].use_draft("ngram", max_tokens=3, progress=lambda d, t: calls.append((d, t)))
+    finally:
+        engines["qwen3"].use_draft(None)
+    assert calls == [(1, 4), (2, 4), (3, 4), (4, 4)]

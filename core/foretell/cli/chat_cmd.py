@@ -15,7 +15,14 @@ import sys
 from typing import Any
 
 from foretell.cli import text
-from foretell.cli.run_cmd import add_run_flags, open_engine, run_config, warn_past_context
+from foretell.cli.run_cmd import (
+    add_run_flags,
+    apply_draft,
+    open_engine,
+    run_config,
+    speculation_line,
+    warn_past_context,
+)
 from foretell.errors import ChatTemplateError, ForetellError
 
 PROMPT_MARKER = ">> "
@@ -39,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     # Each turn's prompt + reply stays in RAM (and on disk with --cache-dir), so the next
     # turn computes only what is new.
     engine = open_engine(config.model, registry, quiet=False, cache=config.cache, ram_cache=True)
+    apply_draft(engine, config.draft, registry, quiet=False)  # the same drafter as `run`
     from foretell.cli.cache_cmd import flushing
 
     with flushing(engine.cache):
@@ -114,7 +122,9 @@ def converse(args: argparse.Namespace, config: Any, engine: Any) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": "".join(reply)})
+        spec = speculation_line(stats)
         err.write(
             f"({stats.generated_tokens} tokens, {stats.generation_tps:.1f} tok/s, "
-            f"TTFT {stats.ttft_s:.2f}s, {stats.cached_tokens} prompt tokens cached)\n"
+            f"TTFT {stats.ttft_s:.2f}s, {stats.cached_tokens} prompt tokens cached"
+            + (f"; drafter {spec}" if spec else "") + ")\n"
         )

@@ -175,8 +175,10 @@ def draft_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def apply_draft(engine: Any, section: Any, registry: Any) -> None:
-    """Speculate as ``[draft]`` says: a named provider, ``none``, or ``auto`` (unset)."""
+def apply_draft(engine: Any, section: Any, registry: Any, *, quiet: bool = True) -> None:
+    """Speculate as ``[draft]`` says: a named provider, ``none``, or ``auto`` (unset).
+    ``quiet`` False shows a progress line while the drafter is prepared (on CUDA its
+    warm-up compiles kernels: minutes on a machine's first run)."""
     from foretell.config import DEFAULT_DRAFT_TOKENS, DRAFT_AUTO, DRAFT_NONE, DraftSettings
     from foretell.spec.auto import measured_drafter
 
@@ -194,8 +196,12 @@ def apply_draft(engine: Any, section: Any, registry: Any) -> None:
             return
         kind, options = chosen.kind, chosen.options
         num_tokens = num_tokens or chosen.num_tokens  # the user's own setting wins
-    engine.use_draft(kind, options, max_tokens=num_tokens or DEFAULT_DRAFT_TOKENS,
-                     adaptive=settings.adaptive, acceptance=settings.acceptance)
+    from foretell.cli.progress import ProgressLine
+
+    with ProgressLine.for_terminal(f"preparing the {kind} drafter", quiet=quiet) as bar:
+        engine.use_draft(kind, options, max_tokens=num_tokens or DEFAULT_DRAFT_TOKENS,
+                         adaptive=settings.adaptive, acceptance=settings.acceptance,
+                         progress=bar)
 
 
 def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = None,
@@ -248,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(args.config or "command line",
                           ["cache.resume: needs a cache directory (--cache-dir DIR)"])
     engine = open_engine(config.model, registry, quiet=args.json, cache=config.cache)
-    apply_draft(engine, config.draft, registry)
+    apply_draft(engine, config.draft, registry, quiet=args.json)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
     from foretell.cli.progress import ProgressLine
     from foretell.generate import PREFILL_CHUNK
@@ -335,5 +341,17 @@ def report(stats: Any) -> None:
     )
     if stats.cached_tokens:
         print(f"Cached: {stats.cached_tokens} prompt tokens ({stats.cached_from})", file=sys.stderr)
+    if (line := speculation_line(stats)) is not None:
+        print(f"Speculation: {line}", file=sys.stderr)
     print(f"TTFT: {stats.ttft_s:.3f} s", file=sys.stderr)
     print(f"Peak memory: {stats.peak_memory_gb:.3f} GB", file=sys.stderr)
+
+
+def speculation_line(stats: Any) -> str | None:
+    """What the drafter did for a request, in words (None when it did not speculate)."""
+    spec = stats.speculation
+    if not spec:
+        return None
+    return (f"{spec['drafter']}, {spec['accepted']} of {spec['drafted']} drafts accepted, "
+            f"{spec['tokens_per_target_forward']:.2f} tokens per target forward, "
+            f"mean draft length {spec['mean_k']:.2f}")

@@ -13,12 +13,14 @@ verifier at every draft length, greedy and sampled, on a throwaway copy of the s
 nothing of it is learned or stored. With the kernels already on disk it takes milliseconds
 per length.
 
-Fixed-length rounds never switch back from plain steps, and an adaptive request does: its
-first probe after a plain stretch had a model drafter catch up on every plain token in one
-forward (16-64 tokens), and on the H200 the first adaptive request of a fresh process
-stalled 0.3-0.6 s right there, after a fixed-length warm-up over the same lengths. So the
-warm-up also runs one request on a scripted policy that drafts, decodes plain stretches of
-``SWITCH_BACKS`` lengths and drafts again after each.
+Fixed-length rounds never switch back from plain steps, and an adaptive request does: at
+its first probe after a plain stretch a model drafter catches up on every plain token in one
+forward (16-64 tokens). On the H200 the first adaptive request stalled right there after a
+fixed-length warm-up over the same lengths (0.3-0.6 s in a host's first process), and the
+8-bit demo draft's quantized matmuls for such lengths were first compiled inside a request.
+So the warm-up also runs one request on a scripted policy that drafts, decodes plain
+stretches of ``SWITCH_BACKS`` lengths and drafts again after each (docs/benchmarks.md, "H200:
+MTP drafting up to 6, and which kernels the first request compiles").
 """
 
 from __future__ import annotations
@@ -70,12 +72,14 @@ def compiles_per_shape() -> bool:
     return on_cuda()
 
 
-def warm_up(engine: Any, speculator: Any) -> None:
+def warm_up(engine: Any, speculator: Any, progress: Any = None) -> None:
     """Where the device compiles per shape, run a few rounds of every draft length
-    ``1..speculator.max_tokens`` through ``engine``'s verifier, greedy and sampled;
-    ``speculator`` itself is left untouched. Elsewhere, nothing."""
+    ``1..speculator.max_tokens`` through ``engine``'s verifier, greedy and sampled, then the
+    switch-backs; ``speculator`` itself is left untouched, and ``progress(done, total)``
+    hears of each step. Elsewhere, nothing."""
     if not compiles_per_shape():
         return
+    total = speculator.max_tokens + 1
     cache, engine.cache = engine.cache, None
     try:
         for k in range(1, speculator.max_tokens + 1):
@@ -84,7 +88,11 @@ def warm_up(engine: Any, speculator: Any) -> None:
                 for _event in engine.generate(PROMPT, max_tokens=2 * (k + 1), sampling=sampling,
                                               speculate=fixed, ignore_eos=True, chat=False):
                     pass
+            if progress is not None:
+                progress(k, total)
         switch_backs(engine, speculator)
+        if progress is not None:
+            progress(total, total)
     finally:
         engine.cache = cache
 
