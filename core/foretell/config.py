@@ -105,8 +105,9 @@ class SamplingConfig:
 
 #: ``[draft] kind`` values that name no provider: speculation off, or the model's measured best.
 DRAFT_NONE, DRAFT_AUTO = "none", "auto"
-#: The most tokens drafted per round when neither ``[draft] num_tokens`` nor the model's
-#: ``speculation.json`` says (mlx-lm's ``--num-draft-tokens`` default is 3).
+#: The most tokens drafted per round when neither ``[draft] num_tokens``, the model's
+#: ``speculation.json`` nor the drafter itself (``draft_tokens``) says (mlx-lm's
+#: ``--num-draft-tokens`` default is 3).
 DEFAULT_DRAFT_TOKENS = 4
 #: The storage layout the SSD tier uses unless ``[cache] layout`` names another.
 DEFAULT_LAYOUT = "blocks"
@@ -116,7 +117,7 @@ DEFAULT_LAYOUT = "blocks"
 class DraftSettings:
     """The ``[draft]`` fields every drafter shares (the rest are the provider's own)."""
 
-    num_tokens: int | None = attrs.field(default=None, validator=[at_least(1), at_most(16)], metadata={"help": f"the most tokens drafted per round (--num-draft-tokens); unset: the model's measured best where speculation.json gives one, else {DEFAULT_DRAFT_TOKENS}"})
+    num_tokens: int | None = attrs.field(default=None, validator=[at_least(1), at_most(16)], metadata={"help": f"the most tokens drafted per round (--num-draft-tokens); unset: the model's measured best where speculation.json gives one, else the drafter's own, else {DEFAULT_DRAFT_TOKENS}"})
     adaptive: bool = attrs.field(default=True, metadata={"help": "choose the draft length per round from measured acceptance and cost"})
     acceptance: str = attrs.field(default="rejection", metadata={"help": "sampled verification: 'rejection' (exact, accepts more) or 'token-match' (mlx-lm's rule)"})
 

@@ -359,7 +359,7 @@ class Engine:
         kind: str | None,
         options: Any = None,
         *,
-        max_tokens: int = 4,
+        max_tokens: int | None = None,
         adaptive: bool = True,
         acceptance: str = "rejection",
         progress: Progress | None = None,
@@ -367,8 +367,9 @@ class Engine:
         """Speculate with the draft provider registered as ``kind`` (None: stop speculating).
 
         The pairing is checked and the draft weights are loaded now, once; every later
-        request uses them. ``options`` is an instance of the provider's config class.
-        ``progress(done, total)`` hears of the warm-up's steps where the device compiles
+        request uses them. ``options`` is an instance of the provider's config class;
+        ``max_tokens`` None drafts the provider's own preferred length (two-model 4, MTP 6,
+        n-gram 16). ``progress(done, total)`` hears of the warm-up's steps where the device compiles
         kernels per shape (:mod:`foretell.spec.warmup`).
         """
         if kind is None:

@@ -183,6 +183,11 @@ def _head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
 
 class MTPProvider:
     requires = frozenset({PORT_HIDDEN, PORT_MTP})
+    #: Up to 6 a round unless told: the demo's head keeps agreeing deep into its chain
+    #: (85-91% of drafts on code), so the adaptive length used 5.8 of 6. Measured against
+    #: up to 4, paired with plain decoding: H200 1.55x against 1.26x, 2-core CPU 1.65x
+    #: against 1.59x (docs/benchmarks.md).
+    draft_tokens = 6
 
     def __init__(self, config: MTPConfig | None = None) -> None:
         self.config = config or MTPConfig()

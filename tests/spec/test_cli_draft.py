@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from foretell.cli.run_cmd import apply_draft, draft_overrides
-from foretell.config import load_run_config
+from foretell.config import DEFAULT_DRAFT_TOKENS, load_run_config
 from foretell.errors import ConfigError
 from foretell.spec.auto import machine_kind
 
@@ -93,7 +93,7 @@ def test_auto_drafts_the_measured_number_of_tokens_unless_the_user_sets_one(
         assert engine.speculator.max_tokens == 2  # --num-draft-tokens wins
         measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram"}}}))
         apply_draft(engine, None, registry)
-        assert engine.speculator.max_tokens == 4  # nothing measured: the default
+        assert engine.speculator.max_tokens == 16  # nothing measured: the drafter's own
         measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram", "num_tokens": 0}}}))
         with pytest.raises(ConfigError, match=rf"speculation.json.*best.{machine_kind()}.num_tokens: "
                                               r"must be an integer in 1..16, got 0"):
@@ -116,4 +116,23 @@ def test_a_measured_none_means_plain_decoding_on_that_machine(
         assert engine.speculator is None
     finally:
         engine.path = path
+        engine.use_draft(None)
+
+
+def test_a_drafter_named_without_a_length_drafts_its_own_preferred_length(
+    registry, engines, model_dirs
+):
+    """Prompt lookup drafts up to 16 unless told (a copy span is long and free to draft), a
+    draft model the engine's default 4; a given length always wins."""
+    engine = engines["qwen3"]
+    try:
+        apply_draft(engine, _config(registry, draft="ngram").draft, registry)
+        assert engine.speculator.max_tokens == 16
+        apply_draft(engine, _config(registry, draft="ngram", num_draft_tokens=5).draft, registry)
+        assert engine.speculator.max_tokens == 5
+        apply_draft(engine, _config(registry, draft_model=str(model_dirs["qwen3-other"])).draft,
+                    registry)
+        assert engine.speculator.max_tokens == DEFAULT_DRAFT_TOKENS == 4
+        assert engine.use_draft("ngram", max_tokens=3).max_tokens == 3
+    finally:
         engine.use_draft(None)

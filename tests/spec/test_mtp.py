@@ -37,6 +37,7 @@ def test_mtp_needs_the_hidden_and_mtp_ports(demo):
 
     speculator = demo.use_draft("mtp")
     assert speculator.provider.requires == {PORT_HIDDEN, PORT_MTP}
+    assert speculator.max_tokens == 6  # the head's own preferred length (docs/benchmarks.md)
     assert PORT_MTP in demo.model.capabilities
 
 

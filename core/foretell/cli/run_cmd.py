@@ -99,7 +99,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, metavar="DIR",
                    help="draft with this model (a directory or shipped name): --draft two-model")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
-                   help="the most tokens drafted per round (default: 4; adaptive below that)")
+                   help="the most tokens drafted per round (default: the model's measured "
+                   "best in its speculation.json, else the drafter's own: two-model 4, mtp 6, "
+                   "ngram 16; the adaptive length chooses below it)")
     p.add_argument("--draft-option", action="append", default=None, metavar="KEY=VALUE",
                    help="an option of the draft provider, e.g. max_ngram=3 (repeatable)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -179,7 +181,7 @@ def apply_draft(engine: Any, section: Any, registry: Any, *, quiet: bool = True)
     """Speculate as ``[draft]`` says: a named provider, ``none``, or ``auto`` (unset).
     ``quiet`` False shows a progress line while the drafter is prepared (on CUDA its
     warm-up compiles kernels: minutes on a machine's first run)."""
-    from foretell.config import DEFAULT_DRAFT_TOKENS, DRAFT_AUTO, DRAFT_NONE, DraftSettings
+    from foretell.config import DRAFT_AUTO, DRAFT_NONE, DraftSettings
     from foretell.spec.auto import measured_drafter
 
     kind = section.kind if section is not None else DRAFT_AUTO
@@ -199,7 +201,7 @@ def apply_draft(engine: Any, section: Any, registry: Any, *, quiet: bool = True)
     from foretell.cli.progress import ProgressLine
 
     with ProgressLine.for_terminal(f"preparing the {kind} drafter", quiet=quiet) as bar:
-        engine.use_draft(kind, options, max_tokens=num_tokens or DEFAULT_DRAFT_TOKENS,
+        engine.use_draft(kind, options, max_tokens=num_tokens,
                          adaptive=settings.adaptive, acceptance=settings.acceptance,
                          progress=bar)
 

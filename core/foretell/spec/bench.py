@@ -31,11 +31,6 @@ NGRAM_TOKENS = 16
 #: 2,048 ids drafted faster than 4,096, 8,192 or the whole 12,288-token head
 #: (docs/speculation.md). GPUs draft from the whole head (0), where its size costs little.
 MTP_DRAFT_VOCAB = 2048
-#: The most tokens the MTP rows draft per round on a GPU, as the demo's speculation.json
-#: has ``foretell run`` draft there: on the H200 the adaptive length with up to 6 ran MTP at
-#: 1.55x plain against 1.26x with up to 4, the same host in turn (docs/benchmarks.md). A
-#: CPU's rows draft ``--num-draft-tokens``.
-MTP_GPU_TOKENS = 6
 
 
 def mtp_draft_vocab(job: dict[str, Any]) -> int:
@@ -46,17 +41,13 @@ def mtp_draft_vocab(job: dict[str, Any]) -> int:
     return default if value is None else value
 
 
-def mtp_draft_tokens(job: dict[str, Any]) -> int:
-    from foretell.spec.auto import machine_kind
-
-    value = job.get("mtp_draft_tokens")
-    if value is not None:
-        return value
-    return job["num_draft_tokens"] if machine_kind() == "cpu" else MTP_GPU_TOKENS
-
-
 _SPECULATORS: dict[tuple[Any, ...], Any] = {}
 _MLX_DRAFTS: dict[str, Any] = {}
+
+
+def drafted_up_to(kind: str) -> int | None:
+    """The most tokens a round of this run's ``kind`` rows drafted (None: no such row)."""
+    return next((s.max_tokens for key, s in _SPECULATORS.items() if key[0] == kind), None)
 
 
 def code_prompts(tokenizer: Any, length: int) -> dict[str, list[int]]:
@@ -93,7 +84,7 @@ def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None =
     if kind == "ngram":
         tokens = job.get("ngram_draft_tokens", NGRAM_TOKENS)
     elif kind == "mtp":
-        tokens = mtp_draft_tokens(job)
+        tokens = job.get("mtp_draft_tokens")  # None: the drafter's own (``draft_tokens``)
     key = (kind, model, acceptance, adaptive, sampled, tokens, mtp_draft_vocab(job))
     if key not in _SPECULATORS:
         config = engine.registry.get(Kind.DRAFT, kind).config
@@ -318,7 +309,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
             "repeats": repeats, "num_draft_tokens": num_draft_tokens,
             "ngram_draft_tokens": ngram_draft_tokens, "mtp_draft_vocab": mtp_draft_vocab(job),
-            "mtp_draft_tokens": mtp_draft_tokens(job), "adaptive": adaptive,
+            "mtp_draft_tokens": drafted_up_to("mtp"), "adaptive": adaptive,
             "new_lengths": new_lengths, "rows": table}
 
 
@@ -344,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"the MTP rows draft from the ids below this (0: the whole vocabulary; "
                          f"default {MTP_DRAFT_VOCAB} on a CPU, 0 on a GPU)")
     ap.add_argument("--mtp-draft-tokens", type=int, default=None,
-                    help=f"the most tokens the MTP rows draft per round (default "
-                         f"{MTP_GPU_TOKENS} on a GPU, --num-draft-tokens on a CPU)")
+                    help="the most tokens the MTP rows draft per round (default: the "
+                         "drafter's own, 6)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--generate", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)

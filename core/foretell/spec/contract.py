@@ -168,12 +168,25 @@ class DraftProvider(Protocol):
 
     #: Ports required of the target (e.g. ``{PORT_HIDDEN, PORT_MTP}``).
     requires: frozenset[str]
+    # Optional: ``draft_tokens: int``, the most tokens a round drafts when the caller names
+    # no length (``--num-draft-tokens``, ``[draft] num_tokens``, the model's
+    # speculation.json); :func:`preferred_tokens` reads it.
 
     def prepare(self, target: Target) -> None:
         """Check the pairing and load draft weights; called once per target."""
 
     def open(self, target: Target, sampler: Sampler) -> DraftSource:
         """A source for one request, drafting with ``sampler``'s settings."""
+
+
+def preferred_tokens(provider: Any) -> int:
+    """The most tokens a round drafts when nobody says: the provider's ``draft_tokens``
+    (prompt lookup drafts long copies cheaply, an MTP head keeps agreeing deep into its
+    chain), else :data:`foretell.config.DEFAULT_DRAFT_TOKENS`."""
+    from foretell.config import DEFAULT_DRAFT_TOKENS
+
+    value = getattr(provider, "draft_tokens", None)
+    return value if isinstance(value, int) and 1 <= value <= 16 else DEFAULT_DRAFT_TOKENS
 
 
 def missing_ports(provider: Any, target: Target) -> frozenset[str]:

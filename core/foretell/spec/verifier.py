@@ -512,16 +512,17 @@ def make_speculator(
     kind: str,
     options: Any = None,
     *,
-    max_tokens: int = 4,
+    max_tokens: int | None = None,
     adaptive: bool = True,
     acceptance: str = "rejection",
 ) -> Speculator:
-    """Build, check and prepare the draft provider registered as ``kind`` for ``target``.
+    """Build, check and prepare the draft provider registered as ``kind`` for ``target``;
+    ``max_tokens`` None drafts the provider's own preferred length (:func:`preferred_tokens`).
 
     A pairing that cannot work is refused here, before any draft weights are allocated.
     """
     from foretell.plugin.registry import Kind
-    from foretell.spec.contract import PairingError, missing_ports
+    from foretell.spec.contract import PairingError, missing_ports, preferred_tokens
 
     contribution = registry.get(Kind.DRAFT, kind)
     factory = contribution.load()
@@ -542,7 +543,8 @@ def make_speculator(
             "does not offer"
         )
     speculator = Speculator(
-        kind=kind, provider=provider, max_tokens=max_tokens, adaptive=adaptive,
+        kind=kind, provider=provider, max_tokens=max_tokens or preferred_tokens(provider),
+        adaptive=adaptive,
         acceptance=acceptance, origin=origin,
     )
     try:
