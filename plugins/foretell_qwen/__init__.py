@@ -36,5 +36,5 @@ def foretell_register_draft_providers(register):
         "mtp",
         "foretell_qwen.mtp:MTPProvider",
         config=MTPConfig,
-        summary="the target's own multi-token-prediction head (mtp.* weights) drafts",
+        summary="the target's own multi-token-prediction head (mtp.* weights) drafts, up to 6 a round",
     )

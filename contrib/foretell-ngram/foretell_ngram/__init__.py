@@ -34,5 +34,5 @@ def foretell_register_draft_providers(register):
         "ngram",
         "foretell_ngram.lookup:NgramProvider",
         config=NgramConfig,
-        summary="prompt lookup: propose what followed the last matching n-gram",
+        summary="prompt lookup: propose what followed the last matching n-gram, up to 16 a round",
     )
