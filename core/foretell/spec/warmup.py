@@ -20,7 +20,11 @@ fixed-length warm-up over the same lengths (0.3-0.6 s in a host's first process)
 8-bit demo draft's quantized matmuls for such lengths were first compiled inside a request.
 So the warm-up also runs one request on a scripted policy that drafts, decodes plain
 stretches of ``SWITCH_BACKS`` lengths and drafts again after each (docs/benchmarks.md, "H200:
-MTP drafting up to 6, and which kernels the first request compiles").
+MTP drafting up to 6, and which kernels the first request compiles"). That request runs past
+the first capacity step of the fixed-shape forwards (1,024 tokens): each process's first
+adaptive request also waited 40-60 ms twice at its first probe past 1,024 tokens, where the
+verify window traces again for the larger buffer and a draft model's single-token step
+first reads more than 1,024 keys (plain decoding pays that once per process too).
 """
 
 from __future__ import annotations
@@ -30,14 +34,17 @@ from typing import Any
 import attrs
 
 from foretell.config import SamplingConfig
+from foretell.model.fixed import CAPACITY_STEP
 from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
 
 #: A prompt every drafter drafts on at any length: prompt lookup matches a repeated cycle
 #: as deep as it likes; a draft model drafts on anything.
 PROMPT = list(range(1, 9)) * 3
 #: Plain stretches (of ``PLAIN_STRETCH`` steps each) the scripted request decodes before
-#: each switch back to drafting: catch-up forwards of about 18, 34 and 66 tokens.
+#: each switch back to drafting: catch-up forwards of about 16, 32 and 64 tokens.
 SWITCH_BACKS = (2, 4, 8)
+#: The scripted request's prompt: past the fixed-shape forwards' first capacity step.
+LONG_PROMPT = list(range(1, 9)) * ((CAPACITY_STEP + 16) // 8)
 
 
 class ScriptedPolicy(DraftLengthPolicy):
@@ -98,12 +105,12 @@ def warm_up(engine: Any, speculator: Any, progress: Any = None) -> None:
 
 
 def switch_backs(engine: Any, speculator: Any) -> None:
-    """One greedy request on a scripted copy of ``speculator``: plain stretches, each
-    followed by a switch back to drafting ``speculator.max_tokens``."""
+    """One greedy request on a scripted copy of ``speculator`` over :data:`LONG_PROMPT`:
+    plain stretches, each followed by a switch back to drafting ``speculator.max_tokens``."""
     scripted = attrs.evolve(speculator, adaptive=False)
     script, tokens = switch_back_script(speculator.max_tokens)
     # A speculator is frozen and makes its own policy; this throwaway copy gets the script.
     object.__setattr__(scripted, "policy", ScriptedPolicy(speculator.max_tokens, script))
-    for _event in engine.generate(PROMPT, max_tokens=tokens, speculate=scripted,
+    for _event in engine.generate(LONG_PROMPT, max_tokens=tokens, speculate=scripted,
                                   ignore_eos=True, chat=False):
         pass
