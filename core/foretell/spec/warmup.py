@@ -22,9 +22,10 @@ So the warm-up also runs one request on a scripted policy that drafts, decodes p
 stretches of ``SWITCH_BACKS`` lengths and drafts again after each (docs/benchmarks.md, "H200:
 MTP drafting up to 6, and which kernels the first request compiles"). That request runs past
 the first capacity step of the fixed-shape forwards (1,024 tokens): each process's first
-adaptive request also waited 40-60 ms twice at its first probe past 1,024 tokens, where the
-verify window traces again for the larger buffer and a draft model's single-token step
-first reads more than 1,024 keys (plain decoding pays that once per process too).
+adaptive request also waited 40-60 ms twice at its first probe past 1,024 tokens. The
+suspects, not yet told apart on the H200: the verify window tracing again for the larger
+buffer, and a draft model's first single-token step over more than 1,024 keys (plain
+decoding pays such a step once per process).
 """
 
 from __future__ import annotations
