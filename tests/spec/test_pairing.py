@@ -81,6 +81,10 @@ class _Broken:
         pass
 
 
+class _TooLong(_Broken):
+    draft_tokens = 40  # more than a verify window may hold
+
+
 class _Plugin:
     import foretell
 
@@ -89,6 +93,7 @@ class _Plugin:
     def foretell_register_draft_providers(register):
         register("needs-taps", "tests_spec_pairing_helpers:NeedsTaps")
         register("broken", "tests_spec_pairing_helpers:Broken")
+        register("too-long", "tests_spec_pairing_helpers:TooLong")
 
 
 @pytest.fixture
@@ -97,7 +102,7 @@ def plugin_registry(monkeypatch):
     import types
 
     module = types.ModuleType("tests_spec_pairing_helpers")
-    module.NeedsTaps, module.Broken = _NeedsTaps, _Broken
+    module.NeedsTaps, module.Broken, module.TooLong = _NeedsTaps, _Broken, _TooLong
     monkeypatch.setitem(sys.modules, "tests_spec_pairing_helpers", module)
     plugins = fresh_plugins()
     with plugins.temporary(_Plugin, "spec-test-drafters"):
@@ -115,6 +120,23 @@ def test_a_missing_port_is_refused_naming_target_drafter_and_port(engines, plugi
     message = str(err.value)
     assert "draft provider 'needs-taps' cannot draft for target" in message
     assert "needs layer-taps-v9" in message and "(qwen3)" in message
+
+
+def test_a_drafters_own_length_out_of_range_is_refused_naming_it(engines, plugin_registry):
+    """A plugin's ``draft_tokens`` is checked like ``--num-draft-tokens``; a length given by
+    the caller does not need it."""
+    from foretell.errors import DraftError
+
+    engine = engines["qwen3"]
+    registry, engine.registry = engine.registry, plugin_registry
+    try:
+        with pytest.raises(DraftError, match=r"draft provider 'too-long' from .*: draft_tokens "
+                                             r"must be an integer in 1\.\.16, got 40"):
+            engine.use_draft("too-long")
+        assert engine.use_draft("too-long", max_tokens=3).max_tokens == 3
+    finally:
+        engine.use_draft(None)
+        engine.registry = registry
 
 
 def test_a_drafter_failing_inside_draft_ends_that_request_and_the_engine_serves_on(

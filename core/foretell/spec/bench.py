@@ -24,9 +24,6 @@ import inspect
 from typing import Any
 
 SAMPLED = 0.8
-#: The most tokens the n-gram rows draft per round: a lookup costs nothing to draft, and on
-#: the 2-core CPU verifying 16 tokens costs about 1.6 plain steps (docs/speculation.md).
-NGRAM_TOKENS = 16
 #: The MTP rows' shortlist head (``draft_vocab``) on a CPU: on the 2-core CPU the first
 #: 2,048 ids drafted faster than 4,096, 8,192 or the whole 12,288-token head
 #: (docs/speculation.md). GPUs draft from the whole head (0), where its size costs little.
@@ -80,11 +77,9 @@ def _speculator(engine: Any, job: dict[str, Any], kind: str, model: str | None =
     as on the CPU) and the policy learns it."""
     from foretell.plugin.registry import Kind
 
-    tokens = job["num_draft_tokens"]
-    if kind == "ngram":
-        tokens = job.get("ngram_draft_tokens", NGRAM_TOKENS)
-    elif kind == "mtp":
-        tokens = job.get("mtp_draft_tokens")  # None: the drafter's own (``draft_tokens``)
+    # The two-model rows draft what mlx-lm's rows are given; the others what their drafter
+    # drafts unless told (``draft_tokens``: n-gram 16, MTP 6), or the job's override.
+    tokens = job["num_draft_tokens"] if kind == "two-model" else job.get(f"{kind}_draft_tokens")
     key = (kind, model, acceptance, adaptive, sampled, tokens, mtp_draft_vocab(job))
     if key not in _SPECULATORS:
         config = engine.registry.get(Kind.DRAFT, kind).config
@@ -245,7 +240,7 @@ def plain_row(row: str) -> str:
 
 def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens: int,
                   repeats: int, draft_model: str, num_draft_tokens: int,
-                  ngram_draft_tokens: int = NGRAM_TOKENS, draft_vocab: int | None = None,
+                  ngram_draft_tokens: int | None = None, draft_vocab: int | None = None,
                   mtp_tokens: int | None = None, adaptive: bool = True,
                   fixed_shapes_ab: bool = False,
                   new_lengths: bool = False, progress=lambda _line: None) -> dict[str, Any]:
@@ -308,7 +303,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     return {"machine": machine_info(), "runtime": runtime_info(), "model": model,
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
             "repeats": repeats, "num_draft_tokens": num_draft_tokens,
-            "ngram_draft_tokens": ngram_draft_tokens, "mtp_draft_vocab": mtp_draft_vocab(job),
+            "ngram_draft_tokens": drafted_up_to("ngram"), "mtp_draft_vocab": mtp_draft_vocab(job),
             "mtp_draft_tokens": drafted_up_to("mtp"), "adaptive": adaptive,
             "new_lengths": new_lengths, "rows": table}
 
@@ -329,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-model", default="demo-draft")
     ap.add_argument("--num-draft-tokens", type=int, default=4,
                     help="the most tokens the model drafters draft per round")
-    ap.add_argument("--ngram-draft-tokens", type=int, default=NGRAM_TOKENS,
-                    help="the most tokens the n-gram rows draft per round")
+    ap.add_argument("--ngram-draft-tokens", type=int, default=None,
+                    help="the most tokens the n-gram rows draft per round (default: the "
+                         "drafter's own, 16)")
     ap.add_argument("--mtp-draft-vocab", type=int, default=None,
                     help=f"the MTP rows draft from the ids below this (0: the whole vocabulary; "
                          f"default {MTP_DRAFT_VOCAB} on a CPU, 0 on a GPU)")

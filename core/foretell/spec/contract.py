@@ -179,14 +179,21 @@ class DraftProvider(Protocol):
         """A source for one request, drafting with ``sampler``'s settings."""
 
 
-def preferred_tokens(provider: Any) -> int:
+def preferred_tokens(provider: Any, label: str) -> int:
     """The most tokens a round drafts when nobody says: the provider's ``draft_tokens``
     (prompt lookup drafts long copies cheaply, an MTP head keeps agreeing deep into its
-    chain), else :data:`foretell.config.DEFAULT_DRAFT_TOKENS`."""
+    chain), else :data:`foretell.config.DEFAULT_DRAFT_TOKENS`.
+
+    :raises DraftError: ``draft_tokens`` is not an integer in 1..16 (``label`` names the
+        provider)."""
     from foretell.config import DEFAULT_DRAFT_TOKENS
 
     value = getattr(provider, "draft_tokens", None)
-    return value if isinstance(value, int) and 1 <= value <= 16 else DEFAULT_DRAFT_TOKENS
+    if value is None:
+        return DEFAULT_DRAFT_TOKENS
+    if type(value) is not int or not 1 <= value <= 16:
+        raise DraftError(f"{label}: draft_tokens must be an integer in 1..16, got {value!r}")
+    return value
 
 
 def missing_ports(provider: Any, target: Target) -> frozenset[str]:

@@ -542,10 +542,10 @@ def make_speculator(
             f"{', '.join(sorted(missing))}, which the target ({target.model.model_type}) "
             "does not offer"
         )
+    label = f"draft provider '{kind}' from {origin}"
     speculator = Speculator(
-        kind=kind, provider=provider, max_tokens=max_tokens or preferred_tokens(provider),
-        adaptive=adaptive,
-        acceptance=acceptance, origin=origin,
+        kind=kind, provider=provider, max_tokens=max_tokens or preferred_tokens(provider, label),
+        adaptive=adaptive, acceptance=acceptance, origin=origin,
     )
     try:
         provider.prepare(target)
