@@ -109,6 +109,9 @@ DRAFT_NONE, DRAFT_AUTO = "none", "auto"
 #: ``speculation.json`` nor the drafter itself (``draft_tokens``) says (mlx-lm's
 #: ``--num-draft-tokens`` default is 3).
 DEFAULT_DRAFT_TOKENS = 4
+#: The most tokens any round may draft, however it is set (a verify window is the pending
+#: token and at most this many drafts: ``foretell.model.fixed.MAX_TOKENS``).
+MAX_DRAFT_TOKENS = 16
 #: The storage layout the SSD tier uses unless ``[cache] layout`` names another.
 DEFAULT_LAYOUT = "blocks"
 
@@ -117,7 +120,7 @@ DEFAULT_LAYOUT = "blocks"
 class DraftSettings:
     """The ``[draft]`` fields every drafter shares (the rest are the provider's own)."""
 
-    num_tokens: int | None = attrs.field(default=None, validator=[at_least(1), at_most(16)], metadata={"help": f"the most tokens drafted per round (--num-draft-tokens); unset: the model's measured best where speculation.json gives one, else the drafter's own, else {DEFAULT_DRAFT_TOKENS}"})
+    num_tokens: int | None = attrs.field(default=None, validator=[at_least(1), at_most(MAX_DRAFT_TOKENS)], metadata={"help": f"the most tokens drafted per round (--num-draft-tokens); unset: the model's measured best where speculation.json gives one, else the drafter's own, else {DEFAULT_DRAFT_TOKENS}"})
     adaptive: bool = attrs.field(default=True, metadata={"help": "choose the draft length per round from measured acceptance and cost"})
     acceptance: str = attrs.field(default="rejection", metadata={"help": "sampled verification: 'rejection' (exact, accepts more) or 'token-match' (mlx-lm's rule)"})
 

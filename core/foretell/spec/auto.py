@@ -44,8 +44,9 @@ class Measured:
 
 def measured_drafter(model_dir: Path | None, registry: Any) -> Measured | None:
     """The drafter for this machine from ``model_dir/speculation.json``, or None."""
-    from foretell.config import make_converter, structure
+    from foretell.config import MAX_DRAFT_TOKENS, make_converter, structure
     from foretell.plugin.registry import Kind
+    from foretell.spec.contract import valid_draft_tokens
 
     if model_dir is None or not (Path(model_dir) / FILE).is_file():
         return None
@@ -63,9 +64,9 @@ def measured_drafter(model_dir: Path | None, registry: Any) -> Measured | None:
     if kind not in registry.names(Kind.DRAFT):
         return None  # measured with a drafter this installation lacks (e.g. contrib n-gram)
     num_tokens = entry.get("num_tokens")
-    if num_tokens is not None and (type(num_tokens) is not int or not 1 <= num_tokens <= 16):
+    if num_tokens is not None and not valid_draft_tokens(num_tokens):
         raise ConfigError(str(path), [f"best.{machine_kind()}.num_tokens: must be an integer "
-                                      f"in 1..16, got {num_tokens!r}"])
+                                      f"in 1..{MAX_DRAFT_TOKENS}, got {num_tokens!r}"])
     config = registry.get(Kind.DRAFT, kind).config
     raw = entry.get("options") or {}
     options = structure(make_converter(registry), raw, config, str(path)) if config else None

@@ -184,16 +184,24 @@ def preferred_tokens(provider: Any, label: str) -> int:
     (prompt lookup drafts long copies cheaply, an MTP head keeps agreeing deep into its
     chain), else :data:`foretell.config.DEFAULT_DRAFT_TOKENS`.
 
-    :raises DraftError: ``draft_tokens`` is not an integer in 1..16 (``label`` names the
-        provider)."""
-    from foretell.config import DEFAULT_DRAFT_TOKENS
+    :raises DraftError: ``draft_tokens`` is not an integer in 1..MAX_DRAFT_TOKENS (``label``
+        names the provider)."""
+    from foretell.config import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
     value = getattr(provider, "draft_tokens", None)
     if value is None:
         return DEFAULT_DRAFT_TOKENS
-    if type(value) is not int or not 1 <= value <= 16:
-        raise DraftError(f"{label}: draft_tokens must be an integer in 1..16, got {value!r}")
+    if not valid_draft_tokens(value):
+        raise DraftError(f"{label}: draft_tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, "
+                         f"got {value!r}")
     return value
+
+
+def valid_draft_tokens(value: Any) -> bool:
+    """Whether ``value`` may be the most tokens a round drafts (an int, not a bool)."""
+    from foretell.config import MAX_DRAFT_TOKENS
+
+    return type(value) is int and 1 <= value <= MAX_DRAFT_TOKENS
 
 
 def missing_ports(provider: Any, target: Target) -> frozenset[str]:
