@@ -67,3 +67,55 @@ def test_mtp_over_fixed_shapes_reproduces_plain_greedy(demo, monkeypatch):
         assert text == plain
     assert {name for name, ran in used if ran} == {"verify forward", "MTP head"}
     assert all(ran for _name, ran in used)
+
+
+def test_a_plain_stretch_hands_the_head_every_hidden_state_packed(demo, monkeypatch):
+    """While drafting is off the verifier keeps each plain step's hidden state for the head;
+    they are joined HIDDEN_PACK at a time as they come (a kept step's own buffer cost the
+    H200 ~4% of decode speed), and the head hears every one of them, in order, when
+    drafting resumes; the output stays plain greedy's."""
+    import mlx.core as mx
+
+    from foretell.spec import verifier
+    from foretell.spec.warmup import ScriptedPolicy
+
+    speculator = demo.use_draft("mtp", max_tokens=3, adaptive=False)
+    stretches = 5  # plain stretches, then drafting again
+    object.__setattr__(speculator, "policy",
+                       ScriptedPolicy(3, [3, 3] + [0] * stretches + [3, 3]))
+    kept, longest, feeds = [], [0], []  # feeds: (feed, single positions kept since the last)
+    real_extend, real_open = verifier._Verifier._extend, speculator.provider.open
+
+    def extend(self, tokens, hidden):
+        if hidden is not None and hidden.shape[1] == 1:
+            kept.append(hidden)
+        real_extend(self, tokens, hidden)
+        longest[0] = max(longest[0], len(self.feed_hidden))
+
+    def opened(target, sampler):
+        source = real_open(target, sampler)
+        draft = source.draft
+
+        def recorded(feed, n):
+            feeds.append((feed, list(kept)))
+            kept.clear()
+            return draft(feed, n)
+
+        source.draft = recorded
+        return source
+
+    monkeypatch.setattr(verifier._Verifier, "_extend", extend)
+    monkeypatch.setattr(speculator.provider, "open", opened)
+    prompt = PROMPTS[0]
+    n = 60
+    text = demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,
+                              speculate=speculator)
+    monkeypatch.undo()
+    assert text == demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,
+                                      speculate=False)
+    feed, singles = max(feeds, key=lambda pair: len(pair[1]))
+    assert len(singles) >= 3 * verifier.PLAIN_STRETCH
+    assert longest[0] <= verifier.HIDDEN_PACK + len(singles) // verifier.HIDDEN_PACK
+    assert len(feed.tokens) == feed.hidden.shape[1]
+    tail = feed.hidden[:, -len(singles):]
+    assert mx.array_equal(tail, mx.concatenate(singles, axis=1)).item()
