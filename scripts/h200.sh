@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The H200 measurements of docs/benchmarks.md, run on the device machine from the repository
+# root. That machine has no package index: MLX's CUDA build travels in parts
+# (the workplace's mlx-cuda-parts.sh: `download` once, then `PART_MB=24 ... part N` for
+# N = 1..4, each followed by a device call carrying .device-stage and running `stash`;
+# with part 1 also stage cattrs and xxhash wheels for Python 3.12, which the image lacks:
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: \
+#       --platform manylinux_2_17_x86_64 cattrs xxhash -d .device-stage).
+# After the last part: `stash && install && MODE`. Results go under $OUT.
+#
+#   stash      copy .device-stage/* to /root/stash
+#   install    assemble the MLX-CUDA wheel, install the wheels and foretell into /root/site
+#   reinstall  foretell again (after a change), the wheels as they are
+#   specg      foretell bench --speculation, greedy rows, mlx-lm cold (~7 min on a fresh host)
+#   specs      the same, sampled rows (~6 min)
+#   paired     python -m foretell.spec.bench, the adaptive rows paired (REPEATS, default 11)
+#   mtpoff     scripts/mtp_off_ab.py (ROUNDS, default 21)
+#   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3)
+#   x CMD...   anything else, with the environment set
+set -uo pipefail
+export PYTHONPATH=/root/site
+export PATH=/root/site/bin:$PATH
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PY=python3
+spec_common=(--model demo --speculation --new-lengths --prompt-tokens 992 --generate 256 --repeats 3)
+case "${1:-}" in
+stash)
+  mkdir -p /root/stash && cp .device-stage/* /root/stash/ && ls -la /root/stash | tail -n +2
+  ;;
+install)
+  cd /root/stash
+  if ls mlxcuda.part.* >/dev/null 2>&1; then
+    cat mlxcuda.part.* > mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl && rm mlxcuda.part.*
+  fi
+  $PY -m pip install -q --no-index --no-deps --target /root/site ./*.whl 2>&1 | tail -3
+  cd - >/dev/null
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation --target /root/site --upgrade . ./contrib/foretell-ngram 2>&1 | tail -3
+  $PY -c "import mlx.core as mx, foretell; print('mlx', mx.__version__, mx.default_device(), 'foretell', foretell.__file__)"
+  ;;
+reinstall)
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation --target /root/site --upgrade . ./contrib/foretell-ngram 2>&1 | tail -3
+  ;;
+specg)
+  nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
+  timeout 580 taskset -c 4-7 $PY -m foretell bench "${spec_common[@]}" --cold-mlx-lm \
+    --scenario plain --scenario two-model --scenario self --scenario mtp --scenario ngram-edit \
+    --json "$OUT/spec-greedy.json" 2>&1 | tee "$OUT/spec-greedy.log" | tail -40
+  ;;
+specs)
+  timeout 580 taskset -c 4-7 $PY -m foretell bench "${spec_common[@]}" --cold-mlx-lm \
+    --scenario plain-t0.8 --scenario two-model-t0.8 --scenario two-model-t0.8-fixed \
+    --scenario two-model-t0.8-match --scenario mtp-t0.8 \
+    --json "$OUT/spec-sampled.json" 2>&1 | tee "$OUT/spec-sampled.log" | tail -40
+  ;;
+paired)
+  timeout "${PAIRED_S:-300}" taskset -c 4-7 $PY -m foretell.spec.bench --model demo --new-lengths \
+    --prompt-tokens 992 --generate 256 --repeats "${REPEATS:-11}" \
+    --row plain --row two-model --row self --row plain-t0.8 --row two-model-t0.8 --row mtp-t0.8 \
+    --json "$OUT/spec-adaptive-paired.json" 2>&1 | tee "$OUT/spec-adaptive-paired.log" | tail -30
+  ;;
+cache4b)
+  timeout 580 $PY -m foretell bench --cache --synthetic 4b --dtype bfloat16 \
+    --cache-prompt-tokens 4096 --repeats "${REPEATS:-3}" --generate 64 \
+    --json "$OUT/cache-4b.json" 2>&1 | tee "$OUT/cache-4b.log" | tail -30
+  ;;
+mtpoff)
+  timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
+  ;;
+x)
+  shift; eval "$@"
+  ;;
+*) sed -n 2,21p "$0"; exit 2 ;;
+esac

@@ -1,0 +1,77 @@
+"""What a hidden-state drafter costs while drafting is off: sampled plain decoding against
+the MTP speculator with its draft length pinned to 0, once as the verifier runs it (each
+plain step's hidden state kept for the head) and once keeping none.
+
+    python scripts/mtp_off_ab.py [ROUNDS]      # writes $OUT/mtp-off-ab.json (default /tmp)
+
+Rows take turns (order flipping per round) on the demo's 992-token code prompt, each run at a
+new length, 256 tokens at temperature 0.8; the paired median is the median of each round's
+ratio to that round's plain run. Not a test: numbers only (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import foretell
+from foretell.config import SamplingConfig
+from foretell.spec import make_speculator, verifier
+from foretell.spec.bench import code_prompts
+
+ROWS = ("plain", "off-kept", "off-none")
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+    engine = foretell.load("demo")
+    prompt = code_prompts(engine.tokenizer, 992)["code"]
+    # No warm-up (use_draft's): drafting never runs, so its kernels are never needed.
+    speculator = make_speculator(engine.registry, engine.target, "mtp")
+    speculator.policy.choose = lambda limit: 0
+    extend, keep = verifier._Verifier._extend, {"on": True}
+    verifier._Verifier._extend = lambda self, kept, hidden: extend(
+        self, kept, hidden if keep["on"] else None)
+    dropped = [0]
+
+    def run(row: str, seed: int) -> float:
+        keep["on"] = row != "off-none"
+        dropped[0] += 1  # a new prompt length every run
+        first = last = None
+        count = 0
+        for event in engine.generate(prompt[: len(prompt) - dropped[0]], max_tokens=256,
+                                     ignore_eos=True, sampling=SamplingConfig(temp=0.8, seed=seed),
+                                     speculate=False if row == "plain" else speculator):
+            if event.type == "text" and event.tokens:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    count += len(event.tokens)
+                last = now
+        return count / (last - first)
+
+    for row in ROWS:
+        start = time.perf_counter()
+        run(row, 0)
+        print("warm-up", row, f"{time.perf_counter() - start:.1f} s", flush=True)
+    runs: dict[str, list[float]] = {row: [] for row in ROWS}
+    for index in range(rounds):
+        for row in ROWS if index % 2 == 0 else ROWS[::-1]:
+            runs[row].append(run(row, index + 1))
+        print(index, {row: round(found[-1], 1) for row, found in runs.items()}, flush=True)
+    report = {}
+    for row in ROWS:
+        paired = statistics.median(a / b for a, b in zip(runs[row], runs["plain"]))
+        report[row] = {"median_tps": statistics.median(runs[row]), "paired_median": paired,
+                       "runs": runs[row]}
+        print(f"{row:10s} {report[row]['median_tps']:8.1f} tok/s  paired {paired:.3f}")
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "mtp-off-ab.json"), "w") as out:
+        json.dump(report, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
