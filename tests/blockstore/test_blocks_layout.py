@@ -600,6 +600,22 @@ def test_an_edited_manifest_fails_its_hash(layout, stored):
     assert layout.read(stored[1]) is None and not path.exists()
 
 
+@pytest.mark.parametrize("block", [0, 1, -1], ids=["first", "full", "last-partial"])
+def test_a_manifest_whose_block_sizes_disagree_with_its_tensors_is_corrupt(layout, stored,
+                                                                            block):
+    """A consistent hash does not make a manifest right: every block's size must be its
+    header's plus its rows' (10 tokens in blocks of 4: two full blocks, one of 2 rows)."""
+    from foretell_blockstore import manifest as mf
+
+    fields = mf.parse(layout.path(stored[1]).read_bytes()).fields
+    assert len(fields["groups"][0]["blocks"]) == 3
+    assert mf._parse_fields(json.loads(json.dumps(fields))).groups  # as written: consistent
+    edited = json.loads(json.dumps(fields))
+    edited["groups"][0]["blocks"][block][1] += 2
+    with pytest.raises(CorruptEntry, match="does not cover its tensors exactly"):
+        mf._parse_fields(edited)
+
+
 @pytest.mark.parametrize("cut", [3, 8, 40])
 def test_a_truncated_manifest_is_never_served(layout, stored, cut):
     path = layout.path(stored[1])
