@@ -600,6 +600,34 @@ def test_an_edited_manifest_fails_its_hash(layout, stored):
     assert layout.read(stored[1]) is None and not path.exists()
 
 
+def test_a_read_parses_no_manifest_whose_bytes_were_verified_already(layout, stored,
+                                                                     monkeypatch):
+    """The scan verified the manifest; a read that finds the very same bytes serves from
+    that parse (and still verifies every block)."""
+    from foretell_blockstore import manifest as mf
+
+    layout.scan()
+    parsed = []
+    real = mf.parse
+    monkeypatch.setattr(mf, "parse", lambda raw: parsed.append(raw) or real(raw))
+    served = layout.read(stored[1])
+    assert served is not None and parsed == []
+    assert_same_entry(served, stored[0])
+
+
+def test_a_manifest_changed_in_place_after_the_scan_is_verified_again(layout, stored):
+    """Same size, same modification time, other bytes: parsed and checked again, and the
+    edit is caught (not served, dropped)."""
+    layout.scan()
+    path = layout.path(stored[1])
+    raw, before = path.read_bytes(), os.stat(path)
+    edited = raw.replace(b'\\"num_tokens\\":10', b'\\"num_tokens\\":11', 1)
+    assert len(edited) == len(raw) and edited != raw
+    path.write_bytes(edited)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert layout.read(stored[1]) is None and not path.exists()
+
+
 @pytest.mark.parametrize("block", [0, 1, -1], ids=["first", "full", "last-partial"])
 def test_a_manifest_whose_block_sizes_disagree_with_its_tensors_is_corrupt(layout, stored,
                                                                             block):
