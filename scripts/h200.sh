@@ -8,8 +8,9 @@
 #       --platform manylinux_2_17_x86_64 cattrs xxhash -d .device-stage).
 # After the last part: `stash && install && MODE`. Results go under $OUT.
 #
-#   stash      copy .device-stage/* to /root/stash
-#   install    assemble the MLX-CUDA wheel, install the wheels and foretell into /root/site
+#   stash      copy .device-stage/* to $STASH (default ~/stash)
+#   install    assemble the MLX-CUDA wheel, install the wheels and foretell into $SITE
+#              (default ~/site)
 #   reinstall  foretell again (after a change), the wheels as they are
 #   specg      foretell bench --speculation, greedy rows, mlx-lm cold (~7 min on a fresh host)
 #   specs      the same, sampled rows (~6 min)
@@ -18,28 +19,31 @@
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3)
 #   x CMD...   anything else, with the environment set
 set -uo pipefail
-export PYTHONPATH=/root/site
-export PATH=/root/site/bin:$PATH
+STASH=${STASH:-$HOME/stash}
+SITE=${SITE:-$HOME/site}
+MLX_VERSION=${MLX_VERSION:-0.32.4}
+export PYTHONPATH=$SITE
+export PATH=$SITE/bin:$PATH
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PY=python3
 spec_common=(--model demo --speculation --new-lengths --prompt-tokens 992 --generate 256 --repeats 3)
 case "${1:-}" in
 stash)
-  mkdir -p /root/stash && cp .device-stage/* /root/stash/ && ls -la /root/stash | tail -n +2
+  mkdir -p "$STASH" && cp .device-stage/* "$STASH"/ && ls -la "$STASH" | tail -n +2
   ;;
 install)
-  cd /root/stash
+  cd "$STASH"
   if ls mlxcuda.part.* >/dev/null 2>&1; then
-    cat mlxcuda.part.* > mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl && rm mlxcuda.part.*
+    cat mlxcuda.part.* > "mlx_cuda_13-$MLX_VERSION-py3-none-manylinux_2_35_x86_64.whl" && rm mlxcuda.part.*
   fi
-  $PY -m pip install -q --no-index --no-deps --target /root/site ./*.whl 2>&1 | tail -3
+  $PY -m pip install -q --no-index --no-deps --target "$SITE" ./*.whl 2>&1 | tail -3
   cd - >/dev/null
-  $PY -m pip install -q --no-index --no-deps --no-build-isolation --target /root/site --upgrade . ./contrib/foretell-ngram 2>&1 | tail -3
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" --upgrade . ./contrib/foretell-ngram 2>&1 | tail -3
   $PY -c "import mlx.core as mx, foretell; print('mlx', mx.__version__, mx.default_device(), 'foretell', foretell.__file__)"
   ;;
 reinstall)
-  $PY -m pip install -q --no-index --no-deps --no-build-isolation --target /root/site --upgrade . ./contrib/foretell-ngram 2>&1 | tail -3
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" --upgrade . ./contrib/foretell-ngram 2>&1 | tail -3
   ;;
 specg)
   nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
@@ -70,5 +74,5 @@ mtpoff)
 x)
   shift; eval "$@"
   ;;
-*) sed -n 2,21p "$0"; exit 2 ;;
+*) sed -n 2,20p "$0"; exit 2 ;;
 esac
