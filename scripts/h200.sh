@@ -14,9 +14,11 @@
 #   reinstall  foretell again (after a change), the wheels as they are
 #   specg      foretell bench --speculation, greedy rows, mlx-lm cold (~7 min on a fresh host)
 #   specs      the same, sampled rows (~6 min)
-#   paired     python -m foretell.spec.bench, the adaptive rows paired (REPEATS, default 11)
+#   paired     python -m foretell.spec.bench, the adaptive rows paired (REPEATS, default 11;
+#              ROWS, default "plain two-model self plain-t0.8 two-model-t0.8 mtp-t0.8")
 #   mtpoff     scripts/mtp_off_ab.py (ROUNDS, default 21)
-#   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3)
+#   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
+#              KV_BITS=4|8: the KV quantized, as --kv-bits)
 #   x CMD...   anything else, with the environment set
 set -uo pipefail
 STASH=${STASH:-$HOME/stash}
@@ -60,13 +62,13 @@ specs)
 paired)
   timeout "${PAIRED_S:-300}" taskset -c 4-7 $PY -m foretell.spec.bench --model demo --new-lengths \
     --prompt-tokens 992 --generate 256 --repeats "${REPEATS:-11}" \
-    --row plain --row two-model --row self --row plain-t0.8 --row two-model-t0.8 --row mtp-t0.8 \
-    --json "$OUT/spec-adaptive-paired.json" 2>&1 | tee "$OUT/spec-adaptive-paired.log" | tail -30
+    $(printf -- '--row %s ' ${ROWS:-plain two-model self plain-t0.8 two-model-t0.8 mtp-t0.8}) \
+    --json "$OUT/spec-paired.json" 2>&1 | tee "$OUT/spec-paired.log" | tail -30
   ;;
 cache4b)
   timeout 580 $PY -m foretell bench --cache --synthetic 4b --dtype bfloat16 \
-    --cache-prompt-tokens 4096 --repeats "${REPEATS:-3}" --generate 64 \
-    --json "$OUT/cache-4b.json" 2>&1 | tee "$OUT/cache-4b.log" | tail -30
+    --cache-prompt-tokens 4096 --repeats "${REPEATS:-3}" --generate 64 ${KV_BITS:+--kv-bits $KV_BITS} \
+    --json "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}.json" 2>&1 | tee "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}.log" | tail -30
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8

@@ -125,6 +125,11 @@ def test_reserve_ab_without_cache_is_refused_naming_both_flags(tiny_model, capsy
     assert "--reserve-ab compares restores of --cache; add --cache" in capsys.readouterr().err
 
 
+def test_kv_bits_without_cache_is_refused_naming_both_flags(tiny_model, capsys):
+    assert cli_main(["bench", "--model", str(tiny_model), "--kv-bits", "8"]) == 1
+    assert "--kv-bits quantizes the KV of --cache's runs; add --cache" in capsys.readouterr().err
+
+
 def test_an_unknown_cache_layout_is_refused_with_the_installed_ones(tiny_model, capsys):
     assert cli_main(["bench", "--cache", "--model", str(tiny_model), "--layout", "nope"]) == 1
     err = capsys.readouterr().err

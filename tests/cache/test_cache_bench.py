@@ -124,3 +124,24 @@ def test_a_new_length_prefill_runs_prompt_lengths_the_process_has_not_run(tmp_pa
     assert lengths == [99, 98, 97]
     assert bench._new_length_cell({"cold_new_length_ttft_s": 0.2}) == " (0.200 s at a new length)"
     assert bench._new_length_cell({}) == ""
+
+
+def test_kv_bits_runs_every_phase_on_quantized_kv_and_says_so(tmp_path):
+    """``--kv-bits 8``: the model runs with 8-bit KV in every phase, so the stored entry and
+    mlx-lm's file hold the quantized KV (here under half the float32 KV's bytes), the restore
+    serves it, and the table names the scheme."""
+    model = make_model_dir(tmp_path / "qwen3", "qwen3", overrides={  # head_dim: 64-wide groups
+        "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
+    runs = {bits: bench.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=1,
+                                        decode_tokens=4, work_dir=tmp_path, kv_bits=bits)
+            for bits in (None, 8)}
+    (plain,), (quantized,) = runs[None]["rows"], runs[8]["rows"]
+    assert quantized["kv_bits"] == 8 and plain["kv_bits"] is None
+    assert quantized["restore_warm"]["cached_from"] == "ssd"
+    assert quantized["restore_evicted"]["cached_tokens"] == 47
+    stored = {name: row["prime"]["entry_bytes"] for name, row in (("plain", plain), ("q", quantized))}
+    assert stored["q"] < stored["plain"] / 2
+    lm = {name: row["prime"]["mlx_lm"]["bytes"] for name, row in (("plain", plain), ("q", quantized))}
+    assert lm["q"] < lm["plain"] / 2
+    assert "| tiny, KV 8-bit | blocks | 48 " in bench.render(runs[8])
+    assert "| tiny | blocks | 48 " in bench.render(runs[None])

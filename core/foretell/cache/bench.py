@@ -136,7 +136,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
 
     import foretell
 
-    engine = foretell.load(model)
+    engine = foretell.load(model, kv_bits=args.kv_bits)
     _generate(engine, prompt[:64], 4)  # warm-up: first-call costs are nobody's TTFT
     if mx.default_device() != mx.cpu:
         # A GPU compiles kernels per shape on first use (47 s once on the H200): a cold
@@ -226,20 +226,17 @@ def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str,
     """mlx-lm's prompt-cache file of the same KV: save, then load warm and evicted."""
     try:
         import mlx.core as mx
-        from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+        from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+        from foretell.cache.quantized import QuantizedKVCache as OurQuantized
         from foretell.model.kvcache import KVCache as OurKV
     except ImportError:
         return None
-    if not all(type(c) is OurKV for c in caches):
-        return {"skipped": "mlx-lm rows need plain KV caches (a sliding-window model here)"}
-    theirs = []
-    for cache in caches:
-        lm = KVCache()
-        lm.keys, lm.values = (mx.array(a) for a in cache.state)
-        lm.offset = cache.offset
-        theirs.append(lm)
-    mx.eval([(c.keys, c.values) for c in theirs])
+    theirs = [_as_mlx_lm(cache, OurKV, OurQuantized) for cache in caches]
+    if any(cache is None for cache in theirs):
+        return {"skipped": "mlx-lm rows need plain or quantized KV caches (a sliding-window "
+                           "model here)"}
+    mx.eval([c.state for c in theirs])
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "prompt.safetensors"
     saves, warm, cold = [], [], []
@@ -252,10 +249,28 @@ def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str,
                 evict([path])
             start = time.perf_counter()
             loaded = load_prompt_cache(str(path))
-            mx.eval([(c.keys, c.values) for c in loaded])
+            mx.eval([c.state for c in loaded])
             target.append(time.perf_counter() - start)
     return {"save_s": _median(saves), "load_warm_s": _median(warm), "load_evicted_s": _median(cold),
             "bytes": path.stat().st_size, "fsync": False, "checksums": False}
+
+
+def _as_mlx_lm(cache: Any, plain: type, quantized: type) -> Any:
+    """mlx-lm's cache holding the same KV (a copy), or None for a kind it has no file for."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if type(cache) is plain:
+        lm = KVCache()
+        lm.keys, lm.values = (mx.array(a) for a in cache.state)
+    elif type(cache) is quantized:
+        lm = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+        state = [mx.array(a) for a in cache.state]
+        lm.keys, lm.values = tuple(state[:3]), tuple(state[3:])
+    else:
+        return None
+    lm.offset = cache.offset
+    return lm
 
 
 def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, scratch: Path,
@@ -321,7 +336,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     from foretell.tools.bench import timed
 
     start = time.perf_counter()
-    engine = foretell.load(model)
+    engine = foretell.load(model, kv_bits=args.kv_bits)
     loaded_s = time.perf_counter() - start
     _generate(engine, prompt[-64:][:8] if len(prompt) > 8 else prompt, 2)  # warm-up, uncached
     if mx.default_device() != mx.cpu:
@@ -439,6 +454,7 @@ def _worker(argv: Sequence[str]) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--evict", action="store_true")
     parser.add_argument("--layout", default=DEFAULT_LAYOUT)
+    parser.add_argument("--kv-bits", type=int, default=None)
     args = parser.parse_args(argv)
     prompt = json.loads(args.prompt.read_text())
     result = PHASES[args.phase](args.model, args.dir, prompt, args)
@@ -464,12 +480,14 @@ def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *ext
 
 def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, repeats: int,
                     decode_tokens: int, layout: str | None = None, work_dir: Path | None = None,
-                    reserve_ab: bool = False,
+                    reserve_ab: bool = False, kv_bits: int | None = None,
                     progress: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
     """Every phase for each model over the storage layout ``layout`` (a registered name;
     default: the tier's default layout). ``reserve_ab``: every fresh-process restore also
     runs with the restore reserve off (``FORETELL_RESTORE_RESERVE_MB=0``), taking turns
-    with the default (``restore_*_no_reserve``)."""
+    with the default (``restore_*_no_reserve``). ``kv_bits``: every phase runs the model with
+    its KV quantized to that many bits (``--kv-bits``), so the entry holds the quantized KV a
+    user running with it stores, and the cold prefill is that user's too."""
     from foretell.tools.bench import machine_info, prompt_ids
 
     layout = layout or DEFAULT_LAYOUT
@@ -482,10 +500,11 @@ def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, r
             prompt_file = scratch / "prompt.json"
             prompt_file.write_text(json.dumps(prompt_ids(model, prompt_tokens)))
             common = ["--repeats", str(repeats), "--decode-tokens", str(decode_tokens),
-                      "--layout", layout]
+                      "--layout", layout, *(["--kv-bits", str(kv_bits)] if kv_bits else [])]
             progress(f"{name} ({layout}): cold prefill, RAM hits, store, reads, mlx-lm files, "
                      "decode")
-            row: dict[str, Any] = {"model": name, "layout": layout, "prompt_tokens": prompt_tokens}
+            row: dict[str, Any] = {"model": name, "layout": layout, "prompt_tokens": prompt_tokens,
+                                   "kv_bits": kv_bits}
             row["prime"] = _run_phase("prime", model, directory, prompt_file, *common)
             progress(f"{name}: SSD restore in fresh processes (page cache warm, then evicted)")
             variants = [("", None)] + ([("_no_reserve", {RESERVE_ENV: "0"})] if reserve_ab else [])
@@ -546,7 +565,7 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def render_row(row: dict[str, Any]) -> str:
     p, rw, re_ = row["prime"], row["restore_warm"], row["restore_evicted"]
-    return (f"{row['model']} ({row['layout']}): cold {p['cold_ttft_s']:.3f}s, RAM hit {p['ram_hit_ttft_s']:.4f}s, "
+    return (f"{_model_cell(row)} ({row['layout']}): cold {p['cold_ttft_s']:.3f}s, RAM hit {p['ram_hit_ttft_s']:.4f}s, "
             f"SSD {rw['ttft_s']:.4f}s warm / {re_['ttft_s']:.4f}s evicted")
 
 
@@ -578,7 +597,7 @@ def render(report: dict[str, Any]) -> str:
         one_cell = (f"{ow['gb_per_s']:.2f} / {oe['gb_per_s']:.2f}" if "dd_warm_one_file" in row
                     else "(the same)")
         lines.append(
-            f"| {row['model']} | {row.get('layout', 'single-file')} "
+            f"| {_model_cell(row)} | {row.get('layout', 'single-file')} "
             f"| {row['prompt_tokens']} ({p['entry_bytes'] / 1e6:.1f} MB"
             f"{', ' + str(dw['files']) + ' files' if dw.get('files', 1) > 1 else ''}) "
             f"| {p['cold_ttft_s']:.3f} s{_new_length_cell(p)} | {p['ram_hit_ttft_s'] * 1e3:.1f} ms "
@@ -593,6 +612,11 @@ def render(report: dict[str, Any]) -> str:
     if any("restore_warm_no_reserve" in row for row in report["rows"]):
         lines += ["", *render_reserve_ab(report["rows"])]
     return "\n".join(lines)
+
+
+def _model_cell(row: dict[str, Any]) -> str:
+    bits = row.get("kv_bits")
+    return f"{row['model']}, KV {bits}-bit" if bits else row["model"]
 
 
 def _new_length_cell(prime: dict[str, Any]) -> str:

@@ -69,6 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reserve-ab", action="store_true",
                    help="with --cache: every fresh-process restore also runs with the restore "
                         "reserve off (FORETELL_RESTORE_RESERVE_MB=0), taking turns with it on")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8), metavar="N",
+                   help="with --cache: run every phase with the KV quantized to N bits (4 or 8), "
+                        "as `foretell run --kv-bits N` does, so the entry holds that KV")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the full report (every run) as JSON: on stdout instead of the table, "
                         "or, given FILE, written there beside the table")
@@ -130,13 +133,15 @@ def run(args) -> int:
         raise BenchError("--layout picks the storage layout of --cache; add --cache")
     if args.reserve_ab and not args.cache:
         raise BenchError("--reserve-ab compares restores of --cache; add --cache")
+    if args.kv_bits is not None and not args.cache:
+        raise BenchError("--kv-bits quantizes the KV of --cache's runs; add --cache")
     if args.cache:
         from foretell.cache import bench as cache_bench
 
         report = cache_bench.run_cache_bench(
             models, prompt_tokens=args.cache_prompt_tokens, repeats=args.repeats,
             decode_tokens=args.max_tokens, layout=args.layout, reserve_ab=args.reserve_ab,
-            progress=lambda line: print(line, file=sys.stderr, flush=True))
+            kv_bits=args.kv_bits, progress=lambda line: print(line, file=sys.stderr, flush=True))
         if to_file is not None:
             with naming_the_file("--json", to_file):
                 to_file.write_text(json.dumps(bench.portable(report), indent=2))
