@@ -54,8 +54,17 @@ def test_the_first_update_attends_over_exact_values_and_later_ones_over_quantize
     assert isinstance(later[0], tuple) and later[0][0].shape[2] == 6
 
 
+@pytest.mark.parametrize("cuda", [False, True], ids=["quantized-matmul", "cuda-dequantized"])
 @pytest.mark.parametrize("n_queries,mask", [(1, None), (4, "causal")])
-def test_quantized_attention_matches_attention_over_the_dequantized_cache(n_queries, mask):
+def test_quantized_attention_matches_attention_over_the_dequantized_cache(
+        n_queries, mask, cuda, monkeypatch):
+    """Both ways it attends: mlx-lm's quantized products, and on CUDA (whose MLX build has
+    no batched quantized_matmul) the products over the dequantized KV."""
+    from foretell.cache import quantized
+
+    calls = []
+    monkeypatch.setattr(quantized, "on_cuda", lambda: calls.append(1) or cuda)
+    monkeypatch.setattr(quantized.mx, "quantized_matmul", _refused if cuda else mx.quantized_matmul)
     cache = filled(20)
     cache.update_and_fetch(*kv(n_queries, seed=9))
     keys, values = cache._view(cache.keys, cache.offset), cache._view(cache.values, cache.offset)
@@ -65,6 +74,11 @@ def test_quantized_attention_matches_attention_over_the_dequantized_cache(n_quer
     dv = mx.dequantize(*values, group_size=64, bits=8)
     want = mx.fast.scaled_dot_product_attention(queries, dk, dv, scale=DIM ** -0.5, mask=mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    assert calls
+
+
+def _refused(*_args, **_kwargs):
+    raise RuntimeError("[quantized_matmul] No implementation for problem shape (as MLX-CUDA)")
 
 
 def test_trim_drops_exactly_the_newest_tokens():

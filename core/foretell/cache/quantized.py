@@ -22,6 +22,7 @@ import mlx.core as mx
 from foretell.errors import CodecError, GenerationError
 from foretell.model.attention import Mask
 from foretell.model.kvcache import KVCache
+from foretell.platform.device import on_cuda
 
 Triple = tuple[mx.array, mx.array, mx.array]  # packed uint32, scales, biases
 _PARTS = ("packed", "scales", "biases")
@@ -142,7 +143,18 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
         queries = queries.reshape(B, n_kv, repeats, L, D)
         keys = tuple(mx.expand_dims(x, -3) for x in keys)
         values = tuple(mx.expand_dims(x, -3) for x in values)
-    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)
+    if on_cuda():
+        # MLX-CUDA (0.32.4) has no quantized_matmul kernel for batched weights: the first
+        # step raised "No implementation for problem shape: 1x64x128x32, transpose: true"
+        # on the H200, as mlx-lm's quantized KV would. There the KV is dequantized for the
+        # product: the cache (and what it stores) stays quantized, the output is the same
+        # up to rounding in the product's accumulation.
+        keys, values = (mx.dequantize(*x, group_size=group_size, bits=bits)
+                        for x in (keys, values))
+        scores = queries @ mx.swapaxes(keys, -1, -2)
+    else:
+        scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size,
+                                     bits=bits)
     if mask is not None:
         if isinstance(mask, str):
             n_q, n_k = scores.shape[-2:]
@@ -152,7 +164,11 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
         else:
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=bits)
+    if on_cuda():
+        out = scores @ values
+    else:
+        out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size,
+                                  bits=bits)
     return out.reshape(B, n_queries, L, -1) if repeats > 1 else out
 
 
