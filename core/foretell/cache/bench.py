@@ -369,6 +369,9 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     tier.lookup = timed(tier.lookup, lookups)
     engine.cache = tier
     stats = _generate(engine, prompt)
+    # The layout's own account of that read, where it keeps one (the block store: ms in
+    # manifest, buffers, queued, blocks, arrays).
+    steps = dict(getattr(tier.ssd.layout, "last_read_ms", None) or {}) or None
     restore_s, lookup_s = sum(reads), sum(lookups)
     # The same prompt again, now a RAM hit on the promoted entry: what the first step after
     # a restore costs beyond a step in a process that has taken one (fresh memory, plans).
@@ -378,6 +381,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
             "cached_from": stats.cached_from, "model_load_s": loaded_s, "scan_s": scan_s,
             "read_s": restore_s, "read_bytes": read_bytes, "read_keys": keys,
             "read_tasks": _task_timeline(tasks, started[0], reads[0]) if reads else None,
+            "read_steps_ms": steps,
             # the tier's lookup: the read, then the caches built and promoted into RAM; the
             # rest of the TTFT is the engine's step over the last prompt token
             "lookup_s": lookup_s, "ram_hit_after_ttft_s": again.ttft_s,
