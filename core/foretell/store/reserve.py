@@ -156,6 +156,13 @@ class BufferReserve:
             stream = mx.gpu if self.on_gpu else mx.cpu
             slab = mx.zeros((target,), dtype=mx.uint8, stream=stream)
             mx.eval(slab)  # touches every page now, so a restore's read page-faults on none
+            if self.on_gpu:
+                # MLX-CUDA gives a host address (a memoryview, where the read's copies land)
+                # for a buffer born in device memory only after moving the buffer to managed
+                # memory, a copy of all of it: the restore's first memoryview of a view of
+                # this slab took 28-38 ms of a fresh process's 4B restore on the H200
+                # (`read_steps_ms` "buffers", 2026-12-02 23:04 UTC). Paid here instead.
+                memoryview(slab)
             seconds = time.perf_counter() - start
         finally:
             with self._lock:
