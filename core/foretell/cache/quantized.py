@@ -143,7 +143,8 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
         queries = queries.reshape(B, n_kv, repeats, L, D)
         keys = tuple(mx.expand_dims(x, -3) for x in keys)
         values = tuple(mx.expand_dims(x, -3) for x in values)
-    if on_cuda():
+    dequantized = on_cuda()
+    if dequantized:
         # MLX-CUDA (0.32.4) has no quantized_matmul kernel for batched weights: the first
         # step raised "No implementation for problem shape: 1x64x128x32, transpose: true"
         # on the H200, as mlx-lm's quantized KV would. There the KV is dequantized for the
@@ -164,7 +165,7 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
         else:
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    if on_cuda():
+    if dequantized:
         out = scores @ values
     else:
         out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size,
