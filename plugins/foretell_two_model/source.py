@@ -34,6 +34,14 @@ from foretell.tokenizer import Tokenizer
 
 #: Tokens one round may add to the draft's caches beyond the sequence (the verifier's cap).
 ROUND_RESERVE = 16
+#: A source more than this many tokens behind (drafting was off for a while) starts its
+#: caches over from the sequence's last this-many tokens instead of catching up on all of
+#: them. A catch-up runs every skipped token through the draft model, so it grows with the
+#: stretch: on the 2-core Xeon, self-drafting (a 6-layer draft) with drafting off decoded a
+#: request in 22-24 s with one or two probes against 12-14 s with none, whatever the policy's
+#: back-off (docs/speculation.md, "Where the 1% budget breaks"). The drafts after such a
+#: restart see less context; the verifier keeps the output exact either way.
+CATCH_UP_MAX = 32
 
 
 class TwoModelProvider:
@@ -84,7 +92,8 @@ class TwoModelSource:
         self.caches = model.make_caches()
         add_rollback_reserve(self.caches, ROUND_RESERVE)
         self.sequence: list[int] = []
-        #: Tokens the caches hold: a prefix of ``sequence``, then the drafts they were fed.
+        #: The caches hold ``sequence[base:fed]``, then the drafts they were fed.
+        self.base = 0
         self.fed = 0
         self._drafted = 0
 
@@ -95,18 +104,25 @@ class TwoModelSource:
         self.fed += len(todo)
 
     def capture(self) -> DraftState:
-        return DraftState(caches=list(self.caches), meta={"fed": self.fed},
+        return DraftState(caches=list(self.caches), meta={"fed": self.fed, "base": self.base},
                           keys=self.keys.state() if self.keys is not None else None)
 
     def restore(self, state: DraftState, tokens: list[int]) -> None:
         # ``fed`` may run past ``tokens`` by the accepted drafts the next feed brings.
         fed, caches = int(state.meta["fed"]), list(state.caches)
-        if len(caches) != len(self.caches) or any(c.offset != fed for c in caches):
+        base = int(state.meta.get("base", 0))
+        if len(caches) != len(self.caches) or any(c.offset != fed - base for c in caches):
             raise ValueError(f"stored draft caches ({len(caches)} layers holding "
                              f"{[c.offset for c in caches][:2]}... tokens) do not fit this "
-                             f"draft model ({len(self.caches)} layers) at {fed} tokens")
-        self.caches, self.sequence, self.fed = caches, list(tokens), fed
+                             f"draft model ({len(self.caches)} layers) at tokens {base}-{fed}")
+        self.caches, self.sequence, self.fed, self.base = caches, list(tokens), fed, base
         self.keys = resumed_keys(self.keys, state)
+
+    def _start_over(self) -> None:
+        """Fresh caches that will hold the sequence's last CATCH_UP_MAX tokens."""
+        self.caches = self.model.make_caches()
+        add_rollback_reserve(self.caches, ROUND_RESERVE)
+        self.base = self.fed = len(self.sequence) - CATCH_UP_MAX
 
     def draft(self, feed: Feed, n: int) -> Draft:
         self.sequence.extend(feed.tokens)
@@ -116,6 +132,8 @@ class TwoModelSource:
         # cost one more forward in most rounds for the same drafts (on the H200 a forward of
         # the 2-layer demo draft is mostly host time, whatever its length; neither there nor
         # on the CPU did tok/s resolve the difference: docs/benchmarks.md, tenth session).
+        if len(self.sequence) - self.fed > CATCH_UP_MAX:
+            self._start_over()
         todo = self.sequence[self.fed :]
         hidden, _ = self.model.forward(mx.array([todo], dtype=mx.int32), self.caches)
         if not stay_trimmable(self.caches, n - 1):

@@ -53,3 +53,55 @@ def test_each_draft_is_the_draft_models_greedy_continuation(name, model_dirs, re
         draft = source.draft(Feed(feed), n).tokens.tolist()[0]
         assert draft == _mlx_lm_greedy(lm, sequence, n), (kept, feed)
         assert forwards == [new] + [1] * (n - 1)  # what the caches lacked, in one forward
+
+
+def test_a_source_far_behind_starts_over_from_the_last_tokens(model_dirs, registry):
+    """After a long plain stretch the source does not run every skipped token through the
+    draft model: it starts its caches over from the sequence's last CATCH_UP_MAX tokens, in
+    one forward, and drafts what the draft model says after those tokens alone (mlx-lm's
+    greedy continuation of them, as a fresh sequence)."""
+    import mlx_lm
+
+    from foretell_two_model.source import CATCH_UP_MAX
+
+    lm, _ = mlx_lm.load(str(model_dirs["qwen3"]))
+    source = TwoModelSource(load_model(model_dirs["qwen3"], registry), Sampler())
+    forwards = []
+    real_forward = source.model.forward
+    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
+                                                   real_forward(tokens, caches))[1]
+    sequence = list(range(3, 23))
+    source.prefill(Feed(list(sequence)))
+    source.draft(Feed([]), 2)
+    source.commit(0)
+    stretch = [(7 * i) % 90 + 5 for i in range(CATCH_UP_MAX + 20)]  # plain steps' tokens
+    sequence += stretch
+    forwards.clear()
+    draft = source.draft(Feed(stretch), 3).tokens.tolist()[0]
+    assert forwards == [CATCH_UP_MAX, 1, 1]
+    assert draft == _mlx_lm_greedy(lm, sequence[-CATCH_UP_MAX:], 3)
+
+    # Its state, captured after the start-over, restores into a new source that drafts the
+    # same as the first one from there on.
+    source.commit(1)
+    state = source.capture()
+    feed = draft[:1] + [41]
+    again = TwoModelSource(source.model, Sampler())
+    again.restore(state, list(sequence))
+    assert again.draft(Feed(list(feed)), 3).tokens.tolist() == \
+        source.draft(Feed(list(feed)), 3).tokens.tolist()
+
+
+def test_a_source_a_few_tokens_behind_catches_up_on_all_of_them(model_dirs, registry):
+    from foretell_two_model.source import CATCH_UP_MAX
+
+    source = TwoModelSource(load_model(model_dirs["qwen3"], registry), Sampler())
+    source.prefill(Feed(list(range(3, 23))))
+    source.draft(Feed([]), 2)
+    source.commit(0)
+    forwards = []
+    real_forward = source.model.forward
+    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
+                                                   real_forward(tokens, caches))[1]
+    source.draft(Feed(list(range(5, 5 + CATCH_UP_MAX))), 1)  # exactly the most it catches up
+    assert forwards == [CATCH_UP_MAX] and source.base == 0
