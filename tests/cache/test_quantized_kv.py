@@ -54,17 +54,17 @@ def test_the_first_update_attends_over_exact_values_and_later_ones_over_quantize
     assert isinstance(later[0], tuple) and later[0][0].shape[2] == 6
 
 
-@pytest.mark.parametrize("cuda", [False, True], ids=["quantized-matmul", "cuda-dequantized"])
+@pytest.mark.parametrize("mode", ["quantized", "dequantized"])
 @pytest.mark.parametrize("n_queries,mask", [(1, None), (4, "causal")])
 def test_quantized_attention_matches_attention_over_the_dequantized_cache(
-        n_queries, mask, cuda, monkeypatch):
-    """Both ways it attends: mlx-lm's quantized products, and on CUDA (whose MLX build has
-    no batched quantized_matmul) the products over the dequantized KV."""
+        n_queries, mask, mode, monkeypatch):
+    """Both ways it attends: mlx-lm's quantized products, and (CUDA's default, whose MLX
+    build has no batched quantized_matmul) the products over the dequantized KV."""
     from foretell.cache import quantized
 
-    calls = []
-    monkeypatch.setattr(quantized, "on_cuda", lambda: calls.append(1) or cuda)
-    monkeypatch.setattr(quantized.mx, "quantized_matmul", _refused if cuda else mx.quantized_matmul)
+    monkeypatch.setattr(quantized, "_PRODUCTS_MODE", mode)
+    if mode == "dequantized":
+        monkeypatch.setattr(quantized.mx, "quantized_matmul", _refused)
     cache = filled(20)
     cache.update_and_fetch(*kv(n_queries, seed=9))
     keys, values = cache._view(cache.keys, cache.offset), cache._view(cache.values, cache.offset)
@@ -74,7 +74,17 @@ def test_quantized_attention_matches_attention_over_the_dequantized_cache(
     dv = mx.dequantize(*values, group_size=64, bits=8)
     want = mx.fast.scaled_dot_product_attention(queries, dk, dv, scale=DIM ** -0.5, mask=mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
-    assert calls
+
+
+@pytest.mark.parametrize("forced,expected", [("dequantized", True), ("quantized", False)])
+def test_the_products_mode_is_read_once_and_can_be_forced(forced, expected, monkeypatch):
+    from foretell.cache import quantized
+
+    monkeypatch.setattr(quantized, "_PRODUCTS_MODE", None)
+    monkeypatch.setenv("FORETELL_QUANTIZED_PRODUCTS", forced)
+    assert quantized.products_dequantized() is expected
+    monkeypatch.setenv("FORETELL_QUANTIZED_PRODUCTS", "auto")  # read once: no change now
+    assert quantized.products_dequantized() is expected
 
 
 def _refused(*_args, **_kwargs):

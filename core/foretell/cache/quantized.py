@@ -22,7 +22,7 @@ import mlx.core as mx
 from foretell.errors import CodecError, GenerationError
 from foretell.model.attention import Mask
 from foretell.model.kvcache import KVCache
-from foretell.platform.device import on_cuda
+from foretell.platform.device import device_mode
 
 Triple = tuple[mx.array, mx.array, mx.array]  # packed uint32, scales, biases
 _PARTS = ("packed", "scales", "biases")
@@ -129,6 +129,26 @@ def kv_scheme(bits: int | None, group_size: int = 64) -> str:
     return "plain" if bits is None else f"kv{bits}g{group_size}"
 
 
+#: How attention over quantized KV takes its two products, read once (see
+#: :func:`products_dequantized`).
+_PRODUCTS_MODE: str | None = None
+
+
+def products_dequantized() -> bool:
+    """Whether attention over quantized KV dequantizes the keys and values for its two
+    products instead of calling ``mx.quantized_matmul``: on CUDA, whose MLX build (0.32.4)
+    has no kernel for attention's batched products (the first step raised "No
+    implementation for problem shape: 1x64x128x32, transpose: true" on the H200, as
+    mlx-lm's quantized KV does). The cache and what it stores stay quantized; the output
+    differs only by rounding in the products' accumulation.
+    ``FORETELL_QUANTIZED_PRODUCTS=quantized|dequantized`` forces either, for measuring."""
+    global _PRODUCTS_MODE
+    if _PRODUCTS_MODE is None:
+        _PRODUCTS_MODE = device_mode("FORETELL_QUANTIZED_PRODUCTS", cuda="dequantized",
+                                     elsewhere="quantized", choices=("quantized", "dequantized"))
+    return _PRODUCTS_MODE == "dequantized"
+
+
 def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: float,
                      mask: Mask) -> mx.array:
     """Attention of ``[B, heads, L, D]`` queries over quantized key/value triples (grouped
@@ -143,13 +163,8 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
         queries = queries.reshape(B, n_kv, repeats, L, D)
         keys = tuple(mx.expand_dims(x, -3) for x in keys)
         values = tuple(mx.expand_dims(x, -3) for x in values)
-    dequantized = on_cuda()
+    dequantized = products_dequantized()
     if dequantized:
-        # MLX-CUDA (0.32.4) has no quantized_matmul kernel for batched weights: the first
-        # step raised "No implementation for problem shape: 1x64x128x32, transpose: true"
-        # on the H200, as mlx-lm's quantized KV would. There the KV is dequantized for the
-        # product: the cache (and what it stores) stays quantized, the output is the same
-        # up to rounding in the product's accumulation.
         keys, values = (mx.dequantize(*x, group_size=group_size, bits=bits)
                         for x in (keys, values))
         scores = queries @ mx.swapaxes(keys, -1, -2)
