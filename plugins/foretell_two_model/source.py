@@ -89,8 +89,7 @@ class TwoModelSource:
         self.model = model
         self.sampler = sampler
         self.keys = draft_keys(sampler)
-        self.caches = model.make_caches()
-        add_rollback_reserve(self.caches, ROUND_RESERVE)
+        self.caches = self._fresh_caches()
         self.sequence: list[int] = []
         #: The caches hold ``sequence[base:fed]``, then the drafts they were fed.
         self.base = 0
@@ -118,10 +117,14 @@ class TwoModelSource:
         self.caches, self.sequence, self.fed, self.base = caches, list(tokens), fed, base
         self.keys = resumed_keys(self.keys, state)
 
+    def _fresh_caches(self) -> list[Any]:
+        caches = self.model.make_caches()
+        add_rollback_reserve(caches, ROUND_RESERVE)
+        return caches
+
     def _start_over(self) -> None:
         """Fresh caches that will hold the sequence's last CATCH_UP_MAX tokens."""
-        self.caches = self.model.make_caches()
-        add_rollback_reserve(self.caches, ROUND_RESERVE)
+        self.caches = self._fresh_caches()
         self.base = self.fed = len(self.sequence) - CATCH_UP_MAX
 
     def draft(self, feed: Feed, n: int) -> Draft:

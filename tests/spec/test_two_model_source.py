@@ -14,6 +14,24 @@ from foretell.spec import Feed
 from foretell_two_model.source import TwoModelSource
 
 
+def _count_forwards(source) -> list[int]:
+    """The lengths of the draft model's forwards from now on, in order."""
+    forwards = []
+    real_forward = source.model.forward
+    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
+                                                   real_forward(tokens, caches))[1]
+    return forwards
+
+
+def _caught_up(model_dir, registry) -> TwoModelSource:
+    """A source that heard a 20-token prompt and one round that kept nothing."""
+    source = TwoModelSource(load_model(model_dir, registry), Sampler())
+    source.prefill(Feed(list(range(3, 23))))
+    source.draft(Feed([]), 2)
+    source.commit(0)
+    return source
+
+
 def _mlx_lm_greedy(lm, sequence: list[int], n: int) -> list[int]:
     from mlx_lm.generate import generate_step
 
@@ -26,10 +44,7 @@ def test_each_draft_is_the_draft_models_greedy_continuation(name, model_dirs, re
 
     lm, _ = mlx_lm.load(str(model_dirs[name]))
     source = TwoModelSource(load_model(model_dirs[name], registry), Sampler())
-    forwards = []
-    real_forward = source.model.forward
-    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
-                                                   real_forward(tokens, caches))[1]
+    forwards = _count_forwards(source)
     sequence = list(range(3, 23))
     source.prefill(Feed(list(sequence)))
 
@@ -65,18 +80,10 @@ def test_a_source_far_behind_starts_over_from_the_last_tokens(model_dirs, regist
     from foretell_two_model.source import CATCH_UP_MAX
 
     lm, _ = mlx_lm.load(str(model_dirs["qwen3"]))
-    source = TwoModelSource(load_model(model_dirs["qwen3"], registry), Sampler())
-    forwards = []
-    real_forward = source.model.forward
-    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
-                                                   real_forward(tokens, caches))[1]
-    sequence = list(range(3, 23))
-    source.prefill(Feed(list(sequence)))
-    source.draft(Feed([]), 2)
-    source.commit(0)
+    source = _caught_up(model_dirs["qwen3"], registry)
+    forwards = _count_forwards(source)
     stretch = [(7 * i) % 90 + 5 for i in range(CATCH_UP_MAX + 20)]  # plain steps' tokens
-    sequence += stretch
-    forwards.clear()
+    sequence = list(range(3, 23)) + stretch
     draft = source.draft(Feed(stretch), 3).tokens.tolist()[0]
     assert forwards == [CATCH_UP_MAX, 1, 1]
     assert draft == _mlx_lm_greedy(lm, sequence[-CATCH_UP_MAX:], 3)
@@ -95,13 +102,7 @@ def test_a_source_far_behind_starts_over_from_the_last_tokens(model_dirs, regist
 def test_a_source_a_few_tokens_behind_catches_up_on_all_of_them(model_dirs, registry):
     from foretell_two_model.source import CATCH_UP_MAX
 
-    source = TwoModelSource(load_model(model_dirs["qwen3"], registry), Sampler())
-    source.prefill(Feed(list(range(3, 23))))
-    source.draft(Feed([]), 2)
-    source.commit(0)
-    forwards = []
-    real_forward = source.model.forward
-    source.model.forward = lambda tokens, caches: (forwards.append(tokens.shape[1]),
-                                                   real_forward(tokens, caches))[1]
+    source = _caught_up(model_dirs["qwen3"], registry)
+    forwards = _count_forwards(source)
     source.draft(Feed(list(range(5, 5 + CATCH_UP_MAX))), 1)  # exactly the most it catches up
     assert forwards == [CATCH_UP_MAX] and source.base == 0
