@@ -128,6 +128,41 @@ def test_a_slow_drafted_round_does_not_raise_the_plain_steps_estimate():
     assert max(len(run) for run in runs) <= 2
 
 
+def _self_drafting_on_a_swinging_host(seed: int, swing: float = 0.3, rounds: int = 600
+                                      ) -> float:
+    """A target drafting for itself on a busy CPU (every draft costs a plain step, 95%
+    kept) while each time the policy sees swings (lognormal, ``swing`` wide): plain stretches
+    report the mean of their steps, drafted rounds one round each, as the verifier times
+    them. Returns the speed of rounds 100 on, from the true costs, over plain decoding."""
+    rng = random.Random(seed)
+    policy, plain = DraftLengthPolicy(6), 0.033
+    tokens = seconds = 0.0
+    for r in range(rounds):
+        k = policy.choose(100)
+        if k == 0:
+            steps = [plain * rng.lognormvariate(0, swing) for _ in range(PLAIN_STRETCH)]
+            policy.observe(0, 0, sum(steps) / PLAIN_STRETCH)
+            made, cost = PLAIN_STRETCH, PLAIN_STRETCH * plain
+        else:
+            accepted = 0
+            while accepted < k and rng.random() < 0.95:
+                accepted += 1
+            cost = plain * k + plain * (1.0 + 0.04 * k)
+            policy.observe(k, accepted, cost * rng.lognormvariate(0, swing))
+            made = 1 + accepted
+        if r >= 100:
+            tokens, seconds = tokens + made, seconds + cost
+    return tokens / seconds * plain
+
+
+def test_a_drafter_that_breaks_even_stays_within_five_percent_on_a_swinging_host():
+    # Taking the least of each length's recent times compared the luckiest single drafted
+    # round with the luckiest mean of 8 plain steps: drafting at a loss, 0.91x plain on
+    # seed 2 (0.79x and 0.89x measured on the busy 2-core Xeon, paired).
+    speeds = [_self_drafting_on_a_swinging_host(seed) for seed in range(8)]
+    assert min(speeds) >= 0.95, speeds
+
+
 def test_probes_of_a_switched_off_drafter_cost_about_one_percent():
     # A failed probe of prompt lookup costs a longer verify than a plain step (0.6 of a
     # step here): probed every few stretches, it costs ~1% and is back soon once it pays.
