@@ -676,11 +676,10 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     to its runs (``pieces``, in file order) and are checksummed right after they land, while
     still in the cache; together they must match the manifest's checksum. ``staged``: each
     piece is read into this thread's staging slot, its copy into its runs started (on a CUDA
-    GPU, by DMA: ``foretell.platform.cuda``), and the slot hashed in one call on the hash
-    pool (``fmt.hash_pool``) while the copy runs and this reader reads the next piece into
-    its other slot; no piece overwrites a slot before that slot's copy and hash have
-    finished, and a block that fails its checksum is never returned, whatever landed.
-    Otherwise each piece is read straight into its runs and hashed there, on this thread.
+    GPU, by DMA: ``foretell.platform.cuda``), and the slot hashed in one call while the copy
+    runs (no later piece overwrites the slot before that copy has finished; a block that
+    fails its checksum is never returned, whatever landed); otherwise it is read straight
+    into its runs and hashed there.
 
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
@@ -689,9 +688,7 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
-    checksums: list[str] = []
-    hashing: list[futures.Future] = []  # the staged pieces' checksums, in piece order
-    stage = None
+    checksums, stage = [], None
     try:
         stage = cuda.staging() if staged else None
         if os.fstat(fd).st_size != ref.nbytes:
@@ -706,21 +703,17 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                 if verify:
                     checksums.append(fmt.checksum(*runs))
                 continue
-            if len(hashing) >= stage.SLOTS:  # slots are handed out in turn: the next one
-                hashing[-stage.SLOTS].result()  # is the one this hash reads
             slot = stage.slot(sum(run.nbytes for run in runs))
             offset = _read_runs(fd, [slot], offset, ref)
             stage.send(slot, runs)  # the copy reads the slot while the checksum does
             if verify:
-                hashing.append(fmt.hash_pool().submit(fmt.checksum, slot))
+                checksums.append(fmt.checksum(slot))
     finally:
         try:
-            futures.wait(hashing)  # no hash may still read a slot once the read has returned
             if stage is not None:
-                stage.finish()  # nor any copy still be landing
+                stage.finish()  # no copy may still be landing once the read has returned
         finally:
             os.close(fd)
-    checksums += [job.result() for job in hashing]
     if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 

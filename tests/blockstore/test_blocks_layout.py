@@ -112,47 +112,6 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     its tensor's runs by the staging (foretell.platform.cuda, by DMA) and hashed there. Here
     the host staging stands in for the GPU's: every piece goes through it, into the right
     places, and a damaged block is still refused."""
-    sent, finished = _host_staging(monkeypatch)
-    entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
-    assert layout.write(entry) is True
-    key = layout.key_for(entry.tokens)
-    assert_same_entry(layout.read(key), entry)
-    tensor_bytes = sum(a.nbytes for layer in entry.layers for a in layer.tensors.values())
-    assert sum(sent) == tensor_bytes and len(sent) > len(entry.layers)
-    assert len(finished) == len(layout._load_manifest(key).blocks)  # one wait per block
-    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
-    assert layout.read(key) is None
-
-
-def test_a_staged_piece_is_hashed_before_its_slot_takes_another_piece(
-        layout, codecs, monkeypatch):
-    """Staged pieces are hashed on the hash pool while the reader reads on into its other
-    slot; a slot must not take a new piece before its last one was hashed. With hashes
-    slower than reads, a reader that did not wait would hash the next piece's bytes and
-    refuse every entry."""
-    import time
-
-    from foretell.store import format as fmt
-
-    sent, _finished = _host_staging(monkeypatch)
-    checksum = fmt.checksum
-
-    def slow_checksum(*parts):
-        time.sleep(0.005)
-        return checksum(*parts)
-
-    entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
-    assert layout.write(entry) is True
-    monkeypatch.setattr(fmt, "checksum", slow_checksum)
-    blocks = len(layout._load_manifest(layout.key_for(entry.tokens)).blocks)
-    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
-    assert len(sent) >= 3 * blocks  # each block's reader reused its two slots
-
-
-def _host_staging(monkeypatch):
-    """Reads land as on a CUDA GPU, through each reader thread's staging, with the host
-    staging standing in for the DMA; returns the bytes of each piece sent and the count of
-    pieces sent at each block's end."""
     import threading
 
     from foretell.platform import cuda
@@ -177,7 +136,15 @@ def _host_staging(monkeypatch):
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
     monkeypatch.setattr(cuda, "staging", staging)
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
-    return sent, finished
+    entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
+    assert layout.write(entry) is True
+    key = layout.key_for(entry.tokens)
+    assert_same_entry(layout.read(key), entry)
+    tensor_bytes = sum(a.nbytes for layer in entry.layers for a in layer.tensors.values())
+    assert sum(sent) == tensor_bytes and len(sent) > len(entry.layers)
+    assert len(finished) == len(layout._load_manifest(key).blocks)  # one wait per block
+    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
+    assert layout.read(key) is None
 
 
 def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_path):

@@ -369,14 +369,6 @@ def io_pool() -> Any:
     return _pool("foretell-store")
 
 
-def hash_pool() -> Any:
-    """Threads that hash pieces a reader has staged (``foretell.platform.cuda``), so the
-    reader goes on to its next piece while the last one is checked: on the 16-core H200
-    host eight readers that also hashed read 1.16-1.22x as long verified as unverified
-    (docs/block-store.md, "What verification costs")."""
-    return _pool("foretell-store-hash")
-
-
 def write_pool() -> Any:
     """The store's writer threads (a block store's blocks in parallel), each at
     :func:`background_priority`; reads keep their own pool at normal priority."""
