@@ -9,8 +9,11 @@ hidden state h_t and the embedding of token t+1, and predicts token t+2:
     logits = target.logits(norm(x))  # the target's embedding and head, shared
 
 Every position of the sequence passes through the head once, with the target's real hidden
-state, so its cache matches training. For k > 1 the head chains itself, using its own
-output as the next hidden state; those chained positions are rolled back after each round.
+state, so its cache matches training; after more than ``CATCH_UP_MAX`` plain steps (drafting
+off) the head starts its cache over from the last ``CATCH_UP_MAX`` positions instead, as the
+two-model source does (``foretell.spec.CATCH_UP_MAX``). For k > 1 the head chains itself,
+using its own output as the next hidden state; those chained positions are rolled back after
+each round.
 A head trained one step deep drafts later tokens poorly; the demo's was retrained through
 this chain (``foretell_demo_train remtp``: of rounds drafting 6 on the CPU, 48% keep all six
 where the one-step head kept 34%, docs/demo-models.md).
@@ -45,6 +48,7 @@ from foretell.model import (
     trim_all,
 )
 from foretell.spec import (
+    CATCH_UP_MAX,
     PORT_HIDDEN,
     Draft,
     Drafting,
@@ -250,6 +254,12 @@ class MTPSource:
             mx.eval(self.last, self.caches[0].state)
 
     def draft(self, feed: Feed, n: int) -> Draft:
+        if feed.hidden is not None and feed.hidden.shape[1] > CATCH_UP_MAX:
+            # Drafting was off: the head starts over from the last CATCH_UP_MAX positions
+            # (a fresh cache, one forward of that fixed length) instead of absorbing every
+            # position since its last draft in one forward of a length that rarely repeats.
+            self.caches = [KVCache()]
+            feed = Feed(feed.tokens, feed.hidden[:, -CATCH_UP_MAX:])
         self._absorb(feed)
         if self.last is None:
             return Draft.of([])

@@ -20,6 +20,7 @@ import mlx.core as mx
 from foretell.generate import prefill, resolve_model_path
 from foretell.model import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.spec import (
+    CATCH_UP_MAX,
     Draft,
     Drafting,
     DraftState,
@@ -34,14 +35,6 @@ from foretell.tokenizer import Tokenizer
 
 #: Tokens one round may add to the draft's caches beyond the sequence (the verifier's cap).
 ROUND_RESERVE = 16
-#: A source more than this many tokens behind (drafting was off for a while) starts its
-#: caches over from the sequence's last this-many tokens instead of catching up on all of
-#: them. A catch-up runs every skipped token through the draft model, so it grows with the
-#: stretch: on the 2-core Xeon, self-drafting (a 6-layer draft) with drafting off decoded a
-#: request in 22-24 s with one or two probes against 12-14 s with none, whatever the policy's
-#: back-off (docs/speculation.md, "Where the 1% budget breaks"). The drafts after such a
-#: restart see less context; the verifier keeps the output exact either way.
-CATCH_UP_MAX = 32
 
 
 class TwoModelProvider:
@@ -123,7 +116,8 @@ class TwoModelSource:
         return caches
 
     def _start_over(self) -> None:
-        """Fresh caches that will hold the sequence's last CATCH_UP_MAX tokens."""
+        """Fresh caches that will hold the sequence's last CATCH_UP_MAX tokens (the
+        contract's bound on a catch-up: ``foretell.spec.CATCH_UP_MAX``)."""
         self.caches = self._fresh_caches()
         self.base = self.fed = len(self.sequence) - CATCH_UP_MAX
 

@@ -119,3 +119,43 @@ def test_a_plain_stretch_hands_the_head_every_hidden_state_packed(demo, monkeypa
     assert len(feed.tokens) == feed.hidden.shape[1]
     tail = feed.hidden[:, -len(singles):]
     assert mx.array_equal(tail, mx.concatenate(singles, axis=1)).item()
+
+
+def test_a_head_far_behind_starts_over_from_the_last_positions(demo):
+    """After a long plain stretch the head does not absorb every skipped position: it starts
+    a fresh cache over the last CATCH_UP_MAX of them, in one forward of that fixed length,
+    and drafts what a head that had heard only those positions drafts. A few positions
+    behind, it absorbs all of them into the cache it has."""
+    import mlx.core as mx
+
+    from foretell.sampling import Sampler
+    from foretell.spec import CATCH_UP_MAX, Feed
+
+    model = demo.model
+    tokens = [(7 * i) % 90 + 5 for i in range(CATCH_UP_MAX + 40)]
+    hidden, _ = model.forward(mx.array([tokens], dtype=mx.int32), model.make_caches())
+    provider = demo.use_draft("mtp").provider
+    target = demo.target
+
+    def source_after(prompt_len: int):
+        source = provider.open(target, Sampler())
+        source.prefill(Feed(tokens[:prompt_len], hidden[:, : prompt_len - 1]))
+        return source
+
+    behind = source_after(8)
+    lengths = []
+    forward = behind._forward
+    behind._forward = lambda e, h: (lengths.append(e.shape[1]), forward(e, h))[1]
+    stretch = Feed(tokens[8:], hidden[:, 7:-1])  # every position since the prompt's
+    drafted = behind.draft(stretch, 3).tokens.tolist()
+    assert lengths == [CATCH_UP_MAX, 1, 1]
+    assert behind.caches[0].offset == CATCH_UP_MAX + 2  # the two chained positions
+
+    fresh = provider.open(target, Sampler())
+    fresh.prefill(Feed(tokens[-CATCH_UP_MAX - 1:], hidden[:, -CATCH_UP_MAX - 1:-1]))
+    assert drafted == fresh.draft(Feed([]), 3).tokens.tolist()
+
+    near = source_after(len(tokens) - CATCH_UP_MAX)
+    held = near.caches[0].offset
+    near.draft(Feed(tokens[-CATCH_UP_MAX:], hidden[:, -CATCH_UP_MAX - 1: -1]), 1)
+    assert near.caches[0].offset == held + CATCH_UP_MAX

@@ -2,7 +2,7 @@
 
 Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`Feed`,
 :class:`Draft`, :class:`Target`, :class:`PairingError`, :data:`PORT_HIDDEN`,
-:data:`PORT_MTP`, :func:`draft_keys`, :class:`Drafting`; for drafters whose state the cache
+:data:`PORT_MTP`, :data:`CATCH_UP_MAX`, :func:`draft_keys`, :class:`Drafting`; for drafters whose state the cache
 stores, :class:`CheckpointableSource`, :class:`CheckpointableProvider`, :class:`DraftState`
 and :func:`files_fingerprint`, :func:`resumed_keys`.
 
@@ -18,6 +18,7 @@ from foretell.surface import lazy_exports
 _WHERE = {
     "PORT_MTP": "foretell.model",
     "PORT_HIDDEN": "foretell.spec.contract",
+    "CATCH_UP_MAX": "foretell.spec.contract",
     "Draft": "foretell.spec.contract",
     "DraftError": "foretell.spec.contract",
     "DraftProvider": "foretell.spec.contract",

@@ -44,6 +44,15 @@ if TYPE_CHECKING:
 #: in the model's ``capabilities``.
 PORT_HIDDEN = "hidden"  # the target's final-normed hidden states arrive in every Feed
 
+#: A built-in source fed more than this many new positions at once (drafting was off for a
+#: while) starts its state over from the sequence's last this-many instead of catching up on
+#: all of them: a catch-up grows with the stretch, and its lengths rarely repeat. Its drafts
+#: then see less context; the verifier keeps the output exact either way. Measured on the
+#: 2-core Xeon: self-drafting (a 6-layer draft) with drafting off decoded a request in 22-24 s
+#: with one or two probes against 12-14 s with none (docs/speculation.md, "Where the 1%
+#: budget breaks").
+CATCH_UP_MAX = 32
+
 
 @attrs.frozen(kw_only=True)
 class Target:
