@@ -157,5 +157,5 @@ def test_a_head_far_behind_starts_over_from_the_last_positions(demo):
 
     near = source_after(len(tokens) - CATCH_UP_MAX)
     held = near.caches[0].offset
-    near.draft(Feed(tokens[-CATCH_UP_MAX:], hidden[:, -CATCH_UP_MAX - 1: -1]), 1)
+    near.draft(Feed(tokens[-CATCH_UP_MAX:], hidden[:, -CATCH_UP_MAX - 1:-1]), 1)
     assert near.caches[0].offset == held + CATCH_UP_MAX

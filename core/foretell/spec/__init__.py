@@ -2,9 +2,9 @@
 
 Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`Feed`,
 :class:`Draft`, :class:`Target`, :class:`PairingError`, :data:`PORT_HIDDEN`,
-:data:`PORT_MTP`, :data:`CATCH_UP_MAX`, :func:`draft_keys`, :class:`Drafting`; for drafters whose state the cache
-stores, :class:`CheckpointableSource`, :class:`CheckpointableProvider`, :class:`DraftState`
-and :func:`files_fingerprint`, :func:`resumed_keys`.
+:data:`PORT_MTP`, :data:`CATCH_UP_MAX`, :func:`draft_keys`, :class:`Drafting`; for drafters
+whose state the cache stores, :class:`CheckpointableSource`, :class:`CheckpointableProvider`,
+:class:`DraftState` and :func:`files_fingerprint`, :func:`resumed_keys`.
 
 Names resolve on first use, so importing this package (or running ``python -m
 foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before MLX loads

@@ -8,13 +8,13 @@ that does not pay is switched off rather than slowing the request down.
 
 ``T(0)`` is the typical time of the recent plain steps (:func:`typical`); ``T(k)`` for
 ``k >= 1`` a robust line (Theil-Sen) through the typical recent round time of each draft
-length seen (n = tokens actually drafted), so the model tracks what the machine does now (a GPU where
-verifying 8 tokens costs little more than 1, a CPU where drafting costs the draft model's
-compute). The first round of each length is not timed (it compiles that shape's kernels on
-CUDA), nor a round the verifier flags as having paid a one-off cost (a fixed-shape forward
-traced for a new window length or cache capacity, :mod:`foretell.model.fixed`), and the
-typical time lets good rounds outvote a stall instead of a stall switching a good length
-off. The first drafted rounds draft ``max_k``, then plain
+length seen (n = tokens actually drafted), so the model tracks what the machine does now
+(a GPU where verifying 8 tokens costs little more than 1, a CPU where drafting costs the
+draft model's compute). The first round of each length is not timed (it compiles that
+shape's kernels on CUDA), nor a round the verifier flags as having paid a one-off cost (a
+fixed-shape forward traced for a new window length or cache capacity,
+:mod:`foretell.model.fixed`), and the typical time lets good rounds outvote a stall instead
+of a stall switching a good length off. The first drafted rounds draft ``max_k``, then plain
 stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
 the best ``k`` and the length timed longest ago among those that could still pay, so no
 estimate goes stale for good, as often as a budget of about 1% of the decoding time allows
