@@ -1,6 +1,7 @@
 """What a hidden-state drafter costs while drafting is off: sampled plain decoding against
 the MTP speculator with its draft length pinned to 0, once as the verifier runs it (each
-plain step's hidden state kept for the head) and once keeping none.
+plain step's hidden state kept for the head), once keeping only the newest CATCH_UP_MAX
+positions' (all a head that fell behind starts over from) and once keeping none.
 
     python scripts/mtp_off_ab.py [ROUNDS]      # writes $OUT/mtp-off-ab.json (default /tmp)
 
@@ -19,10 +20,10 @@ import time
 
 import foretell
 from foretell.config import SamplingConfig
-from foretell.spec import make_speculator, verifier
+from foretell.spec import CATCH_UP_MAX, make_speculator, verifier
 from foretell.spec.bench import code_prompts
 
-ROWS = ("plain", "off-kept", "off-none")
+ROWS = ("plain", "off-kept", "off-newest", "off-none")
 
 
 def main() -> None:
@@ -32,13 +33,24 @@ def main() -> None:
     # No warm-up (use_draft's): drafting never runs, so its kernels are never needed.
     speculator = make_speculator(engine.registry, engine.target, "mtp")
     speculator.policy.choose = lambda limit: 0
-    extend, keep = verifier._Verifier._extend, {"on": True}
-    verifier._Verifier._extend = lambda self, kept, hidden: extend(
-        self, kept, hidden if keep["on"] else None)
+    extend, keep = verifier._Verifier._extend, {"row": "off-kept"}
+
+    def extending(self, kept, hidden):
+        extend(self, kept, None if keep["row"] == "off-none" else hidden)
+        if keep["row"] == "off-newest":
+            newest, held = [], 0
+            for part in reversed(self.feed_hidden):
+                if held >= CATCH_UP_MAX:
+                    break
+                newest.append(part)
+                held += part.shape[1]
+            self.feed_hidden = newest[::-1]
+
+    verifier._Verifier._extend = extending
     dropped = [0]
 
     def run(row: str, seed: int) -> float:
-        keep["on"] = row != "off-none"
+        keep["row"] = row
         dropped[0] += 1  # a new prompt length every run
         first = last = None
         count = 0

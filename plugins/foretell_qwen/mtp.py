@@ -254,12 +254,14 @@ class MTPSource:
             mx.eval(self.last, self.caches[0].state)
 
     def draft(self, feed: Feed, n: int) -> Draft:
-        if feed.hidden is not None and feed.hidden.shape[1] > CATCH_UP_MAX:
+        if len(feed.tokens) > CATCH_UP_MAX:
             # Drafting was off: the head starts over from the last CATCH_UP_MAX positions
             # (a fresh cache, one forward of that fixed length) instead of absorbing every
-            # position since its last draft in one forward of a length that rarely repeats.
-            self.caches = [KVCache()]
-            feed = Feed(feed.tokens, feed.hidden[:, -CATCH_UP_MAX:])
+            # position since its last draft in one forward of a length that rarely repeats;
+            # the verifier keeps no older states for it (Feed).
+            self.caches, self.last = [KVCache()], None
+            hidden = feed.hidden[:, -CATCH_UP_MAX:] if feed.hidden is not None else None
+            feed = Feed(feed.tokens, hidden)
         self._absorb(feed)
         if self.last is None:
             return Draft.of([])

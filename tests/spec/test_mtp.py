@@ -69,18 +69,19 @@ def test_mtp_over_fixed_shapes_reproduces_plain_greedy(demo, monkeypatch):
     assert all(ran for _name, ran in used)
 
 
-def test_a_plain_stretch_hands_the_head_every_hidden_state_packed(demo, monkeypatch):
-    """While drafting is off the verifier keeps each plain step's hidden state for the head;
-    they are joined HIDDEN_PACK at a time as they come (a kept step's own buffer cost the
-    H200 ~4% of decode speed), and the head hears every one of them, in order, when
-    drafting resumes; the output stays plain greedy's."""
+def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, monkeypatch):
+    """While drafting is off the verifier keeps the plain steps' hidden states for the head,
+    joined HIDDEN_PACK at a time as they come, and only the newest CATCH_UP_MAX positions'
+    (the head starts over from those): holding each step's state cost the H200 1-4% of
+    decode speed. When drafting resumes the head hears those newest states, in order, and
+    the output stays plain greedy's."""
     import mlx.core as mx
 
-    from foretell.spec import verifier
+    from foretell.spec import CATCH_UP_MAX, verifier
     from foretell.spec.warmup import ScriptedPolicy
 
     speculator = demo.use_draft("mtp", max_tokens=3, adaptive=False)
-    stretches = 5  # plain stretches, then drafting again
+    stretches = 7  # plain stretches, then drafting again
     object.__setattr__(speculator, "policy",
                        ScriptedPolicy(3, [3, 3] + [0] * stretches + [3, 3]))
     kept, longest, feeds = [], [0], []  # feeds: (feed, single positions kept since the last)
@@ -107,18 +108,19 @@ def test_a_plain_stretch_hands_the_head_every_hidden_state_packed(demo, monkeypa
     monkeypatch.setattr(verifier._Verifier, "_extend", extend)
     monkeypatch.setattr(speculator.provider, "open", opened)
     prompt = PROMPTS[0]
-    n = 60
+    n = 90
     text = demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,
                               speculate=speculator)
     monkeypatch.undo()
     assert text == demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,
                                       speculate=False)
     feed, singles = max(feeds, key=lambda pair: len(pair[1]))
-    assert len(singles) >= 3 * verifier.PLAIN_STRETCH
-    assert longest[0] <= verifier.HIDDEN_PACK + len(singles) // verifier.HIDDEN_PACK
-    assert len(feed.tokens) == feed.hidden.shape[1]
-    tail = feed.hidden[:, -len(singles):]
-    assert mx.array_equal(tail, mx.concatenate(singles, axis=1)).item()
+    assert len(singles) >= 6 * verifier.PLAIN_STRETCH
+    held = feed.hidden.shape[1]
+    assert CATCH_UP_MAX <= held < CATCH_UP_MAX + verifier.HIDDEN_PACK < len(feed.tokens)
+    assert longest[0] <= verifier.HIDDEN_PACK + CATCH_UP_MAX // verifier.HIDDEN_PACK
+    newest = mx.concatenate(singles, axis=1)[:, -held:]
+    assert mx.array_equal(feed.hidden, newest).item()
 
 
 def test_a_head_far_behind_starts_over_from_the_last_positions(demo):
@@ -150,6 +152,11 @@ def test_a_head_far_behind_starts_over_from_the_last_positions(demo):
     drafted = behind.draft(stretch, 3).tokens.tolist()
     assert lengths == [CATCH_UP_MAX, 1, 1]
     assert behind.caches[0].offset == CATCH_UP_MAX + 2  # the two chained positions
+    # The verifier hands it only the newest states of a long stretch: the same drafts.
+    newest = source_after(8)
+    assert newest.draft(Feed(tokens[8:], hidden[:, -CATCH_UP_MAX - 1 : -1]), 3).tokens.tolist() \
+        == drafted
+    assert newest.caches[0].offset == CATCH_UP_MAX + 2
 
     fresh = provider.open(target, Sampler())
     fresh.prefill(Feed(tokens[-CATCH_UP_MAX - 1:], hidden[:, -CATCH_UP_MAX - 1:-1]))

@@ -75,10 +75,13 @@ class Feed:
 
     ``tokens`` are host ints. ``hidden`` is given only to sources that require
     :data:`PORT_HIDDEN`: the target's final-normed hidden states ``[B, m, H]`` for the
-    newest positions the target has consumed. The target consumes every token but the
-    sequence's last, so across all feeds the hidden states cover the sequence minus its last
-    token: the prompt's feed has one state fewer than tokens, every later feed as many
-    states as tokens (``hidden[:, j]`` is the state that predicted ``tokens[j]``).
+    newest positions the target has consumed, aligned with the end of ``tokens``
+    (``hidden[:, -1]`` is the state that predicted ``tokens[-1]``, and so on back). The
+    target consumes every token but the sequence's last, so the prompt's feed has one state
+    fewer than tokens and a later feed as many, except that a feed of more than
+    :data:`CATCH_UP_MAX` tokens (drafting was off) carries the states of its newest
+    ``CATCH_UP_MAX`` tokens and at most a few more: the verifier keeps no more of a plain
+    stretch's states, as holding each step's cost decoding speed on the H200.
     """
 
     tokens: list[int]

@@ -35,14 +35,15 @@ from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.sampling import RandomKeys, Sampler, decode_step, repetition_windows
 from foretell.spec.attach import start_source
-from foretell.spec.contract import PORT_HIDDEN, Draft, DraftError, Feed, Target
+from foretell.spec.contract import CATCH_UP_MAX, PORT_HIDDEN, Draft, DraftError, Feed, Target
 from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
 
 if TYPE_CHECKING:
     from foretell.generate import Progress, RequestState
 
 ACCEPTANCE_RULES = ("rejection", "token-match")
-#: One-position hidden states a plain stretch keeps apart before joining them (``_extend``).
+#: One-position hidden states a plain stretch keeps apart before joining them
+#: (``_keep_feed_hidden``).
 HIDDEN_PACK = 8
 
 
@@ -270,25 +271,30 @@ class _Verifier:
         self.feed_tokens.extend(kept)
         if hidden is not None:
             self.feed_hidden.append(hidden)
-            self._pack_feed_hidden()
+            self._keep_feed_hidden()
         if self.size:
             self.recent = (self.recent + kept)[-self.size :]
         self.pending = kept[-1]
         self.state.generated.extend(kept)
 
-    def _pack_feed_hidden(self) -> None:
-        """Join the last HIDDEN_PACK one-position hidden states into one array, once that
-        many wait. A plain stretch keeps each step's hidden state for a hidden-state drafter
-        (MTP) until drafting resumes; on the H200, plain steps that kept theirs decoded at
-        0.97x plain decoding against 1.01x without (paired medians of 21 rounds,
-        docs/speculation.md). The suspect is each kept state's buffer, one allocation per
-        step that the allocator cannot recycle; joined, the steps' buffers go back to it."""
-        tail = self.feed_hidden[-HIDDEN_PACK:]
-        if len(tail) < HIDDEN_PACK or any(h.shape[1] != 1 for h in tail):
-            return
-        joined = mx.concatenate(tail, axis=1)
-        mx.async_eval(joined)
-        self.feed_hidden[-HIDDEN_PACK:] = [joined]
+    def _keep_feed_hidden(self) -> None:
+        """Keep what a hidden-state drafter (MTP) will read of the states gathered while
+        it is not drafting: the newest :data:`CATCH_UP_MAX` positions' (a source further
+        behind starts over from those, :class:`~foretell.spec.contract.Feed`), single
+        steps joined HIDDEN_PACK at a time. Measured on the H200 (2026-12-03, sampled at
+        0.8, drafting pinned off, paired medians of 15 rounds, ``scripts/mtp_off_ab.py``):
+        keeping every step's state, packed, decoded at 0.988x plain decoding, keeping the
+        newest 32 at 1.002x, keeping none at 1.006x; unpacked, an earlier host ran 0.97x."""
+        parts = self.feed_hidden
+        tail = parts[-HIDDEN_PACK:]
+        if len(tail) == HIDDEN_PACK and all(h.shape[1] == 1 for h in tail):
+            joined = mx.concatenate(tail, axis=1)
+            mx.async_eval(joined)
+            parts[-HIDDEN_PACK:] = [joined]
+        newer = sum(h.shape[1] for h in parts) - parts[0].shape[1]
+        while newer >= CATCH_UP_MAX:
+            parts.pop(0)
+            newer -= parts[0].shape[1]
 
     # -- plain stretches ------------------------------------------------------------------
 
