@@ -1,0 +1,91 @@
+"""Where a GPU-landing restore read's bandwidth goes on a CUDA host: the page-cache reads
+into page-locked slots alone, the DMA copies alone, and both as the block store does them.
+
+    python scripts/dma_split.py [MB] [THREADS...]     # default 604 MB, 4 8 16 threads
+
+Writes one file of MB random bytes (page cache warm), allocates one MLX buffer of that size
+on the GPU and takes its host address (as the restore reserve does), then per thread count,
+5 turns each, median: ``read`` preads 1 MiB pieces into each thread's staging slots,
+``dma`` sends the slots' (stale) bytes to the buffer as 8 runs of 128 KiB, strided as a
+block's KV heads are, with no read, and ``both`` does what a read does (read, send, hash).
+Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
+host copy the reference staging makes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+PIECE = 1 << 20
+RUNS = 8
+
+
+def main() -> None:
+    import mlx.core as mx
+    import xxhash
+
+    from foretell.platform import cuda
+
+    mb = int(sys.argv[1]) if len(sys.argv) > 1 else 604
+    threads = [int(a) for a in sys.argv[2:]] or [4, 8, 16]
+    on_gpu = cuda.gpu_landing()  # elsewhere "dma" is the host copy a Staging makes
+    pieces = mb * (1 << 20) // PIECE
+    with tempfile.NamedTemporaryFile(prefix="dma-split-") as file:
+        for _ in range(pieces):
+            file.write(os.urandom(PIECE))
+        file.flush()
+        with open(file.name, "rb") as warm:
+            while warm.read(64 << 20):
+                pass
+        buffer = mx.zeros((pieces * PIECE,), dtype=mx.uint8, stream=mx.gpu if on_gpu else mx.cpu)
+        mx.eval(buffer)
+        flat = memoryview(buffer).cast("B")  # the host address: MLX moves it to managed memory
+        run = PIECE // RUNS
+        # The buffer as [RUNS, pieces, run]: a piece's runs lie a RUNS-th of it apart, as a
+        # block's rows of each KV head do in a tensor.
+        stride = pieces * run
+
+        def destinations(index: int) -> list[memoryview]:
+            base = index * run
+            return [flat[base + r * stride: base + r * stride + run] for r in range(RUNS)]
+
+        def work(mode: str, chunk: range) -> None:
+            stage = cuda.staging() if on_gpu else cuda.Staging()
+            fd = os.open(file.name, os.O_RDONLY)
+            try:
+                for index in chunk:
+                    slot = stage.slot(PIECE)
+                    if mode != "dma":
+                        os.preadv(fd, [slot], index * PIECE)
+                    if mode != "read":
+                        stage.send(slot, destinations(index))
+                    if mode == "both":
+                        xxhash.xxh3_64_intdigest(slot)
+            finally:
+                stage.finish()
+                os.close(fd)
+
+        for count in threads:
+            pool = ThreadPoolExecutor(count)
+            per = -(-pieces // count)
+            chunks = [range(i, min(i + per, pieces)) for i in range(0, pieces, per)]
+            line = []
+            for mode in ("read", "dma", "both"):
+                turns = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    list(pool.map(lambda c, m=mode: work(m, c), chunks))
+                    turns.append(time.perf_counter() - start)
+                took = statistics.median(turns)
+                line.append(f"{mode} {took * 1e3:6.1f} ms ({pieces * PIECE / took / 1e9:5.1f} GB/s)")
+            print(f"{count:2d} threads: " + ", ".join(line), flush=True)
+            pool.shutdown()
+
+
+if __name__ == "__main__":
+    main()
