@@ -5,6 +5,8 @@ what a user's sampled request gets, and the acceptance rules meet at a fixed len
 
 from __future__ import annotations
 
+import statistics
+
 from foretell.model import fixed
 from foretell.spec.bench import foretell_only
 
@@ -102,6 +104,25 @@ def test_the_sampled_mtp_row_drafts_with_the_head_at_temperature(monkeypatch):
         "mtp", True, "rejection")
     rows = {r["row"]: r for r in report["rows"]}
     assert bench.plain_row("mtp-t0.8") == "plain-t0.8" and rows["mtp-t0.8"]["vs_plain"] > 0
+
+
+def test_a_row_says_what_its_policy_went_by_and_each_round(monkeypatch):
+    """A speculative row's JSON carries the policy's typical round time per draft length
+    (0: a plain step) and its acceptance estimates, and every round's paired ratio and
+    mean k, so a run whose drafting went wrong shows why."""
+    from foretell.spec import bench
+
+    monkeypatch.setattr(bench, "_SPECULATORS", {})
+    report = foretell_only("demo", ["plain", "mtp"], prompt_tokens=24, max_tokens=24,
+                           repeats=2, draft_model="demo-draft", num_draft_tokens=2)
+    row = {r["row"]: r for r in report["rows"]}["mtp"]
+    extras = row["extras"]
+    assert extras["policy_round_ms"] and all(t > 0 for t in extras["policy_round_ms"].values())
+    (speculator,) = bench._SPECULATORS.values()
+    assert len(extras["policy_acceptance"]) == speculator.max_tokens
+    assert extras["policy_acceptance"] == speculator.policy.acceptance()
+    assert len(row["vs_plain_paired_runs"]) == len(row["mean_k_runs"]) == 2
+    assert row["vs_plain_paired_median"] == statistics.median(row["vs_plain_paired_runs"])
 
 
 def test_a_target_without_a_head_skips_the_mtp_rows(tmp_path):

@@ -108,9 +108,16 @@ def _foretell(engine: Any, prompt: list[int], max_tokens: int, speculate: Any,
     spec = stats.speculation if stats is not None else None
     if not spec:
         return None
+    policy = getattr(speculate, "policy", None)
     return {"acceptance": spec["acceptance"],
             "tokens_per_forward": spec["tokens_per_target_forward"],
-            "mean_k": spec["mean_k"]}
+            "mean_k": spec["mean_k"],
+            "acceptance_by_position": spec["acceptance_by_position"],
+            # What the draft-length policy went by after this run: each length's typical
+            # round time (0: a plain step), ms, and its per-position acceptance estimates.
+            "policy_round_ms": {k: t * 1e3 for k, t in policy.measured().items()}
+            if policy is not None else None,
+            "policy_acceptance": policy.acceptance() if policy is not None else None}
 
 
 def sampled(row: str) -> bool:
@@ -299,6 +306,8 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
             "vs_plain_paired_median": statistics.median(paired) if paired else None,
             "extras": runs[row][-1].extras,
             "runs": [r.decode_tps for r in runs[row]],
+            "vs_plain_paired_runs": paired,
+            "mean_k_runs": [(r.extras or {}).get("mean_k") for r in runs[row]],
         })
     return {"machine": machine_info(), "runtime": runtime_info(), "model": model,
             "prompt_tokens": prompt_tokens, "generated_tokens": max_tokens,
