@@ -8,7 +8,9 @@ on the GPU and takes its host address (as the restore reserve does), then per th
 5 turns each, median: ``read`` preads 1 MiB pieces into each thread's staging slots,
 ``dma`` sends the slots' (stale) bytes to the buffer as 8 runs of 128 KiB, strided as a
 block's KV heads are, with no read, and ``both`` does what a read does (read, send, hash).
-Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
+Then, on 8 threads, ``both`` with the copies on fewer streams shared by the readers (one per
+reader today) and with more staging slots per reader (two today: a reader waits on the copy
+of the piece before last). Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
 host copy the reference staging makes.
 """
 
@@ -18,6 +20,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,8 +57,27 @@ def main() -> None:
             base = index * run
             return [flat[base + r * stride: base + r * stride + run] for r in range(RUNS)]
 
-        def work(mode: str, chunk: range) -> None:
-            stage = cuda.staging() if on_gpu else cuda.Staging()
+        local, lock, shared = threading.local(), threading.Lock(), {}
+
+        def staging(streams: int, slots: int):
+            """This thread's staging with ``slots`` slots, copying on one of ``streams``
+            streams shared by the readers (0: its own, as the block store does)."""
+            stages = local.__dict__.setdefault("stages", {})
+            if (streams, slots) not in stages:
+                if not on_gpu:
+                    stage = type("Slots", (cuda.Staging,), {"SLOTS": slots})()
+                else:
+                    stage = type("Slots", (cuda.CudaStaging,), {"SLOTS": slots})(cuda._DRIVER[0])
+                    with lock:
+                        taken = shared.setdefault((streams, slots), [])
+                        taken.append(stage._stream)
+                        if streams:
+                            stage._stream = taken[(len(taken) - 1) % streams]
+                stages[streams, slots] = stage
+            return stages[streams, slots]
+
+        def work(mode: str, chunk: range, streams: int = 0, slots: int = 2) -> None:
+            stage = staging(streams, slots)
             fd = os.open(file.name, os.O_RDONLY)
             try:
                 for index in chunk:
@@ -85,6 +107,22 @@ def main() -> None:
                 line.append(f"{mode} {took * 1e3:6.1f} ms ({pieces * PIECE / took / 1e9:5.1f} GB/s)")
             print(f"{count:2d} threads: " + ", ".join(line), flush=True)
             pool.shutdown()
+        pool = ThreadPoolExecutor(8)
+        per = -(-pieces // 8)
+        chunks = [range(i, min(i + per, pieces)) for i in range(0, pieces, per)]
+        for streams in (0, 1, 2, 4):
+            line = []
+            for slots in (2, 4):
+                turns = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    list(pool.map(lambda c, n=streams, k=slots: work("both", c, n, k), chunks))
+                    turns.append(time.perf_counter() - start)
+                took = statistics.median(turns)
+                line.append(f"{slots} slots {took * 1e3:6.1f} ms ({pieces * PIECE / took / 1e9:5.1f} GB/s)")
+            print(f" 8 threads, both, copies on {streams or 'own'} streams: " + ", ".join(line),
+                  flush=True)
+        pool.shutdown()
 
 
 if __name__ == "__main__":
