@@ -163,6 +163,29 @@ def test_a_drafter_that_breaks_even_stays_within_five_percent_on_a_swinging_host
     assert min(speeds) >= 0.95, speeds
 
 
+def test_a_plain_step_timed_in_a_slow_moment_does_not_keep_drafting_on():
+    """A target drafting for itself on a CPU, every draft kept, its rounds costing what the
+    2-core Xeon measured (2.3 plain steps at k = 1, 3.9 at 2, 7.8 at 4): drafting never pays. Its plain steps were timed while the host was
+    slow (twice their cost), then drafting won on that estimate. While drafting, plain
+    steps used to be timed never again, so it drafted for good (0.85x here, 0.99x now; on the
+    2-core Xeon: the estimate read 65.6 ms against plain's ~37, and self-drafting ran
+    0.75x). A plain stretch timed once the estimate is STALE_ROUNDS old brings it back."""
+    policy, slow = DraftLengthPolicy(4), 0
+    tokens = cost = 0.0
+    for r in range(1500):
+        k = policy.choose(100)
+        if k == 0:
+            slow += 1
+            policy.observe(0, 0, 2.0 if slow <= 5 else 1.0)  # the first five in a slow moment
+            made, spent = PLAIN_STRETCH, PLAIN_STRETCH * 1.0
+        else:
+            policy.observe(k, k, 0.5 + 1.8 * k)  # the Xeon's self-drafting rounds
+            made, spent = k + 1, 0.5 + 1.8 * k
+        if r >= 750:
+            tokens, cost = tokens + made, cost + spent
+    assert tokens / cost >= 0.95
+
+
 def test_probes_of_a_switched_off_drafter_cost_about_one_percent():
     # A failed probe of prompt lookup costs a longer verify than a plain step (0.6 of a
     # step here): probed every few stretches, it costs ~1% and is back soon once it pays.

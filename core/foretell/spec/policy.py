@@ -17,7 +17,8 @@ fixed-shape forward traced for a new window length or cache capacity,
 of a stall switching a good length off. The first drafted rounds draft ``max_k``, then plain
 stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
 the best ``k`` and the length timed longest ago among those that could still pay, so no
-estimate goes stale for good, as often as a budget of about 1% of the decoding time allows
+estimate goes stale for good (while drafting, a plain stretch once the plain-step estimate
+is ``STALE_ROUNDS`` old), as often as a budget of about 1% of the decoding time allows
 (``PROBE_BUDGET``): cheap probes often, costly ones rarely. A drafted round right after
 plain steps is not timed, as it also pays for switching back (a model drafter catches up
 on the plain tokens); so a probe from plain steps is two rounds, the second one timed.
@@ -76,6 +77,13 @@ PROBE_EVERY_MIN = 4
 PROBE_EVERY_MAX = 64
 #: Drafted rounds timed before the first choice; the very first is a warm-up, not timed.
 WARMUP_ROUNDS = 3
+#: While drafting, every other probe times a plain stretch once the plain-step estimate is
+#: this many rounds old: a host's speed drifts, and drafting weighed against a plain step
+#: timed in a slow moment looked like a gain for good (2-core Xeon, 2026-12-03: the estimate
+#: read 65.6 ms against plain decoding's ~37 ms, and self-drafting, which cannot pay on a
+#: CPU, drafted at 0.75x plain). Starting the plain samples over at such a probe was tried
+#: and dropped: the swinging-host simulation then drafted at a loss (0.93x on one seed).
+STALE_ROUNDS = 64
 
 
 class DraftLengthPolicy:
@@ -205,6 +213,8 @@ class DraftLengthPolicy:
                 k = self._best - 1 if self._best == self.max_k else self._best + 1
                 if self._best == 0:  # from plain steps: the most, to hear of every position
                     k = self.max_k
+            elif self._best > 0 and self._rounds - self._timed_at.get(0, 0) > STALE_ROUNDS:
+                k = 0  # a plain stretch: what drafting is weighed against, timed now
             else:
                 k = self._stale_probe(rates, expected) or k
         self._probing = self._best == 0 and k > 0
