@@ -47,3 +47,28 @@ def test_a_switched_off_drafter_keeps_every_step_queued_ahead(
             assert built - prefill == handed + 1, (handed, built - prefill)
     # The policy was asked before the first step and after every stretch.
     assert len(asked) == 1 + (n - 2) // PLAIN_STRETCH
+
+
+def test_a_plain_stretch_chosen_right_after_a_drafted_round_runs(engines, model_dirs, registry):
+    """The length chosen after a round is the next round's: a plain stretch the policy asks
+    for between drafted rounds (its probe of what a plain step costs now) runs and is timed.
+    The verifier used to ask again before the next round, so such a stretch was dropped and
+    a plain-step estimate taken in a slow moment stayed (docs/speculation.md)."""
+    from foretell.spec.warmup import ScriptedPolicy
+
+    engine = engines["qwen3"]
+    speculator = _use_other_draft(engine, model_dirs, registry)
+
+    class Logged(ScriptedPolicy):
+        def observe(self, drafted, accepted, seconds, **kw):
+            timed.append(drafted)
+
+    timed = []
+    object.__setattr__(speculator, "policy", Logged(3, [3, 3, 0, 3, 3, 0, 3]))
+    prompt, n = [11, 57, 300, 4, 89, 120, 7], 40
+    tokens = [t for e in engine.generate(prompt, speculate=speculator, max_tokens=n,
+                                         ignore_eos=True) if hasattr(e, "tokens") for t in e.tokens]
+    plain = [t for e in engine.generate(prompt, speculate=False, max_tokens=n, ignore_eos=True)
+             if hasattr(e, "tokens") for t in e.tokens]
+    assert tokens == plain
+    assert timed[:6] == [3, 3, 0, 3, 3, 0]

@@ -359,7 +359,11 @@ def _rounds(
     last = time.perf_counter()
     traces = fixed.trace_count()  # a round that traced a new shape is not timed
     wanted = False  # the last choice asked for drafts (and the drafter may have had none)
-    chosen = 0  # what a plain run chose for the round after it
+    #: The length already chosen for the next round (by the last round, or by a plain run
+    #: that ended to draft); None: ask the policy. Asking again would take a second choice
+    #: and drop the first: a plain stretch the policy asked for right after a drafted round
+    #: (its probe of what a plain step costs now) never ran.
+    chosen: int | None = None
     timed = 0  # tokens of the current plain run timed so far
 
     def after_stretch(done: int) -> int:
@@ -374,13 +378,15 @@ def _rounds(
             return 0
         # The run has handed out done - 1 tokens (``produced`` counts them); this one and
         # the queued one follow before the next round.
-        chosen = choose(limit - produced - 3)
-        return 0 if chosen else PLAIN_STRETCH
+        k = choose(limit - produced - 3)
+        chosen = k or None
+        return 0 if k else PLAIN_STRETCH
 
     try:
         while produced < limit:
             if in_flight is None:
-                k, chosen = chosen or choose(limit - produced - 1), 0
+                k = chosen if chosen is not None else choose(limit - produced - 1)
+                chosen = None
                 wanted = k > 0
                 in_flight = v.launch(k) if k else None
             if in_flight is None:
@@ -409,6 +415,7 @@ def _rounds(
                 k = choose(limit - produced - 1)
                 wanted = k > 0
                 in_flight = v.launch(k) if k else None
+                chosen = 0 if not k else None  # plain steps next, as chosen
             yield kept
             if stats.rounds % 256 == 0:
                 mx.clear_cache()
