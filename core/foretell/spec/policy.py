@@ -83,7 +83,7 @@ WARMUP_ROUNDS = 3
 #: read 65.6 ms against plain decoding's ~37 ms, and self-drafting, which cannot pay on a
 #: CPU, drafted at 0.75x plain). Starting the plain samples over at such a probe was tried
 #: and dropped: the swinging-host simulation then drafted at a loss (0.93x on one seed).
-STALE_ROUNDS = 64
+STALE_ROUNDS = 128
 
 
 class DraftLengthPolicy:
