@@ -165,11 +165,12 @@ def test_a_drafter_that_breaks_even_stays_within_five_percent_on_a_swinging_host
 
 def test_a_plain_step_timed_in_a_slow_moment_does_not_keep_drafting_on():
     """A target drafting for itself on a CPU, every draft kept, its rounds costing what the
-    2-core Xeon measured (2.3 plain steps at k = 1, 3.9 at 2, 7.8 at 4): drafting never pays. Its plain steps were timed while the host was
-    slow (twice their cost), then drafting won on that estimate. While drafting, plain
-    steps used to be timed never again, so it drafted for good (0.85x here, 0.99x now; on the
-    2-core Xeon: the estimate read 65.6 ms against plain's ~37, and self-drafting ran
-    0.75x). A plain stretch timed once the estimate is STALE_ROUNDS old brings it back."""
+    2-core Xeon measured (2.3 plain steps at k = 1, 3.9 at 2, 7.8 at 4): drafting never
+    pays. Its plain steps were timed while the host was slow (twice their cost), then
+    drafting won on that estimate. While drafting, plain steps used to be timed never
+    again, so it drafted for good (0.85x here, 0.99x now; on the 2-core Xeon the estimate
+    read 65.6 ms against plain's ~37, and self-drafting ran 0.75x). A plain stretch timed
+    once the estimate is STALE_ROUNDS old brings it back."""
     policy, slow = DraftLengthPolicy(4), 0
     tokens = cost = 0.0
     for r in range(1500):

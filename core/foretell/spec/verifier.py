@@ -414,8 +414,10 @@ def _rounds(
             if produced < limit:
                 k = choose(limit - produced - 1)
                 wanted = k > 0
-                in_flight = v.launch(k) if k else None
-                chosen = 0 if not k else None  # plain steps next, as chosen
+                if k:
+                    in_flight = v.launch(k)
+                else:
+                    chosen = 0  # plain steps next, as the policy said
             yield kept
             if stats.rounds % 256 == 0:
                 mx.clear_cache()
