@@ -1,23 +1,27 @@
-"""What a hidden-state drafter costs while drafting is off: sampled plain decoding against
-the MTP speculator with its draft length pinned to 0, once as the verifier runs it (the
-newest CATCH_UP_MAX plain steps' hidden states kept for the head, all a head that fell
-behind starts over from) and once keeping none. Before 2026-12-03 the verifier kept every
-step's state; this script measured that at 0.988x plain against 1.002x for the newest 32
-(docs/speculation.md).
+"""What a speculator costs while drafting is off: plain decoding against the MTP speculator
+with its draft length pinned to 0, once as the verifier runs it (the newest CATCH_UP_MAX
+plain steps' hidden states kept for the head, all a head that fell behind starts over from)
+and once keeping none, and against the two-model speculator pinned to 0 (no hidden states at
+all). Before 2026-12-03 the verifier kept every step's state; this script measured that at
+0.988x plain against 1.002x for the newest 32 (docs/speculation.md).
 
-    python scripts/mtp_off_ab.py [ROUNDS]      # writes $OUT/mtp-off-ab.json (default /tmp)
+    python scripts/mtp_off_ab.py [ROUNDS] [--temp T] [--same-prompt] [--warm]
+                                 # writes $OUT/mtp-off-ab.json (default /tmp)
 
 Rows take turns (order flipping per round) on the demo's 992-token code prompt, each run at a
-new length, 256 tokens at temperature 0.8; the paired median is the median of each round's
-ratio to that round's plain run. Not a test: numbers only (docs/benchmarks.md).
+new length (``--same-prompt``: the same prompt every run, as ``round_probe`` does), 256
+tokens at temperature 0.8 (``--temp``); ``--warm`` makes the speculators as ``foretell run``
+does (``Engine.use_draft``, with its warm-up where the device compiles per shape). The
+paired median is the median of each round's ratio to that round's plain run. Not a test:
+numbers only (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import foretell
@@ -25,16 +29,32 @@ from foretell.config import SamplingConfig
 from foretell.spec import make_speculator, verifier
 from foretell.spec.bench import code_prompts
 
-ROWS = ("plain", "off-newest", "off-none")
+ROWS = ("plain", "off-newest", "off-none", "two-model-off")
 
 
 def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rounds", nargs="?", type=int, default=15)
+    ap.add_argument("--temp", type=float, default=0.8)
+    ap.add_argument("--same-prompt", action="store_true")
+    ap.add_argument("--warm", action="store_true")
+    args = ap.parse_args()
+    rounds = args.rounds
     engine = foretell.load("demo")
     prompt = code_prompts(engine.tokenizer, 992)["code"]
-    # No warm-up (use_draft's): drafting never runs, so its kernels are never needed.
-    speculator = make_speculator(engine.registry, engine.target, "mtp")
-    speculator.policy.choose = lambda limit: 0
+
+    def pinned(kind: str):
+        # Without --warm no warm-up (use_draft's): drafting never runs, so its kernels are
+        # never needed.
+        if args.warm:
+            made = engine.use_draft(kind)
+            engine.use_draft(None)
+        else:
+            made = make_speculator(engine.registry, engine.target, kind)
+        made.policy.choose = lambda limit: 0
+        return made
+
+    speculator, two_model = pinned("mtp"), pinned("two-model")
     extend, keep = verifier._Verifier._extend, {"row": "off-newest"}
 
     def extending(self, kept, hidden):
@@ -42,15 +62,21 @@ def main() -> None:
 
     verifier._Verifier._extend = extending
     dropped = [0]
+    rows = {"plain": False, "off-newest": speculator, "off-none": speculator,
+            "two-model-off": two_model}
+
+    def sampling(seed: int) -> SamplingConfig | None:
+        return SamplingConfig(temp=args.temp, seed=seed) if args.temp > 0 else None
 
     def run(row: str, seed: int) -> float:
         keep["row"] = row
-        dropped[0] += 1  # a new prompt length every run
+        if not args.same_prompt:
+            dropped[0] += 1  # a new prompt length every run
         first = last = None
         count = 0
         for event in engine.generate(prompt[: len(prompt) - dropped[0]], max_tokens=256,
-                                     ignore_eos=True, sampling=SamplingConfig(temp=0.8, seed=seed),
-                                     speculate=False if row == "plain" else speculator):
+                                     ignore_eos=True, sampling=sampling(seed),
+                                     speculate=rows[row]):
             if event.type == "text" and event.tokens:
                 now = time.perf_counter()
                 if first is None:
@@ -74,7 +100,7 @@ def main() -> None:
         paired = statistics.median(a / b for a, b in zip(runs[row], runs["plain"]))
         report[row] = {"median_tps": statistics.median(runs[row]), "paired_median": paired,
                        "runs": runs[row]}
-        print(f"{row:10s} {report[row]['median_tps']:8.1f} tok/s  paired {paired:.3f}")
+        print(f"{row:14s} {report[row]['median_tps']:8.1f} tok/s  paired {paired:.3f}")
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "mtp-off-ab.json"), "w") as out:
         json.dump(report, out, indent=1)
 

@@ -1,6 +1,7 @@
 """Where a speculative round's time goes on this machine (not a test).
 
     python -m foretell.spec.round_probe [--model demo] [--draft mtp] [--num-draft-tokens 3]
+                                        [--temp 0.8]
 
 1. Plain decoding and the drafter at a fixed draft length, in turns: tok/s, and per token
    (plain) or per round the wall time, the time inside ``mx.async_eval`` (on CUDA MLX encodes
@@ -56,7 +57,8 @@ def _timed_host_work(spent: dict[str, list[float]]):
 
 
 def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any,
-              gaps: list[tuple[int, float, bool]] | None = None, over_ms: float = 0.0) -> Any:
+              gaps: list[tuple[int, float, bool]] | None = None, over_ms: float = 0.0,
+              sampling: Any = None) -> Any:
     """Run one request; its stats. ``gaps`` collects ``(position, ms, traced)`` for every
     wait of more than ``over_ms`` between two text events that carry tokens: the position
     (tokens in the sequence, prompt included) the later event reached, so a stall shows
@@ -67,7 +69,7 @@ def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any,
     stats, last, position = None, None, len(prompt)
     traces = fixed.trace_count()
     for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
-                                 speculate=speculate):
+                                 speculate=speculate, sampling=sampling):
         if event.type == "stats":
             stats = event
         elif gaps is not None and event.tokens:
@@ -80,17 +82,17 @@ def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any,
 
 
 def host_split(engine: Any, prompt: list[int], tokens: int, rows: dict[str, Any],
-               repeats: int) -> list[dict[str, Any]]:
+               repeats: int, sampling: Any = None) -> list[dict[str, Any]]:
     """Per row (None: plain decoding), medians over ``repeats`` turns: tok/s, and per token
-    or round the wall, encode and wait times in ms."""
+    or round the wall, encode and wait times in ms; ``sampling`` as for ``generate``."""
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in rows}
     for _name, speculate in rows.items():  # warm-up
-        _generate(engine, prompt, tokens, speculate)
+        _generate(engine, prompt, tokens, speculate, sampling=sampling)
     for turn in range(repeats):
         for name, speculate in (rows.items() if turn % 2 == 0 else list(rows.items())[::-1]):
             spent: dict[str, list[float]] = {"encode": [], "wait": []}
             with _timed_host_work(spent):
-                stats = _generate(engine, prompt, tokens, speculate)
+                stats = _generate(engine, prompt, tokens, speculate, sampling=sampling)
             spec = stats.speculation
             decoded = stats.generated_tokens - 1  # generation_tps times what follows the first
             units = spec["target_forwards"] if spec else decoded
@@ -134,7 +136,7 @@ def _traced_policy(policy: Any, events: list[str]):
 
 def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
                    requests: int, events: list[str] | None = None,
-                   gaps_over_ms: float | None = None) -> list[dict[str, Any]]:
+                   gaps_over_ms: float | None = None, sampling: Any = None) -> list[dict[str, Any]]:
     """After each of ``requests`` adaptive requests: tok/s, mean k, and what the policy
     keeps (ms per round by draft length, acceptance per draft position). ``events``
     collects what the policy was told and chose during the first request. With
@@ -145,7 +147,8 @@ def policy_figures(engine: Any, prompt: list[int], tokens: int, speculator: Any,
         traced = i == 0 and events is not None
         gaps: list[tuple[int, float, bool]] | None = [] if gaps_over_ms is not None else None
         with _traced_policy(speculator.policy, events) if traced else contextlib.nullcontext():
-            stats = _generate(engine, prompt, tokens, speculator, gaps, gaps_over_ms or 0.0)
+            stats = _generate(engine, prompt, tokens, speculator, gaps, gaps_over_ms or 0.0,
+                              sampling)
         policy = speculator.policy
         out.append({"tps": stats.generation_tps, "mean_k": stats.speculation["mean_k"],
                     "round_ms": {n: t * 1e3 for n, t in policy.measured().items()},
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from foretell.platform import blas
 
     blas.preload()
+    from foretell.config import SamplingConfig
     from foretell.generate import load
     from foretell.plugin.registry import Kind
     from foretell.spec.bench import code_prompts
@@ -179,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain-steps", action="store_true",
                     help="add a row whose policy always chooses k = 0: the speculative "
                          "loop's plain steps against plain decoding (its own host time)")
+    ap.add_argument("--temp", type=float, default=0.0,
+                    help="sample at this temperature (seeded), rejection sampling verifying")
     args = ap.parse_args(argv)
+    sampling = SamplingConfig(temp=args.temp, seed=0) if args.temp > 0 else None
     engine = load(args.model)
     prompt = code_prompts(engine.tokenizer, args.prompt_tokens)["code"]
     config = engine.registry.get(Kind.DRAFT, args.draft).config
@@ -196,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         pinned = speculator(True)
         pinned.policy.choose = lambda _limit: 0  # this throwaway speculator never drafts
         rows[f"{args.draft} k=0"] = pinned
-    for row in host_split(engine, prompt, args.generate, rows, args.repeats):
+    for row in host_split(engine, prompt, args.generate, rows, args.repeats, sampling):
         print(f"{row['row']:<16} {row['tps']:8.1f} tok/s; per {row['per']}: wall "
               f"{row['wall_ms']:.2f} ms, inside async_eval {row['encode_ms']:.2f} ms, "
               f"waiting {row['wait_ms']:.2f} ms ({row['tokens_per_round']:.2f} tokens)")
     adaptive = speculator(True)
     events: list[str] = []
     for i, seen in enumerate(policy_figures(engine, prompt, args.generate, adaptive,
-                                            args.requests, events, args.gaps)):
+                                            args.requests, events, args.gaps, sampling)):
         times = ", ".join(f"{n}: {t:.2f}" for n, t in seen["round_ms"].items())
         rates = ", ".join(f"{a:.2f}" for a in seen["acceptance"])
         print(f"adaptive request {i + 1}: {seen['tps']:.1f} tok/s, mean k {seen['mean_k']:.2f}; "
