@@ -41,7 +41,17 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     assert ("dd_warm_one_file" in row) == (len(files) > 1)
     assert prime["reads"]["verified_s"] > 0 and prime["reads"]["unverified_s"] > 0
     assert prime["decode"]["entries_written_per_run"][0] >= 1
-    assert f"| tiny | {ran} | 48 " in bench.render(report)
+    table = bench.render(report)
+    assert f"| tiny | {ran} | 48 " in table
+    # Cold over SSD restore, warm and evicted, as the TTFTs give them (never rounded to 0×).
+    cold = prime["cold_ttft_s"]
+    shown = [bench._times(cold / warm["ttft_s"]), bench._times(cold / evicted["ttft_s"])]
+    assert f"| **{shown[0]} / {shown[1]}** |" in table
+
+
+def test_a_speed_up_below_ten_keeps_two_decimals():
+    assert [bench._times(r) for r in (0.24, 1.0, 9.994, 10.4, 133.6)] == [
+        "0.24×", "1.00×", "9.99×", "10×", "134×"]
 
 
 def test_the_reserve_ab_restores_with_the_reserve_and_without_taking_turns(tmp_path):
