@@ -12,8 +12,8 @@ fresh directories (order flipping every round), then reads every entry back with
 layouts taking turns entry by entry; reported: medians over the rounds, and the median of
 the per-round ratios to single-file (the 2-core host is shared, so pairs matter).
 
-It also measures what chose the block identity and the read checksum: SHA-256, XXH3-64 and
-zlib's CRC-32 over the entries' bytes, and whether KV computed from scratch (no prefix
+It also measures what chose the block identity and the read checksum: SHA-256, XXH3-128
+(block names since 2026-12-03), XXH3-64 and zlib's CRC-32 over the entries' bytes, and whether KV computed from scratch (no prefix
 reuse) is byte-identical to the reused prefix, which content naming needs to dedupe.
 """
 
@@ -179,6 +179,7 @@ def _hash_costs(entries) -> dict:
     total = sum(d.nbytes for d in datas)
     costs = {}
     for name, fn in (("xxh3_64", xxhash.xxh3_64_intdigest), ("crc32", zlib.crc32),
+                     ("xxh3_128", xxhash.xxh3_128_intdigest),
                      ("sha256", lambda d: hashlib.sha256(d).digest())):
         best = min(_timed(lambda fn=fn: [fn(d) for d in datas]) for _ in range(3))
         costs[name] = {"s": best, "GB_per_s": total / best / 1e9}
@@ -298,7 +299,7 @@ def _print(results: dict, block_tokens: int) -> None:
                       f"{r['write_ratio']:>7.2f}{r['read_ratio']:>6.2f}\n")
     costs = results["hash_costs"]
     out.write(f"\nover {costs['bytes'] / 2**20:.0f} MiB: SHA-256 {costs['sha256']['GB_per_s']:.2f} "
-              f"GB/s, XXH3-64 {costs['xxh3_64']['GB_per_s']:.2f}, CRC-32 (zlib) "
+              f"GB/s, XXH3-128 {costs['xxh3_128']['GB_per_s']:.2f}, XXH3-64 {costs['xxh3_64']['GB_per_s']:.2f}, CRC-32 (zlib) "
               f"{costs['crc32']['GB_per_s']:.2f}; "
               f"system-prompt KV prefilled from scratch vs reused: max |diff| "
               f"{results['scratch_prefill_max_abs_diff']:.3g}\n")

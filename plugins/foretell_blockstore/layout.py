@@ -3,7 +3,7 @@
 On disk, under ``<root>/<model fingerprint>-<kv scheme>/blocks-v4/``::
 
     entries/<key>.safetensors   one manifest per entry (a tensor-less safetensors file)
-    data/<sha256>.blk           one block: rows of a token range, every layer back to back
+    data/<xxh3-128>.blk         one block: rows of a token range, every layer back to back
     lock                        flock(2) target: writers shared, collect() exclusive
 
 Rules kept (DESIGN.md §4): a block is written tmp → fsync → rename and never rewritten

@@ -286,6 +286,57 @@ def test_a_block_is_a_safetensors_file_of_its_pieces(layout, codecs):
     assert all(np.array_equal(a, b) for a, b in zip(pieces, want))
 
 
+def test_a_block_is_named_by_the_xxh3_128_of_its_file_and_its_manifest_says_so(layout, codecs):
+    import xxhash
+
+    entry = entry_of(range(10), codecs)
+    layout.write(entry)
+    [path] = manifest_files(layout)
+    header = json.loads(json.loads(path.read_bytes()[8:])["__metadata__"]["foretell.header"])
+    assert header["block_id"] == "xxh3-128"
+    for name in listed_blocks(layout, entry):
+        assert name == xxhash.xxh3_128(layout.block_path(name).read_bytes()).hexdigest()
+
+
+def test_an_entry_whose_blocks_are_named_by_sha256_reads_as_written(
+        tmp_path, identity, codecs, monkeypatch):
+    """Manifests written before XXH3-128 named the blocks (SHA-256, ``block_id: sha256``)
+    stay readable: a read checks sizes and checksums, never recomputes a name."""
+    import hashlib
+
+    from foretell_blockstore import manifest as mf
+
+    older = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=4), identity=identity)
+    monkeypatch.setattr(mf, "BLOCK_NAMING", "sha256")
+    entry = entry_of(range(10), codecs)
+    assert older.write(entry)
+    monkeypatch.undo()
+    names = listed_blocks(older, entry)
+    assert all(n == hashlib.sha256(older.block_path(n).read_bytes()).hexdigest() for n in names)
+    now = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=4), identity=identity)
+    [header] = now.scan()
+    assert_same_entry(now.read(header.key), entry)
+    # The same bytes written now are named anew (no dedup across the two namings).
+    now.write(entry_of(range(12), codecs))
+    assert not set(listed_blocks(now, entry_of(range(12), codecs))) & set(names)
+
+
+def test_a_manifest_naming_its_blocks_by_an_unknown_hash_is_skipped_and_kept(
+        tmp_path, identity, layout, codecs, monkeypatch, caplog):
+    from foretell_blockstore import manifest as mf
+
+    monkeypatch.setitem(mf.NAMINGS, "future-hash", mf.NAMINGS["xxh3-128"])
+    monkeypatch.setattr(mf, "BLOCK_NAMING", "future-hash")
+    entry = entry_of(range(10), codecs)
+    assert layout.write(entry)
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        fresh = BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=4), identity=identity)
+        assert fresh.scan() == []
+        assert fresh.read(layout.key_for(entry.tokens)) is None
+    assert manifest_files(layout)  # another version's entry: never served, never deleted
+
+
 # -- sharing --------------------------------------------------------------------------------
 
 
