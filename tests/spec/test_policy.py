@@ -187,6 +187,49 @@ def test_a_plain_step_timed_in_a_slow_moment_does_not_keep_drafting_on():
     assert tokens / cost >= 0.95
 
 
+def _losing_drafter_on_a_host_in_phases(seed: int, slow: float = 1.8, rounds: int = 3000
+                                        ) -> float:
+    """Sampled MTP as the H200 measured it (2026-12-03): a round drafting k costs 2.3 + 0.4k
+    plain steps, each draft kept with probability 0.7, so every k loses ~30% against plain
+    steps; the host's speed flips between 1 and ``slow`` in phases of 50-400 policy rounds
+    (plain decoding there swung 545-1,157 tok/s from one request to the next), with 10%
+    noise on every time. Returns the speed of rounds 200 on over plain decoding's in the
+    same phases, from the true costs."""
+    rng = random.Random(seed)
+    policy, factor, left = DraftLengthPolicy(6), 1.0, rng.randint(50, 400)
+    tokens = seconds = plain_seconds = 0.0
+    for r in range(rounds):
+        left -= 1
+        if left <= 0:
+            factor, left = (slow if factor == 1.0 else 1.0), rng.randint(50, 400)
+        k = policy.choose(100)
+        time = factor * rng.lognormvariate(0, 0.1)
+        if k == 0:
+            policy.observe(0, 0, time)
+            made, spent = PLAIN_STRETCH, PLAIN_STRETCH * time
+        else:
+            accepted = 0
+            while accepted < k and rng.random() < 0.7:
+                accepted += 1
+            spent = (2.3 + 0.4 * k) * time
+            policy.observe(k, accepted, spent)
+            made = 1 + accepted
+        if r >= 200:
+            tokens, seconds, plain_seconds = tokens + made, seconds + spent, plain_seconds + made * factor
+    return plain_seconds / seconds
+
+
+def test_a_losing_drafter_stays_within_about_five_percent_on_a_host_whose_speed_flips_in_phases():
+    """Plain steps timed in a slow phase make drafting look like a gain until they are timed
+    again. With each estimate the median of its recent times and plain steps re-timed while
+    drafting (STALE_ROUNDS), it runs 0.949-0.983x plain over these seeds; taking
+    the least of the recent times instead drafts at 0.90x on seeds 3 and 7. This does not
+    reproduce the H200's 0.80x for sampled MTP at 09:38 (docs/benchmarks.md): whatever made
+    its plain-step estimate read 1.6x plain decoding's step there is not a phase of this kind."""
+    speeds = [_losing_drafter_on_a_host_in_phases(seed) for seed in range(8)]
+    assert min(speeds) >= 0.945, speeds
+
+
 def test_probes_of_a_switched_off_drafter_cost_about_one_percent():
     # A failed probe of prompt lookup costs a longer verify than a plain step (0.6 of a
     # step here): probed every few stretches, it costs ~1% and is back soon once it pays.
