@@ -363,6 +363,7 @@ class Engine:
         adaptive: bool = True,
         acceptance: str = "rejection",
         progress: Progress | None = None,
+        sampled: bool = True,
     ) -> Speculator | None:
         """Speculate with the draft provider registered as ``kind`` (None: stop speculating).
 
@@ -370,7 +371,8 @@ class Engine:
         request uses them. ``options`` is an instance of the provider's config class;
         ``max_tokens`` None drafts the provider's own preferred length (two-model 4, MTP 6,
         n-gram 16). ``progress(done, total)`` hears of the warm-up's steps where the device compiles
-        kernels per shape (:mod:`foretell.spec.warmup`).
+        kernels per shape (:mod:`foretell.spec.warmup`). ``sampled`` False speculates on greedy
+        requests only; sampled ones decode plainly.
         """
         if kind is None:
             self.speculator = None
@@ -381,7 +383,7 @@ class Engine:
             raise GenerationError("this engine has no plugin registry to find drafters in")
         self.speculator = make_speculator(
             self.registry, self.target, kind, options,
-            max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance,
+            max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance, sampled=sampled,
         )
         from foretell.spec.warmup import warm_up
 
@@ -463,6 +465,8 @@ class Engine:
         eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
         speculator = self.speculator if speculate is True else (speculate or None)
         sampler = Sampler(sampling)
+        if speculator is not None and not sampler.greedy and not speculator.sampled:
+            speculator = None  # this speculator leaves sampled requests to plain decoding
         request = self._request_cache(speculator, resume, {
             "max_tokens": max_tokens, "sampling": attrs.asdict(sampler.config),
             "stop": list(StopMatcher(stop).stops), "eos": sorted(eos)})

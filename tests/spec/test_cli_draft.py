@@ -76,6 +76,44 @@ def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
     assert set(best) == {"cpu", "gpu"} and best["cpu"]["kind"] == "two-model"
     assert best["gpu"]["kind"] == "mtp"  # measured on the H200: MTP 1.11-1.33x plain, adaptive
     assert best["gpu"]["num_tokens"] == 6  # up to 6 a round: 1.55x plain, up to 4: 1.26x
+    # Sampled MTP lost to plain decoding on the H200 (0.80-1.09x); sampled two-model paid on
+    # the CPU (1.13x), so only the GPU entry leaves sampled requests to plain decoding.
+    assert best["gpu"]["sampled"] is False and "sampled" not in best["cpu"]
+
+
+def test_a_drafter_measured_for_greedy_requests_only_leaves_sampled_ones_plain(
+    registry, engines, model_dirs, tmp_path
+):
+    from foretell.config import SamplingConfig
+
+    engine = engines["qwen3"]
+    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured-greedy-only")
+    measured = model / "speculation.json"
+    path, engine.path = engine.path, model
+    sampled = SamplingConfig(temp=0.8, seed=3)
+    try:
+        plain = list(engine.generate([3, 4, 5, 3, 4], max_tokens=8, sampling=sampled))
+        measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram",
+                                                                  "sampled": False}}}))
+        apply_draft(engine, None, registry)
+        assert engine.speculator.kind == "ngram" and engine.speculator.sampled is False
+        greedy = list(engine.generate([3, 4, 5, 3, 4], max_tokens=8))[-1]
+        assert greedy.to_dict()["speculation"]["drafter"] == "ngram"
+        again = list(engine.generate([3, 4, 5, 3, 4], max_tokens=8, sampling=sampled))
+        assert again[-1].to_dict().get("speculation") is None  # decoded plainly
+        text = [e.text for e in again if e.type == "text"]
+        assert text == [e.text for e in plain if e.type == "text"]
+        # A drafter the user names speculates on sampled requests as well.
+        apply_draft(engine, _config(registry, draft="ngram").draft, registry)
+        assert engine.speculator.sampled is True
+        measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram",
+                                                                  "sampled": "no"}}}))
+        with pytest.raises(ConfigError, match=rf"speculation.json.*best.{machine_kind()}.sampled: "
+                                              r"must be true or false, got 'no'"):
+            apply_draft(engine, None, registry)
+    finally:
+        engine.path = path
+        engine.use_draft(None)
 
 
 def test_auto_drafts_the_measured_number_of_tokens_unless_the_user_sets_one(

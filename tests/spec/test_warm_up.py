@@ -10,7 +10,8 @@ from foretell.spec import verifier, warmup
 from foretell.spec.policy import PLAIN_STRETCH
 
 
-def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: int = 5):
+def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: int = 5,
+             sampled_requests: bool = True):
     """Prepare ``kind`` with the device said to compile per shape (or not), then stop
     speculating; returns the speculator, the target forwards' window lengths and the
     rejection-sampling calls' draft lengths seen while preparing."""
@@ -29,7 +30,7 @@ def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: i
     monkeypatch.setattr(engine.model, "forward", counting)
     monkeypatch.setattr(verifier, "accept_or_resample", counting_accept)
     try:
-        speculator = engine.use_draft(kind, max_tokens=max_tokens)
+        speculator = engine.use_draft(kind, max_tokens=max_tokens, sampled=sampled_requests)
     finally:
         monkeypatch.undo()
         engine.use_draft(None)
@@ -41,6 +42,13 @@ def test_a_compiling_device_runs_rounds_of_every_length_greedy_and_sampled(engin
     assert {n - 1 for n in lengths if n > 1} >= {1, 2, 3, 4, 5}  # verify windows [pending, k drafts]
     assert set(sampled) == {1, 2, 3, 4, 5}
     assert speculator.policy._rounds == 0  # the warm-up's rounds ran on its own policy
+
+
+def test_a_speculator_for_greedy_requests_only_warms_no_sampled_rounds(engines, monkeypatch):
+    speculator, lengths, sampled = _prepare(engines["qwen3"], monkeypatch, cuda=True,
+                                            sampled_requests=False)
+    assert {n - 1 for n in lengths if n > 1} >= {1, 2, 3, 4, 5}
+    assert sampled == [] and speculator.sampled is False
 
 
 def test_warming_stores_nothing_in_the_engines_cache(engines, monkeypatch, tmp_path):

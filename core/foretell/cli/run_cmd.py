@@ -188,6 +188,7 @@ def apply_draft(engine: Any, section: Any, registry: Any, *, quiet: bool = True)
     settings = section.settings if section is not None else DraftSettings()
     options = section.options if section is not None else None
     num_tokens = settings.num_tokens
+    sampled = True  # a drafter the user names speculates on every request
     if kind == DRAFT_NONE:
         engine.use_draft(None)  # an engine that speculated before stops
         return
@@ -196,14 +197,14 @@ def apply_draft(engine: Any, section: Any, registry: Any, *, quiet: bool = True)
         if chosen is None:
             engine.use_draft(None)
             return
-        kind, options = chosen.kind, chosen.options
+        kind, options, sampled = chosen.kind, chosen.options, chosen.sampled
         num_tokens = num_tokens or chosen.num_tokens  # the user's own setting wins
     from foretell.cli.progress import ProgressLine
 
     with ProgressLine.for_terminal(f"preparing the {kind} drafter", quiet=quiet) as bar:
         engine.use_draft(kind, options, max_tokens=num_tokens,
                          adaptive=settings.adaptive, acceptance=settings.acceptance,
-                         progress=bar)
+                         progress=bar, sampled=sampled)
 
 
 def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = None,

@@ -4,14 +4,16 @@ A model directory may carry ``speculation.json``, written from benchmark runs
 (``foretell bench --speculation``; the shipped demo's comes from docs/benchmarks.md)::
 
     {"best": {"cpu": {"kind": "two-model", "options": {"model": "demo-draft"}},
-              "gpu": {"kind": "mtp", "num_tokens": 6}},
+              "gpu": {"kind": "mtp", "num_tokens": 6, "sampled": false}},
      "measured": "where the figures are"}
 
 ``cpu`` is chosen on MLX's CPU device, ``gpu`` on any GPU (CUDA measured; Metal takes the
 same entry until it is measured there). ``"kind": "none"`` records that plain decoding
 measured best there. ``num_tokens`` (optional) is the most tokens drafted per round that
-measured best; ``[draft] num_tokens`` / ``--num-draft-tokens`` overrides it. No file, no
-entry for this machine, or a drafter this installation lacks: no drafter.
+measured best; ``[draft] num_tokens`` / ``--num-draft-tokens`` overrides it. ``sampled``
+(optional, default true) false records that sampled requests (temperature > 0) measured
+faster decoding plainly there: the drafter then speculates on greedy requests only. No file,
+no entry for this machine, or a drafter this installation lacks: no drafter.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Measured:
     options: Any = None
     #: The most tokens drafted per round that measured best; None: the engine's default.
     num_tokens: int | None = None
+    #: Whether sampled requests speculate too (False: they measured faster plainly).
+    sampled: bool = True
 
 
 def measured_drafter(model_dir: Path | None, registry: Any) -> Measured | None:
@@ -67,7 +71,11 @@ def measured_drafter(model_dir: Path | None, registry: Any) -> Measured | None:
     if num_tokens is not None and not valid_draft_tokens(num_tokens):
         raise ConfigError(str(path), [f"best.{machine_kind()}.num_tokens: must be an integer "
                                       f"in 1..{MAX_DRAFT_TOKENS}, got {num_tokens!r}"])
+    sampled = entry.get("sampled", True)
+    if not isinstance(sampled, bool):
+        raise ConfigError(str(path), [f"best.{machine_kind()}.sampled: must be true or false, "
+                                      f"got {sampled!r}"])
     config = registry.get(Kind.DRAFT, kind).config
     raw = entry.get("options") or {}
     options = structure(make_converter(registry), raw, config, str(path)) if config else None
-    return Measured(kind, options, num_tokens)
+    return Measured(kind, options, num_tokens, sampled)

@@ -60,6 +60,10 @@ class Speculator:
     acceptance: str = attrs.field(default="rejection", validator=attrs.validators.in_(ACCEPTANCE_RULES))
     #: Who contributed the provider, for error messages.
     origin: str = ""
+    #: Speculate on sampled requests too; False: those decode plainly, and only greedy ones
+    #: speculate (``"sampled": false`` in a model's ``speculation.json``: on the H200 sampled
+    #: MTP lost to plain decoding, docs/speculation.md and docs/decisions.md).
+    sampled: bool = True
     #: The draft-length policy, shared by this speculator's requests: what it measured of
     #: the machine and the drafter carries over, so only the first request pays the warm-up.
     policy: DraftLengthPolicy = attrs.field(init=False, eq=False, repr=False)
@@ -547,9 +551,11 @@ def make_speculator(
     max_tokens: int | None = None,
     adaptive: bool = True,
     acceptance: str = "rejection",
+    sampled: bool = True,
 ) -> Speculator:
     """Build, check and prepare the draft provider registered as ``kind`` for ``target``;
-    ``max_tokens`` None drafts the provider's own preferred length (:func:`preferred_tokens`).
+    ``max_tokens`` None drafts the provider's own preferred length (:func:`preferred_tokens`);
+    ``sampled`` False leaves sampled requests to plain decoding.
 
     A pairing that cannot work is refused here, before any draft weights are allocated.
     """
@@ -577,7 +583,7 @@ def make_speculator(
     label = f"draft provider '{kind}' from {origin}"
     speculator = Speculator(
         kind=kind, provider=provider, max_tokens=max_tokens or preferred_tokens(provider, label),
-        adaptive=adaptive, acceptance=acceptance, origin=origin,
+        adaptive=adaptive, acceptance=acceptance, origin=origin, sampled=sampled,
     )
     try:
         provider.prepare(target)
