@@ -230,6 +230,28 @@ def test_a_losing_drafter_stays_within_about_five_percent_on_a_host_whose_speed_
     assert min(speeds) >= 0.945, speeds
 
 
+def test_the_policy_keeps_what_it_was_told_and_how_it_used_each_time():
+    from foretell.spec.policy import TOLD_KEPT
+
+    policy = DraftLengthPolicy(4)
+    policy.observe(4, 4, 0.030)  # a length's first round: not timed (it compiles on CUDA)
+    policy.observe(4, 2, 0.020)
+    policy.observe(0, 0, 0.010)  # the first plain stretch: not timed either
+    policy.observe(0, 0, 0.011)
+    policy.observe(4, 3, 0.050)  # right after plain steps: a switch back, not timed
+    policy.observe(4, 1, 0.021, one_off=True)
+    assert [(k, kept, round(s, 3), use) for k, kept, s, use, _at in policy.told] == [
+        (4, 4, 0.03, "first"), (4, 2, 0.02, "timed"), (0, 0, 0.01, "first"),
+        (0, 0, 0.011, "timed"), (4, 3, 0.05, "untimed"), (4, 1, 0.021, "untimed")]
+    ats = [at for *_rest, at in policy.told]
+    assert ats == sorted(ats)
+    # Only the timed ones made the estimates.
+    assert policy.measured() == {0: 0.011, 4: 0.020}
+    for _ in range(2 * TOLD_KEPT):
+        policy.observe(0, 0, 0.012)
+    assert len(policy.told) == TOLD_KEPT and policy.told[0][2] == 0.012
+
+
 def test_probes_of_a_switched_off_drafter_cost_about_one_percent():
     # A failed probe of prompt lookup costs a longer verify than a plain step (0.6 of a
     # step here): probed every few stretches, it costs ~1% and is back soon once it pays.

@@ -117,7 +117,18 @@ def _foretell(engine: Any, prompt: list[int], max_tokens: int, speculate: Any,
             # round time (0: a plain step), ms, and its per-position acceptance estimates.
             "policy_round_ms": {k: t * 1e3 for k, t in policy.measured().items()}
             if policy is not None else None,
-            "policy_acceptance": policy.acceptance() if policy is not None else None}
+            "policy_acceptance": policy.acceptance() if policy is not None else None,
+            # What it was told last (plain stretches: per step), newest last, with when.
+            "policy_told": _told(policy) if policy is not None else None}
+
+
+def _told(policy: Any) -> list[dict[str, Any]]:
+    """The policy's newest observations: tokens drafted (0: a plain stretch) and kept, ms
+    (a plain stretch's per step), how the time was used, and ms before the newest one."""
+    told = list(policy.told)
+    last = told[-1][4] if told else 0.0
+    return [{"k": k, "kept": kept, "ms": s * 1e3, "use": use, "ago_ms": (last - at) * 1e3}
+            for k, kept, s, use, at in told]
 
 
 def sampled(row: str) -> bool:

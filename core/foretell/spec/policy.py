@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -84,6 +85,9 @@ WARMUP_ROUNDS = 3
 #: CPU, drafted at 0.75x plain). Starting the plain samples over at such a probe was tried
 #: and dropped: the swinging-host simulation then drafted at a loss (0.93x on one seed).
 STALE_ROUNDS = 128
+#: Observations the policy keeps as it was told them (:attr:`DraftLengthPolicy.told`), for a
+#: benchmark to show what its estimates came from.
+TOLD_KEPT = 64
 
 
 class DraftLengthPolicy:
@@ -119,6 +123,11 @@ class DraftLengthPolicy:
         self._stretches_off = 0
         #: Rounds still to draft at full length after a probe that paid.
         self._trial = 0
+        #: The newest TOLD_KEPT observations, oldest first: ``(drafted, accepted, seconds,
+        #: use, at)``, ``use`` being how the time was used ("timed"; "untimed": a switch back
+        #: or a one-off cost; "first": a length's first round) and ``at`` its
+        #: ``time.perf_counter()``. Only read by benchmarks; it steers nothing.
+        self.told: deque[tuple[int, int, float, str, float]] = deque(maxlen=TOLD_KEPT)
 
     # -- the model --------------------------------------------------------------------
 
@@ -279,13 +288,16 @@ class DraftLengthPolicy:
             self._drafted_rounds += 1
         if untimed:
             self._seen.add(drafted)  # it paid this length's first-use costs too
+            self.told.append((drafted, accepted, seconds, "untimed", time.perf_counter()))
             return
         if drafted not in self._seen:
             # A length's first round pays its one-off costs: on CUDA, MLX compiles the
             # kernels of each new window shape on first use (seconds, measured on the H200),
             # which once kept a drafter at 88% acceptance drafting under one token a round.
             self._seen.add(drafted)
+            self.told.append((drafted, accepted, seconds, "first", time.perf_counter()))
             return
+        self.told.append((drafted, accepted, seconds, "timed", time.perf_counter()))
         self._timed_at[drafted] = self._rounds
         recent = self._samples.setdefault(drafted, deque(maxlen=TIME_SAMPLES))
         recent.append(seconds)
