@@ -19,10 +19,8 @@ numbers only (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
+
+from take_turns import decode_tps, take_turns
 
 import foretell
 from foretell.config import SamplingConfig
@@ -72,38 +70,11 @@ def main() -> None:
         keep["row"] = row
         if not args.same_prompt:
             dropped[0] += 1  # a new prompt length every run
-        first = last = None
-        count = 0
-        for event in engine.generate(prompt[: len(prompt) - dropped[0]], max_tokens=256,
-                                     ignore_eos=True, sampling=sampling(seed),
-                                     speculate=rows[row]):
-            if event.type == "text" and event.tokens:
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                else:
-                    count += len(event.tokens)
-                last = now
-        return count / (last - first)
+        return decode_tps(engine.generate(prompt[: len(prompt) - dropped[0]], max_tokens=256,
+                                          ignore_eos=True, sampling=sampling(seed),
+                                          speculate=rows[row]))
 
-    for row in ROWS:
-        start = time.perf_counter()
-        run(row, 0)
-        print("warm-up", row, f"{time.perf_counter() - start:.1f} s", flush=True)
-    runs: dict[str, list[float]] = {row: [] for row in ROWS}
-    for index in range(rounds):
-        for row in ROWS if index % 2 == 0 else ROWS[::-1]:
-            runs[row].append(run(row, index + 1))
-        print(index, {row: round(found[-1], 1) for row, found in runs.items()}, flush=True)
-    report = {}
-    for row in ROWS:
-        paired = statistics.median(a / b for a, b in zip(runs[row], runs["plain"]))
-        report[row] = {"median_tps": statistics.median(runs[row]), "paired_median": paired,
-                       "runs": runs[row]}
-        print(f"{row:14s} {report[row]['median_tps']:8.1f} tok/s  paired {paired:.3f}")
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "mtp-off-ab.json"), "w") as out:
-        json.dump(report, out, indent=1)
-
+    take_turns(ROWS, run, rounds, "plain", "mtp-off-ab.json")
 
 if __name__ == "__main__":
     main()

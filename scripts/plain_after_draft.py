@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import statistics
-import time
+
+from take_turns import decode_tps, take_turns
 
 import foretell
 from foretell.config import SamplingConfig
@@ -52,39 +50,13 @@ def main() -> None:
             script = ([2, 2, 2] if "-3-" in row else []) + [0] * 400
             object.__setattr__(speculate, "policy", ScriptedPolicy(6, script))
         mode = fixed.forced("off") if row.endswith("nofixed") else contextlib.nullcontext()
-        first = last = None
-        count = 0
         sampling = SamplingConfig(temp=args.temp, seed=seed) if args.temp > 0 else None
         with mode:
-            for event in engine.generate(prompt[: len(prompt) - dropped[0]], max_tokens=256,
-                                         ignore_eos=True, sampling=sampling, speculate=speculate):
-                if event.type == "text" and event.tokens:
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        count += len(event.tokens)
-                    last = now
-        return count / (last - first)
+            return decode_tps(engine.generate(prompt[: len(prompt) - dropped[0]], max_tokens=256,
+                                              ignore_eos=True, sampling=sampling,
+                                              speculate=speculate))
 
-    for row in ROWS:
-        start = time.perf_counter()
-        run(row, 0)
-        print("warm-up", row, f"{time.perf_counter() - start:.1f} s", flush=True)
-    runs: dict[str, list[float]] = {row: [] for row in ROWS}
-    for index in range(args.rounds):
-        for row in ROWS if index % 2 == 0 else ROWS[::-1]:
-            runs[row].append(run(row, index + 1))
-        print(index, {row: round(found[-1], 1) for row, found in runs.items()}, flush=True)
-    report = {}
-    for row in ROWS:
-        paired = statistics.median(a / b for a, b in zip(runs[row], runs["plain"]))
-        report[row] = {"median_tps": statistics.median(runs[row]), "paired_median": paired,
-                       "runs": runs[row]}
-        print(f"{row:18s} {report[row]['median_tps']:8.1f} tok/s  paired {paired:.3f}")
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "plain-after-draft.json"), "w") as out:
-        json.dump(report, out, indent=1)
-
+    take_turns(ROWS, run, args.rounds, "plain", "plain-after-draft.json")
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,8 @@ store before 2026-12-03) and by XXH3-128 (now), against idle decoding (not a tes
 The demo model's KV for the prompt is the entry; each writing row keeps the spill worker
 rewriting it into an empty directory (``foretell bench --cache``'s "decode tok/s idle /
 writing" column, ``_write_until``) while 64 tokens decode. Rows take turns, order flipping
-each round; the paired median is each round's ratio to its idle run. Numbers only
+each round; the paired median is each round's ratio to its idle run (``take_turns.py``;
+$OUT/writer-ab.json). Numbers only
 (docs/cache-storage.md, "Writes run at low CPU priority").
 """
 
@@ -17,6 +18,8 @@ import statistics
 import tempfile
 import threading
 from pathlib import Path
+
+from take_turns import take_turns
 
 import foretell
 
@@ -51,36 +54,27 @@ def main() -> None:
 
     short = list(donor.tokens[:32])
 
-    def decode(row: str) -> tuple[float, int]:
+    writes: dict[str, list[int]] = {row: [] for row in ROWS if row != "idle"}
+
+    def decode(row: str, _seed: int) -> float:
         if row == "idle":
-            return cache_bench._generate(engine, short, args.generate).generation_tps, 0
+            return cache_bench._generate(engine, short, args.generate).generation_tps
         manifest.BLOCK_NAMING = row
         stop, count = threading.Event(), [0]
         writer = threading.Thread(target=cache_bench._write_until,
                                   args=(factory, work / "scratch", entry, stop, count), daemon=True)
         writer.start()
         try:
-            return cache_bench._generate(engine, short, args.generate).generation_tps, count[0]
+            return cache_bench._generate(engine, short, args.generate).generation_tps
         finally:
             stop.set()
             writer.join()
+            writes[row].append(count[0])
 
-    decode("idle")
-    runs: dict[str, list[float]] = {row: [] for row in ROWS}
-    writes: dict[str, list[int]] = {row: [] for row in ROWS}
-    for index in range(args.rounds):
-        for row in ROWS if index % 2 == 0 else ROWS[::-1]:
-            tps, count = decode(row)
-            runs[row].append(tps)
-            writes[row].append(count)
-        print(index, {row: round(found[-1], 1) for row, found in runs.items()},
-              {row: found[-1] for row, found in writes.items() if row != "idle"}, flush=True)
-    print(f"entry {entry.tensor_bytes / 1e6:.1f} MB")
-    for row in ROWS:
-        paired = statistics.median(a / b for a, b in zip(runs[row], runs["idle"]))
-        print(f"{row:9s} {statistics.median(runs[row]):6.1f} tok/s  paired {paired:.3f}  "
-              f"writes per decode {statistics.median(writes[row]) if row != 'idle' else 0}")
-
+    take_turns(ROWS, decode, args.rounds, "idle", "writer-ab.json")
+    print(f"entry {entry.tensor_bytes / 1e6:.1f} MB; writes per decode (median, after the "
+          f"warm-up): " + ", ".join(f"{row} {statistics.median(found[1:])}"
+                                   for row, found in writes.items()))
 
 if __name__ == "__main__":
     main()
