@@ -4,6 +4,7 @@ model's measured best drafter for this machine kind; ``--json`` stats show the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 
@@ -23,6 +24,19 @@ def _args(**kw):
 
 def _config(registry, **kw):
     return load_run_config(registry, None, draft_overrides(_args(**kw)))
+
+
+@contextlib.contextmanager
+def _measured(engine, model_dirs, tmp_path, name):
+    """The engine pointed at a copy of its model directory named ``name``; yields where that
+    copy's ``speculation.json`` goes. Afterwards its own path again, speculation off."""
+    model = shutil.copytree(model_dirs["qwen3"], tmp_path / name)
+    path, engine.path = engine.path, model
+    try:
+        yield model / "speculation.json"
+    finally:
+        engine.path = path
+        engine.use_draft(None)
 
 
 def test_draft_model_selects_two_model_with_that_model(registry, model_dirs):
@@ -54,19 +68,14 @@ def test_none_turns_speculation_off_and_auto_follows_the_measured_file(
     engine.use_draft("ngram")
     apply_draft(engine, None, registry)
     assert engine.speculator is None
-    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured")
-    (model / "speculation.json").write_text(json.dumps({"best": {machine_kind(): {
-        "kind": "two-model", "options": {"model": str(model_dirs["qwen3-other"])}}}}))
-    path, engine.path = engine.path, model
-    try:
+    with _measured(engine, model_dirs, tmp_path, "measured") as measured:
+        measured.write_text(json.dumps({"best": {machine_kind(): {
+            "kind": "two-model", "options": {"model": str(model_dirs["qwen3-other"])}}}}))
         apply_draft(engine, None, registry)
         assert engine.speculator.kind == "two-model"
         assert engine.speculator.provider.path == model_dirs["qwen3-other"]
         stats = list(engine.generate([3, 4, 5], max_tokens=6))[-1]
         assert stats.to_dict()["speculation"]["drafter"] == "two-model"
-    finally:
-        engine.path = path
-        engine.use_draft(None)
 
 
 def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
@@ -87,11 +96,8 @@ def test_a_drafter_measured_for_greedy_requests_only_leaves_sampled_ones_plain(
     from foretell.config import SamplingConfig
 
     engine = engines["qwen3"]
-    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured-greedy-only")
-    measured = model / "speculation.json"
-    path, engine.path = engine.path, model
     sampled = SamplingConfig(temp=0.8, seed=3)
-    try:
+    with _measured(engine, model_dirs, tmp_path, "measured-greedy-only") as measured:
         plain = list(engine.generate([3, 4, 5, 3, 4], max_tokens=8, sampling=sampled))
         measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram",
                                                                   "sampled": False}}}))
@@ -111,19 +117,13 @@ def test_a_drafter_measured_for_greedy_requests_only_leaves_sampled_ones_plain(
         with pytest.raises(ConfigError, match=rf"speculation.json.*best.{machine_kind()}.sampled: "
                                               r"must be true or false, got 'no'"):
             apply_draft(engine, None, registry)
-    finally:
-        engine.path = path
-        engine.use_draft(None)
 
 
 def test_auto_drafts_the_measured_number_of_tokens_unless_the_user_sets_one(
     registry, engines, model_dirs, tmp_path
 ):
     engine = engines["qwen3"]
-    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured-tokens")
-    measured = model / "speculation.json"
-    path, engine.path = engine.path, model
-    try:
+    with _measured(engine, model_dirs, tmp_path, "measured-tokens") as measured:
         measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "ngram", "num_tokens": 7}}}))
         apply_draft(engine, None, registry)
         assert engine.speculator.max_tokens == 7
@@ -136,25 +136,17 @@ def test_auto_drafts_the_measured_number_of_tokens_unless_the_user_sets_one(
         with pytest.raises(ConfigError, match=rf"speculation.json.*best.{machine_kind()}.num_tokens: "
                                               r"must be an integer in 1..16, got 0"):
             apply_draft(engine, None, registry)
-    finally:
-        engine.path = path
-        engine.use_draft(None)
 
 
 def test_a_measured_none_means_plain_decoding_on_that_machine(
     registry, engines, model_dirs, tmp_path
 ):
     engine = engines["qwen3"]
-    model = shutil.copytree(model_dirs["qwen3"], tmp_path / "measured-none")
-    (model / "speculation.json").write_text(json.dumps({"best": {machine_kind(): {"kind": "none"}}}))
-    path, engine.path = engine.path, model
-    try:
+    with _measured(engine, model_dirs, tmp_path, "measured-none") as measured:
+        measured.write_text(json.dumps({"best": {machine_kind(): {"kind": "none"}}}))
         engine.use_draft("ngram")
         apply_draft(engine, None, registry)
         assert engine.speculator is None
-    finally:
-        engine.path = path
-        engine.use_draft(None)
 
 
 def test_a_drafter_named_without_a_length_drafts_its_own_preferred_length(
