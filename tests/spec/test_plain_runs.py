@@ -4,6 +4,8 @@ after which the policy is asked again, and the tokens are plain greedy's."""
 
 from __future__ import annotations
 
+import time
+
 from foretell.spec.verifier import PLAIN_STRETCH
 
 
@@ -72,3 +74,43 @@ def test_a_plain_stretch_chosen_right_after_a_drafted_round_runs(engines, model_
              if hasattr(e, "tokens") for t in e.tokens]
     assert tokens == plain
     assert timed[:6] == [3, 3, 0, 3, 3, 0]
+
+
+def test_a_plain_runs_first_step_is_not_timed(engines, model_dirs, registry, monkeypatch):
+    """A plain stretch is timed from its first token on: that step also pays for switching
+    from drafting (nothing was queued ahead of it), which plain decoding's steps do not, and
+    on the H200 such stretches read twice plain decoding's step (2.16 against 1.12 ms), so a
+    drafter that lost 20% drafted on. Here each plain run's first step is made to cost
+    ``SLOW`` seconds more; the stretch's per-step time must not show it."""
+    from foretell.spec import verifier
+    from foretell.spec.warmup import ScriptedPolicy
+
+    slow = 0.4
+    engine = engines["qwen3"]
+    speculator = _use_other_draft(engine, model_dirs, registry)
+
+    class Logged(ScriptedPolicy):
+        def observe(self, drafted, accepted, seconds, **kw):
+            told.append((drafted, seconds))
+
+    told = []
+    object.__setattr__(speculator, "policy", Logged(3, [3, 3, 0, 3, 3, 0, 3]))
+    real = verifier.decode_step
+
+    def first_step_slow(*args, **kwargs):
+        step, calls = real(*args, **kwargs), []
+
+        def slowed(tokens):
+            if not calls:
+                time.sleep(slow)
+            calls.append(1)
+            return step(tokens)
+
+        return slowed
+
+    monkeypatch.setattr(verifier, "decode_step", first_step_slow)
+    prompt = [11, 57, 300, 4, 89, 120, 7]
+    list(engine.generate(prompt, speculate=speculator, max_tokens=40, ignore_eos=True))
+    stretches = [seconds for drafted, seconds in told if drafted == 0]
+    assert len(stretches) == 2
+    assert max(stretches) < slow / PLAIN_STRETCH / 2, stretches

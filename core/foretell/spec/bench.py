@@ -21,6 +21,7 @@ output repeats it), where prompt lookup shines.
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 SAMPLED = 0.8
@@ -98,7 +99,7 @@ def _foretell(engine: Any, prompt: list[int], max_tokens: int, speculate: Any,
     from foretell.config import SamplingConfig
 
     sampling = SamplingConfig(temp=temp, seed=0) if temp else None
-    stats = None
+    stats, started = None, time.perf_counter()
     for event in engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True,
                                  speculate=speculate, sampling=sampling):
         if event.type == "text" and event.tokens:
@@ -118,14 +119,15 @@ def _foretell(engine: Any, prompt: list[int], max_tokens: int, speculate: Any,
             "policy_round_ms": {k: t * 1e3 for k, t in policy.measured().items()}
             if policy is not None else None,
             "policy_acceptance": policy.acceptance() if policy is not None else None,
-            # What it was told last (plain stretches: per step), newest last, with when.
-            "policy_told": _told(policy) if policy is not None else None}
+            # What it was told during this run (plain stretches: per step), with when.
+            "policy_told": _told(policy, started) if policy is not None else None}
 
 
-def _told(policy: Any) -> list[dict[str, Any]]:
-    """The policy's newest observations: tokens drafted (0: a plain stretch) and kept, ms
-    (a plain stretch's per step), how the time was used, and ms before the newest one."""
-    told = list(policy.told)
+def _told(policy: Any, since: float) -> list[dict[str, Any]]:
+    """The policy's observations since ``since`` (its newest TOLD_KEPT at most): tokens
+    drafted (0: a plain stretch) and kept, ms (a plain stretch's per step), how the time was
+    used, and ms before the newest one."""
+    told = [t for t in policy.told if t[4] >= since]
     last = told[-1][4] if told else 0.0
     return [{"k": k, "kept": kept, "ms": s * 1e3, "use": use, "ago_ms": (last - at) * 1e3}
             for k, kept, s, use, at in told]

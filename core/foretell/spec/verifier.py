@@ -401,6 +401,10 @@ def _rounds(
                 run = v.plain_run(limit - produced, 1 if wanted else PLAIN_STRETCH, after_stretch)
                 for tokens in run:
                     produced += 1
+                    if not timed:
+                        # A run's first step is not timed: it also pays for switching from
+                        # drafting (nothing queued before it), which the steps after it do not.
+                        timed, last = 1, time.perf_counter()
                     yield tokens
                 last = time.perf_counter()
                 if link is not None:
