@@ -84,7 +84,10 @@ def main() -> None:
                                              speculate=speculate):
                     if event.type == "text" and event.tokens:
                         stamps.append(time.perf_counter())
-            if index == 0:
+            if index == 0:  # the warm-up round: what its first compiles cost
+                print("warm-up", row, f"{(len(stamps) - 1) / (stamps[-1] - stamps[0]):.1f} tok/s",
+                      f"longest gap {max(b - a for a, b in zip(stamps, stamps[1:])) * 1e3:.0f} ms",
+                      flush=True)
                 continue
             tally = found[row]
             gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
