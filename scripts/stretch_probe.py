@@ -78,6 +78,7 @@ def main() -> None:
             mode = fixed.forced("off") if row.endswith("nofixed") else contextlib.nullcontext()
             runs: list[tuple[float, list[float]]] = []
             stamps: list[float] = []
+            traces = fixed.trace_count()
             with mode, recorded_runs(runs):
                 for event in engine.generate(prompt[: len(prompt) - dropped], max_tokens=256,
                                              ignore_eos=True, sampling=sampling,
@@ -87,7 +88,7 @@ def main() -> None:
             if index == 0:  # the warm-up round: what its first compiles cost
                 print("warm-up", row, f"{(len(stamps) - 1) / (stamps[-1] - stamps[0]):.1f} tok/s",
                       f"longest gap {max(b - a for a, b in zip(stamps, stamps[1:])) * 1e3:.0f} ms",
-                      flush=True)
+                      f"fixed-shape traces {fixed.trace_count() - traces}", flush=True)
                 continue
             tally = found[row]
             gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
