@@ -1,13 +1,23 @@
-"""One fresh request drafting past 1,024 tokens: its longest wait and the fixed-shape traces
-(H200 question, not a test). On the H200 (2026-12-03 13:34) a sampled MTP request that
-first drafted past 1,024 tokens in its process waited 29.6 s once, with 12 traces.
+"""Requests that each draft past a KV capacity the process has not yet traced: their longest
+wait and the fixed-shape traces meanwhile (H200 question, not a test).
 
-    python scripts/first_cross.py TEMP [--no-fixed]   # greedy at TEMP 0
+On the H200 (2026-12-03 13:34) a sampled MTP request that first drafted past 1,024 tokens in
+its process waited 29.6 s once, with 12 traces, where fixed shapes off waited at most 9 ms.
+This process first warms up on a short prompt (greedy and sampled, drafting, no capacity
+past 1,024), then runs, each crossing a new capacity step of ``foretell.model.fixed``:
+
+1. greedy, a 990-token prompt (crosses 1,024);
+2. sampled at 0.8, 1,990 tokens (crosses 2,048);
+3. sampled at 0.8, 2,990 tokens, fixed shapes off (crosses 3,072: the control).
+
+So a wait in (1) and (2) and not (3) is the traces' (greedy and sampled alike); in (2) only,
+something of sampled rounds. MTP drafts 3 a round, with a plain stretch after every four.
+
+    python scripts/first_cross.py
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 
@@ -18,30 +28,34 @@ from foretell.spec import make_speculator
 from foretell.spec.bench import code_prompts
 from foretell.spec.warmup import ScriptedPolicy
 
+REQUESTS = ((0.0, 990, "on"), (0.8, 1990, "on"), (0.8, 2990, "off"))
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("temp", type=float)
-    ap.add_argument("--no-fixed", action="store_true")
-    args = ap.parse_args()
-    engine = foretell.load("demo")
-    prompt = code_prompts(engine.tokenizer, 992)["code"]
-    speculate = make_speculator(engine.registry, engine.target, "mtp")
+
+def run(engine, speculate, prompt, temp: float, mode: str, tokens: int = 256) -> str:
     object.__setattr__(speculate, "policy", ScriptedPolicy(6, [3, 3, 3, 3, 0] * 200))
-    sampling = SamplingConfig(temp=args.temp, seed=0) if args.temp > 0 else None
-    mode = fixed.forced("off") if args.no_fixed else contextlib.nullcontext()
-    stamps, traces = [time.perf_counter()], fixed.trace_count()
-    with mode:
-        for event in engine.generate(prompt, max_tokens=256, ignore_eos=True, sampling=sampling,
-                                     speculate=speculate):
+    sampling = SamplingConfig(temp=temp, seed=0) if temp > 0 else None
+    stamps, traces = [], fixed.trace_count()
+    with fixed.forced(mode) if mode == "off" else contextlib.nullcontext():
+        for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
+                                     sampling=sampling, speculate=speculate):
             if event.type == "text" and event.tokens:
                 stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # after the first token
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # after the first token
     at = max(range(len(gaps)), key=gaps.__getitem__)
-    print(f"temp {args.temp} fixed {'off' if args.no_fixed else 'on'}: "
-          f"{(len(stamps) - 2) / (stamps[-1] - stamps[1]):.1f} tok/s, longest wait "
-          f"{gaps[at] * 1e3:.0f} ms after text event {at + 1}, traces {fixed.trace_count() - traces}",
-          flush=True)
+    return (f"temp {temp}, {len(prompt)}-token prompt, fixed shapes {mode}: "
+            f"{(len(stamps) - 1) / (stamps[-1] - stamps[0]):.1f} tok/s, longest wait "
+            f"{gaps[at] * 1e3:.0f} ms after text event {at + 1}, "
+            f"traces {fixed.trace_count() - traces}")
+
+
+def main() -> None:
+    engine = foretell.load("demo")
+    code = code_prompts(engine.tokenizer, 3000)["code"]
+    speculate = make_speculator(engine.registry, engine.target, "mtp")
+    for temp in (0.0, 0.8):
+        print("warm-up:", run(engine, speculate, code[:200], temp, "on", 128), flush=True)
+    for temp, length, mode in REQUESTS:
+        print(run(engine, speculate, code[:length], temp, mode), flush=True)
 
 
 if __name__ == "__main__":
