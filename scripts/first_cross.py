@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from stretch_probe import CYCLE
+
 import foretell
 from foretell.config import SamplingConfig
 from foretell.model import fixed
@@ -32,7 +34,7 @@ REQUESTS = ((0.0, 990, "on"), (0.8, 1990, "on"), (0.8, 2990, "off"))
 
 
 def run(engine, speculate, prompt, temp: float, mode: str, tokens: int = 256) -> str:
-    object.__setattr__(speculate, "policy", ScriptedPolicy(6, [3, 3, 3, 3, 0] * 200))
+    object.__setattr__(speculate, "policy", ScriptedPolicy(6, CYCLE * 200))
     sampling = SamplingConfig(temp=temp, seed=0) if temp > 0 else None
     stamps, traces = [], fixed.trace_count()
     with fixed.forced(mode) if mode == "off" else contextlib.nullcontext():
