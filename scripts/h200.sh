@@ -17,6 +17,8 @@
 #   paired     python -m foretell.spec.bench, the adaptive rows paired (REPEATS, default 11;
 #              ROWS, default "plain two-model self plain-t0.8 two-model-t0.8 mtp-t0.8")
 #   mtpoff     scripts/mtp_off_ab.py (ROUNDS, default 21)
+#   firstcross scripts/first_cross.py: requests crossing new KV capacities (~2 min)
+#   stretch    scripts/stretch_probe.py (ROUNDS, default 5)
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
 #              KV_BITS=4|8: the KV quantized, as --kv-bits)
 #   x CMD...   anything else, with the environment set
@@ -72,6 +74,12 @@ cache4b)
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
+  ;;
+firstcross)
+  (cd scripts && timeout 300 taskset -c 4-7 $PY first_cross.py) 2>&1 | grep -v Warning | tee "$OUT/first-cross.log" | tail -8
+  ;;
+stretch)
+  (cd scripts && timeout 400 taskset -c 4-7 $PY stretch_probe.py "${ROUNDS:-5}") 2>&1 | tee "$OUT/stretch-probe.log" | tail -12
   ;;
 x)
   shift; eval "$@"
