@@ -115,3 +115,47 @@ def test_a_plain_runs_first_step_is_not_timed(engines, model_dirs, registry, mon
     stretches = [seconds for drafted, seconds in told if drafted == 0]
     assert len(stretches) == 2
     assert max(stretches) < slow / PLAIN_STRETCH / 2, stretches
+
+
+def test_a_single_step_after_a_drafter_had_nothing_is_not_timed(
+    engines, model_dirs, registry, monkeypatch
+):
+    """When the drafter has nothing to offer (prompt lookup without a match), the verifier
+    takes one plain step and asks again; that step is a run's first, with nothing queued
+    ahead of it, and is not timed either (prompt lookup's plain-step estimate read 59 ms
+    against plain decoding's ~33 on the 2-core Xeon, which makes drafting look better than
+    it is). Here the drafter never has anything, each run's first step costs ``slow``
+    seconds more, and the policy asks for plain steps after each single step: only the
+    stretches after it are timed, and they do not show the slow step."""
+    from foretell.spec import verifier
+    from foretell.spec.warmup import ScriptedPolicy
+
+    slow = 0.4
+    engine = engines["qwen3"]
+    speculator = _use_other_draft(engine, model_dirs, registry)
+
+    class Logged(ScriptedPolicy):
+        def observe(self, drafted, accepted, seconds, **kw):
+            told.append((drafted, seconds))
+
+    told = []
+    object.__setattr__(speculator, "policy", Logged(3, [3, 0] * 20))
+    monkeypatch.setattr(verifier._Verifier, "launch", lambda self, k: None)  # nothing drafted
+    real = verifier.decode_step
+
+    def first_step_slow(*args, **kwargs):
+        step, calls = real(*args, **kwargs), []
+
+        def slowed(tokens):
+            if not calls:
+                time.sleep(slow)
+            calls.append(1)
+            return step(tokens)
+
+        return slowed
+
+    monkeypatch.setattr(verifier, "decode_step", first_step_slow)
+    list(engine.generate([11, 57, 300, 4, 89, 120, 7], speculate=speculator, max_tokens=30,
+                         ignore_eos=True))
+    plain = [seconds for drafted, seconds in told if drafted == 0]
+    assert plain and max(plain) < slow / PLAIN_STRETCH / 2, plain
