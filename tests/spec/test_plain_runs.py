@@ -76,26 +76,11 @@ def test_a_plain_stretch_chosen_right_after_a_drafted_round_runs(engines, model_
     assert timed[:6] == [3, 3, 0, 3, 3, 0]
 
 
-def test_a_plain_runs_first_step_is_not_timed(engines, model_dirs, registry, monkeypatch):
-    """A plain stretch is timed from its first token on: that step also pays for switching
-    from drafting (nothing was queued ahead of it), which plain decoding's steps do not. On
-    the H200 that step took 2.2 ms against 1.05 for the others, the plain-step estimate read
-    2.03 ms against plain decoding's 1.12, and sampled MTP drafted on at 0.80x plain. Here
-    each plain run's first step is made to cost ``slow`` seconds more; the stretch's
-    per-step time must not show it."""
+def _each_runs_first_step_slowed(monkeypatch, slow: float) -> None:
+    """Every plain run's first step costs ``slow`` seconds more (its step function's first
+    call sleeps)."""
     from foretell.spec import verifier
-    from foretell.spec.warmup import ScriptedPolicy
 
-    slow = 0.4
-    engine = engines["qwen3"]
-    speculator = _use_other_draft(engine, model_dirs, registry)
-
-    class Logged(ScriptedPolicy):
-        def observe(self, drafted, accepted, seconds, **kw):
-            told.append((drafted, seconds))
-
-    told = []
-    object.__setattr__(speculator, "policy", Logged(3, [3, 3, 0, 3, 3, 0, 3]))
     real = verifier.decode_step
 
     def first_step_slow(*args, **kwargs):
@@ -110,11 +95,40 @@ def test_a_plain_runs_first_step_is_not_timed(engines, model_dirs, registry, mon
         return slowed
 
     monkeypatch.setattr(verifier, "decode_step", first_step_slow)
-    prompt = [11, 57, 300, 4, 89, 120, 7]
-    list(engine.generate(prompt, speculate=speculator, max_tokens=40, ignore_eos=True))
-    stretches = [seconds for drafted, seconds in told if drafted == 0]
-    assert len(stretches) == 2
-    assert max(stretches) < slow / PLAIN_STRETCH / 2, stretches
+
+
+def _plain_times(speculator, script: list[int]) -> list[float]:
+    """Give ``speculator`` a policy that chooses ``script`` and returns the seconds per step
+    it is told of plain stretches, in a list filled as it hears them."""
+    from foretell.spec.warmup import ScriptedPolicy
+
+    told: list[float] = []
+
+    class Logged(ScriptedPolicy):
+        def observe(self, drafted, accepted, seconds, **kw):
+            if drafted == 0:
+                told.append(seconds)
+
+    object.__setattr__(speculator, "policy", Logged(3, script))
+    return told
+
+
+def test_a_plain_runs_first_step_is_not_timed(engines, model_dirs, registry, monkeypatch):
+    """A plain stretch is timed from its first token on: that step also pays for switching
+    from drafting (nothing was queued ahead of it), which plain decoding's steps do not. On
+    the H200 that step took 2.2 ms against 1.05 for the others, the plain-step estimate read
+    2.03 ms against plain decoding's 1.12, and sampled MTP drafted on at 0.80x plain. Here
+    each plain run's first step is made to cost ``slow`` seconds more; the stretch's
+    per-step time must not show it."""
+    slow = 0.4
+    engine = engines["qwen3"]
+    speculator = _use_other_draft(engine, model_dirs, registry)
+    plain = _plain_times(speculator, [3, 3, 0, 3, 3, 0, 3])
+    _each_runs_first_step_slowed(monkeypatch, slow)
+    list(engine.generate([11, 57, 300, 4, 89, 120, 7], speculate=speculator, max_tokens=40,
+                         ignore_eos=True))
+    assert len(plain) == 2
+    assert max(plain) < slow / PLAIN_STRETCH / 2, plain
 
 
 def test_a_single_step_after_a_drafter_had_nothing_is_not_timed(
@@ -128,34 +142,13 @@ def test_a_single_step_after_a_drafter_had_nothing_is_not_timed(
     seconds more, and the policy asks for plain steps after each single step: only the
     stretches after it are timed, and they do not show the slow step."""
     from foretell.spec import verifier
-    from foretell.spec.warmup import ScriptedPolicy
 
     slow = 0.4
     engine = engines["qwen3"]
     speculator = _use_other_draft(engine, model_dirs, registry)
-
-    class Logged(ScriptedPolicy):
-        def observe(self, drafted, accepted, seconds, **kw):
-            told.append((drafted, seconds))
-
-    told = []
-    object.__setattr__(speculator, "policy", Logged(3, [3, 0] * 20))
+    plain = _plain_times(speculator, [3, 0] * 20)
     monkeypatch.setattr(verifier._Verifier, "launch", lambda self, k: None)  # nothing drafted
-    real = verifier.decode_step
-
-    def first_step_slow(*args, **kwargs):
-        step, calls = real(*args, **kwargs), []
-
-        def slowed(tokens):
-            if not calls:
-                time.sleep(slow)
-            calls.append(1)
-            return step(tokens)
-
-        return slowed
-
-    monkeypatch.setattr(verifier, "decode_step", first_step_slow)
+    _each_runs_first_step_slowed(monkeypatch, slow)
     list(engine.generate([11, 57, 300, 4, 89, 120, 7], speculate=speculator, max_tokens=30,
                          ignore_eos=True))
-    plain = [seconds for drafted, seconds in told if drafted == 0]
     assert plain and max(plain) < slow / PLAIN_STRETCH / 2, plain
