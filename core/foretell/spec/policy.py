@@ -23,9 +23,10 @@ is ``STALE_ROUNDS`` old), as often as a budget of about 1% of the decoding time 
 plain steps is not timed, as it also pays for switching back (a model drafter catches up
 on the plain tokens); so a probe from plain steps is two rounds, the second one timed. The
 other way round, the verifier never times a plain run's first step (nor the lone step taken
-when a drafter had nothing): it starts with nothing queued ahead of it (measured, each stretch's first step on the 2-core Xeon: 1.8
-plain steps; on the H200 the policy's plain-step estimate read 2.03 ms against plain
-decoding's 1.12, and sampled MTP drafted on at 0.80x plain).
+when a drafter had nothing): it starts with nothing queued ahead of it (measured, each
+stretch's first step on the 2-core Xeon: 1.8 plain steps; on the H200 the policy's
+plain-step estimate read 2.03 ms against plain decoding's 1.12, and sampled MTP drafted on
+at 0.80x plain).
 
 Drafting that went off comes back once it pays (a drafter may disagree at the start of a
 continuation and agree later: MTP on the demo's code prompt accepted ~1 of 6 drafts over
