@@ -15,30 +15,19 @@ On the H200 (2026-12-03) sampled MTP requests that drafted a little decoded at 0
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
-from take_turns import decode_tps, take_turns
+from take_turns import decode_tps, demo_probe, take_turns
 
-import foretell
 from foretell.config import SamplingConfig
 from foretell.model import fixed
-from foretell.spec import make_speculator
-from foretell.spec.bench import code_prompts
 from foretell.spec.warmup import ScriptedPolicy
 
 ROWS = ("plain", "mtp-off", "mtp-3-off", "mtp-3-off-nofixed", "two-model-off", "two-model-3-off")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rounds", nargs="?", type=int, default=11)
-    ap.add_argument("--temp", type=float, default=0.8)
-    args = ap.parse_args()
-    engine = foretell.load("demo")
-    prompt = code_prompts(engine.tokenizer, 992)["code"]
-    speculators = {kind: make_speculator(engine.registry, engine.target, kind)
-                   for kind in ("mtp", "two-model")}
+    args, engine, prompt, speculators = demo_probe(11)
     dropped = [0]
 
     def run(row: str, seed: int) -> float:

@@ -18,7 +18,6 @@ decoding's median gap between tokens, all in one process at a new prompt length 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -26,11 +25,11 @@ import statistics
 import time
 from typing import Any
 
-import foretell
+from take_turns import demo_probe
+
 from foretell.config import SamplingConfig
 from foretell.model import fixed
-from foretell.spec import make_speculator, verifier
-from foretell.spec.bench import code_prompts
+from foretell.spec import verifier
 from foretell.spec.warmup import ScriptedPolicy
 
 ROWS = ("plain", "mtp-alt", "mtp-alt-nofixed", "two-model-alt")
@@ -57,14 +56,7 @@ def recorded_runs(runs: list[tuple[float, list[float]]]):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rounds", nargs="?", type=int, default=5)
-    ap.add_argument("--temp", type=float, default=0.8)
-    args = ap.parse_args()
-    engine = foretell.load("demo")
-    prompt = code_prompts(engine.tokenizer, 992)["code"]
-    speculators = {kind: make_speculator(engine.registry, engine.target, kind)
-                   for kind in ("mtp", "two-model")}
+    args, engine, prompt, speculators = demo_probe(5)
     found: dict[str, dict[str, list[float]]] = {row: {} for row in ROWS}
     dropped = 0
     for index in range(args.rounds + 1):  # the first round warms every shape up, untallied

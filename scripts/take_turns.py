@@ -52,3 +52,25 @@ def take_turns(rows: Sequence[str], run: Callable[[str, int], float], rounds: in
     with open(os.path.join(os.environ.get("OUT", "/tmp"), out_name), "w") as out:
         json.dump(report, out, indent=1)
     return report
+
+
+def demo_probe(default_rounds: int) -> tuple[Any, Any, list[int], dict[str, Any]]:
+    """The probes' shared start: ``ROUNDS`` and ``--temp`` (default 0.8) from the command
+    line, the demo engine, its 992-token code prompt and a speculator per model drafter
+    (``mtp``, ``two-model``, without the warm-up). Returns ``(args, engine, prompt,
+    speculators)``."""
+    import argparse
+
+    import foretell
+    from foretell.spec import make_speculator
+    from foretell.spec.bench import code_prompts
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rounds", nargs="?", type=int, default=default_rounds)
+    ap.add_argument("--temp", type=float, default=0.8)
+    args = ap.parse_args()
+    engine = foretell.load("demo")
+    prompt = code_prompts(engine.tokenizer, 992)["code"]
+    speculators = {kind: make_speculator(engine.registry, engine.target, kind)
+                   for kind in ("mtp", "two-model")}
+    return args, engine, prompt, speculators
