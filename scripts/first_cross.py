@@ -19,6 +19,9 @@ something of sampled rounds. MTP drafts 3 a round, with a plain stretch after ev
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
+import tempfile
 import time
 
 from stretch_probe import CYCLE
@@ -33,10 +36,21 @@ from foretell.spec.warmup import ScriptedPolicy
 REQUESTS = ((0.0, 990, "on"), (0.8, 1990, "on"), (0.8, 2990, "off"))
 
 
+def compiled_kernels() -> tuple[int, int]:
+    """Files in MLX-CUDA's kernel cache (NVRTC output, ``MLX_PTX_CACHE_DIR`` or
+    ``<tmp>/mlx/<version>/ptx``) and bytes in the CUDA driver's (``~/.nv/ComputeCache``):
+    what grew during a request is what it compiled."""
+    ptx = os.environ.get("MLX_PTX_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "mlx")
+    driver = os.environ.get("CUDA_CACHE_PATH") or os.path.expanduser("~/.nv/ComputeCache")
+    files = [f for f in glob.glob(os.path.join(ptx, "**"), recursive=True) if os.path.isfile(f)]
+    return len(files), sum(os.path.getsize(f) for f in glob.glob(
+        os.path.join(driver, "**"), recursive=True) if os.path.isfile(f))
+
+
 def run(engine, speculate, prompt, temp: float, mode: str, tokens: int = 256) -> str:
     object.__setattr__(speculate, "policy", ScriptedPolicy(6, CYCLE * 200))
     sampling = SamplingConfig(temp=temp, seed=0) if temp > 0 else None
-    stamps, traces = [], fixed.trace_count()
+    stamps, traces, (ptx, driver) = [], fixed.trace_count(), compiled_kernels()
     with fixed.forced(mode) if mode == "off" else contextlib.nullcontext():
         for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True,
                                      sampling=sampling, speculate=speculate):
@@ -44,10 +58,13 @@ def run(engine, speculate, prompt, temp: float, mode: str, tokens: int = 256) ->
                 stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # after the first token
     at = max(range(len(gaps)), key=gaps.__getitem__)
+    long = [g for g in gaps if g > 0.1]
+    ptx_now, driver_now = compiled_kernels()
     return (f"temp {temp}, {len(prompt)}-token prompt, fixed shapes {mode}: "
             f"{(len(stamps) - 1) / (stamps[-1] - stamps[0]):.1f} tok/s, longest wait "
-            f"{gaps[at] * 1e3:.0f} ms after text event {at + 1}, "
-            f"traces {fixed.trace_count() - traces}")
+            f"{gaps[at] * 1e3:.0f} ms after text event {at + 1}, {len(long)} waits over "
+            f"100 ms ({sum(long):.1f} s), traces {fixed.trace_count() - traces}, "
+            f"kernels compiled {ptx_now - ptx} (driver cache +{(driver_now - driver) >> 10} KiB)")
 
 
 def main() -> None:
