@@ -429,3 +429,16 @@ def test_new_lengths_never_repeat_a_length_across_scenarios_in_one_process(tiny_
     for side in bench.SIDES:
         timed = [d for d in drops[side] if d]
         assert timed == [1, 2, 3, 4], drops  # warm-ups whole, then every round a new length
+
+
+def test_on_a_gpu_the_blas_line_says_it_is_not_used(monkeypatch):
+    """The CPU's BLAS does no work when MLX runs on a GPU: the report says so instead of the
+    CPU's import-order story (the H200's reports read "mlx was imported before foretell")."""
+    import mlx.core as mx
+
+    from foretell.tools import bench as tools
+
+    assert "not used" not in tools.runtime_info()["blas"]  # the CPU: the BLAS it bound
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert tools.runtime_info()["blas"] == "not used: the matmuls run on the GPU (cuda)"
