@@ -10,7 +10,8 @@ on the GPU and takes its host address (as the restore reserve does), then per th
 block's KV heads are, with no read, and ``both`` does what a read does (read, send, hash).
 Then, on 8 threads, ``both`` with the copies on fewer streams shared by the readers (one per
 reader today) and with more staging slots per reader (two today: a reader waits on the copy
-of the piece before last). Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
+of the piece before last); then reads of several pieces at once, hashed or not, copied into
+place or whole into device memory (``grouped``). Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
 host copy the reference staging makes.
 """
 
@@ -122,7 +123,71 @@ def main() -> None:
                 line.append(f"{slots} slots {took * 1e3:6.1f} ms ({pieces * PIECE / took / 1e9:5.1f} GB/s)")
             print(f" 8 threads, both, copies on {streams or 'own'} streams: " + ", ".join(line),
                   flush=True)
+        grouped(file.name, pieces, destinations, on_gpu, pool, chunks)
         pool.shutdown()
+
+
+def grouped(path: str, pieces: int, destinations, on_gpu: bool, pool, chunks) -> None:
+    """8 threads, reads of ``group`` pieces at once (one ``preadv`` of group MiB, then each
+    piece's copy and hash), with and without the hash; and the same reads copied whole into
+    device memory (``cuMemAlloc``, one 1-D copy per read): whether per-piece calls or the
+    managed, strided destination bound a read."""
+    import ctypes
+
+    import xxhash
+
+    from foretell.platform import cuda
+
+    driver = cuda._DRIVER[0] if on_gpu else None
+    device = ctypes.c_uint64()
+    if driver is not None:
+        driver.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        driver.check(driver.lib.cuMemAlloc_v2(ctypes.byref(device), pieces * PIECE), "cuMemAlloc")
+    local = threading.local()
+
+    def work(chunk: range, group: int, hashed: bool, target: str) -> None:
+        stages = local.__dict__.setdefault("stages", {})
+        if group not in stages:
+            stages[group] = (type("Slots", (cuda.CudaStaging,), {})(driver) if driver
+                             else cuda.Staging())
+        stage = stages[group]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for first in range(chunk.start, chunk.stop, group):
+                count = min(group, chunk.stop - first)
+                slot = stage.slot(count * PIECE)
+                os.preadv(fd, [slot], first * PIECE)
+                if target == "device" and driver is not None:
+                    index = (stage._turn - 1) % stage.SLOTS
+                    driver.check(driver.lib.cuMemcpyHtoDAsync_v2(
+                        device.value + first * PIECE, cuda._address(slot), count * PIECE,
+                        stage._stream), "cuMemcpyHtoDAsync")
+                    driver.check(driver.lib.cuEventRecord(stage._events[index], stage._stream),
+                                 "cuEventRecord")
+                    stage._sent[index] = True
+                else:
+                    for j in range(count):
+                        stage.send(slot[j * PIECE:(j + 1) * PIECE], destinations(first + j))
+                if hashed:
+                    for j in range(count):
+                        xxhash.xxh3_64_intdigest(slot[j * PIECE:(j + 1) * PIECE])
+        finally:
+            stage.finish()
+            os.close(fd)
+
+    for target in ("managed", "device") if driver else ("managed",):
+        for hashed in (True, False):
+            line = []
+            for group in (1, 2, 4, 8):
+                turns = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    list(pool.map(lambda c, g=group, h=hashed, t=target: work(c, g, h, t), chunks))
+                    turns.append(time.perf_counter() - start)
+                took = statistics.median(turns)
+                line.append(f"{group} MiB {took * 1e3:5.1f} ms ({pieces * PIECE / took / 1e9:4.1f} GB/s)")
+            print(f" 8 threads, reads of G MiB into {target}{'' if hashed else ', no hash'}: "
+                  + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":
