@@ -673,13 +673,16 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                 pieces: list[list[memoryview]], verify: bool = True,
                 staged: bool = False) -> None:
     """Read one block: its header must be the one its manifest implies; each piece's bytes go
-    to its runs (``pieces``, in file order) and are checksummed right after they land, while
-    still in the cache; together they must match the manifest's checksum. ``staged``: each
-    piece is read into this thread's staging slot, its copy into its runs started (on a CUDA
-    GPU, by DMA: ``foretell.platform.cuda``), and the slot hashed in one call while the copy
-    runs (no later piece overwrites the slot before that copy has finished; a block that
-    fails its checksum is never returned, whatever landed); otherwise it is read straight
-    into its runs and hashed there.
+    to its runs (``pieces``, in file order) and is checksummed right after its read, while
+    still in the cache; together they must match the manifest's checksum. ``staged``:
+    consecutive pieces are read in one call into this thread's staging slot (up to
+    ``cuda.SLOT_BYTES``, :func:`_read_groups`), each piece's copy into its runs is started
+    (on a CUDA GPU, by DMA: ``foretell.platform.cuda``) and the piece hashed in one call
+    while the copies run (no later read overwrites the slot before its copies have finished;
+    a block that fails its checksum is never returned, whatever landed). Otherwise each
+    piece is read straight into its runs and hashed there: reading several at once there
+    made verified reads slower, the first pieces leaving the cache before they were hashed
+    (2-core Xeon, the demo's 50 MB entry: 18.7 against 17.8 ms).
 
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
@@ -697,17 +700,21 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         offset = _read_runs(fd, [memoryview(seen)], 0, ref)
         if seen != header:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-        for runs in pieces:
+        for group in _read_groups(pieces, cuda.SLOT_BYTES if stage else 0):
             if stage is None:
-                offset = _read_runs(fd, runs, offset, ref)
+                offset = _read_runs(fd, group[0], offset, ref)
                 if verify:
-                    checksums.append(fmt.checksum(*runs))
+                    checksums.append(fmt.checksum(*group[0]))
                 continue
-            slot = stage.slot(sum(run.nbytes for run in runs))
+            sizes = [sum(run.nbytes for run in runs) for runs in group]
+            slot, views, begin = stage.slot(sum(sizes)), [], 0
             offset = _read_runs(fd, [slot], offset, ref)
-            stage.send(slot, runs)  # the copy reads the slot while the checksum does
+            for runs, size in zip(group, sizes):
+                views.append(slot[begin:begin + size])
+                begin += size
+                stage.send(views[-1], runs)  # the copies read the slot while the checksums do
             if verify:
-                checksums.append(fmt.checksum(slot))
+                checksums.extend(fmt.checksum(view) for view in views)
     finally:
         try:
             if stage is not None:
@@ -716,6 +723,23 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
             os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+
+
+def _read_groups(pieces: list[list[memoryview]], limit: int
+                 ) -> Iterator[list[list[memoryview]]]:
+    """Consecutive pieces (they lie back to back in the file), as many as fit ``limit``
+    bytes (a larger piece alone): a reader reads each group in one call."""
+    group: list[list[memoryview]] = []
+    size = 0
+    for runs in pieces:
+        nbytes = sum(run.nbytes for run in runs)
+        if group and size + nbytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(runs)
+        size += nbytes
+    if group:
+        yield group
 
 
 def _read_runs(fd: int, runs: list[memoryview], offset: int, ref: mf.BlockRef) -> int:

@@ -147,6 +147,61 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     assert layout.read(key) is None
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs, monkeypatch,
+                                                                   staged):
+    """A staged reader reads as many consecutive pieces as fit one staging slot in one call
+    (on the H200, 604 MB landed in 46 ms in reads of 4 MiB against 73 in reads of 1 MiB),
+    each piece still copied and checked on its own: with slots of one byte every piece is a
+    read of its own, with large ones each block is its header and one read. A reader that
+    lands pieces straight in their tensors reads one at a time (it hashes each while still
+    in the cache). All serve exactly what was written; a byte flipped in a piece past the
+    first read is refused."""
+    import os as os_module
+    import threading
+
+    from foretell.platform import cuda
+    from foretell_blockstore import layout as layout_module
+    from foretell_blockstore import manifest as mf
+
+    reads, sent, local, host_buffers = [], [], threading.local(), mf.host_buffers
+    preadv = os_module.preadv
+
+    class Counting(cuda.Staging):
+        def send(self, slot, runs):
+            sent.append(slot.nbytes)
+            super().send(slot, runs)
+
+    def counted(fd, buffers, offset):
+        reads.append(offset)
+        return preadv(fd, buffers, offset)
+
+    def staging():
+        if not hasattr(local, "staging"):
+            local.staging = Counting()
+        return local.staging
+
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: staged)
+    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
+    monkeypatch.setattr(layout_module.os, "preadv", counted)
+    entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
+    assert layout.write(entry) is True
+    key = layout.key_for(entry.tokens)
+    blocks = len(layout._load_manifest(key).blocks)
+    for slot_bytes in (1, 64 << 20):
+        monkeypatch.setattr(cuda, "SLOT_BYTES", slot_bytes)
+        reads.clear()
+        sent.clear()
+        assert_same_entry(layout.read(key), entry)
+        pieces = 2 * len(entry.layers) * blocks  # K and V of every layer, in every block
+        assert len(reads) == blocks + (blocks if staged and slot_bytes > 1 else pieces)
+        assert len(sent) == (pieces if staged else 0)  # copied piece by piece either way
+    monkeypatch.setattr(cuda, "SLOT_BYTES", 1 << 10)
+    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
+    assert layout.read(key) is None
+
+
 def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_path):
     """A layout opening where an engine runs loads the CUDA driver (and pins the staging
     arena) then, not on the first restore; one opened by a process without MLX, such as

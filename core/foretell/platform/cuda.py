@@ -51,7 +51,7 @@ class Staging:
         self._turn += 1
         self._wait(index)
         if self._slots[index] is None or len(self._slots[index]) < nbytes:
-            self._slots[index] = self._allocate(index, nbytes)
+            self._slots[index] = self._allocate(index, max(nbytes, SLOT_BYTES))
         return memoryview(self._slots[index]).cast("B")[:nbytes]
 
     def send(self, slot: memoryview, runs: list[memoryview]) -> None:
@@ -84,10 +84,15 @@ class _Memcpy2D(ctypes.Structure):
 
 
 _MEMORY_HOST, _MEMORY_UNIFIED = 1, 4
+#: The least a staging slot holds, and so the most a reader reads in one call: on the H200
+#: host, 8 readers landing 604 MB on the GPU took 73 ms in reads of 1 MiB and 46 ms in reads
+#: of 4 MiB (each 1 MiB piece still copied and hashed on its own; 49 ms at 8 MiB;
+#: docs/block-store.md, "Reads").
+SLOT_BYTES = 4 << 20
 #: Page-locked bytes pinned once, when the driver loads, and carved into reader slots: one
 #: allocation instead of two per reader (16 calls of 1 MiB took 12-29 ms of a fresh
-#: process's first restore on the H200 host). 32 MiB: two slots of 2 MiB for 8 readers.
-ARENA_BYTES = 32 << 20
+#: process's first restore on the H200 host). Two slots for each of 8 readers.
+ARENA_BYTES = 8 * 2 * SLOT_BYTES
 _STREAM_NON_BLOCKING, _EVENT_DISABLE_TIMING = 1, 2
 
 
