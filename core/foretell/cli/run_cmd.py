@@ -218,6 +218,12 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = N
     from foretell.generate import load
 
     path = model_path(model)  # a bad name fails before anything heavy
+    if not quiet:
+        from foretell.platform.device import cold_cuda_note
+
+        note = cold_cuda_note()
+        if note:
+            print(note, file=sys.stderr)
     kv_bits = cache.kv_bits if cache is not None else None
     with ProgressLine.for_terminal(f"loading {path.name}", quiet=quiet) as bar:
         engine = load(path, registry=registry, progress=bar, kv_bits=kv_bits)
