@@ -700,11 +700,12 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         offset = _read_runs(fd, [memoryview(seen)], 0, ref)
         if seen != header:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-        for group in _read_groups(pieces, cuda.SLOT_BYTES if stage else 0):
+        for group in _read_groups(pieces) if stage else ([runs] for runs in pieces):
             if stage is None:
-                offset = _read_runs(fd, group[0], offset, ref)
+                (runs,) = group
+                offset = _read_runs(fd, runs, offset, ref)
                 if verify:
-                    checksums.append(fmt.checksum(*group[0]))
+                    checksums.append(fmt.checksum(*runs))
                 continue
             sizes = [sum(run.nbytes for run in runs) for runs in group]
             slot, views, begin = stage.slot(sum(sizes)), [], 0
@@ -725,15 +726,15 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 
 
-def _read_groups(pieces: list[list[memoryview]], limit: int
-                 ) -> Iterator[list[list[memoryview]]]:
-    """Consecutive pieces (they lie back to back in the file), as many as fit ``limit``
-    bytes (a larger piece alone): a reader reads each group in one call."""
+def _read_groups(pieces: list[list[memoryview]]) -> Iterator[list[list[memoryview]]]:
+    """Consecutive pieces (they lie back to back in the file), as many as fit one staging
+    slot (``cuda.SLOT_BYTES``; a larger piece alone): a staged reader reads each group in
+    one call."""
     group: list[list[memoryview]] = []
     size = 0
     for runs in pieces:
         nbytes = sum(run.nbytes for run in runs)
-        if group and size + nbytes > limit:
+        if group and size + nbytes > cuda.SLOT_BYTES:
             yield group
             group, size = [], 0
         group.append(runs)
