@@ -1,8 +1,12 @@
 """Requests that each draft past a KV capacity the process has not yet traced: their longest
-wait and the fixed-shape traces meanwhile (H200 question, not a test).
+wait, the fixed-shape traces meanwhile and the kernels compiled (H200 question, not a test).
 
 On the H200 (2026-12-03 13:34) a sampled MTP request that first drafted past 1,024 tokens in
 its process waited 29.6 s once, with 12 traces, where fixed shapes off waited at most 9 ms.
+Answered at 15:43 by this script, run twice on a fresh host: the wait (36.6 s) came with the
+first MLX-CUDA work of the host's first process, the CUDA driver compiling MLX's kernels
+(its cache grew 180 MiB), whatever request that was; traces of new capacities compiled
+nothing, and the second process waited at most 88 ms (docs/benchmarks.md).
 This process first warms up on a short prompt (greedy and sampled, drafting, no capacity
 past 1,024), then runs, each crossing a new capacity step of ``foretell.model.fixed``:
 
