@@ -123,7 +123,8 @@ class FixedForward:
         for cache in caches:
             # A whole multiple of CAPACITY_STEP, also after plain steps or a head's chained
             # steps grew it by 256: any other capacity would be one more trace per window
-            # length, and on CUDA new kernels.
+            # length (each ~0.1 s; on the H200 a new capacity's traces compiled no kernels,
+            # scripts/first_cross.py, 2026-12-03).
             cache.reserve(offset + length, CAPACITY_STEP)
         self._arity = len(arrays)
         buffers = [b for c in caches for b in (c.keys, c.values)]
