@@ -106,12 +106,11 @@ def test_a_piece_checksum_is_its_runs_bytes_hashed_as_one():
     assert fmt.checksum(*runs[::-1]) != fmt.checksum(*runs)
 
 
-def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byte(
-        layout, codecs, monkeypatch):
-    """On a CUDA GPU each piece is read into the reader thread's staging slot, copied into
-    its tensor's runs by the staging (foretell.platform.cuda, by DMA) and hashed there. Here
-    the host staging stands in for the GPU's: every piece goes through it, into the right
-    places, and a damaged block is still refused."""
+def _host_staging(monkeypatch, *, landing: bool) -> tuple[list[int], list[int]]:
+    """The host staging stands in for the GPU's (``foretell.platform.cuda``), one per reader
+    thread, with buffers made on the host; ``landing``: whether reads take it. Returns the
+    bytes of each piece sent (its slot holding exactly its runs' bytes) and, at each wait
+    for a block's copies, how many pieces had been sent."""
     import threading
 
     from foretell.platform import cuda
@@ -133,9 +132,19 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
             local.staging = Counting()
         return local.staging
 
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: landing)
     monkeypatch.setattr(cuda, "staging", staging)
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
+    return sent, finished
+
+
+def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byte(
+        layout, codecs, monkeypatch):
+    """On a CUDA GPU each piece is read into the reader thread's staging slot, copied into
+    its tensor's runs by the staging (foretell.platform.cuda, by DMA) and hashed there. Here
+    the host staging stands in for the GPU's: every piece goes through it, into the right
+    places, and a damaged block is still refused."""
+    sent, finished = _host_staging(monkeypatch, landing=True)
     entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)
@@ -158,32 +167,17 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
     in the cache). All serve exactly what was written; a byte flipped in a piece past the
     first read is refused."""
     import os as os_module
-    import threading
 
     from foretell.platform import cuda
     from foretell_blockstore import layout as layout_module
-    from foretell_blockstore import manifest as mf
 
-    reads, sent, local, host_buffers = [], [], threading.local(), mf.host_buffers
-    preadv = os_module.preadv
-
-    class Counting(cuda.Staging):
-        def send(self, slot, runs):
-            sent.append(slot.nbytes)
-            super().send(slot, runs)
+    reads, preadv = [], os_module.preadv
 
     def counted(fd, buffers, offset):
         reads.append(offset)
         return preadv(fd, buffers, offset)
 
-    def staging():
-        if not hasattr(local, "staging"):
-            local.staging = Counting()
-        return local.staging
-
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: staged)
-    monkeypatch.setattr(cuda, "staging", staging)
-    monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
+    sent, _finished = _host_staging(monkeypatch, landing=staged)
     monkeypatch.setattr(layout_module.os, "preadv", counted)
     entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
     assert layout.write(entry) is True
