@@ -700,22 +700,21 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         offset = _read_runs(fd, [memoryview(seen)], 0, ref)
         if seen != header:
             raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-        for group in _read_groups(pieces) if stage else ([runs] for runs in pieces):
-            if stage is None:
-                (runs,) = group
+        if stage is None:
+            for runs in pieces:
                 offset = _read_runs(fd, runs, offset, ref)
                 if verify:
                     checksums.append(fmt.checksum(*runs))
-                continue
-            sizes = [sum(run.nbytes for run in runs) for runs in group]
-            slot, views, begin = stage.slot(sum(sizes)), [], 0
-            offset = _read_runs(fd, [slot], offset, ref)
-            for runs, size in zip(group, sizes):
-                views.append(slot[begin:begin + size])
-                begin += size
-                stage.send(views[-1], runs)  # the copies read the slot while the checksums do
-            if verify:
-                checksums.extend(fmt.checksum(view) for view in views)
+        else:
+            for group in _read_groups(pieces):
+                slot, views, begin = stage.slot(sum(size for _runs, size in group)), [], 0
+                offset = _read_runs(fd, [slot], offset, ref)
+                for runs, size in group:
+                    views.append(slot[begin:begin + size])
+                    begin += size
+                    stage.send(views[-1], runs)  # the copies read the slot while it is hashed
+                if verify:
+                    checksums.extend(fmt.checksum(view) for view in views)
     finally:
         try:
             if stage is not None:
@@ -726,18 +725,19 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 
 
-def _read_groups(pieces: list[list[memoryview]]) -> Iterator[list[list[memoryview]]]:
-    """Consecutive pieces (they lie back to back in the file), as many as fit one staging
-    slot (``cuda.SLOT_BYTES``; a larger piece alone): a staged reader reads each group in
-    one call."""
-    group: list[list[memoryview]] = []
+def _read_groups(pieces: list[list[memoryview]]
+                 ) -> Iterator[list[tuple[list[memoryview], int]]]:
+    """Consecutive pieces (they lie back to back in the file) with their sizes, as many as
+    fit one staging slot (``cuda.SLOT_BYTES``; a larger piece alone): a staged reader reads
+    each group in one call."""
+    group: list[tuple[list[memoryview], int]] = []
     size = 0
     for runs in pieces:
         nbytes = sum(run.nbytes for run in runs)
         if group and size + nbytes > cuda.SLOT_BYTES:
             yield group
             group, size = [], 0
-        group.append(runs)
+        group.append((runs, nbytes))
         size += nbytes
     if group:
         yield group
