@@ -148,8 +148,7 @@ def grouped(path: str, pieces: int, destinations, on_gpu: bool, pool, chunks) ->
     def work(chunk: range, group: int, hashed: bool, target: str) -> None:
         stages = local.__dict__.setdefault("stages", {})
         if group not in stages:
-            stages[group] = (type("Slots", (cuda.CudaStaging,), {})(driver) if driver
-                             else cuda.Staging())
+            stages[group] = cuda.CudaStaging(driver) if driver else cuda.Staging()
         stage = stages[group]
         fd = os.open(path, os.O_RDONLY)
         try:
