@@ -10,8 +10,8 @@ on the GPU and takes its host address (as the restore reserve does), then per th
 block's KV heads are, with no read, and ``both`` does what a read does (read, send, hash).
 Then, on 8 threads, ``both`` with the copies on fewer streams shared by the readers (one per
 reader today) and with more staging slots per reader (two today: a reader waits on the copy
-of the piece before last); then reads of several pieces at once, hashed or not, copied into
-place or whole into device memory (``grouped``). Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
+of the piece before last); then, per thread count, reads of several pieces at once, hashed
+or not, copied into place or whole into device memory (``grouped``). Numbers only, never assertions (docs/block-store.md). Without a CUDA driver, "dma" is the
 host copy the reference staging makes.
 """
 
@@ -123,15 +123,16 @@ def main() -> None:
                 line.append(f"{slots} slots {took * 1e3:6.1f} ms ({pieces * PIECE / took / 1e9:5.1f} GB/s)")
             print(f" 8 threads, both, copies on {streams or 'own'} streams: " + ", ".join(line),
                   flush=True)
-        grouped(file.name, pieces, destinations, on_gpu, pool, chunks)
         pool.shutdown()
+        for count in threads:
+            grouped(file.name, pieces, destinations, on_gpu, count)
 
 
-def grouped(path: str, pieces: int, destinations, on_gpu: bool, pool, chunks) -> None:
-    """8 threads, reads of ``group`` pieces at once (one ``preadv`` of group MiB, then each
-    piece's copy and hash), with and without the hash; and the same reads copied whole into
-    device memory (``cuMemAlloc``, one 1-D copy per read): whether per-piece calls or the
-    managed, strided destination bound a read."""
+def grouped(path: str, pieces: int, destinations, on_gpu: bool, readers: int) -> None:
+    """``readers`` threads, reads of ``group`` pieces at once (one ``preadv`` of group MiB,
+    then each piece's copy and hash), with and without the hash; and the same reads copied
+    whole into device memory (``cuMemAlloc``, one 1-D copy per read): whether per-piece calls
+    or the managed, strided destination bound a read."""
     import ctypes
 
     import xxhash
@@ -144,6 +145,9 @@ def grouped(path: str, pieces: int, destinations, on_gpu: bool, pool, chunks) ->
         driver.lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
         driver.check(driver.lib.cuMemAlloc_v2(ctypes.byref(device), pieces * PIECE), "cuMemAlloc")
     local = threading.local()
+    pool = ThreadPoolExecutor(readers)
+    per = -(-pieces // readers)
+    chunks = [range(i, min(i + per, pieces)) for i in range(0, pieces, per)]
 
     def work(chunk: range, group: int, hashed: bool, target: str) -> None:
         stages = local.__dict__.setdefault("stages", {})
@@ -185,8 +189,9 @@ def grouped(path: str, pieces: int, destinations, on_gpu: bool, pool, chunks) ->
                     turns.append(time.perf_counter() - start)
                 took = statistics.median(turns)
                 line.append(f"{group} MiB {took * 1e3:5.1f} ms ({pieces * PIECE / took / 1e9:4.1f} GB/s)")
-            print(f" 8 threads, reads of G MiB into {target}{'' if hashed else ', no hash'}: "
+            print(f"{readers:2d} threads, reads of G MiB into {target}{'' if hashed else ', no hash'}: "
                   + ", ".join(line), flush=True)
+    pool.shutdown()
 
 
 if __name__ == "__main__":

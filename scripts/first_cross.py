@@ -4,9 +4,11 @@ wait, the fixed-shape traces meanwhile and the kernels compiled (H200 question, 
 On the H200 (2026-12-03 13:34) a sampled MTP request that first drafted past 1,024 tokens in
 its process waited 29.6 s once, with 12 traces, where fixed shapes off waited at most 9 ms.
 Answered at 15:43 by this script, run twice on a fresh host: the wait (36.6 s) came with the
-first MLX-CUDA work of the host's first process, the CUDA driver compiling MLX's kernels
-(its cache grew 180 MiB), whatever request that was; traces of new capacities compiled
-nothing, and the second process waited at most 88 ms (docs/benchmarks.md).
+first MLX-CUDA work of the host's first process, whatever request that was; traces of new
+capacities compiled nothing, and the second process waited at most 88 ms. The wait is
+MLX compiling kernels with NVRTC, two quantized matmuls of ~33 s each among them (its
+"kernels compiled" counts files, three per kernel; the driver's cache, read then as the
+cause, costs 0.4 s: docs/benchmarks.md, "A fresh CUDA host's first run").
 This process first warms up on a short prompt (greedy and sampled, drafting, no capacity
 past 1,024), then runs, each crossing a new capacity step of ``foretell.model.fixed``:
 

@@ -21,6 +21,8 @@
 #   stretch    scripts/stretch_probe.py (ROUNDS, default 5)
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
 #              KV_BITS=4|8: the KV quantized, as --kv-bits)
+#   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
+#              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
 set -uo pipefail
 STASH=${STASH:-$HOME/stash}
@@ -80,6 +82,17 @@ firstcross)
   ;;
 stretch)
   (cd scripts && timeout 400 taskset -c 4-7 $PY stretch_probe.py "${ROUNDS:-5}") 2>&1 | tee "$OUT/stretch-probe.log" | tail -12
+  ;;
+firstrun)
+  TIMEFORMAT="%R s wall, %U s user"
+  once() { time (timeout 400 $PY -m foretell run --max-tokens 16 -p Hello 2>&1 | grep -v "^[A-Z]" | tail -3); }
+  kept() { ls -l --time-style=+%T ~/.cache/foretell/mlx-kernels/* | grep -c ptx; du -sh ~/.nv/ComputeCache; }
+  listing() { ls -l --time-style=+%T ~/.cache/foretell/mlx-kernels/* | awk '/ptx|done/ {print $6, $7}'; }
+  { echo "1. kernel caches empty"; rm -rf ~/.nv/ComputeCache ~/.cache/foretell/mlx-kernels /tmp/mlx
+    date -u +%T; once; kept; listing
+    echo "2. again"; once
+    echo "3. both emptied, precompiling off"; rm -rf ~/.nv/ComputeCache ~/.cache/foretell/mlx-kernels /tmp/mlx
+    date -u +%T; FORETELL_PRECOMPILE_KERNELS=off once; kept; listing; } 2>&1 | tee "$OUT/first-run.log"
   ;;
 x)
   shift; eval "$@"

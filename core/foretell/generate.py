@@ -25,6 +25,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.errors import GenerationError, ModelNotFound
+from foretell.platform import kernels
 from foretell.sampling import Sampler, decode_step
 from foretell.tokenizer import Tokenizer
 
@@ -462,6 +463,7 @@ class Engine:
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
+        kernels.wait()  # for kernels compiling in parallel since load (a CUDA GPU only)
         eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
         speculator = self.speculator if speculate is True else (speculate or None)
         sampler = Sampler(sampling)
@@ -669,6 +671,7 @@ def load(
     from foretell.platform import blas
 
     blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)
+    kernels.keep_compiled_kernels()  # before MLX compiles anything (a CUDA GPU only)
     path = resolve_model_path(model)
     if registry is None:
         from foretell.plugin.loader import load_plugins
@@ -676,4 +679,5 @@ def load(
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)
     model_ = load_model(path, registry, progress=progress)
+    kernels.precompile(model_)  # started now, waited for by the first request
     return Engine(model_, tokenizer, registry=registry, path=path, **engine_options)

@@ -233,6 +233,21 @@ def prepare() -> None:
         gpu_landing()
 
 
+def compute_capability() -> tuple[int, int] | None:
+    """The first visible GPU's compute capability (9, 0 on an H200), asked of the driver;
+    None where no driver answers."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        device, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if (lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(device), 0)
+                or lib.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # ..._MAJOR
+                or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)):  # ..._MINOR
+            return None
+    except (OSError, AttributeError):
+        return None
+    return major.value, minor.value
+
+
 def _load_driver() -> _Driver | None:
     from foretell.platform.device import on_cuda
 

@@ -12,25 +12,19 @@ def on_cuda() -> bool:
 
 
 def cold_cuda_note() -> str | None:
-    """One line for a person about to wait, where this host's CUDA driver has compiled
-    nothing yet; else None. MLX's first CUDA work on a host makes the driver compile MLX's
-    kernel library for the GPU, once: on an H200 the first request of a fresh host's first
-    process took 36.6 s and left 180 MiB in ``~/.nv/ComputeCache``, and no later process
-    waited (docs/speculation.md, "Fixed shapes on CUDA"). Not a measurement: a GPU whose
-    kernels MLX ships compiled would not wait."""
-    import os
-    from pathlib import Path
+    """One line for a person about to wait, where MLX has compiled no kernels on this CUDA
+    host yet; else None. Points MLX at foretell's kept kernel directory first
+    (:func:`foretell.platform.kernels.keep_compiled_kernels`): its having no compiled kernel
+    is what makes a first run wait. The CUDA driver's own cache does not matter much: emptied
+    alone, the next run took 2.6 s against 2.3 (docs/benchmarks.md, "A fresh CUDA host's
+    first run")."""
+    from foretell.platform.kernels import keep_compiled_kernels
 
-    if not on_cuda():
+    kept = keep_compiled_kernels()
+    if kept is None or (kept.is_dir() and any(kept.glob("*.ptx"))):
         return None
-    if os.environ.get("CUDA_CACHE_DISABLE") == "1":
-        return ("foretell: CUDA_CACHE_DISABLE=1, so every run compiles MLX's kernels for the "
-                "GPU again (about 40 s on an H200)")
-    cache = Path(os.environ.get("CUDA_CACHE_PATH") or Path.home() / ".nv" / "ComputeCache")
-    if cache.is_dir() and any(cache.iterdir()):
-        return None
-    return (f"foretell: the CUDA driver's kernel cache ({cache}) is empty, so this first run "
-            "on the host compiles MLX's kernels for the GPU (about 40 s on an H200, once)")
+    return (f"foretell: MLX has compiled no kernels for this GPU yet ({kept}), so this first "
+            "run compiles them (about 75 s on an H200, once; later runs reuse them)")
 
 
 def device_mode(variable: str, *, cuda: str, elsewhere: str, choices: tuple[str, ...]) -> str:

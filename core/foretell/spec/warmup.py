@@ -87,6 +87,11 @@ def warm_up(engine: Any, speculator: Any, progress: Any = None) -> None:
     hears of each step. Elsewhere, nothing."""
     if not compiles_per_shape():
         return
+    from foretell.platform import kernels
+
+    # The draft's quantized matmuls beside the target's, started at load; the first
+    # generate below waits for them all.
+    kernels.precompile(speculator.provider)
     total = speculator.max_tokens + 1
     cache, engine.cache = engine.cache, None
     try:
