@@ -19,7 +19,6 @@ first block to its manifest's rename, so a concurrent writer's blocks are never 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
@@ -678,10 +677,9 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     still in the cache; together they must match the manifest's checksum. ``staged``:
     consecutive pieces are read in one call into this thread's staging slot (up to
     ``cuda.SLOT_BYTES``, :func:`_read_groups`), each piece's copy into its runs is started
-    (on a CUDA GPU, by DMA: ``foretell.platform.cuda``) and the pieces are hashed on the
-    store's hash pool while this thread reads on into its other slot (no later read
-    overwrites a slot before its copies have finished and its pieces are hashed; a block
-    that fails its checksum is never returned, whatever landed). Otherwise each
+    (on a CUDA GPU, by DMA: ``foretell.platform.cuda``) and the piece hashed in one call
+    while the copies run (no later read overwrites the slot before its copies have finished;
+    a block that fails its checksum is never returned, whatever landed). Otherwise each
     piece is read straight into its runs and hashed there: reading several at once there
     made verified reads slower, the first pieces leaving the cache before they were hashed
     (2-core Xeon, the demo's 50 MB entry: 18.7 against 17.8 ms).
@@ -708,10 +706,7 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                 if verify:
                     checksums.append(fmt.checksum(*runs))
         else:
-            hashing: collections.deque = collections.deque()  # per slot in use, its digests
             for group in _read_groups(pieces):
-                while len(hashing) >= stage.SLOTS:  # the slot this read takes is hashed
-                    checksums.extend(hashing.popleft().result())
                 slot, views, begin = stage.slot(sum(size for _runs, size in group)), [], 0
                 offset = _read_runs(fd, [slot], offset, ref)
                 for runs, size in group:
@@ -719,9 +714,7 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                     begin += size
                     stage.send(views[-1], runs)  # the copies read the slot while it is hashed
                 if verify:
-                    hashing.append(fmt.hash_pool().submit(_digests, views))
-            while hashing:
-                checksums.extend(hashing.popleft().result())
+                    checksums.extend(fmt.checksum(view) for view in views)
     finally:
         try:
             if stage is not None:
@@ -730,10 +723,6 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
             os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
-
-
-def _digests(views: list[memoryview]) -> list[str]:
-    return [fmt.checksum(view) for view in views]
 
 
 def _read_groups(pieces: list[list[memoryview]]

@@ -196,38 +196,6 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
     assert layout.read(key) is None
 
 
-def test_a_staged_reader_reads_on_while_its_slots_are_hashed_and_never_overwrites_one_unhashed(
-        layout, codecs, monkeypatch):
-    """On the GPU path a reader hands each slot's pieces to the store's hash pool and reads
-    on into its other slot, waiting for a slot's digests before reading into it again. With
-    a slow hash and a read per piece (slots of one byte, many per block), a slot read into
-    before its pieces were hashed would hash later bytes and refuse the block."""
-    import threading
-    import time
-
-    from foretell.platform import cuda
-    from foretell.store import format as fmt
-
-    _host_staging(monkeypatch, landing=True)
-    hashed_on, checksum = set(), fmt.checksum
-
-    def slow(*parts):
-        if isinstance(parts[0], memoryview):  # a piece (a block's digest of digests: bytes)
-            time.sleep(0.002)
-            hashed_on.add(threading.current_thread().name.rsplit("_", 1)[0])
-        return checksum(*parts)
-
-    entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
-    assert layout.write(entry) is True
-    key = layout.key_for(entry.tokens)
-    monkeypatch.setattr(cuda, "SLOT_BYTES", 1)
-    monkeypatch.setattr(fmt, "checksum", slow)
-    assert_same_entry(layout.read(key), entry)
-    assert hashed_on == {"foretell-store-hash"}  # not on the readers
-    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
-    assert layout.read(key) is None
-
-
 def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_path):
     """A layout opening where an engine runs loads the CUDA driver (and pins the staging
     arena) then, not on the first restore; one opened by a process without MLX, such as

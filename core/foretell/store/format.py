@@ -369,12 +369,6 @@ def io_pool() -> Any:
     return _pool("foretell-store")
 
 
-def hash_pool() -> Any:
-    """Threads that hash what a reader staged while the reader reads on (a block store's
-    GPU-landing reads): reading and hashing overlap instead of taking turns."""
-    return _pool("foretell-store-hash")
-
-
 def write_pool() -> Any:
     """The store's writer threads (a block store's blocks in parallel), each at
     :func:`background_priority`; reads keep their own pool at normal priority."""
