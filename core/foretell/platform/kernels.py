@@ -191,8 +191,9 @@ def _marker(kind: QuantizedMatmul, rows: int) -> str:
 
 
 def merge(source: Path, kept: Path) -> int:
-    """Move each file of ``source`` into ``kept`` that ``kept`` lacks, each landing whole
-    (written beside it, then renamed); returns how many landed."""
+    """Copy each file of ``source`` that ``kept`` lacks into ``kept``, each landing whole
+    (written beside it, then renamed, so MLX never reads half a file); returns how many
+    landed."""
     if not source.is_dir():
         return 0
     kept.mkdir(parents=True, exist_ok=True)
