@@ -105,6 +105,17 @@ def test_a_failed_worker_is_not_marked(forced):
     assert not forced.exists() or not any(forced.iterdir())
 
 
+def test_no_python_to_start_means_no_workers_and_no_error(forced, monkeypatch):
+    """An embedded interpreter may have no ``sys.executable`` to run: ``load`` goes on."""
+    import sys
+
+    before = set(Path(tempfile.gettempdir()).glob("foretell-kernels-*"))
+    monkeypatch.setattr(sys, "executable", str(forced / "no-such-python"))
+    assert kernels.precompile(_Provider()) == 0
+    assert kernels._PENDING == [] and kernels.wait() == 0
+    assert set(Path(tempfile.gettempdir()).glob("foretell-kernels-*")) == before
+
+
 def test_nothing_starts_when_off_or_off_cuda(monkeypatch, tmp_path):
     monkeypatch.delenv("FORETELL_PRECOMPILE_KERNELS", raising=False)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))

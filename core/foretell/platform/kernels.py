@@ -112,8 +112,8 @@ def precompile(*owners: Any) -> int:
     """Start compiling the quantized matmuls of ``owners`` at every row tile, one worker
     process each, all at once, and return how many started; :func:`wait` lands them. Nothing
     starts off a CUDA GPU (unless ``FORETELL_PRECOMPILE_KERNELS=on`` and ``MLX_PTX_CACHE_DIR``
-    names a directory), with ``FORETELL_PRECOMPILE_KERNELS=off``, or for a kernel marked
-    compiled before or on its way. Until then the engine computes as ever: a kernel it
+    names a directory), with ``FORETELL_PRECOMPILE_KERNELS=off``, where no Python process
+    can be started, or for a kernel marked compiled before or on its way. Until then the engine computes as ever: a kernel it
     needs first compiles in the engine's process too, and a worker's never overwrites it."""
     from foretell.platform.device import device_mode
 
@@ -126,18 +126,14 @@ def precompile(*owners: Any) -> int:
     started = 0
     with _LOCK:
         pending = {worker.marker for worker in _PENDING}
-        for kind in quantized_matmuls(*owners):
-            for rows in TILE_ROWS:
-                marker = _marker(kind, rows)
-                if marker in pending or (kept / marker).exists():
-                    continue
-                own = Path(tempfile.mkdtemp(prefix="foretell-kernels-"))
-                env = dict(os.environ, **{PTX_CACHE: str(own), PRECOMPILE: "off"})
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "foretell.platform.kernels", *_arguments(kind, rows)],
-                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                _PENDING.append(_Worker(process, own, marker, kept))
-                started += 1
+        jobs = [(kind, rows) for kind in quantized_matmuls(*owners) for rows in TILE_ROWS
+                if _marker(kind, rows) not in pending and not (kept / _marker(kind, rows)).exists()]
+        for kind, rows in jobs:
+            worker = _start(kind, rows, kept)
+            if worker is None:
+                break
+            _PENDING.append(worker)
+            started += 1
     if started and not _EXIT_HOOK:
         atexit.register(_abandon)
         _EXIT_HOOK.append(True)
@@ -183,6 +179,21 @@ def _abandon() -> None:
         worker.process.wait()
         shutil.rmtree(worker.own, ignore_errors=True)
     _PENDING.clear()
+
+
+def _start(kind: QuantizedMatmul, rows: int, kept: Path) -> _Worker | None:
+    """One worker compiling ``kind`` at ``rows`` rows into a directory of its own; None where
+    no Python process can be started (an embedded interpreter): then there are no workers."""
+    own = Path(tempfile.mkdtemp(prefix="foretell-kernels-"))
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "foretell.platform.kernels", *_arguments(kind, rows)],
+            env=dict(os.environ, **{PTX_CACHE: str(own), PRECOMPILE: "off"}),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError:
+        shutil.rmtree(own, ignore_errors=True)
+        return None
+    return _Worker(process, own, _marker(kind, rows), kept)
 
 
 def _marker(kind: QuantizedMatmul, rows: int) -> str:
