@@ -116,6 +116,20 @@ def test_no_python_to_start_means_no_workers_and_no_error(forced, monkeypatch):
     assert set(Path(tempfile.gettempdir()).glob("foretell-kernels-*")) == before
 
 
+def test_a_kept_directory_that_cannot_be_written_costs_nothing_but_the_kernels(forced,
+                                                                               monkeypatch):
+    """A full or read-only disk under the kept directory: the first request is not failed
+    (its engine compiles what it needs), nothing is marked."""
+    kernels.precompile(_Model())
+
+    def full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kernels, "merge", full)
+    assert kernels.wait() == 0 and kernels._PENDING == []
+    assert not forced.exists() or not any(forced.glob("*.done"))
+
+
 def test_nothing_starts_when_off_or_off_cuda(monkeypatch, tmp_path):
     monkeypatch.delenv("FORETELL_PRECOMPILE_KERNELS", raising=False)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))

@@ -142,8 +142,9 @@ def precompile(*owners: Any) -> int:
 
 def wait() -> int:
     """Wait for every worker :func:`precompile` started; merge into the kept directory what
-    each compiled and mark its kernel done there. Returns how many compiled (a worker that
-    failed costs its time only: the engine compiles that kernel when it needs it)."""
+    each compiled and mark its kernel done there. Returns how many compiled and were kept (a
+    worker that failed, or a kept directory that cannot be written, costs its time only: the
+    engine compiles that kernel when it needs it)."""
     compiled = 0
     with _LOCK:
         while _PENDING:
@@ -154,6 +155,8 @@ def wait() -> int:
                     worker.kept.mkdir(parents=True, exist_ok=True)
                     (worker.kept / worker.marker).touch()
                     compiled += 1
+            except OSError:
+                pass  # a full or read-only disk: not kept; the engine compiles it when needed
             finally:
                 shutil.rmtree(worker.own, ignore_errors=True)
     return compiled
@@ -183,8 +186,11 @@ def _abandon() -> None:
 
 def _start(kind: QuantizedMatmul, rows: int, kept: Path) -> _Worker | None:
     """One worker compiling ``kind`` at ``rows`` rows into a directory of its own; None where
-    no Python process can be started (an embedded interpreter): then there are no workers."""
-    own = Path(tempfile.mkdtemp(prefix="foretell-kernels-"))
+    none can start (no Python to run in an embedded interpreter, no temporary directory)."""
+    try:
+        own = Path(tempfile.mkdtemp(prefix="foretell-kernels-"))
+    except OSError:
+        return None
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "foretell.platform.kernels", *_arguments(kind, rows)],
