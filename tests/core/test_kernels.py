@@ -65,7 +65,10 @@ def test_the_kept_directory_is_per_mlx_version_and_gpu_and_the_users_choice_wins
 
 
 def test_each_kind_of_quantized_matmul_is_found_once_with_a_layers_sizes():
-    found = {k.bits: k for k in kernels.quantized_matmuls(_Provider(), None)}
+    class Slotted:  # a third party's provider may have no __dict__
+        __slots__ = ("depth",)
+
+    found = {k.bits: k for k in kernels.quantized_matmuls(_Provider(), None, Slotted())}
     assert sorted(found) == [4, 8]
     assert (found[4].outputs, found[4].inputs) in {(256, 128), (128, 128)}  # one 4-bit layer's
     assert (found[8].outputs, found[8].inputs) == (64, 128)

@@ -237,8 +237,9 @@ def _modules(owners: Iterable[Any]) -> Iterator[Any]:
     for owner in owners:
         if isinstance(owner, nn.Module):
             yield owner
-        elif owner is not None:
-            yield from (value for value in vars(owner).values() if isinstance(value, nn.Module))
+        else:  # a provider of slots (no __dict__) holds no module this finds
+            held = getattr(owner, "__dict__", {}).values()
+            yield from (value for value in held if isinstance(value, nn.Module))
 
 
 def _compile_one(argv: list[str]) -> None:
