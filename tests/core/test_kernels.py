@@ -62,6 +62,8 @@ def test_the_kept_directory_is_per_mlx_version_and_gpu_and_the_users_choice_wins
     assert os.environ["MLX_PTX_CACHE_DIR"] == str(kept)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "mine"))
     assert kernels.keep_compiled_kernels() == tmp_path / "mine"  # the user's setting wins
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty is unset (the XDG rule)
+    assert kernels.cache_home() == Path.home() / ".cache" / "foretell"
 
 
 def test_each_kind_of_quantized_matmul_is_found_once_with_a_layers_sizes():

@@ -36,6 +36,8 @@ from typing import Any
 
 import attrs
 
+from foretell.platform import cache_home
+
 #: Rows of a quantized matmul that pick each of ``qmm_sm80``'s row tiles (MLX 0.32: the
 #: tile is the next power of two of the rows, between 16 and 64; fewer than 8 rows take a
 #: precompiled kernel).
@@ -63,10 +65,6 @@ class QuantizedMatmul:
         return self.bits, self.group_size, self.mode, self.dtype
 
 
-def cache_home() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-
-
 def keep_compiled_kernels() -> Path | None:
     """On a CUDA GPU, the directory MLX keeps its compiled kernels in, setting
     ``MLX_PTX_CACHE_DIR`` to foretell's kept one where the user has not set it; None
@@ -83,7 +81,7 @@ def keep_compiled_kernels() -> Path | None:
 
     arch = cuda.compute_capability()
     name = f"mlx-{mx.__version__}-sm_{arch[0]}{arch[1]}" if arch else f"mlx-{mx.__version__}"
-    folder = cache_home() / "foretell" / "mlx-kernels" / name
+    folder = cache_home() / "mlx-kernels" / name
     os.environ[PTX_CACHE] = str(folder)
     return folder
 
@@ -134,9 +132,6 @@ def precompile(*owners: Any) -> int:
                 break
             _PENDING.append(worker)
             started += 1
-    if started and not _EXIT_HOOK:
-        atexit.register(_abandon)
-        _EXIT_HOOK.append(True)
     return started
 
 
@@ -172,7 +167,6 @@ class _Worker:
 
 _PENDING: list[_Worker] = []
 _LOCK = threading.Lock()
-_EXIT_HOOK: list[bool] = []
 
 
 def _abandon() -> None:
@@ -182,6 +176,9 @@ def _abandon() -> None:
         worker.process.wait()
         shutil.rmtree(worker.own, ignore_errors=True)
     _PENDING.clear()
+
+
+atexit.register(_abandon)  # nothing to do unless workers were left running
 
 
 def _start(kind: QuantizedMatmul, rows: int, kept: Path) -> _Worker | None:

@@ -37,6 +37,8 @@ from typing import Any
 
 import attrs
 
+from foretell.platform import cache_home
+
 SIDES = ("foretell", "mlx-lm")
 #: On the CPU a third side: mlx-lm on the same OpenBLAS foretell binds, so the table shows
 #: the engine's own gain apart from the BLAS's (the mlx-lm row is what users get).
@@ -46,7 +48,7 @@ SAME_BLAS = "mlx-lm+openblas"
 #: tokens generated its verify windows meet none of the timed run's key lengths.
 COLD_WARMUP_TOKENS = 32
 #: Default synthetic cache: random weights are made once per (shape, dtype).
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "foretell" / "bench"
+CACHE_DIR = cache_home() / "bench"
 
 Steps = Generator[int, None, "dict[str, Any] | None"]
 Runner = Callable[[Any, list[int], int], Steps]
