@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 
 from foretell.platform import cuda
+from foretell.store import digest
 from foretell.store import format as fmt
 from foretell.store import reserve as rsv
 from foretell.store.entry import (
@@ -129,6 +130,8 @@ class _Indexed:
     blocks: tuple[mf.BlockRef, ...]
     #: What a read of it takes from the restore reserve (mf.buffer_bytes).
     buffer_bytes: int = 0
+    #: Its largest tensor's bytes (what a device digest of its tensors must be ready for).
+    largest_tensor: int = 0
 
 
 class BlockStoreLayout:
@@ -161,8 +164,10 @@ class BlockStoreLayout:
         #: Buffers filled before a restore needs them (replenish); None until the first.
         self.reserve: rsv.BufferReserve | None = None
         #: Where the last read's time went, ms per step in order (manifest, buffers,
-        #: queued, blocks, arrays); the cache benchmark reports it for fresh processes.
+        #: queued, blocks, digests, arrays); the cache benchmark reports it for fresh
+        #: processes, with what checked the bytes of the last read.
         self.last_read_ms: dict[str, float] = {}
+        self.last_check = ""
         cuda.prepare()
 
     @classmethod
@@ -254,7 +259,8 @@ class BlockStoreLayout:
                                          meta=json.loads(json.dumps(dict(la.meta))))
                              for la in entry.layers),
                 nbytes=stat.st_size + sum(r.nbytes for r in blocks), last_used=stat.st_mtime),
-            manifest_bytes=stat.st_size, blocks=blocks, buffer_bytes=mf.buffer_bytes(groups))
+            manifest_bytes=stat.st_size, blocks=blocks, buffer_bytes=mf.buffer_bytes(groups),
+            largest_tensor=mf.largest_tensor(groups))
         with self._lock:
             if self._index is not None:
                 self._index[key] = indexed
@@ -303,7 +309,10 @@ class BlockStoreLayout:
         the first time and after a restore took from it; a no-op otherwise, so a
         conversation whose stored entries grow every turn does not pay a fill at each
         request's end. Runs MLX: the tier calls it where MLX runs and no request waits
-        (:class:`foretell.store.layout.KeepsRestoreReserve`)."""
+        (:class:`foretell.store.layout.KeepsRestoreReserve`). Where reads are checked by
+        device digests, their weights and kernels are made ready here too."""
+        if digest.enabled():
+            digest.prepare(max((i.largest_tensor for i in self._indexed()), default=0) // 4)
         on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
         with self._lock:  # engines sharing a tier may finish requests on two threads
             if self.reserve is None:
@@ -381,7 +390,8 @@ class BlockStoreLayout:
                                    nbytes=stat.st_size + manifest.tensor_bytes,
                                    last_used=stat.st_mtime),
                 manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks),
-                buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups))
+                buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups),
+                largest_tensor=mf.largest_tensor(group for group, _refs in manifest.groups))
         with self._lock:
             self._index = found
             self._manifests = {k: v for k, v in self._manifests.items() if k in found}
@@ -495,18 +505,22 @@ class BlockStoreLayout:
         return manifest
 
     def _assemble(self, manifest: mf.Manifest, *, verify: bool = True,
-                  started: float | None = None) -> list[LayerState]:
+                  started: float | None = None, on_device: bool = True) -> list[LayerState]:
         """Read every block into its tensors' MLX-owned buffers, blocks in parallel on the
-        pool, each checking its header and its checksum piece by piece; all pass before
-        anything is returned (``verify=False``: no checksums, the benchmark's only). On a
-        CUDA GPU the buffers are born there and each piece reaches them by DMA from a
-        page-locked slot (``foretell.platform.cuda``); elsewhere pieces are read straight
-        into them."""
+        pool, each checking its header and size; all checks pass before anything is
+        returned. The bytes are checked by the manifest's device digests where it has them
+        and :func:`foretell.store.digest.enabled` (a CUDA GPU: every tensor digested where
+        it landed, after the last block), by each piece's checksum as it lands otherwise
+        (``verify=False``: neither, the benchmark's only; ``on_device=False``: the
+        checksums). On a CUDA GPU the buffers are born there and each piece reaches them by
+        DMA from a page-locked slot (``foretell.platform.cuda``); elsewhere pieces are read
+        straight into them."""
         import mlx.core as mx
 
         marks = [started if started is not None else time.perf_counter(), time.perf_counter()]
         staged = cuda.gpu_landing()
-        specs = [spec for group, _refs in manifest.groups for spec in group.tensors]
+        by_digest = verify and on_device and manifest.digests is not None and digest.enabled()
+        specs = manifest.specs
         buffers = {(s.layer, s.name): b for s, b in zip(
             specs, mf.host_buffers(specs, on_gpu=staged, reserve=self.reserve))}
         flats = {key: flat for key, (_array, flat) in buffers.items()}
@@ -516,12 +530,23 @@ class BlockStoreLayout:
             for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
                 jobs.append(fmt.io_pool().submit(
                     _read_block, self.block_path(ref.id), ref, mf.block_header(group, begin, end),
-                    mf.destinations(group, begin, end, flats), verify, staged))
+                    mf.destinations(group, begin, end, flats), verify and not by_digest, staged))
         marks.append(time.perf_counter())
         futures.wait(jobs)
         marks.append(time.perf_counter())
         for job in jobs:
             job.result()  # raises _BadBlock for the first damaged block, in order
+        if by_digest:
+            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs])
+            bad = next((s for s, got, want in zip(specs, found or [None] * len(specs),
+                                                  manifest.digests) if got != want), None)
+            if bad is not None:
+                self._locate_damage(manifest)
+                raise CorruptEntry(f"tensor layers.{bad.layer}.{bad.name} fails its device "
+                                   f"digest (every block passes its checksum)")
+        self.last_check = ("none" if not verify else f"{digest.SCHEME} on the device"
+                           if by_digest else f"{fmt.CHECKSUM} per piece")
+        marks.append(time.perf_counter())
         layers, arrays = [], []
         for index, (layer, table) in enumerate(zip(manifest.layers,
                                                    manifest.fields["layers"])):
@@ -536,8 +561,14 @@ class BlockStoreLayout:
         mx.eval(arrays)
         marks.append(time.perf_counter())
         self.last_read_ms = {step: (end - begin) * 1e3 for step, begin, end in zip(
-            ("manifest", "buffers", "queued", "blocks", "arrays"), marks, marks[1:])}
+            ("manifest", "buffers", "queued", "blocks", "digests", "arrays"), marks, marks[1:])}
         return layers
+
+    def _locate_damage(self, manifest: mf.Manifest) -> None:
+        """After a device digest failed: read the blocks again, each checked by its own
+        checksum, so a damaged block is named (:class:`_BadBlock`) and deleted with the
+        entry instead of being reused by later writes of the same bytes."""
+        self._assemble(manifest, on_device=False)
 
     def _drop(self, key: str, reason: str, *, bad_block: str | None = None) -> None:
         """Never serve this entry again: delete its manifest (and a damaged block, which

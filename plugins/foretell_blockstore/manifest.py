@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import xxhash
 
+from foretell.store import digest
 from foretell.store import format as fmt
 from foretell.store.entry import Entry, LayerHeader, StoreIdentity
 from foretell.store.layout import CorruptEntry, UnknownVersion
@@ -67,6 +68,7 @@ _BLOCK_KEY = "foretell.block"
 NAMINGS = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 #: How new blocks are named.
 BLOCK_NAMING = "xxh3-128"
+_DIGEST = re.compile("^[0-9a-f]{16}$")
 _BLOCK_IDS = {name: re.compile(f"^[0-9a-f]{{{2 * hasher().digest_size}}}$")
               for name, hasher in NAMINGS.items()}
 _MX_DTYPES = {"BOOL": "bool_", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
@@ -291,6 +293,12 @@ def buffer_bytes(groups: Iterator[Group] | tuple[Group, ...]) -> int:
                for spec in group.tensors)
 
 
+def largest_tensor(groups: Iterator[Group] | tuple[Group, ...]) -> int:
+    """The bytes of the largest tensor of an entry of these groups."""
+    return max((spec.piece_bytes(0, spec.rows) for group in groups for spec in group.tensors),
+               default=0)
+
+
 def to_array(buffer: mx.array, spec: TensorSpec) -> mx.array:
     """The tensor a filled :func:`host_buffers` buffer holds (a view of it, no copy)."""
     import mlx.core as mx
@@ -315,6 +323,14 @@ class Manifest:
     layers: tuple[LayerHeader, ...]
     groups: tuple[tuple[Group, tuple[BlockRef, ...]], ...]
     block_rows: int
+    #: Device digests (foretell.store.digest) of every grouped tensor in group order, or
+    #: None when the writer recorded none (or of a scheme this reader does not know).
+    digests: tuple[int, ...] | None = None
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """Every stored tensor, group by group (the order of ``digests``)."""
+        return [spec for group, _refs in self.groups for spec in group.tensors]
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -362,6 +378,17 @@ def render(entry: Entry, identity: StoreIdentity, block_rows: int, created_at: f
             for group, refs in groups
         ],
     }
+    found = [entry.digests.get((spec.layer, spec.name)) for group, _refs in groups
+             for spec in group.tensors]
+    if found and None not in found:
+        # Optional and additive: a reader that does not know the field checks the blocks'
+        # checksums as before, so the format version stays.
+        fields["device_digest"] = digest.SCHEME
+        at = 0
+        for group, listed in zip(fields["groups"], groups):
+            count = len(listed[0].tensors)
+            group["digests"] = [f"{d:016x}" for d in found[at:at + count]]
+            at += count
     header_json = json.dumps(fields, separators=(",", ":"))
     index = {"__metadata__": {_VERSION_KEY: FORMAT_VERSION, _HEADER_KEY: header_json,
                               _HASH_KEY: fmt.header_hash(header_json)}}
@@ -442,7 +469,24 @@ def _parse_fields(fields: dict[str, Any]) -> Manifest:
     if unplaced:
         raise CorruptEntry(f"tensors in no block group: {sorted(unplaced)[:3]}")
     return Manifest(fields=fields, layers=tuple(layers), groups=tuple(groups),
-                    block_rows=block_rows)
+                    block_rows=block_rows, digests=_digests(fields, groups))
+
+
+def _digests(fields: dict[str, Any], groups: list[tuple[Group, tuple[BlockRef, ...]]]
+             ) -> tuple[int, ...] | None:
+    """The manifest's device digests in group order; None if it has none of a known scheme.
+
+    :raises CorruptEntry: a scheme this reader knows, with a list that does not fit."""
+    if fields.get("device_digest") != digest.SCHEME:
+        return None
+    found = []
+    for group, (built, _refs) in zip(fields["groups"], groups):
+        listed = group["digests"]
+        if not isinstance(listed, list) or len(listed) != len(built.tensors) or not all(
+                isinstance(d, str) and _DIGEST.match(d) for d in listed):
+            raise CorruptEntry("a block group's device digests do not fit its tensors")
+        found.extend(int(d, 16) for d in listed)
+    return tuple(found)
 
 
 def _size(shape: tuple[int, ...]) -> int:

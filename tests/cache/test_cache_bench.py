@@ -30,7 +30,8 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     assert warm["lookup_s"] >= warm["read_s"] > 0 and warm["ram_hit_after_ttft_s"] > 0
     files = prime["entry_files"]
     if ran == "blocks":  # a manifest and its blocks; the store's account of the read
-        assert list(warm["read_steps_ms"]) == ["manifest", "buffers", "queued", "blocks", "arrays"]
+        assert list(warm["read_steps_ms"]) == [
+            "manifest", "buffers", "queued", "blocks", "digests", "arrays"]
         assert 0 < sum(warm["read_steps_ms"].values()) <= warm["read_s"] * 1e3
         assert files[0].endswith(".safetensors") and len(files) >= 2
         assert all(f.endswith(".blk") for f in files[1:])

@@ -212,6 +212,8 @@ def _verified_reads(layout: Any, key: str, repeats: int) -> dict[str, Any]:
         return time.perf_counter() - start
 
     read(True)
+    # What checked the bytes (the block store: device digests on a GPU, piece checksums).
+    check = getattr(layout, "last_check", "") or fmt.CHECKSUM
     runs: dict[str, list[float]] = {"verified": [], "unverified": []}
     for turn in range(max(READ_TURNS, repeats)):
         # Taking turns, first one then the other, so drift on a shared host hits both.
@@ -219,7 +221,7 @@ def _verified_reads(layout: Any, key: str, repeats: int) -> dict[str, Any]:
             runs["verified" if verify else "unverified"].append(read(verify))
     verified, unverified = _median(runs["verified"]), _median(runs["unverified"])
     return {"verified_s": verified, "unverified_s": unverified,
-            "ratio": verified / unverified, "runs": runs, "checksum": fmt.CHECKSUM}
+            "ratio": verified / unverified, "runs": runs, "checksum": check}
 
 
 def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str, Any] | None:

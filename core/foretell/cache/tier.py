@@ -28,6 +28,7 @@ from foretell.cache.prefix import PrefixCache, match_rank
 from foretell.cache.spill import FlushReport, SpillQueue
 from foretell.cache.ssd import SsdIndex
 from foretell.model.kvcache import trim_all
+from foretell.store import digest
 from foretell.store.entry import Entry, StoreIdentity
 from foretell.store.layout import KeepsRestoreReserve, StorageLayout
 
@@ -291,7 +292,7 @@ class CacheTier:
             if donor is None:
                 missing += 1
                 continue
-            entry = snapshot_entry(tokens, donor.caches, self.codecs, namespace)
+            entry = _ready_for_worker(snapshot_entry(tokens, donor.caches, self.codecs, namespace))
             if self.ssd.write(entry):
                 self._clean((namespace, tokens))
         with self._lock:
@@ -338,15 +339,16 @@ class CacheTier:
 
 def _ready_for_worker(entry: Entry) -> Entry:
     """``entry`` with every tensor evaluated here, on the thread that owns MLX, so the spill
-    worker only reads memory and never runs an MLX op: slices are evaluated views, and a
-    strided bfloat16 view (numpy cannot read it without an MLX op) is made contiguous."""
+    worker only reads memory and never runs an MLX op: slices are evaluated views, a
+    strided bfloat16 view (numpy cannot read it without an MLX op) is made contiguous, and
+    on a GPU the tensors' device digests are computed (foretell.store.digest)."""
     layers = []
     for layer in entry.layers:
         tensors = {name: mx.contiguous(t) if t.dtype == mx.bfloat16 else t
                    for name, t in layer.tensors.items()}
         layers.append(attrs.evolve(layer, tensors=tensors))
     mx.eval([t for layer in layers for t in layer.tensors.values()])
-    return attrs.evolve(entry, layers=layers)
+    return digest.attach(attrs.evolve(entry, layers=layers))
 
 
 #: Namespaces of in-flight generation checkpoints start with this; they never seed prompts.

@@ -100,6 +100,10 @@ class Entry:
     layers: tuple[LayerState, ...] = attrs.field(converter=tuple)
     #: Entries only serve prompts of the same namespace (e.g. a LoRA adapter's identity).
     namespace: str = ""
+    #: Device digests of the tensors by (layer index, tensor name), computed where they live
+    #: before a write (:func:`foretell.store.digest.attach`); a layout may record them so a
+    #: reader on that device checks what landed there. Empty: none were computed.
+    digests: Mapping[tuple[int, str], int] = attrs.field(factory=dict, eq=False)
 
     @property
     def tensor_bytes(self) -> int:

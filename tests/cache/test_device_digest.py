@@ -1,0 +1,97 @@
+"""Device digests (foretell.store.digest): what MLX computes where a tensor lives equals the
+numpy oracle over the tensor's bytes, and every damage a 32-bit weighted sum misses changes
+it."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from foretell.errors import ConfigError
+from foretell.store import digest
+
+
+def _bytes(array: mx.array) -> bytes:
+    """The array's row-major bytes, read by numpy (not by the code under test)."""
+    if array.dtype == mx.bfloat16:
+        return np.asarray(array.view(mx.uint16)).tobytes()
+    return np.asarray(array).tobytes()
+
+
+def test_mlx_digests_equal_the_numpy_oracle_for_every_stored_form():
+    base = mx.random.normal((1, 4, 40, 64), key=mx.random.key(0))
+    arrays = [base.astype(mx.bfloat16), base, base[:, :, :17, :].astype(mx.bfloat16),
+              mx.random.randint(0, 2**31, (1, 4, 40, 8), key=mx.random.key(1)).astype(mx.uint32),
+              base.astype(mx.float16)[:, :, 3:, :]]
+    mx.eval(arrays)
+    assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
+
+
+def test_a_tensor_not_made_of_whole_words_has_no_digest():
+    assert digest.digests([mx.zeros((3,), dtype=mx.uint8), mx.zeros((4,))]) is None
+    with pytest.raises(ValueError, match="32-bit words"):
+        digest.reference(b"abc")
+
+
+def test_any_flipped_bit_changes_the_digest():
+    data = bytearray(random.Random(0).randbytes(64))
+    before = digest.reference(data)
+    for bit in range(8 * len(data)):
+        data[bit // 8] ^= 1 << (bit % 8)
+        assert digest.reference(data) != before, bit
+        data[bit // 8] ^= 1 << (bit % 8)
+
+
+def test_top_bits_flipped_in_two_words_change_it():
+    """The damage a weighted sum of 32-bit words mod 2**32 cannot see (each such flip adds
+    2**31 whatever the odd weight); in 64 bits each word's weight still tells."""
+    data = bytearray(random.Random(1).randbytes(256))
+    before = digest.reference(data)
+    for first, second in [(0, 1), (3, 40), (10, 63), (0, 63)]:
+        damaged = bytearray(data)
+        damaged[4 * first + 3] ^= 0x80
+        damaged[4 * second + 3] ^= 0x80
+        assert digest.reference(damaged) != before, (first, second)
+
+
+def test_words_swapped_between_places_change_it():
+    data = bytearray(b"".join(i.to_bytes(4, "little") for i in range(16)))
+    swapped = bytearray(data)
+    swapped[0:4], swapped[4:8] = data[4:8], data[0:4]
+    assert digest.reference(swapped) != digest.reference(data)
+
+
+def test_attach_digests_every_tensor_where_enabled(monkeypatch):
+    from foretell.cache.codecs import StandardKVCodec, snapshot_entry
+    from foretell.kvcache import KVCache
+
+    caches = [KVCache(), KVCache()]
+    for cache in caches:
+        rows = mx.random.normal((1, 2, 9, 8)).astype(mx.bfloat16)
+        cache.update_and_fetch(rows, -rows)
+    entry = snapshot_entry(list(range(9)), caches, [StandardKVCodec()])
+    monkeypatch.setenv(digest.ENV, "off")
+    assert digest.attach(entry).digests == {}
+    monkeypatch.setenv(digest.ENV, "on")
+    found = digest.attach(entry).digests
+    assert found == {(i, name): digest.reference(_bytes(t))
+                     for i, layer in enumerate(entry.layers) for name, t in layer.tensors.items()}
+    assert found  # two layers' keys and values
+
+
+def test_a_bad_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv(digest.ENV, "sometimes")
+    with pytest.raises(ConfigError, match=digest.ENV):
+        digest.enabled()
+
+
+def test_preparing_builds_the_weights_a_read_of_that_size_needs(monkeypatch):
+    monkeypatch.setattr(digest, "_WEIGHTS", [])
+    digest.prepare(5000)
+    assert digest._WEIGHTS and digest._WEIGHTS[0].size >= 5000
+    kept = digest._WEIGHTS[0]
+    digest.prepare(100)  # smaller: nothing rebuilt
+    assert digest._WEIGHTS[0] is kept
