@@ -90,8 +90,21 @@ def test_a_bad_setting_names_the_variable(monkeypatch):
 
 def test_preparing_builds_the_weights_a_read_of_that_size_needs(monkeypatch):
     monkeypatch.setattr(digest, "_WEIGHTS", [])
+    monkeypatch.setattr(digest, "_PREPARED", [0])
     digest.prepare(5000)
     assert digest._WEIGHTS and digest._WEIGHTS[0].size >= 5000
     kept = digest._WEIGHTS[0]
     digest.prepare(100)  # smaller: nothing rebuilt
     assert digest._WEIGHTS[0] is kept
+
+
+@pytest.mark.skipif(not (mx.cuda.is_available() and mx.default_device() == mx.gpu),
+                    reason="the fused kernel runs on a CUDA GPU")
+def test_the_cuda_kernel_equals_the_oracle_over_several_launches():
+    sizes = [1, 3, 255, 4096, 65_537, 300_001, *([2048] * 12)]  # more than one launch
+    arrays = [mx.random.randint(0, 2**31, (n,), key=mx.random.key(n)).astype(mx.uint32)
+              for n in sizes]
+    arrays.append(mx.random.normal((2, 4, 64, 128)).astype(mx.bfloat16))
+    mx.eval(arrays)
+    assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
+    assert digest._KERNEL_STATE[0] == "works"
