@@ -20,8 +20,10 @@ written. The name is computed at write time only; 128 bits make two different bl
 names equal by accident as unlikely as damage passing a read's checks. Manifests written
 before 2026-12-03 name their blocks by SHA-256 (``block_id`` says which) and read as they
 are. The manifest records each block's size and its checksum, the XXH3-64 of its pieces'
-XXH3-64s (a piece: one tensor's rows in the block, contiguous in the file), which every
-read verifies piece by piece as each lands.
+XXH3-64s (a piece: one tensor's rows in the block, contiguous in the file), which a read
+verifies piece by piece as each lands. A manifest written on a CUDA GPU also records each
+tensor's device digest (``foretell.store.digest``), which a reader there checks instead, on
+the GPU once every block has landed; other readers ignore it.
 
 **Files.** A block is a safetensors file whose tensors ``"0"``, ``"1"``... are its pieces;
 its header depends only on the group's dtypes and shapes, so a reader knows it exactly. A

@@ -156,9 +156,9 @@ def test_the_tier_hands_its_writer_entries_with_digests(layout, codecs, on):
 
 def test_replenish_readies_the_digests_for_the_largest_stored_tensor(layout, codecs, on,
                                                                      monkeypatch):
-    monkeypatch.setattr(digest, "_WEIGHTS", [])
+    monkeypatch.setattr(digest, "_PREPARED", [0])
     assert layout.write(digest.attach(entry_of(range(30), codecs)))
     layout.replenish()
     largest = max(t.nbytes for layer in entry_of(range(30), codecs).layers
                   for t in layer.tensors.values())
-    assert digest._WEIGHTS[0].size >= largest // 4
+    assert digest._PREPARED[0] == largest // 4
