@@ -311,8 +311,8 @@ class BlockStoreLayout:
         request's end. Runs MLX: the tier calls it where MLX runs and no request waits
         (:class:`foretell.store.layout.KeepsRestoreReserve`). Where reads are checked by
         device digests, their weights and kernels are made ready here too."""
-        if digest.enabled():
-            digest.prepare(max((i.largest_tensor for i in self._indexed()), default=0) // 4)
+        if digest.enabled():  # at least the kernel: the first write needs it too
+            digest.prepare(max((i.largest_tensor for i in self._indexed()), default=4) // 4)
         on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
         with self._lock:  # engines sharing a tier may finish requests on two threads
             if self.reserve is None:

@@ -162,3 +162,9 @@ def test_replenish_readies_the_digests_for_the_largest_stored_tensor(layout, cod
     largest = max(t.nbytes for layer in entry_of(range(30), codecs).layers
                   for t in layer.tensors.values())
     assert digest._PREPARED[0] == largest // 4
+
+
+def test_an_empty_store_still_readies_the_check_its_first_write_needs(layout, on, monkeypatch):
+    monkeypatch.setattr(digest, "_PREPARED", [0])
+    layout.replenish()
+    assert digest._PREPARED[0] >= 1

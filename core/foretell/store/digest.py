@@ -23,6 +23,7 @@ oracle. Imported when plugins register: no mlx or numpy at import time.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -121,8 +122,11 @@ def _by_kernel(words: list[mx.array]) -> list[int]:
     import mlx.core as mx
 
     if not _KERNEL:
+        # MLX keeps compiled kernels on disk by name alone (MLX_PTX_CACHE_DIR): the name
+        # carries the source's hash, so a changed kernel never loads an old one's code.
+        source_hash = hashlib.blake2b(_KERNEL_SOURCE.encode(), digest_size=6).hexdigest()
         _KERNEL.append(mx.fast.cuda_kernel(
-            name="foretell_mlh64", input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
+            name=f"foretell_mlh64_{source_hash}", input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
             output_names=["sums"], source=_KERNEL_SOURCE))
     pad = mx.zeros((1,), dtype=mx.uint32)
     outputs = []
