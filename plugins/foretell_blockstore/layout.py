@@ -786,13 +786,42 @@ def _read_runs(fd: int, runs: list[memoryview], offset: int, ref: mf.BlockRef) -
 
 
 def _write_durably(path: Path, *chunks: Any) -> None:
+    """Write ``chunks`` to a new file and fsync it, gathered into ``writev`` calls of about
+    :data:`WRITEV_BYTES` (a block's 576 runs of the 4B shape were as many writes, each a
+    hand-over of the GIL)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
     try:
-        for chunk in chunks:
-            fmt.write_all(fd, chunk)
+        for batch in _batches([memoryview(chunk).cast("B") for chunk in chunks]):
+            written = os.writev(fd, batch)
+            for view in batch:  # a short write (rare for files): the rest one at a time
+                if written >= view.nbytes:
+                    written -= view.nbytes
+                    continue
+                fmt.write_all(fd, view[written:])
+                written = 0
         full_fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Bytes one ``writev`` of a block gathers (at least one chunk). On the 2-core EPYC, writing
+#: the 4B shape's 604 MB entry (8 blocks of 576 runs of 128 KiB) in a fresh process took
+#: 0.44-0.45 s the first time and 0.37-0.44 s after in calls of 1 MiB, 1.47-1.56 s and
+#: 0.34-0.37 s in one call per block, 0.52-1.02 s and 0.45-0.59 s in one write per run.
+WRITEV_BYTES = 1 << 20
+
+
+def _batches(views: list[memoryview]) -> Iterator[list[memoryview]]:
+    batch: list[memoryview] = []
+    size = 0
+    for view in views:
+        if batch and (size + view.nbytes > WRITEV_BYTES or len(batch) == _IOV_MAX):
+            yield batch
+            batch, size = [], 0
+        batch.append(view)
+        size += view.nbytes
+    if batch:
+        yield batch
 
 
 def _fsync_dir(path: Path) -> None:

@@ -158,9 +158,24 @@ def block_pieces(hosts: dict[tuple[int, str], np.ndarray], group: Group, begin: 
             pieces.append([_bytes_of(np.ascontiguousarray(host))])
             continue
         rows = host.reshape(-1, *host.shape[-2:])[:, begin:end, :]
+        if rows[0].nbytes < PACK_RUNS_BELOW:
+            # Many small runs (quantized KV's scales and biases: 4 bytes a row) cost a hash
+            # update and a write each, every one a hand-over of the GIL that a decode beside
+            # the writer waits on; packed, the piece is one of each for a small copy.
+            pieces.append([_bytes_of(np.ascontiguousarray(rows))])
+            continue
         pieces.append([_bytes_of(run if run.flags.c_contiguous else np.ascontiguousarray(run))
                        for run in rows])
     return pieces
+
+
+#: A piece whose runs (one per leading index) are smaller than this is copied into one
+#: buffer before it is hashed and written. On the 2-core EPYC a decode-like loop (0.5 ms
+#: of Python, then 3 ms of waiting without the GIL) beside a writer storing the 4B shape
+#: with 8-bit KV (321 MB, 13,824 runs of which 9,216 of 2 KiB) ran at 0.87x idle
+#: (docs/block-store.md). Runs of bf16 KV (128 KiB for the 4B shape) stay views: copying
+#: them cost page faults a decode beside the writer paid for.
+PACK_RUNS_BELOW = 64 << 10
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:

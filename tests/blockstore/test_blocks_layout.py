@@ -300,6 +300,52 @@ def test_quantized_kv_round_trips(layout, codecs):
     assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
 
 
+def test_a_piece_of_small_runs_is_packed_into_one_and_hashes_and_writes_the_same(codecs):
+    """Quantized KV's scales and biases are a few bytes a row: each such piece becomes one
+    buffer before it is hashed and written (a hash update and a write per run made the GIL
+    change hands thousands of times per block); large runs stay views. The block's bytes,
+    its name and its checksum are those of the runs laid end to end either way."""
+    import numpy as np
+
+    from foretell_blockstore import manifest as mf
+
+    cache = QuantizedKVCache(bits=8, group_size=64)
+    keys = mx.random.normal((1, 4, 600, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+    cache.update_and_fetch(keys, keys * 0.5)
+    entry = snapshot_entry(range(600), [cache], codecs)
+    hosts = mf.host_views(entry)
+    [group] = mf.plan_groups(entry)
+    pieces = mf.block_pieces(hosts, group, 0, 512)
+    for spec, runs in zip(group.tensors, pieces):
+        rows = hosts[(spec.layer, spec.name)].reshape(-1, 600, spec.shape[-1])[:, :512, :]
+        assert b"".join(bytes(run) for run in runs) == np.ascontiguousarray(rows).tobytes()
+        small = rows[0].nbytes < mf.PACK_RUNS_BELOW
+        assert len(runs) == (1 if small else 4), spec.name
+    assert {len(runs) for runs in pieces} == {1, 4}  # 8-bit keys: 64 KiB runs, views
+    header = mf.block_header(group, 0, 512)
+    unpacked = [[memoryview(np.ascontiguousarray(r)).cast("B") for r in hosts[(
+        s.layer, s.name)].reshape(-1, 600, s.shape[-1])[:, :512, :]] for s in group.tensors]
+    assert mf.block_ref(header, pieces) == mf.block_ref(header, unpacked)
+
+
+def test_a_block_is_written_in_writes_of_about_a_mebibyte_and_survives_short_ones(
+        tmp_path, monkeypatch):
+    from foretell_blockstore import layout as layout_module
+
+    chunks = [bytes([i]) * size for i, size in enumerate([100, 700_000, 700_000, 3_000_000, 5])]
+    calls, writev = [], os.writev
+
+    def short(fd, buffers):  # the kernel may write less than asked: 1,000 bytes at most
+        calls.append([len(b) for b in buffers])
+        return writev(fd, [memoryview(b"".join(bytes(b) for b in buffers))[:1000]])
+
+    monkeypatch.setattr(layout_module.os, "writev", short)
+    path = tmp_path / "block"
+    layout_module._write_durably(path, *chunks)
+    assert path.read_bytes() == b"".join(chunks)
+    assert calls == [[100, 700_000], [700_000], [3_000_000], [5]]
+
+
 def test_layers_without_tensors_and_empty_caches_round_trip(layout, codecs):
     entry = snapshot_entry([], kv_of([]), codecs)
     assert layout.write(entry)
