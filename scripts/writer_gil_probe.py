@@ -1,0 +1,97 @@
+"""What the block store's writer costs a decode beside it through the GIL alone: the write
+pool pinned to CPU 1 keeps writing the 4B shape's 4,096-token entry (36 layers of
+[1, 8, 4096, 128] K and V) while a decode-like loop pinned to CPU 0 runs 0.5 ms of Python
+and then waits 3 ms without the GIL (a GPU computing a token). Prints one write's time (the
+first in this process, then the median of three) and the loop's rate beside the writer
+over its rate alone. Linux (sched_setaffinity), two cores or more.
+
+    python scripts/writer_gil_probe.py [KV_BITS]      # 0 (bf16, default), 4 or 8
+"""
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import mlx.core as mx
+
+from foretell.cache.codecs import StandardKVCodec, snapshot_entry
+from foretell.cache.quantized import QuantizedKVCache, QuantizedKVCodec
+from foretell.kvcache import KVCache
+from foretell.store import format as fmt
+from foretell.store.entry import StoreIdentity
+from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+
+WRITER_CPU, LOOP_CPU = 1, 0
+background = fmt.background_priority
+
+
+def pinned_background() -> None:
+    os.sched_setaffinity(0, {WRITER_CPU})
+    background()
+
+
+fmt.background_priority = pinned_background  # before the write pool starts its threads
+os.sched_setaffinity(0, {LOOP_CPU})
+
+bits = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+codecs = [StandardKVCodec(), QuantizedKVCodec()]
+caches = []
+for _ in range(36):
+    cache = QuantizedKVCache(group_size=64, bits=bits) if bits else KVCache()
+    keys = mx.random.normal((1, 8, 4096, 128)).astype(mx.bfloat16)
+    cache.update_and_fetch(keys, keys)
+    caches.append(cache)
+entry = snapshot_entry(list(range(4096)), caches, codecs)
+mx.eval([t for layer in entry.layers for t in layer.tensors.values()])
+identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="probe",
+                         tokenizer_hash="probe", codec_providers=[c.provider_id for c in codecs])
+scratch = tempfile.mkdtemp(prefix="foretell-writer-probe-")
+
+
+def write_once(name: str) -> float:
+    root = os.path.join(scratch, name)
+    start = time.perf_counter()
+    BlockStoreLayout(root, BlockStoreConfig(), identity=identity).write(entry)
+    took = time.perf_counter() - start
+    shutil.rmtree(root, ignore_errors=True)
+    return took
+
+
+def decode_like(seconds: float) -> int:
+    tokens, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        busy = time.perf_counter() + 0.0005
+        while time.perf_counter() < busy:
+            pass
+        time.sleep(0.003)
+        tokens += 1
+    return tokens
+
+
+try:
+    times = [write_once(f"w{i}") for i in range(4)]
+    print(f"entry {entry.tensor_bytes / 1e6:.0f} MB: first write {times[0] * 1e3:.0f} ms, "
+          f"then {statistics.median(times[1:]) * 1e3:.0f} ms")
+    idle = decode_like(2.0)
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        os.sched_setaffinity(0, {WRITER_CPU})
+        turn = 0
+        while not stop.is_set():
+            write_once(f"bg{turn}")
+            turn += 1
+
+    writer = threading.Thread(target=keep_writing)
+    writer.start()
+    time.sleep(0.1)
+    busy = decode_like(2.0)
+    stop.set()
+    writer.join()
+    print(f"decode-like loop beside the writer: {busy / idle:.2f}x idle")
+finally:
+    shutil.rmtree(scratch, ignore_errors=True)
