@@ -3,6 +3,8 @@ its numbers are not checked: speed lives in benchmarks, never in tests)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from foretell.cache import bench
@@ -41,7 +43,12 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     # An entry of several files also gets dd over one file of the same bytes.
     assert ("dd_warm_one_file" in row) == (len(files) > 1)
     assert prime["reads"]["verified_s"] > 0 and prime["reads"]["unverified_s"] > 0
-    assert prime["decode"]["entries_written_per_run"][0] >= 1
+    decode = prime["decode"]
+    assert decode["entries_written_per_run"][0] >= 1
+    # The writer's cost: each writing round over the idle round beside it, then the median.
+    runs = decode["runs"]
+    assert decode["paired_ratios"] == [w / i for i, w in zip(runs["idle"], runs["writing"])]
+    assert decode["ratio"] == statistics.median(decode["paired_ratios"])
     table = bench.render(report)
     assert f"| tiny | {ran} | 48 " in table
     # Cold over SSD restore, warm and evicted, as the TTFTs give them (never rounded to 0×).
