@@ -593,7 +593,7 @@ def render(report: dict[str, Any]) -> str:
         "| model | layout | prompt | cold TTFT | RAM hit TTFT | SSD restore TTFT (warm / evicted) "
         "| cold / SSD (warm / evicted) | restore read GB/s (warm / evicted) | dd GB/s, the entry's files (warm / "
         "evicted) | restore / dd | dd GB/s, one file of its bytes | verified / unverified read "
-        "| mlx-lm save / load (warm / evicted) | decode tok/s idle / writing |",
+        "| mlx-lm save / load (warm / evicted) | decode tok/s idle / writing (paired ratio) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
