@@ -172,9 +172,10 @@ def block_pieces(hosts: dict[tuple[int, str], np.ndarray], group: Group, begin: 
 #: A piece whose runs (one per leading index) are smaller than this is copied into one
 #: buffer before it is hashed and written. On the 2-core EPYC a decode-like loop (0.5 ms
 #: of Python, then 3 ms of waiting without the GIL) beside a writer storing the 4B shape
-#: with 8-bit KV (321 MB, 13,824 runs of which 9,216 of 2 KiB) ran at 0.87x idle
-#: (docs/block-store.md). Runs of bf16 KV (128 KiB for the 4B shape) stay views: copying
-#: them cost page faults a decode beside the writer paid for.
+#: with 8-bit KV (321 MB, 13,824 runs of which 9,216 of 2 KiB) ran at 0.91-0.92x idle, and
+#: at 0.94-0.96x with such pieces packed and the writes gathered (scripts/
+#: writer_gil_probe.py, docs/block-store.md). Runs of bf16 KV (128 KiB for the 4B shape)
+#: stay views: copying them cost page faults a decode beside the writer paid for.
 PACK_RUNS_BELOW = 64 << 10
 
 
@@ -402,8 +403,8 @@ def render(entry: Entry, identity: StoreIdentity, block_rows: int, created_at: f
         # checksums as before, so the format version stays.
         fields["device_digest"] = digest.SCHEME
         at = 0
-        for group, listed in zip(fields["groups"], groups):
-            count = len(listed[0].tensors)
+        for group, (built, _refs) in zip(fields["groups"], groups):
+            count = len(built.tensors)
             group["digests"] = [f"{d:016x}" for d in found[at:at + count]]
             at += count
     header_json = json.dumps(fields, separators=(",", ":"))
