@@ -172,11 +172,13 @@ def block_pieces(hosts: dict[tuple[int, str], np.ndarray], group: Group, begin: 
 #: A piece whose runs (one per leading index) are smaller than this is copied into one
 #: buffer before it is hashed and written. On the 2-core EPYC a decode-like loop (0.5 ms
 #: of Python, then 3 ms of waiting without the GIL) beside a writer storing the 4B shape
-#: with 8-bit KV (321 MB, 13,824 runs of which 9,216 of 2 KiB) ran at 0.91-0.92x idle, and
-#: at 0.94-0.96x with such pieces packed and the writes gathered (scripts/
-#: writer_gil_probe.py, docs/block-store.md). Runs of bf16 KV (128 KiB for the 4B shape)
-#: stay views: copying them cost page faults a decode beside the writer paid for.
-PACK_RUNS_BELOW = 64 << 10
+#: with 8-bit KV (321 MB: runs of 64 KiB for the packed values, 2 KiB for scales and
+#: biases) ran at 0.91-0.92x idle with every run a view, 0.94-0.96x with the runs under
+#: 64 KiB packed, 0.99x with those under 128 KiB packed, its writes taking 405-431, 236-292
+#: and 306-327 ms (scripts/writer_gil_probe.py, docs/block-store.md). Runs of bf16 KV
+#: with 128-dim heads (128 KiB at 512 tokens) stay views: copying them cost page faults a
+#: decode beside the writer paid for, and the loop ran at 0.99-1.00x beside them anyway.
+PACK_RUNS_BELOW = 128 << 10
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:

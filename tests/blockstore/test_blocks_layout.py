@@ -310,7 +310,7 @@ def test_a_piece_of_small_runs_is_packed_into_one_and_hashes_and_writes_the_same
     from foretell_blockstore import manifest as mf
 
     cache = QuantizedKVCache(bits=8, group_size=64)
-    keys = mx.random.normal((1, 4, 600, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+    keys = mx.random.normal((1, 4, 600, 256), key=mx.random.key(2)).astype(mx.bfloat16)
     cache.update_and_fetch(keys, keys * 0.5)
     entry = snapshot_entry(range(600), [cache], codecs)
     hosts = mf.host_views(entry)
@@ -321,7 +321,7 @@ def test_a_piece_of_small_runs_is_packed_into_one_and_hashes_and_writes_the_same
         assert b"".join(bytes(run) for run in runs) == np.ascontiguousarray(rows).tobytes()
         small = rows[0].nbytes < mf.PACK_RUNS_BELOW
         assert len(runs) == (1 if small else 4), spec.name
-    assert {len(runs) for runs in pieces} == {1, 4}  # 8-bit keys: 64 KiB runs, views
+    assert {len(runs) for runs in pieces} == {1, 4}  # 8-bit 256-dim keys: 128 KiB runs, views
     header = mf.block_header(group, 0, 512)
     unpacked = [[memoryview(np.ascontiguousarray(r)).cast("B") for r in hosts[(
         s.layer, s.name)].reshape(-1, 600, s.shape[-1])[:, :512, :]] for s in group.tensors]
