@@ -761,15 +761,23 @@ def _read_groups(pieces: list[list[memoryview]]
     """Consecutive pieces (they lie back to back in the file) with their sizes, as many as
     fit one staging slot (``cuda.SLOT_BYTES``; a larger piece alone): a staged reader reads
     each group in one call."""
-    group: list[tuple[list[memoryview], int]] = []
-    size = 0
-    for runs in pieces:
-        nbytes = sum(run.nbytes for run in runs)
-        if group and size + nbytes > cuda.SLOT_BYTES:
+    return _consecutive(pieces, [sum(run.nbytes for run in runs) for runs in pieces],
+                        cuda.SLOT_BYTES)
+
+
+def _consecutive(items: list[Any], sizes: list[int], limit: int, most: int | None = None
+                 ) -> Iterator[list[tuple[Any, int]]]:
+    """``items`` with their ``sizes``, in order, cut into runs of at most ``limit`` bytes
+    and ``most`` items (an item larger than ``limit`` alone): what one read into a staging
+    slot, or one ``writev``, takes."""
+    group: list[tuple[Any, int]] = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if group and (total + size > limit or len(group) == most):
             yield group
-            group, size = [], 0
-        group.append((runs, nbytes))
-        size += nbytes
+            group, total = [], 0
+        group.append((item, size))
+        total += size
     if group:
         yield group
 
@@ -791,7 +799,10 @@ def _write_durably(path: Path, *chunks: Any) -> None:
     hand-over of the GIL)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
     try:
-        for batch in _batches([memoryview(chunk).cast("B") for chunk in chunks]):
+        views = [memoryview(chunk).cast("B") for chunk in chunks]
+        for gathered in _consecutive(views, [view.nbytes for view in views], WRITEV_BYTES,
+                                     _IOV_MAX):
+            batch = [view for view, _size in gathered]
             written = os.writev(fd, batch)
             for view in batch:  # a short write (rare for files): the rest one at a time
                 if written >= view.nbytes:
@@ -809,19 +820,6 @@ def _write_durably(path: Path, *chunks: Any) -> None:
 #: 0.44-0.45 s the first time and 0.37-0.44 s after in calls of 1 MiB, 1.47-1.56 s and
 #: 0.34-0.37 s in one call per block, 0.52-1.02 s and 0.45-0.59 s in one write per run.
 WRITEV_BYTES = 1 << 20
-
-
-def _batches(views: list[memoryview]) -> Iterator[list[memoryview]]:
-    batch: list[memoryview] = []
-    size = 0
-    for view in views:
-        if batch and (size + view.nbytes > WRITEV_BYTES or len(batch) == _IOV_MAX):
-            yield batch
-            batch, size = [], 0
-        batch.append(view)
-        size += view.nbytes
-    if batch:
-        yield batch
 
 
 def _fsync_dir(path: Path) -> None:
