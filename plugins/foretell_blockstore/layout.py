@@ -136,7 +136,11 @@ class _Indexed:
 
 class BlockStoreLayout:
     """One model's entries under ``root``; safe to share between threads and processes.
-    Conforms to :class:`foretell.store.layout.StorageLayout`."""
+    Conforms to :class:`foretell.store.layout.StorageLayout`, keeps a restore reserve and
+    records device digests (``KeepsRestoreReserve``, ``RecordsDeviceDigests``)."""
+
+    #: Manifests hold the digests an entry carries; reads on a CUDA GPU check them.
+    records_device_digests = True
 
     def __init__(self, root: str | Path, config: BlockStoreConfig | None = None, *,
                  identity: StoreIdentity):

@@ -168,3 +168,19 @@ def test_an_empty_store_still_readies_the_check_its_first_write_needs(layout, on
     monkeypatch.setattr(digest, "_PREPARED", [0])
     layout.replenish()
     assert digest._PREPARED[0] >= 1
+
+
+def test_a_tier_over_a_layout_that_records_no_digests_computes_none(tmp_path, identity, codecs,
+                                                                    on, monkeypatch):
+    """The single-file layout keeps its XXH3 checksums only: digests for it would be GPU
+    work thrown away at every write."""
+    from blockfill import kv_of
+
+    from foretell.cache.tier import CacheTier
+    from foretell.store.single_file import SingleFileLayout
+
+    computed, digests = [], digest.digests
+    monkeypatch.setattr(digest, "digests", lambda arrays: computed.append(1) or digests(arrays))
+    tier = CacheTier(codecs, layout=SingleFileLayout(tmp_path, identity=identity))
+    tier.store(range(10), kv_of(list(range(10))))
+    assert tier.flush(10).durable and computed == []

@@ -30,7 +30,7 @@ from foretell.cache.ssd import SsdIndex
 from foretell.model.kvcache import trim_all
 from foretell.store import digest
 from foretell.store.entry import Entry, StoreIdentity
-from foretell.store.layout import KeepsRestoreReserve, StorageLayout
+from foretell.store.layout import KeepsRestoreReserve, RecordsDeviceDigests, StorageLayout
 
 log = logging.getLogger("foretell.cache")
 
@@ -71,6 +71,8 @@ class CacheTier:
         self.checkpoint_every = checkpoint_every
         self.ram = PrefixCache(self.codecs, ram_bytes)
         self.ssd = SsdIndex(layout, self.codecs, ssd_bytes) if layout is not None else None
+        #: Whether entries handed to the writer get device digests (the layout records them).
+        self._digests = isinstance(layout, RecordsDeviceDigests)
         # spill_duty: the share of its time the writer may write (None: spill.default_duty)
         self._spill = (SpillQueue(self._write, spill_bytes, self._written, spill_duty)
                        if self.ssd is not None else None)
@@ -222,7 +224,7 @@ class CacheTier:
         """Queue ``entry`` for the SSD tier (no RAM copy): generation checkpoints."""
         if self._spill is None:
             return
-        entry = _ready_for_worker(entry)
+        entry = _ready_for_worker(entry, digests=self._digests)
         with self._lock:
             self._dirty.add((entry.namespace, entry.tokens))
         self._spill.submit(entry)
@@ -292,7 +294,8 @@ class CacheTier:
             if donor is None:
                 missing += 1
                 continue
-            entry = _ready_for_worker(snapshot_entry(tokens, donor.caches, self.codecs, namespace))
+            entry = _ready_for_worker(snapshot_entry(tokens, donor.caches, self.codecs, namespace),
+                                      digests=self._digests)
             if self.ssd.write(entry):
                 self._clean((namespace, tokens))
         with self._lock:
@@ -337,18 +340,20 @@ class CacheTier:
         return out
 
 
-def _ready_for_worker(entry: Entry) -> Entry:
+def _ready_for_worker(entry: Entry, *, digests: bool) -> Entry:
     """``entry`` with every tensor evaluated here, on the thread that owns MLX, so the spill
     worker only reads memory and never runs an MLX op: slices are evaluated views, a
     strided bfloat16 view (numpy cannot read it without an MLX op) is made contiguous, and
-    on a GPU the tensors' device digests are computed (foretell.store.digest)."""
+    with ``digests`` (a layout that records them) on a GPU the tensors' device digests are
+    computed (foretell.store.digest)."""
     layers = []
     for layer in entry.layers:
         tensors = {name: mx.contiguous(t) if t.dtype == mx.bfloat16 else t
                    for name, t in layer.tensors.items()}
         layers.append(attrs.evolve(layer, tensors=tensors))
     mx.eval([t for layer in layers for t in layer.tensors.values()])
-    return digest.attach(attrs.evolve(entry, layers=layers))
+    ready = attrs.evolve(entry, layers=layers)
+    return digest.attach(ready) if digests else ready
 
 
 #: Namespaces of in-flight generation checkpoints start with this; they never seed prompts.

@@ -19,8 +19,14 @@ from foretell.store.entry import (
     StoreIdentity,
     config_fingerprint,
 )
-from foretell.store.layout import KeepsRestoreReserve, StorageLayout, StoreError
+from foretell.store.layout import (
+    KeepsRestoreReserve,
+    RecordsDeviceDigests,
+    StorageLayout,
+    StoreError,
+)
 from foretell.store.reserve import BufferReserve
 
 __all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
+           "RecordsDeviceDigests",
            "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint"]

@@ -89,3 +89,13 @@ class KeepsRestoreReserve(Protocol):
     def replenish(self) -> None:
         """Fill the reserve up to what the largest stored entry needs (within its cap), if
         it holds less; a no-op when it holds enough or is off."""
+
+
+@runtime_checkable
+class RecordsDeviceDigests(Protocol):
+    """A layout that records the device digests an entry carries (``Entry.digests``,
+    :mod:`foretell.store.digest`) and checks reads by them where the bytes land. The tier
+    computes digests only for such a layout: for another they would be GPU work thrown
+    away at every write."""
+
+    records_device_digests: bool
