@@ -16,14 +16,8 @@ import tempfile
 import threading
 import time
 
-import mlx.core as mx
-
-from foretell.cache.codecs import StandardKVCodec, snapshot_entry
-from foretell.cache.quantized import QuantizedKVCache, QuantizedKVCodec
-from foretell.kvcache import KVCache
 from foretell.store import format as fmt
-from foretell.store.entry import StoreIdentity
-from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+from foretell_blockstore.read_probe import probe_layout, synthetic_entry
 
 WRITER_CPU, LOOP_CPU = 1, 0
 background = fmt.background_priority
@@ -38,24 +32,14 @@ fmt.background_priority = pinned_background  # before the write pool starts its 
 os.sched_setaffinity(0, {LOOP_CPU})
 
 bits = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-codecs = [StandardKVCodec(), QuantizedKVCodec()]
-caches = []
-for _ in range(36):
-    cache = QuantizedKVCache(group_size=64, bits=bits) if bits else KVCache()
-    keys = mx.random.normal((1, 8, 4096, 128)).astype(mx.bfloat16)
-    cache.update_and_fetch(keys, keys)
-    caches.append(cache)
-entry = snapshot_entry(list(range(4096)), caches, codecs)
-mx.eval([t for layer in entry.layers for t in layer.tensors.values()])
-identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="probe",
-                         tokenizer_hash="probe", codec_providers=[c.provider_id for c in codecs])
+entry = synthetic_entry(36, 4096, 8, 128, kv_bits=bits)
 scratch = tempfile.mkdtemp(prefix="foretell-writer-probe-")
 
 
 def write_once(name: str) -> float:
     root = os.path.join(scratch, name)
     start = time.perf_counter()
-    BlockStoreLayout(root, BlockStoreConfig(), identity=identity).write(entry)
+    probe_layout(root).write(entry)
     took = time.perf_counter() - start
     shutil.rmtree(root, ignore_errors=True)
     return took

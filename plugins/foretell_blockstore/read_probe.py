@@ -32,20 +32,30 @@ from foretell.platform import blas
 RUN_BYTES = 128 << 10
 
 
-def synthetic_entry(layers: int, tokens: int, heads: int, dim: int) -> Any:
+def synthetic_entry(layers: int, tokens: int, heads: int, dim: int, kv_bits: int = 0) -> Any:
+    """Random bf16 K and V of ``layers`` layers, ``[1, heads, tokens, dim]`` each, as the
+    tier would store them; ``kv_bits`` 4 or 8: quantized as ``--kv-bits`` does."""
     import mlx.core as mx
 
-    from foretell.cache.codecs import StandardKVCodec, snapshot_entry
+    from foretell.cache.codecs import snapshot_entry
+    from foretell.cache.quantized import QuantizedKVCache
     from foretell.model import KVCache
 
     caches = []
     for layer in range(layers):
         keys = mx.random.normal((1, heads, tokens, dim), key=mx.random.key(layer)).astype(mx.bfloat16)
-        cache = KVCache()
+        cache = QuantizedKVCache(group_size=64, bits=kv_bits) if kv_bits else KVCache()
         cache.update_and_fetch(keys, keys * 2)
         caches.append(cache)
     mx.eval([cache.state for cache in caches])
-    return snapshot_entry(list(range(tokens)), caches, [StandardKVCodec()])
+    return snapshot_entry(list(range(tokens)), caches, _codecs())
+
+
+def _codecs() -> list[Any]:
+    from foretell.cache.codecs import StandardKVCodec
+    from foretell.cache.quantized import QuantizedKVCodec
+
+    return [StandardKVCodec(), QuantizedKVCodec()]
 
 
 def timed_reads(layout: Any, key: str, workers: int, turns: int, *, gpu: bool
@@ -105,7 +115,7 @@ def fresh_read(root: str, key: str) -> dict[str, float]:
     from foretell.tools.bench import timed
     from foretell_blockstore import manifest as mf
 
-    layout = _layout(root)
+    layout = probe_layout(root)
     fills: list[float] = []
     allocations: list[float] = []
     mf.host_buffers = timed(mf.host_buffers, fills)
@@ -122,13 +132,14 @@ def fresh_read(root: str, key: str) -> dict[str, float]:
     return spent
 
 
-def _layout(root: str) -> Any:
-    from foretell.cache.codecs import StandardKVCodec
+def probe_layout(root: str) -> Any:
+    """A block store with default settings under ``root``, for a probe's entries."""
     from foretell.store.entry import StoreIdentity
     from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
     identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="read-probe",
-                             tokenizer_hash="none", codec_providers=[StandardKVCodec().provider_id])
+                             tokenizer_hash="none",
+                             codec_providers=[codec.provider_id for codec in _codecs()])
     return BlockStoreLayout(root, BlockStoreConfig(), identity=identity)
 
 
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     entry = synthetic_entry(args.layers, args.tokens, args.heads, args.dim)
     total = args.layers * 2 * args.heads * args.tokens * args.dim * 2
     with tempfile.TemporaryDirectory(prefix="foretell-read-probe-") as root:
-        layout = _layout(root)
+        layout = probe_layout(root)
         start = time.perf_counter()
         layout.write(entry)
         print(f"{total / 1e6:.0f} MB entry written in {time.perf_counter() - start:.2f} s; "
