@@ -88,3 +88,18 @@ def listed_blocks(layout, entry) -> list[str]:
 
 def sizes(layout, ids) -> int:
     return sum(layout.block_path(i).stat().st_size for i in ids)
+
+
+def manifest_header(layout) -> dict:
+    """The header JSON of the layout's one manifest, read as the bytes lie (not parsed by
+    the code under test)."""
+    import json
+
+    [path] = manifest_files(layout)
+    return json.loads(json.loads(path.read_bytes()[8:])["__metadata__"]["foretell.header"])
+
+
+def flip_a_byte(path, at=-5, bit=0x01) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= bit
+    path.write_bytes(bytes(raw))

@@ -16,9 +16,11 @@ from blockfill import (
     assert_same_entry,
     block_files,
     entry_of,
+    flip_a_byte,
     kv_of,
     listed_blocks,
     manifest_files,
+    manifest_header,
     ring_of,
     sizes,
 )
@@ -79,14 +81,8 @@ def test_reads_fill_as_the_host_suits_and_serve_the_same(layout, codecs, monkeyp
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)
     assert_same_entry(layout.read(key), entry)
-    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
+    flip_a_byte(layout.block_path(_a_block(layout, 1)))
     assert layout.read(key) is None
-
-
-def _flip_a_byte(path, at=-5):
-    raw = bytearray(path.read_bytes())
-    raw[at] ^= 0x01
-    path.write_bytes(bytes(raw))
 
 
 def test_a_piece_checksum_is_its_runs_bytes_hashed_as_one():
@@ -152,7 +148,7 @@ def test_a_staged_read_serves_exactly_what_was_written_and_refuses_a_flipped_byt
     tensor_bytes = sum(a.nbytes for layer in entry.layers for a in layer.tensors.values())
     assert sum(sent) == tensor_bytes and len(sent) > len(entry.layers)
     assert len(finished) == len(layout._load_manifest(key).blocks)  # one wait per block
-    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
+    flip_a_byte(layout.block_path(_a_block(layout, 1)))
     assert layout.read(key) is None
 
 
@@ -192,7 +188,7 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
         assert len(reads) == blocks + (blocks if staged and slot_bytes > 1 else pieces)
         assert len(sent) == (pieces if staged else 0)  # copied piece by piece either way
     monkeypatch.setattr(cuda, "SLOT_BYTES", 1 << 10)
-    _flip_a_byte(layout.block_path(_a_block(layout, 1)))
+    flip_a_byte(layout.block_path(_a_block(layout, 1)))
     assert layout.read(key) is None
 
 
@@ -386,9 +382,7 @@ def test_a_block_is_named_by_the_xxh3_128_of_its_file_and_its_manifest_says_so(l
 
     entry = entry_of(range(10), codecs)
     layout.write(entry)
-    [path] = manifest_files(layout)
-    header = json.loads(json.loads(path.read_bytes()[8:])["__metadata__"]["foretell.header"])
-    assert header["block_id"] == "xxh3-128"
+    assert manifest_header(layout)["block_id"] == "xxh3-128"
     for name in listed_blocks(layout, entry):
         assert name == xxhash.xxh3_128(layout.block_path(name).read_bytes()).hexdigest()
 
@@ -596,9 +590,7 @@ def stored(layout, codecs):
 
 
 def _a_block(layout, index=0) -> str:
-    [path] = manifest_files(layout)
-    header = json.loads(json.loads(path.read_bytes()[8:])["__metadata__"]["foretell.header"])
-    return header["groups"][0]["blocks"][index][0]
+    return manifest_header(layout)["groups"][0]["blocks"][index][0]
 
 
 @pytest.mark.parametrize("where", [-5, 20], ids=["tensor-bytes", "block-header"])

@@ -12,7 +12,14 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from blockfill import assert_same_entry, entry_of, listed_blocks, manifest_files
+from blockfill import (
+    assert_same_entry,
+    entry_of,
+    flip_a_byte,
+    listed_blocks,
+    manifest_files,
+    manifest_header,
+)
 
 from foretell.store import digest
 from foretell.store import format as fmt
@@ -24,11 +31,6 @@ def on(monkeypatch):
     monkeypatch.setenv(digest.ENV, "on")
 
 
-def _header(layout) -> dict:
-    [path] = manifest_files(layout)
-    return json.loads(json.loads(path.read_bytes()[8:])["__metadata__"]["foretell.header"])
-
-
 def _hashed_pieces(monkeypatch) -> list[int]:
     """Counts the piece checksums computed from here on."""
     calls, checksum = [], fmt.checksum
@@ -36,16 +38,10 @@ def _hashed_pieces(monkeypatch) -> list[int]:
     return calls
 
 
-def _flip(path, where=-5):
-    raw = bytearray(path.read_bytes())
-    raw[where] ^= 0x10
-    path.write_bytes(bytes(raw))
-
-
 def test_the_manifest_records_each_tensors_digest_over_its_bytes(layout, codecs, on):
     entry = digest.attach(entry_of(range(10), codecs, dtype=mx.bfloat16))
     assert layout.write(entry)
-    header = _header(layout)
+    header = manifest_header(layout)
     assert header["device_digest"] == digest.SCHEME
     for group in header["groups"]:
         for (index, name), recorded in zip(group["tensors"], group["digests"]):
@@ -69,7 +65,7 @@ def test_a_flipped_byte_is_never_served_and_its_block_is_deleted(layout, codecs,
     entry = digest.attach(entry_of(range(10), codecs))
     assert layout.write(entry)
     path = layout.block_path(listed_blocks(layout, entry)[block])
-    _flip(path)
+    flip_a_byte(path)
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         assert layout.read(layout.key_for(entry.tokens)) is None
     assert sum("dropped" in r.message for r in caplog.records) == 1
@@ -99,7 +95,7 @@ def test_digests_are_recorded_for_all_tensors_or_none(layout, codecs, on):
     entry = digest.attach(entry_of(range(10), codecs))
     partial = dict(list(entry.digests.items())[1:])
     assert layout.write(attrs.evolve(entry, digests=partial))
-    assert "device_digest" not in _header(layout)
+    assert "device_digest" not in manifest_header(layout)
     assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
     assert layout.last_check == f"{fmt.CHECKSUM} per piece"
 
@@ -111,7 +107,7 @@ def test_an_entry_without_digests_is_checked_piece_by_piece(layout, codecs, on, 
     hashed = _hashed_pieces(monkeypatch)
     assert_same_entry(layout.read(key), entry)
     assert hashed and layout.last_check == f"{fmt.CHECKSUM} per piece"
-    _flip(layout.block_path(listed_blocks(layout, entry)[0]))
+    flip_a_byte(layout.block_path(listed_blocks(layout, entry)[0]))
     assert layout.read(key) is None
 
 
@@ -123,7 +119,7 @@ def test_a_reader_without_digests_still_checks_every_piece(layout, codecs, monke
     key = layout.key_for(entry.tokens)
     assert_same_entry(layout.read(key), entry)
     assert layout.last_check == f"{fmt.CHECKSUM} per piece"
-    _flip(layout.block_path(listed_blocks(layout, entry)[0]))
+    flip_a_byte(layout.block_path(listed_blocks(layout, entry)[0]))
     assert layout.read(key) is None
 
 
@@ -132,7 +128,7 @@ def test_a_manifest_with_a_malformed_digest_list_is_corrupt(layout, codecs, on):
 
     entry = digest.attach(entry_of(range(10), codecs))
     assert layout.write(entry)
-    header = _header(layout)
+    header = manifest_header(layout)
     header["groups"][0]["digests"] = header["groups"][0]["digests"][1:]
     body = json.dumps(header, separators=(",", ":"))
     index = {"__metadata__": {"foretell.format_version": mf.FORMAT_VERSION,
@@ -151,7 +147,7 @@ def test_the_tier_hands_its_writer_entries_with_digests(layout, codecs, on):
     tier = CacheTier(codecs, layout=layout)
     tier.store(range(10), kv_of(list(range(10))))
     assert tier.flush(10).durable
-    assert _header(layout)["device_digest"] == digest.SCHEME
+    assert manifest_header(layout)["device_digest"] == digest.SCHEME
 
 
 def test_replenish_readies_the_digests_for_the_largest_stored_tensor(layout, codecs, on,
