@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 
+from foretell.cache.quantized import QuantizedKVCache, QuantizedKVCodec
 from foretell.store import format as fmt
 from foretell_blockstore.read_probe import probe_layout, synthetic_entry
 
@@ -32,14 +33,16 @@ fmt.background_priority = pinned_background  # before the write pool starts its 
 os.sched_setaffinity(0, {LOOP_CPU})
 
 bits = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-entry = synthetic_entry(36, 4096, 8, 128, kv_bits=bits)
+codecs = [QuantizedKVCodec()]
+entry = synthetic_entry(36, 4096, 8, 128, codecs=codecs, make_cache=(
+    (lambda: QuantizedKVCache(group_size=64, bits=bits)) if bits else None))
 scratch = tempfile.mkdtemp(prefix="foretell-writer-probe-")
 
 
 def write_once(name: str) -> float:
     root = os.path.join(scratch, name)
     start = time.perf_counter()
-    probe_layout(root).write(entry)
+    probe_layout(root, codecs).write(entry)
     took = time.perf_counter() - start
     shutil.rmtree(root, ignore_errors=True)
     return took

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,30 +33,31 @@ from foretell.platform import blas
 RUN_BYTES = 128 << 10
 
 
-def synthetic_entry(layers: int, tokens: int, heads: int, dim: int, kv_bits: int = 0) -> Any:
-    """Random bf16 K and V of ``layers`` layers, ``[1, heads, tokens, dim]`` each, as the
-    tier would store them; ``kv_bits`` 4 or 8: quantized as ``--kv-bits`` does."""
+def synthetic_entry(layers: int, tokens: int, heads: int, dim: int, *,
+                    make_cache: Callable[[], Any] | None = None,
+                    codecs: Sequence[Any] | None = None) -> Any:
+    """Random bf16 K and V of ``layers`` layers, ``[1, heads, tokens, dim]`` each, fed to a
+    cache from ``make_cache`` (a plain ``KVCache`` by default; a quantized one for
+    ``--kv-bits``, with its codec in ``codecs``) and snapshotted as the tier stores it."""
     import mlx.core as mx
 
     from foretell.cache.codecs import snapshot_entry
-    from foretell.cache.quantized import QuantizedKVCache
     from foretell.model import KVCache
 
     caches = []
     for layer in range(layers):
         keys = mx.random.normal((1, heads, tokens, dim), key=mx.random.key(layer)).astype(mx.bfloat16)
-        cache = QuantizedKVCache(group_size=64, bits=kv_bits) if kv_bits else KVCache()
+        cache = make_cache() if make_cache is not None else KVCache()
         cache.update_and_fetch(keys, keys * 2)
         caches.append(cache)
     mx.eval([cache.state for cache in caches])
-    return snapshot_entry(list(range(tokens)), caches, _codecs())
+    return snapshot_entry(list(range(tokens)), caches, _codecs(codecs))
 
 
-def _codecs() -> list[Any]:
+def _codecs(codecs: Sequence[Any] | None) -> list[Any]:
     from foretell.cache.codecs import StandardKVCodec
-    from foretell.cache.quantized import QuantizedKVCodec
 
-    return [StandardKVCodec(), QuantizedKVCodec()]
+    return [StandardKVCodec(), *(codecs or [])]
 
 
 def timed_reads(layout: Any, key: str, workers: int, turns: int, *, gpu: bool
@@ -132,14 +134,15 @@ def fresh_read(root: str, key: str) -> dict[str, float]:
     return spent
 
 
-def probe_layout(root: str) -> Any:
-    """A block store with default settings under ``root``, for a probe's entries."""
+def probe_layout(root: str, codecs: Sequence[Any] | None = None) -> Any:
+    """A block store with default settings under ``root``, serving entries of the plain KV
+    codec and ``codecs``."""
     from foretell.store.entry import StoreIdentity
     from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
     identity = StoreIdentity(model_fingerprint="0123456789abcdef", model_id="read-probe",
                              tokenizer_hash="none",
-                             codec_providers=[codec.provider_id for codec in _codecs()])
+                             codec_providers=[codec.provider_id for codec in _codecs(codecs)])
     return BlockStoreLayout(root, BlockStoreConfig(), identity=identity)
 
 
