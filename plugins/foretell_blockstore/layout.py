@@ -509,16 +509,20 @@ class BlockStoreLayout:
         return manifest
 
     def _assemble(self, manifest: mf.Manifest, *, verify: bool = True,
-                  started: float | None = None, on_device: bool = True) -> list[LayerState]:
+                  started: float | None = None, on_device: bool = True,
+                  whole: bool = True) -> list[LayerState]:
         """Read every block into its tensors' MLX-owned buffers, blocks in parallel on the
         pool, each checking its header and size; all checks pass before anything is
         returned. The bytes are checked by the manifest's device digests where it has them
         and :func:`foretell.store.digest.enabled` (a CUDA GPU: every tensor digested where
         it landed, after the last block), by each piece's checksum as it lands otherwise
         (``verify=False``: neither, the benchmark's only; ``on_device=False``: the
-        checksums). On a CUDA GPU the buffers are born there and each piece reaches them by
-        DMA from a page-locked slot (``foretell.platform.cuda``); elsewhere pieces are read
-        straight into them."""
+        checksums). On a CUDA GPU the buffers are born there and the blocks land by DMA
+        from page-locked slots (``foretell.platform.cuda``): ``whole``, each slot in one
+        copy to the process's landing area, its runs placed into the tensors by one kernel
+        after the last block (:meth:`_land_whole`); otherwise, and when the area is held or
+        the entry is larger than the restore reserve's cap, each piece's copy lands in
+        place. Elsewhere pieces are read straight into the buffers."""
         import mlx.core as mx
 
         marks = [started if started is not None else time.perf_counter(), time.perf_counter()]
@@ -529,17 +533,19 @@ class BlockStoreLayout:
             specs, mf.host_buffers(specs, on_gpu=staged, reserve=self.reserve))}
         flats = {key: flat for key, (_array, flat) in buffers.items()}
         marks.append(time.perf_counter())
-        jobs = []
-        for group, refs in manifest.groups:
-            for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
-                jobs.append(fmt.io_pool().submit(
-                    _read_block, self.block_path(ref.id), ref, mf.block_header(group, begin, end),
-                    mf.destinations(group, begin, end, flats), verify and not by_digest, staged))
-        marks.append(time.perf_counter())
-        futures.wait(jobs)
-        marks.append(time.perf_counter())
-        for job in jobs:
-            job.result()  # raises _BadBlock for the first damaged block, in order
+        check = verify and not by_digest
+        landed = self._land_whole(manifest, flats, check, marks) if whole else None
+        if landed is None:
+            jobs = []
+            for group, refs in manifest.groups:
+                for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
+                    jobs.append(fmt.io_pool().submit(
+                        _read_block, self.block_path(ref.id), ref,
+                        mf.block_header(group, begin, end),
+                        mf.destinations(group, begin, end, flats), check, staged))
+            marks.append(time.perf_counter())
+            _wait_in_order(jobs)
+            marks.append(time.perf_counter())
         if by_digest:
             found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs])
             bad = next((s for s, got, want in zip(specs, found or [None] * len(specs),
@@ -564,9 +570,61 @@ class BlockStoreLayout:
                                      meta=layer.meta, tensors=tensors))
         mx.eval(arrays)
         marks.append(time.perf_counter())
+        steps = ("manifest", "buffers", "queued", "blocks", *(("placed",) if landed else ()),
+                 "digests", "arrays")
         self.last_read_ms = {step: (end - begin) * 1e3 for step, begin, end in zip(
-            ("manifest", "buffers", "queued", "blocks", "digests", "arrays"), marks, marks[1:])}
+            steps, marks, marks[1:])}
         return layers
+
+    def _land_whole(self, manifest: mf.Manifest, flats: dict[tuple[int, str], memoryview],
+                    verify: bool, marks: list[float]) -> bool | None:
+        """Read the entry's blocks into the process's landing area (each staging slot one
+        copy), then place every run into its tensor in one pass; True once done, None when
+        the entry cannot land whole here (no area: not a CUDA GPU; the area held by another
+        restore; larger than the restore reserve's cap; no device memory for it; its kernel
+        failed, then never again in this process, with one warning).
+
+        :raises _BadBlock: as :func:`_read_block`, before anything is placed.
+        """
+        area = cuda.landing()
+        if area is None:
+            return None
+        offsets, need, runs = mf.landing_plan(
+            manifest, {key: cuda.address(flat) for key, flat in flats.items()})
+        cap = self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(True)
+        if need > cap:
+            return None
+        try:
+            base = area.acquire(need)
+        except cuda.CudaCopyError as exc:
+            log.debug("block store %s: no landing area of %d bytes (%s)", self.directory,
+                      need, exc)
+            return None
+        if base is None:
+            return None
+        try:
+            jobs, at = [], 0
+            for group, refs in manifest.groups:
+                for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
+                    jobs.append(fmt.io_pool().submit(
+                        _land_block, self.block_path(ref.id), ref,
+                        mf.block_header(group, begin, end),
+                        [t.piece_bytes(begin, end) for t in group.tensors], verify,
+                        base + offsets[at]))
+                    at += 1
+            marks.append(time.perf_counter())
+            _wait_in_order(jobs)
+            marks.append(time.perf_counter())
+            try:
+                area.place(runs)
+            except RuntimeError as exc:  # the kernel cannot be built or launched here
+                cuda.give_up_landing(exc)
+                del marks[-2:]
+                return None
+            marks.append(time.perf_counter())
+            return True
+        finally:
+            area.release()
 
     def _locate_damage(self, manifest: mf.Manifest) -> None:
         """After a device digest failed: read the blocks again, each checked by its own
@@ -704,6 +762,29 @@ class _LockBusy(Exception):
     pass
 
 
+def _open_block(path: Path, ref: mf.BlockRef, header: bytes) -> tuple[int, int]:
+    """A block's descriptor and the offset past its header, once its size and header are
+    the ones its manifest implies (the caller closes it).
+
+    :raises _BadBlock: missing, of another size or another header.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
+    try:
+        if os.fstat(fd).st_size != ref.nbytes:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
+        seen = bytearray(len(header))
+        offset = _read_runs(fd, [memoryview(seen)], 0, ref)
+        if seen != header:
+            raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, offset
+
+
 def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
                 pieces: list[list[memoryview]], verify: bool = True,
                 staged: bool = False) -> None:
@@ -722,19 +803,10 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except FileNotFoundError:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
+    fd, offset = _open_block(path, ref, header)
     checksums, stage = [], None
     try:
         stage = cuda.staging() if staged else None
-        if os.fstat(fd).st_size != ref.nbytes:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
-        seen = bytearray(len(header))
-        offset = _read_runs(fd, [memoryview(seen)], 0, ref)
-        if seen != header:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
         if stage is None:
             for runs in pieces:
                 offset = _read_runs(fd, runs, offset, ref)
@@ -758,6 +830,47 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
             os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+
+
+def _land_block(path: Path, ref: mf.BlockRef, header: bytes, sizes: list[int],
+                verify: bool, address: int) -> None:
+    """Read one block's tensor bytes (its pieces of ``sizes``, in file order) to
+    ``address`` in a landing area (``foretell.platform.cuda.LandingArea``): consecutive
+    pieces into this thread's staging slot in one call, the slot copied there in one, each
+    piece hashed while the copy runs; as :func:`_read_block` otherwise.
+
+    :raises _BadBlock: as :func:`_read_block`.
+    :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
+    """
+    fd, offset = _open_block(path, ref, header)
+    checksums, stage, at = [], None, address
+    try:
+        stage = cuda.staging()
+        for group in _consecutive(sizes, sizes, cuda.SLOT_BYTES):
+            slot = stage.slot(sum(size for _size, size in group))
+            offset = _read_runs(fd, [slot], offset, ref)
+            stage.send_to(slot, at)
+            at += slot.nbytes
+            if verify:
+                begin = 0
+                for size, _same in group:
+                    checksums.append(fmt.checksum(slot[begin:begin + size]))
+                    begin += size
+    finally:
+        try:
+            if stage is not None:
+                stage.finish()
+        finally:
+            os.close(fd)
+    if verify and mf.block_checksum(checksums) != ref.checksum:
+        raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+
+
+def _wait_in_order(jobs: list[Any]) -> None:
+    """Wait for every job, then raise the first one's error (in submission order)."""
+    futures.wait(jobs)
+    for job in jobs:
+        job.result()  # raises _BadBlock for the first damaged block, in order
 
 
 def _read_groups(pieces: list[list[memoryview]]

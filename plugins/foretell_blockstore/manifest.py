@@ -252,6 +252,43 @@ def destinations(group: Group, begin: int, end: int,
     return pieces
 
 
+#: Where each block's tensor bytes start in a landing area (foretell.platform.cuda).
+LANDING_ALIGN = 256
+
+
+def landing_plan(manifest: Manifest, addresses: dict[tuple[int, str], int]
+                 ) -> tuple[list[int], int, np.ndarray]:
+    """How an entry lands whole (``foretell.platform.cuda.LandingArea``): each block's
+    tensor bytes (the file past its header) at an offset of their own in the area, in
+    :attr:`Manifest.blocks` order, then every run copied to its tensor. Returns the blocks'
+    offsets, the bytes the area needs, and the runs, one row per leading index of each
+    piece: (offset in the area, destination address, bytes), the address in the tensor's
+    flat buffer (``addresses``) that :func:`destinations` would slice for it."""
+    import numpy as np
+
+    offsets, rows, at = [], [], 0
+    for group, _refs in manifest.groups:
+        leads = np.array([_size(s.shape[:-2]) if len(s.shape) >= 2 else 1
+                          for s in group.tensors], dtype=np.uint64)
+        widths = np.array([s.shape[-1] * _ITEM_BYTES[s.dtype] if len(s.shape) >= 2
+                           else s.piece_bytes(0, 1) for s in group.tensors], dtype=np.uint64)
+        bases = np.array([addresses[(s.layer, s.name)] for s in group.tensors],
+                         dtype=np.uint64)
+        tensor = np.repeat(np.arange(len(group.tensors)), leads.astype(np.int64))
+        lead = np.arange(len(tensor), dtype=np.uint64) - np.repeat(
+            np.cumsum(leads) - leads, leads.astype(np.int64))
+        for begin, end in group.spans(manifest.block_rows):
+            offsets.append(at)
+            run = widths[tensor] * np.uint64(end - begin)
+            rows.append(np.stack([np.uint64(at) + np.cumsum(run) - run,
+                                  bases[tensor] + (lead * np.uint64(group.rows)
+                                                   + np.uint64(begin)) * widths[tensor],
+                                  run], axis=1))
+            at += -(-int(run.sum()) // LANDING_ALIGN) * LANDING_ALIGN
+    runs = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.uint64)
+    return offsets, at, runs
+
+
 def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False,
                  reserve: BufferReserve | None = None) -> list[tuple[mx.array, memoryview]]:
     """MLX-owned buffers, one per tensor (uint8: its shape, the last axis counted in

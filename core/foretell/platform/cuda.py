@@ -61,6 +61,10 @@ class Staging:
             run[:] = slot[offset:offset + run.nbytes]
             offset += run.nbytes
 
+    def send_to(self, slot: memoryview, to: int) -> None:
+        """Copy ``slot``'s bytes, whole, to address ``to`` (in a :class:`LandingArea`)."""
+        ctypes.memmove(to, address(slot), slot.nbytes)
+
     def finish(self) -> None:
         """Return once every copy sent has landed."""
 
@@ -117,6 +121,8 @@ class _Driver:
                      "cuCtxSetCurrent"):
             getattr(lib, name).argtypes = [ctypes.c_void_p]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+        lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
         self.arena, self._arena_used, self._arena_lock = self.pinned(ARENA_BYTES), 0, threading.Lock()
 
     def pinned(self, nbytes: int) -> Any:
@@ -163,8 +169,8 @@ class CudaStaging(Staging):
 
     def send(self, slot: memoryview, runs: list[memoryview]) -> None:
         lib, check = self._driver.lib, self._driver.check
-        source = _address(slot)
-        targets = [(_address(run), run.nbytes) for run in runs if run.nbytes]
+        source = address(slot)
+        targets = [(address(run), run.nbytes) for run in runs if run.nbytes]
         if not targets:
             return
         pitch = targets[1][0] - targets[0][0] if len(targets) > 1 else 0
@@ -177,12 +183,22 @@ class CudaStaging(Staging):
             check(lib.cuMemcpy2DAsync_v2(ctypes.byref(copy), self._stream), "cuMemcpy2DAsync")
         else:
             offset = 0
-            for address, size in targets:
-                check(lib.cuMemcpyHtoDAsync_v2(address, source + offset, size, self._stream),
+            for to, size in targets:
+                check(lib.cuMemcpyHtoDAsync_v2(to, source + offset, size, self._stream),
                       "cuMemcpyHtoDAsync")
                 offset += size
-        index = (self._turn - 1) % self.SLOTS  # the slot handed out last
-        check(lib.cuEventRecord(self._events[index], self._stream), "cuEventRecord")
+        self._sent_last()
+
+    def send_to(self, slot: memoryview, to: int) -> None:
+        self._driver.check(self._driver.lib.cuMemcpyHtoDAsync_v2(
+            to, address(slot), slot.nbytes, self._stream), "cuMemcpyHtoDAsync")
+        self._sent_last()
+
+    def _sent_last(self) -> None:
+        """Mark the slot handed out last as read by the copies just queued on the stream."""
+        index = (self._turn - 1) % self.SLOTS
+        self._driver.check(self._driver.lib.cuEventRecord(self._events[index], self._stream),
+                           "cuEventRecord")
         self._sent[index] = True
 
     def finish(self) -> None:
@@ -207,11 +223,156 @@ class CudaStaging(Staging):
         return self._driver.pinned(nbytes) if slot is None else slot
 
 
-def _address(view: memoryview) -> int:
+class LandingArea:
+    """One contiguous scratch a whole entry's blocks land in, each staging slot by one copy,
+    before :meth:`place` copies every run of bytes to its tensor in one pass.
+
+    Landing piece by piece, each piece's copy from its slot into its tensor is a strided
+    DMA of one run per head: for 8-bit KV, whose scales and biases are 4 bytes a row, that
+    is 1,728 driver calls of 2-64 KiB runs per 4B-shape entry, and its restore on the H200
+    read at 39-55% of ``dd`` (docs/block-store.md). Landed whole, a slot is one copy, and
+    the runs are placed by one kernel. This base class is host memory placed by the CPU
+    (the reference the tests run anywhere); on a CUDA GPU, :class:`DeviceLandingArea`.
+
+    One restore holds it at a time: :meth:`acquire` never waits (a restore that finds it
+    held lands piece by piece). It grows to the largest entry it was asked for and stays.
+    """
+
+    #: Sizes are rounded up to this, so entries growing by a few tokens reuse the area.
+    GRAIN = 64 << 20
+
+    def __init__(self) -> None:
+        self._busy = threading.Lock()
+        self._base = 0
+        self.nbytes = 0
+        self._buffer: Any = None
+
+    def acquire(self, nbytes: int) -> int | None:
+        """The area's address, with room for ``nbytes``, held by the caller until
+        :meth:`release`; None when another restore holds it.
+
+        :raises CudaCopyError: the device has no room for it (the caller is not holding it).
+        """
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            self._grow(nbytes)
+        except BaseException:
+            self._busy.release()
+            raise
+        return self._base
+
+    def release(self) -> None:
+        self._busy.release()
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow to ``nbytes`` now, where no request waits (unless a restore holds it)."""
+        if self._busy.acquire(blocking=False):
+            try:
+                self._grow(nbytes)
+            finally:
+                self._busy.release()
+
+    def place(self, runs: Any) -> None:
+        """Copy every run: ``runs`` is an ``(n, 3)`` uint64 array whose rows are (offset in
+        the area, destination address, bytes). Returns once all have landed."""
+        for offset, to, nbytes in runs.tolist():
+            ctypes.memmove(to, self._base + offset, nbytes)
+
+    def _grow(self, nbytes: int) -> None:
+        if nbytes <= self.nbytes:
+            return
+        size = -(-nbytes // self.GRAIN) * self.GRAIN
+        self._free()
+        self._base, self.nbytes = self._allocate(size), size
+
+    def _allocate(self, nbytes: int) -> int:
+        self._buffer = bytearray(nbytes)
+        return address(memoryview(self._buffer))
+
+    def _free(self) -> None:
+        self._buffer, self._base, self.nbytes = None, 0, 0
+
+
+#: Threads of one block of :data:`_PLACE_SOURCE`, and the most blocks a launch has (each
+#: block strides over runs: a run is 2 KiB to a few MiB).
+PLACE_THREADS, PLACE_BLOCKS = 256, 4096
+_PLACE_SOURCE = """
+    const unsigned long long count = runs_shape[0];
+    for (unsigned long long r = blockIdx.x; r < count; r += gridDim.x) {
+      const unsigned long long from = runs[3 * r], to = runs[3 * r + 1], n = runs[3 * r + 2];
+      const unsigned long long align = from | to | n;
+      if ((align & 15ull) == 0) {
+        const uint4* s = (const uint4*)from;
+        uint4* d = (uint4*)to;
+        for (unsigned long long i = threadIdx.x; i < n / 16; i += blockDim.x) d[i] = s[i];
+      } else if ((align & 3ull) == 0) {
+        const unsigned int* s = (const unsigned int*)from;
+        unsigned int* d = (unsigned int*)to;
+        for (unsigned long long i = threadIdx.x; i < n / 4; i += blockDim.x) d[i] = s[i];
+      } else {
+        const unsigned char* s = (const unsigned char*)from;
+        unsigned char* d = (unsigned char*)to;
+        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+      }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) placed[0] = count;
+"""
+
+
+class DeviceLandingArea(LandingArea):
+    """Device memory of the GPU MLX runs on (``cuMemAlloc``: a 1-D copy into it was the
+    fastest landing measured, 27.9 ms for 604 MB against 46.1 into managed memory piece by
+    piece; docs/block-store.md, "Reads of 4 MiB"), placed by one CUDA kernel on MLX's
+    stream that copies each run, 16 bytes a thread where the run allows it. Destinations
+    are MLX buffers' managed memory, addressed as the staging copies address them."""
+
+    def __init__(self, driver: _Driver) -> None:
+        super().__init__()
+        self._driver = driver
+        self._kernel: list[Any] = []
+
+    def place(self, runs: Any) -> None:
+        import mlx.core as mx
+
+        from foretell.platform.kernels import custom_kernel
+
+        if not len(runs):
+            return
+        table = runs.copy()
+        table[:, 0] += self._base
+        if not self._kernel:
+            self._kernel.append(custom_kernel("foretell_place_runs", _PLACE_SOURCE,
+                                              input_names=["runs"], output_names=["placed"]))
+        blocks = min(len(table), PLACE_BLOCKS)
+        (placed,) = self._kernel[0](
+            inputs=[mx.array(table)], grid=(PLACE_THREADS * blocks, 1, 1),
+            threadgroup=(PLACE_THREADS, 1, 1), output_shapes=[(1,)],
+            output_dtypes=[mx.uint64])
+        mx.eval(placed)
+
+    def _allocate(self, nbytes: int) -> int:
+        driver = self._driver
+        driver.check(driver.lib.cuCtxSetCurrent(driver.context), "cuCtxSetCurrent")
+        pointer = ctypes.c_uint64()
+        driver.check(driver.lib.cuMemAlloc_v2(ctypes.byref(pointer), nbytes), "cuMemAlloc")
+        return pointer.value
+
+    def _free(self) -> None:
+        if self._base:
+            self._driver.check(self._driver.lib.cuMemFree_v2(self._base), "cuMemFree")
+        super()._free()
+
+
+def address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte (an MLX buffer's managed memory on a
+    CUDA GPU, where the device sees it at the same address)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
+
 _DRIVER: list[_Driver | None] = []
+_LANDING: list[LandingArea | None] = []
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
 
@@ -257,6 +418,31 @@ def _load_driver() -> _Driver | None:
         return _Driver()
     except (OSError, AttributeError):
         return None
+
+
+def landing() -> LandingArea | None:
+    """The process's :class:`DeviceLandingArea` where :func:`gpu_landing`; None elsewhere
+    (reads there land in place, straight from the file)."""
+    if not gpu_landing():
+        return None
+    with _LOCK:
+        if not _DRIVER or _DRIVER[0] is None:
+            return None
+        if not _LANDING:
+            _LANDING.append(DeviceLandingArea(_DRIVER[0]))
+        return _LANDING[0]
+
+
+def give_up_landing(exc: Exception) -> None:
+    """The landing area's kernel failed (``exc``): warn once; :func:`landing` answers None
+    from now on in this process, so reads land piece by piece."""
+    import logging
+
+    with _LOCK:
+        _LANDING[:] = [None]
+    logging.getLogger("foretell.store").warning(
+        "reads land piece by piece from now on: the CUDA kernel placing whole entries "
+        "failed (%s)", exc)
 
 
 def staging() -> Staging:

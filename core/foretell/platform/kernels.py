@@ -86,6 +86,18 @@ def keep_compiled_kernels() -> Path | None:
     return folder
 
 
+def custom_kernel(prefix: str, source: str, **spec: Any) -> Any:
+    """``mx.fast.cuda_kernel(source=source, **spec)`` named ``<prefix>_<hash of source>``.
+    MLX keeps the kernels it compiles on disk by name alone (:data:`PTX_CACHE`), so a kernel
+    whose source changed under the same name would load the old one's code."""
+    import hashlib
+
+    import mlx.core as mx
+
+    source_hash = hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
+    return mx.fast.cuda_kernel(name=f"{prefix}_{source_hash}", source=source, **spec)
+
+
 def quantized_matmuls(*owners: Any) -> list[QuantizedMatmul]:
     """One entry per kind of quantized matmul in ``owners`` (MLX modules, or objects holding
     them as attributes, as a draft provider holds its model), with the first such layer's

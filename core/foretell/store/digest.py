@@ -23,7 +23,6 @@ oracle. Imported when plugins register: no mlx or numpy at import time.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -121,15 +120,13 @@ def _by_kernel(words: list[mx.array]) -> list[int]:
     64-bit temporaries and with a ninth of their Python calls."""
     import mlx.core as mx
 
+    from foretell.platform.kernels import custom_kernel
+
     with _LOCK:  # engines sharing a tier may write from two threads
         if not _KERNEL:
-            # MLX keeps compiled kernels on disk by name alone (MLX_PTX_CACHE_DIR): the name
-            # carries the source's hash, so a changed kernel never loads an old one's code.
-            source_hash = hashlib.blake2b(_KERNEL_SOURCE.encode(), digest_size=6).hexdigest()
-            _KERNEL.append(mx.fast.cuda_kernel(
-                name=f"foretell_mlh64_{source_hash}",
-                input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
-                output_names=["sums"], source=_KERNEL_SOURCE))
+            _KERNEL.append(custom_kernel(
+                "foretell_mlh64", _KERNEL_SOURCE,
+                input_names=[f"w{k}" for k in range(KERNEL_INPUTS)], output_names=["sums"]))
     pad = mx.zeros((1,), dtype=mx.uint32)
     outputs = []
     for at in range(0, len(words), KERNEL_INPUTS):
