@@ -132,6 +132,8 @@ class _Indexed:
     buffer_bytes: int = 0
     #: Its largest tensor's bytes (what a device digest of its tensors must be ready for).
     largest_tensor: int = 0
+    #: What landing it whole takes of a landing area (mf.landing_bytes).
+    landing_bytes: int = 0
 
 
 class BlockStoreLayout:
@@ -264,7 +266,7 @@ class BlockStoreLayout:
                              for la in entry.layers),
                 nbytes=stat.st_size + sum(r.nbytes for r in blocks), last_used=stat.st_mtime),
             manifest_bytes=stat.st_size, blocks=blocks, buffer_bytes=mf.buffer_bytes(groups),
-            largest_tensor=mf.largest_tensor(groups))
+            largest_tensor=mf.largest_tensor(groups), landing_bytes=mf.landing_bytes(blocks))
         with self._lock:
             if self._index is not None:
                 self._index[key] = indexed
@@ -325,10 +327,25 @@ class BlockStoreLayout:
                 if cap == 0:
                     return
                 self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
+        self._prepare_landing()
         if not self.reserve.used_since_fill():
             return
         largest = max((i.buffer_bytes for i in self._indexed()), default=0)
         self.reserve.refill(largest)
+
+    def _prepare_landing(self) -> None:
+        """Grow the landing area to the largest indexed entry (within the reserve's cap) and
+        load its kernel, where no request waits (a no-op once it has room)."""
+        area = cuda.landing()
+        if area is None:
+            return
+        largest = max((i.landing_bytes for i in self._indexed()), default=0)
+        try:
+            area.prepare(min(largest, self._landing_cap()))
+        except cuda.CudaCopyError as exc:  # no device memory for it: reads land piece by piece
+            log.debug("block store %s: landing area not grown (%s)", self.directory, exc)
+        except RuntimeError as exc:
+            cuda.give_up_landing(exc)
 
     def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
         """The entry's tensors read as :meth:`read` reads them (manifest, identity and key
@@ -395,7 +412,8 @@ class BlockStoreLayout:
                                    last_used=stat.st_mtime),
                 manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks),
                 buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups),
-                largest_tensor=mf.largest_tensor(group for group, _refs in manifest.groups))
+                largest_tensor=mf.largest_tensor(group for group, _refs in manifest.groups),
+                landing_bytes=mf.landing_bytes(manifest.blocks))
         with self._lock:
             self._index = found
             self._manifests = {k: v for k, v in self._manifests.items() if k in found}
@@ -576,6 +594,10 @@ class BlockStoreLayout:
             steps, marks, marks[1:])}
         return layers
 
+    def _landing_cap(self) -> int:
+        """The most a landing area may hold for this layout: the restore reserve's cap."""
+        return self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(True)
+
     def _land_whole(self, manifest: mf.Manifest, flats: dict[tuple[int, str], memoryview],
                     verify: bool, marks: list[float]) -> bool | None:
         """Read the entry's blocks into the process's landing area (each staging slot one
@@ -591,8 +613,7 @@ class BlockStoreLayout:
             return None
         offsets, need, runs = mf.landing_plan(
             manifest, {key: cuda.address(flat) for key, flat in flats.items()})
-        cap = self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(True)
-        if need > cap:
+        if need > self._landing_cap():
             return None
         try:
             base = area.acquire(need)

@@ -256,6 +256,11 @@ def destinations(group: Group, begin: int, end: int,
 LANDING_ALIGN = 256
 
 
+def landing_bytes(blocks: tuple[BlockRef, ...] | list[BlockRef]) -> int:
+    """At least what :func:`landing_plan` asks of a landing area for an entry of ``blocks``."""
+    return sum(-(-ref.nbytes // LANDING_ALIGN) * LANDING_ALIGN for ref in blocks)
+
+
 def landing_plan(manifest: Manifest, addresses: dict[tuple[int, str], int]
                  ) -> tuple[list[int], int, np.ndarray]:
     """How an entry lands whole (``foretell.platform.cuda.LandingArea``): each block's

@@ -142,6 +142,23 @@ def test_a_failing_kernel_warns_once_and_reads_land_piece_by_piece(
     assert cuda._LANDING == [None]
 
 
+def test_replenish_readies_the_area_for_the_largest_entry_so_a_read_does_not_grow_it(
+        layout, codecs, area, monkeypatch):
+    entry = mixed_entry(codecs)
+    assert layout.write(entry)
+    layout.replenish()
+    manifest = layout._load_manifest(layout.key_for(entry.tokens))
+    flats = {(s.layer, s.name): memoryview(bytearray(s.piece_bytes(0, s.rows)))
+             for s in manifest.specs}
+    _offsets, need, _runs = mf.landing_plan(
+        manifest, {key: cuda.address(flat) for key, flat in flats.items()})
+    assert area.nbytes >= mf.landing_bytes(manifest.blocks) >= need > 0
+    grown = []
+    monkeypatch.setattr(area, "_allocate", lambda n: grown.append(n))
+    assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
+    assert "placed" in layout.last_read_ms and grown == []
+
+
 def test_the_area_grows_in_grains_and_is_held_by_one_read_at_a_time():
     found = cuda.LandingArea()
     base = found.acquire(10)

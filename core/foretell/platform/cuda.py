@@ -273,6 +273,11 @@ class LandingArea:
             finally:
                 self._busy.release()
 
+    def prepare(self, nbytes: int) -> None:
+        """Ready a read of up to ``nbytes`` now, where no request waits: the area grown
+        (unless a restore holds it) and what places runs loaded."""
+        self.reserve(nbytes)
+
     def place(self, runs: Any) -> None:
         """Copy every run: ``runs`` is an ``(n, 3)`` uint64 array whose rows are (offset in
         the area, destination address, bytes). Returns once all have landed."""
@@ -332,15 +337,27 @@ class DeviceLandingArea(LandingArea):
         self._driver = driver
         self._kernel: list[Any] = []
 
+    def prepare(self, nbytes: int) -> None:
+        """Also compile and load the kernel (in a fresh process on the H200 its first
+        launch took 2.2 s: a restore must not pay it), by placing one empty run."""
+        import numpy as np
+
+        super().prepare(nbytes)
+        if not self._kernel:
+            self._launch(np.zeros((1, 3), dtype=np.uint64))
+
     def place(self, runs: Any) -> None:
-        import mlx.core as mx
-
-        from foretell.platform.kernels import custom_kernel
-
         if not len(runs):
             return
         table = runs.copy()
         table[:, 0] += self._base
+        self._launch(table)
+
+    def _launch(self, table: Any) -> None:
+        import mlx.core as mx
+
+        from foretell.platform.kernels import custom_kernel
+
         if not self._kernel:
             self._kernel.append(custom_kernel("foretell_place_runs", _PLACE_SOURCE,
                                               input_names=["runs"], output_names=["placed"]))
