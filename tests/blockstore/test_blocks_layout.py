@@ -129,6 +129,7 @@ def _host_staging(monkeypatch, *, landing: bool) -> tuple[list[int], list[int]]:
         return local.staging
 
     monkeypatch.setattr(cuda, "gpu_landing", lambda: landing)
+    monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
     monkeypatch.setattr(cuda, "staging", staging)
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     return sent, finished
@@ -235,6 +236,7 @@ def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
 
     host_buffers = mf.host_buffers
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
     monkeypatch.setattr(cuda, "staging", Failing)
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     entry = entry_of(range(600), codecs)

@@ -125,6 +125,33 @@ def test_an_entry_over_the_reserve_cap_lands_piece_by_piece(tmp_path, identity, 
     assert "placed" not in layout.last_read_ms and area.nbytes == 0
 
 
+def test_a_failed_copy_to_the_area_fails_the_read_and_keeps_the_entry(
+        layout, codecs, area, monkeypatch, caplog):
+    """A driver call failing (not the files) is not the entry's fault: it is not served
+    and not dropped; every reader waited for its copies before the area was let go."""
+    finished = []
+
+    class Failing(cuda.Staging):
+        def send_to(self, slot, to):
+            raise cuda.CudaCopyError("CUDA driver call cuMemcpyHtoDAsync failed (CUresult 700)")
+
+        def finish(self):
+            finished.append(1)
+
+    monkeypatch.setattr(cuda, "staging", Failing)
+    entry = mixed_entry(codecs)
+    assert layout.write(entry)
+    key = layout.key_for(entry.tokens)
+    with caplog.at_level(logging.WARNING):
+        assert layout.read(key) is None
+    assert "cuMemcpyHtoDAsync failed" in caplog.text
+    assert len(finished) == len(layout._load_manifest(key).blocks)
+    assert area.acquire(1) is not None  # released
+    area.release()
+    monkeypatch.undo()
+    assert_same_entry(layout.read(key), entry)
+
+
 def test_a_failing_kernel_warns_once_and_reads_land_piece_by_piece(
         layout, codecs, area, caplog, monkeypatch):
     monkeypatch.setattr(cuda, "_LANDING", [area])

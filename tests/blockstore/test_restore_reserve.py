@@ -270,6 +270,7 @@ def test_a_staged_read_copies_into_the_reserves_buffers(stored, monkeypatch):
         return local.staging
 
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
     monkeypatch.setattr(cuda, "staging", staging)
     restored = layout.read(key)
     assert layout.reserve.served == 1 and inside(tensor_ranges(restored), slab)
