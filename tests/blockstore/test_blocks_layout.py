@@ -679,11 +679,11 @@ def test_blocks_are_written_at_the_write_niceness_and_read_at_the_callers(layout
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     caller, seen = niceness(), {"write": set(), "read": set()}
-    store_block, read_block = BlockStoreLayout._store_block, blocks._read_block
+    store_block, open_block = BlockStoreLayout._store_block, blocks._open_block
     monkeypatch.setattr(BlockStoreLayout, "_store_block", lambda self, *a: (
         seen["write"].add(niceness()), store_block(self, *a))[1])
-    monkeypatch.setattr(blocks, "_read_block", lambda *a: (
-        seen["read"].add(niceness()), read_block(*a))[1])
+    monkeypatch.setattr(blocks, "_open_block", lambda *a: (  # every read, whole or by piece
+        seen["read"].add(niceness()), open_block(*a))[1])
     entry = entry_of(range(10), codecs)
     assert layout.write(entry)
     assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
