@@ -173,6 +173,8 @@ class BlockStoreLayout:
         #: queued, blocks, digests, arrays); the cache benchmark reports it for fresh
         #: processes, with what checked the bytes of the last read.
         self.last_read_ms: dict[str, float] = {}
+        #: Where the last replenish's time went, ms per step (digests, landing, reserve).
+        self.last_replenish_ms: dict[str, float] = {}
         self.last_check = ""
         cuda.prepare()
 
@@ -317,8 +319,10 @@ class BlockStoreLayout:
         request's end. Runs MLX: the tier calls it where MLX runs and no request waits
         (:class:`foretell.store.layout.KeepsRestoreReserve`). Where reads are checked by
         device digests, their weights and kernels are made ready here too."""
+        marks = [time.perf_counter()]
         if digest.enabled():  # at least the kernel: the first write needs it too
             digest.prepare(max((i.largest_tensor for i in self._indexed()), default=4) // 4)
+        marks.append(time.perf_counter())
         on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
         with self._lock:  # engines sharing a tier may finish requests on two threads
             if self.reserve is None:
@@ -328,10 +332,12 @@ class BlockStoreLayout:
                     return
                 self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
         self._prepare_landing()
-        if not self.reserve.used_since_fill():
-            return
-        largest = max((i.buffer_bytes for i in self._indexed()), default=0)
-        self.reserve.refill(largest)
+        marks.append(time.perf_counter())
+        if self.reserve.used_since_fill():
+            self.reserve.refill(max((i.buffer_bytes for i in self._indexed()), default=0))
+        marks.append(time.perf_counter())
+        self.last_replenish_ms = {step: (end - begin) * 1e3 for step, begin, end in zip(
+            ("digests", "landing", "reserve"), marks, marks[1:])}
 
     def _prepare_landing(self) -> None:
         """Grow the landing area to the largest indexed entry (within the reserve's cap) and

@@ -362,6 +362,8 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     scan_s = time.perf_counter() - start  # with the restore reserve's fill, where it has one
     reserve = getattr(tier.ssd.layout, "reserve", None)
     open_fill_s = reserve.fill_seconds if reserve is not None else 0.0
+    # What opening the tier spent readying reads (kernels, landing area, reserve), by step.
+    open_steps = dict(getattr(tier.ssd.layout, "last_replenish_ms", None) or {}) or None
     reads: list[float] = []
     lookups: list[float] = []
     keys: list[str] = []
@@ -398,7 +400,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
             "evicted": args.evict, "layout": args.layout,
             # the fill the tier's opening paid (off the TTFT), whether the restore's buffers
             # came from it, and its counters after the request's end refilled it
-            "reserve_open_fill_s": open_fill_s,
+            "reserve_open_fill_s": open_fill_s, "open_steps_ms": open_steps,
             "reserve_served": bool(reserve is not None and reserve.served),
             "reserve": reserve.stats() if reserve is not None else None}
 
