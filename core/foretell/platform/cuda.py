@@ -387,7 +387,6 @@ def address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-
 _DRIVER: list[_Driver | None] = []
 _LANDING: list[LandingArea | None] = []
 _LOCAL = threading.local()
