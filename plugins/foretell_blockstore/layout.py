@@ -20,13 +20,14 @@ first block to its manifest's rename, so a concurrent writer's blocks are never 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -229,11 +230,16 @@ class BlockStoreLayout:
             with self._flock(exclusive=False):
                 self.entries_dir.mkdir(parents=True, exist_ok=True)
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-                hosts = mf.host_views(entry)
-                jobs = [(group, [fmt.write_pool().submit(self._store_block, hosts, group, b, e)
-                                 for b, e in group.spans(rows)]) for group in groups]
-                # Every job finishes before the lock is released, failed or not.
-                futures.wait([job for _group, group_jobs in jobs for job in group_jobs])
+                area, sources = self._gather_by_dma(entry, groups, rows)
+                try:
+                    jobs = [(group, [fmt.write_pool().submit(self._store_block, sources,
+                                                             group, b, e)
+                                     for b, e in group.spans(rows)]) for group in groups]
+                    # Every job finishes before the lock is released, failed or not.
+                    futures.wait([job for _group, group_jobs in jobs for job in group_jobs])
+                finally:
+                    if area is not None:
+                        area.release()
                 listed = [(group, [job.result() for job in group_jobs])
                           for group, group_jobs in jobs]
                 wrote = False
@@ -493,11 +499,50 @@ class BlockStoreLayout:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _store_block(self, hosts: dict, group: mf.Group, begin: int, end: int
-                     ) -> tuple[mf.BlockRef, bool]:
-        """Rows ``[begin, end)`` of ``group`` as one block, written unless a block of the
-        same bytes exists (it is never rewritten); runs on the pool. True if written."""
-        pieces = mf.block_pieces(hosts, group, begin, end)
+    def _gather_by_dma(self, entry: Entry, groups: tuple[mf.Group, ...], rows: int
+                       ) -> tuple[cuda.HostArea | None, Callable[..., list[list[memoryview]]]]:
+        """Where each block's pieces come from: gathered from the tensors by DMA into the
+        process's page-locked write area where ``foretell.platform.cuda.write_area`` has one
+        free (the area is returned, held: the caller releases it once every block is
+        written), else read from the tensors' memory on the CPU (``mf.block_pieces``). Needs
+        every tensor's rows in runs at one pitch (``mf.run_layout``), as a cache's are."""
+        hosts = mf.host_views(entry)
+        on_host = None, functools.partial(mf.block_pieces, hosts)
+        area = cuda.write_area()
+        if area is None:
+            return on_host
+        found = {key: mf.run_layout(host) for key, host in hosts.items() if host.size}
+        if None in found.values():
+            return on_host
+        _offsets, need, plan = mf.piece_plan(
+            groups, rows, {key: at for key, (at, _pitch) in found.items()},
+            {key: pitch for key, (_at, pitch) in found.items()})
+        if area.acquire(need) is None:
+            return on_host
+        at, where = 0, {}
+        for group in groups:
+            for begin, _end in group.spans(rows):
+                where[(group, begin)] = plan[at:at + len(group.tensors)]
+                at += len(group.tensors)
+
+        def gather(group: mf.Group, begin: int, _end: int) -> list[list[memoryview]]:
+            stage, pieces = cuda.staging(), []
+            try:
+                for offset, first, width, count, pitch in where[(group, begin)].tolist():
+                    pieces.append([area.view(offset, width * count)])
+                    stage.fetch(pieces[-1][0], first, width, count, pitch)
+            finally:
+                stage.finish()  # every piece has landed before it is hashed or written
+            return pieces
+
+        return area, gather
+
+    def _store_block(self, source: Callable[..., list[list[memoryview]]], group: mf.Group,
+                     begin: int, end: int) -> tuple[mf.BlockRef, bool]:
+        """Rows ``[begin, end)`` of ``group`` as one block (its pieces from ``source``),
+        written unless a block of the same bytes exists (it is never rewritten); runs on the
+        pool. True if written."""
+        pieces = source(group, begin, end)
         header = mf.block_header(group, begin, end)
         ref = mf.block_ref(header, pieces)
         final = self.block_path(ref.id)

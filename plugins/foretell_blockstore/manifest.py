@@ -39,7 +39,7 @@ import hashlib
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -261,37 +261,86 @@ def landing_bytes(blocks: tuple[BlockRef, ...] | list[BlockRef]) -> int:
     return sum(-(-ref.nbytes // LANDING_ALIGN) * LANDING_ALIGN for ref in blocks)
 
 
-def landing_plan(manifest: Manifest, addresses: dict[tuple[int, str], int]
-                 ) -> tuple[list[int], int, np.ndarray]:
-    """How an entry lands whole (``foretell.platform.cuda.LandingArea``): each block's
-    tensor bytes (the file past its header) at an offset of their own in the area, in
-    :attr:`Manifest.blocks` order, then every run copied to its tensor. Returns the blocks'
-    offsets, the bytes the area needs, and the runs, one row per leading index of each
-    piece: (offset in the area, destination address, bytes), the address in the tensor's
-    flat buffer (``addresses``) that :func:`destinations` would slice for it."""
+def run_layout(host: np.ndarray) -> tuple[int, int] | None:
+    """Where a tensor's rows lie, for copies that address them (a write gathered by DMA):
+    its first byte's address and the bytes from one leading index's rows to the next's;
+    None unless each leading index's rows are one contiguous run and the runs lie at one
+    pitch (a cache's snapshot, a token slice of a larger buffer, does; a transposed view
+    does not). ``host`` from :func:`host_views`."""
+    address = host.__array_interface__["data"][0]
+    if host.ndim < 2:
+        return (address, host.nbytes) if host.flags.c_contiguous else None
+    item = host.itemsize
+    if host.strides[-1] != item or (host.shape[-2] > 1 and host.strides[-2] != host.shape[-1] * item):
+        return None
+    leads = [(size, stride) for size, stride in zip(host.shape[:-2], host.strides[:-2])
+             if size > 1]
+    if not leads:
+        return address, host.shape[-2] * host.shape[-1] * item
+    pitch = leads[-1][1]
+    if pitch < host.shape[-2] * host.shape[-1] * item:
+        return None
+    for (_outer, outer_stride), (inner, inner_stride) in zip(leads, leads[1:]):
+        if outer_stride != inner_stride * inner:
+            return None
+    return address, pitch
+
+
+def piece_plan(groups: Sequence[Group], block_rows: int,
+               addresses: dict[tuple[int, str], int],
+               pitches: dict[tuple[int, str], int] | None = None
+               ) -> tuple[list[int], int, np.ndarray]:
+    """How an entry's blocks lie in one contiguous area (``foretell.platform.cuda``): each
+    block's tensor bytes (its file past the header) at an offset of their own, 256-byte
+    aligned, blocks in group order; within a block, its pieces back to back, as in the
+    file. Returns the blocks' offsets, the bytes the area needs, and one row per piece:
+    (offset in the area, address of its first run in the tensor, run bytes, runs, bytes
+    from one run to the next in the tensor), the tensors' flat buffers at ``addresses``
+    (their leading indices ``pitches`` bytes apart where given: :func:`run_layout`; a
+    contiguous tensor's otherwise). A piece's runs are the slices :func:`destinations`
+    gives (one per leading index)."""
     import numpy as np
 
     offsets, rows, at = [], [], 0
-    for group, _refs in manifest.groups:
+    for group in groups:
         leads = np.array([_size(s.shape[:-2]) if len(s.shape) >= 2 else 1
                           for s in group.tensors], dtype=np.uint64)
         widths = np.array([s.shape[-1] * _ITEM_BYTES[s.dtype] if len(s.shape) >= 2
                            else s.piece_bytes(0, 1) for s in group.tensors], dtype=np.uint64)
         bases = np.array([addresses[(s.layer, s.name)] for s in group.tensors],
                          dtype=np.uint64)
-        tensor = np.repeat(np.arange(len(group.tensors)), leads.astype(np.int64))
-        lead = np.arange(len(tensor), dtype=np.uint64) - np.repeat(
-            np.cumsum(leads) - leads, leads.astype(np.int64))
-        for begin, end in group.spans(manifest.block_rows):
+        strides = widths * np.uint64(group.rows)
+        if pitches is not None:
+            strides = np.array([pitches[(s.layer, s.name)] for s in group.tensors],
+                               dtype=np.uint64)
+        for begin, end in group.spans(block_rows):
             offsets.append(at)
-            run = widths[tensor] * np.uint64(end - begin)
-            rows.append(np.stack([np.uint64(at) + np.cumsum(run) - run,
-                                  bases[tensor] + (lead * np.uint64(group.rows)
-                                                   + np.uint64(begin)) * widths[tensor],
-                                  run], axis=1))
-            at += -(-int(run.sum()) // LANDING_ALIGN) * LANDING_ALIGN
-    runs = np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.uint64)
-    return offsets, at, runs
+            run = widths * np.uint64(end - begin)
+            size = run * leads
+            rows.append(np.stack([np.uint64(at) + np.cumsum(size) - size,
+                                  bases + np.uint64(begin) * widths, run, leads,
+                                  strides], axis=1))
+            at += -(-int(size.sum()) // LANDING_ALIGN) * LANDING_ALIGN
+    pieces = np.concatenate(rows) if rows else np.zeros((0, 5), dtype=np.uint64)
+    return offsets, at, pieces
+
+
+def landing_plan(manifest: Manifest, addresses: dict[tuple[int, str], int]
+                 ) -> tuple[list[int], int, np.ndarray]:
+    """How an entry lands whole (``foretell.platform.cuda.LandingArea``): the blocks'
+    offsets and the bytes as :func:`piece_plan`, and every run to copy from the area to
+    its tensor: (offset in the area, destination address, bytes), one row per leading
+    index of each piece."""
+    import numpy as np
+
+    offsets, need, pieces = piece_plan([g for g, _refs in manifest.groups],
+                                       manifest.block_rows, addresses)
+    counts = pieces[:, 3].astype(np.int64)
+    at = np.arange(int(counts.sum()), dtype=np.uint64) - np.repeat(
+        (np.cumsum(pieces[:, 3]) - pieces[:, 3]), counts)
+    offset, first, run, _count, pitch = (np.repeat(pieces[:, k], counts) for k in range(5))
+    runs = np.stack([offset + at * run, first + at * pitch, run], axis=1)
+    return offsets, need, runs.reshape(-1, 3).astype(np.uint64)
 
 
 def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False,

@@ -33,7 +33,19 @@ from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
 @pytest.fixture
 def area(monkeypatch):
-    found = cuda.LandingArea()
+    """A host landing area, filled through host staging, into buffers made on the host:
+    the reference path, the same on a CUDA host as anywhere."""
+    import threading
+
+    found, local = cuda.LandingArea(), threading.local()
+
+    def staging():
+        if not hasattr(local, "staging"):
+            local.staging = cuda.Staging()
+        return local.staging
+
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
+    monkeypatch.setattr(cuda, "staging", staging)
     monkeypatch.setattr(cuda, "landing", lambda: found)
     return found
 

@@ -65,6 +65,15 @@ class Staging:
         """Copy ``slot``'s bytes, whole, to address ``to`` (in a :class:`LandingArea`)."""
         ctypes.memmove(to, address(slot), slot.nbytes)
 
+    def fetch(self, into: memoryview, first: int, width: int, count: int, pitch: int) -> None:
+        """Copy ``count`` runs of ``width`` bytes, the first at address ``first`` and each
+        ``pitch`` bytes after the last, back to back into ``into`` (the reverse of
+        :meth:`send`: a write's piece gathered from its tensor). Landed after
+        :meth:`finish`."""
+        to = address(into)
+        for k in range(count):
+            ctypes.memmove(to + k * width, first + k * pitch, width)
+
     def finish(self) -> None:
         """Return once every copy sent has landed."""
 
@@ -194,6 +203,17 @@ class CudaStaging(Staging):
             to, address(slot), slot.nbytes, self._stream), "cuMemcpyHtoDAsync")
         self._sent_last()
 
+    def fetch(self, into: memoryview, first: int, width: int, count: int, pitch: int) -> None:
+        # A DMA from where the tensor lives: a CPU read of managed memory the GPU holds
+        # moves its pages to the host (604 MB: 304-403 ms) and the GPU's next pass over it
+        # pays to move them back (43-57 ms against 0.6); this copy took 12.2 ms and cost the
+        # GPU nothing after (scripts/managed_read_probe.py, H200, 2026-12-04).
+        lib, check = self._driver.lib, self._driver.check
+        copy = _Memcpy2D(srcMemoryType=_MEMORY_UNIFIED, srcDevice=first, srcPitch=pitch,
+                         dstMemoryType=_MEMORY_HOST, dstHost=address(into), dstPitch=width,
+                         WidthInBytes=width, Height=count)
+        check(lib.cuMemcpy2DAsync_v2(ctypes.byref(copy), self._stream), "cuMemcpy2DAsync")
+
     def _sent_last(self) -> None:
         """Mark the slot handed out last as read by the copies just queued on the stream."""
         index = (self._turn - 1) % self.SLOTS
@@ -223,20 +243,14 @@ class CudaStaging(Staging):
         return self._driver.pinned(nbytes) if slot is None else slot
 
 
-class LandingArea:
-    """One contiguous scratch a whole entry's blocks land in, each staging slot by one copy,
-    before :meth:`place` copies every run of bytes to its tensor in one pass.
-
-    Landing piece by piece, each piece's copy from its slot into its tensor is a strided
-    DMA of one run per head: for 8-bit KV, whose scales and biases are 4 bytes a row, that
-    is 1,728 driver calls of 2-64 KiB runs per 4B-shape entry, and its restore on the H200
-    read at 39-55% of ``dd`` (docs/block-store.md). Landed whole, a slot is one copy, and
-    the runs are placed by one kernel. This base class is host memory placed by the CPU
-    (the reference the tests run anywhere); on a CUDA GPU, :class:`DeviceLandingArea`.
-
-    One restore holds it at a time: :meth:`acquire` never waits (a restore that finds it
-    held lands piece by piece). It grows to the largest entry it was asked for and stays.
-    """
+class HostArea:
+    """One contiguous area of host memory an entry's block bytes pass through, laid out as
+    ``manifest.piece_plan`` lays them (each block's pieces back to back), held by one
+    read or write at a time: :meth:`acquire` never waits (a caller that finds it held
+    goes without). It grows to the largest entry asked for (in :data:`GRAIN` steps) and
+    stays. The base class is plain host memory (what tests use anywhere); a write's area on
+    a CUDA GPU is page-locked (:class:`PinnedArea`), a read's lives on the device
+    (:class:`DeviceLandingArea`)."""
 
     #: Sizes are rounded up to this, so entries growing by a few tokens reuse the area.
     GRAIN = 64 << 20
@@ -249,9 +263,9 @@ class LandingArea:
 
     def acquire(self, nbytes: int) -> int | None:
         """The area's address, with room for ``nbytes``, held by the caller until
-        :meth:`release`; None when another restore holds it.
+        :meth:`release`; None when another holds it.
 
-        :raises CudaCopyError: the device has no room for it (the caller is not holding it).
+        :raises CudaCopyError: no room for it (the caller is not holding it).
         """
         if not self._busy.acquire(blocking=False):
             return None
@@ -266,23 +280,16 @@ class LandingArea:
         self._busy.release()
 
     def reserve(self, nbytes: int) -> None:
-        """Grow to ``nbytes`` now, where no request waits (unless a restore holds it)."""
+        """Grow to ``nbytes`` now, where no request waits (unless it is held)."""
         if self._busy.acquire(blocking=False):
             try:
                 self._grow(nbytes)
             finally:
                 self._busy.release()
 
-    def prepare(self, nbytes: int) -> None:
-        """Ready a read of up to ``nbytes`` now, where no request waits: the area grown
-        (unless a restore holds it) and what places runs loaded."""
-        self.reserve(nbytes)
-
-    def place(self, runs: Any) -> None:
-        """Copy every run: ``runs`` is an ``(n, 3)`` uint64 array whose rows are (offset in
-        the area, destination address, bytes). Returns once all have landed."""
-        for offset, to, nbytes in runs.tolist():
-            ctypes.memmove(to, self._base + offset, nbytes)
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` of the area from ``offset``, writable (host areas only)."""
+        return memoryview(self._buffer).cast("B")[offset:offset + nbytes]
 
     def _grow(self, nbytes: int) -> None:
         if nbytes <= self.nbytes:
@@ -297,6 +304,53 @@ class LandingArea:
 
     def _free(self) -> None:
         self._buffer, self._base, self.nbytes = None, 0, 0
+
+
+class PinnedArea(HostArea):
+    """Page-locked host memory (``cuMemHostAlloc``), which the driver's copies from the
+    GPU fill by DMA."""
+
+    def __init__(self, driver: _Driver) -> None:
+        super().__init__()
+        self._driver = driver
+
+    def _allocate(self, nbytes: int) -> int:
+        self._driver.check(self._driver.lib.cuCtxSetCurrent(self._driver.context),
+                           "cuCtxSetCurrent")
+        self._buffer = self._driver.pinned(nbytes)
+        return ctypes.addressof(self._buffer)
+
+    def _free(self) -> None:
+        if self._buffer is not None:
+            self._driver.check(self._driver.lib.cuMemFreeHost(ctypes.addressof(self._buffer)),
+                               "cuMemFreeHost")
+        super()._free()
+
+
+class LandingArea(HostArea):
+    """One contiguous scratch a whole entry's blocks land in, each staging slot by one copy,
+    before :meth:`place` copies every run of bytes to its tensor in one pass.
+
+    Landing piece by piece, each piece's copy from its slot into its tensor is a strided
+    DMA of one run per head: for 8-bit KV, whose scales and biases are 4 bytes a row, that
+    is 1,728 driver calls of 2-64 KiB runs per 4B-shape entry, and its restore on the H200
+    read at 39-55% of ``dd`` (docs/block-store.md). Landed whole, a slot is one copy, and
+    the runs are placed by one kernel. This base class is host memory placed by the CPU
+    (the reference the tests run anywhere); on a CUDA GPU, :class:`DeviceLandingArea`.
+
+    One restore holds it at a time (a restore that finds it held lands piece by piece).
+    """
+
+    def prepare(self, nbytes: int) -> None:
+        """Ready a read of up to ``nbytes`` now, where no request waits: the area grown
+        (unless a restore holds it) and what places runs loaded."""
+        self.reserve(nbytes)
+
+    def place(self, runs: Any) -> None:
+        """Copy every run: ``runs`` is an ``(n, 3)`` uint64 array whose rows are (offset in
+        the area, destination address, bytes). Returns once all have landed."""
+        for offset, to, nbytes in runs.tolist():
+            ctypes.memmove(to, self._base + offset, nbytes)
 
 
 #: Threads of one block of :data:`_PLACE_SOURCE`, and the most blocks a launch has (each
@@ -389,6 +443,7 @@ def address(view: memoryview) -> int:
 
 _DRIVER: list[_Driver | None] = []
 _LANDING: list[LandingArea | None] = []
+_WRITE_AREA: list[HostArea] = []
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
 
@@ -447,6 +502,33 @@ def landing() -> LandingArea | None:
         if not _LANDING:
             _LANDING.append(DeviceLandingArea(_DRIVER[0]))
         return _LANDING[0]
+
+
+#: ``on``: on a CUDA GPU a write gathers an entry's pieces by DMA into a page-locked area
+#: (:func:`write_area`) instead of reading the tensors' managed memory on the CPU;
+#: ``off`` or ``auto`` (the default): it reads them on the CPU. Off until measured on a
+#: GPU (docs/block-store.md, "Writes by DMA").
+WRITE_DMA = "FORETELL_WRITE_DMA"
+
+
+def write_area() -> HostArea | None:
+    """The process's :class:`PinnedArea` for writes where :data:`WRITE_DMA` turns them on
+    and reads land on a CUDA GPU (:func:`gpu_landing`); None otherwise.
+
+    :raises ConfigError: :data:`WRITE_DMA` holds something else (naming it).
+    """
+    from foretell.platform.device import device_mode
+
+    if device_mode(WRITE_DMA, cuda="off", elsewhere="off", choices=("on", "off")) != "on":
+        return None
+    if not gpu_landing():
+        return None
+    with _LOCK:
+        if not _DRIVER or _DRIVER[0] is None:
+            return None
+        if not _WRITE_AREA:
+            _WRITE_AREA.append(PinnedArea(_DRIVER[0]))
+        return _WRITE_AREA[0]
 
 
 def give_up_landing(exc: Exception) -> None:
