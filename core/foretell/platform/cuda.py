@@ -353,11 +353,14 @@ class LandingArea(HostArea):
             ctypes.memmove(to, self._base + offset, nbytes)
 
 
-#: Threads of one block of :data:`_PLACE_SOURCE`, and the most blocks a launch has (each
+#: Threads of one block of the placing kernel, and the most blocks a launch has (each
 #: block strides over runs: a run is 2 KiB to a few MiB).
 PLACE_THREADS, PLACE_BLOCKS = 256, 4096
-_PLACE_SOURCE = """
-    const unsigned long long count = runs_shape[0];
+#: The placing kernel's name in its compiled and kept form (``foretell.platform.ptx``).
+PLACE_NAME = "foretell_place_runs"
+# Copies every run of ``runs`` (rows of source address, destination address, bytes);
+# ``count`` and ``placed`` are set by each form.
+_PLACE_BODY = """
     for (unsigned long long r = blockIdx.x; r < count; r += gridDim.x) {
       const unsigned long long from = runs[3 * r], to = runs[3 * r + 1], n = runs[3 * r + 2];
       const unsigned long long align = from | to | n;
@@ -377,6 +380,77 @@ _PLACE_SOURCE = """
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) placed[0] = count;
 """
+#: The body as ``mx.fast.cuda_kernel`` wraps it (MLX writes the signature).
+_PLACE_SOURCE = "    const unsigned long long count = runs_shape[0];" + _PLACE_BODY
+#: The same kernel whole, needing no header.
+PLACE_PTX_SOURCE = (f'extern "C" __global__ void {PLACE_NAME}(\n'
+                    "    const unsigned long long* runs, const unsigned long long* counts,\n"
+                    "    unsigned long long* placed) {\n"
+                    "    const unsigned long long count = counts[0];" + _PLACE_BODY + "}\n")
+
+
+def _place_launcher() -> Any:
+    """How a table of runs (absolute addresses) is placed: by the kernel compiled from
+    :data:`PLACE_PTX_SOURCE` and kept (``foretell.platform.ptx``; the
+    ``mx.fast.cuda_kernel`` form took 1.7-2.5 s to ready in each fresh process on the
+    H200) once it copies a test table of every alignment exactly, else by the
+    ``mx.fast.cuda_kernel`` form. Either returns once the runs have landed."""
+    import logging
+
+    import mlx.core as mx
+
+    from foretell.platform.kernels import custom_kernel
+    from foretell.platform.ptx import kernel_ptx
+
+    def grid(table: Any) -> dict[str, Any]:
+        blocks = min(len(table), PLACE_BLOCKS)
+        return {"grid": (PLACE_THREADS * blocks, 1, 1), "threadgroup": (PLACE_THREADS, 1, 1),
+                "output_shapes": [(1,)], "output_dtypes": [mx.uint64]}
+
+    compiled = kernel_ptx(PLACE_NAME, PLACE_PTX_SOURCE)
+    if compiled is not None:
+        def by_ptx(table: Any) -> None:
+            mx.eval(mx.fast.precompiled_cuda_kernel(
+                name=PLACE_NAME, compiled_source=compiled,
+                inputs=[mx.array(table), mx.array([len(table)], dtype=mx.uint64)],
+                scalars=[], **grid(table))[0])
+
+        try:
+            passed = _places_exactly(by_ptx)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            passed = False
+            logging.getLogger("foretell.store").debug("kept kernel %s: %s", PLACE_NAME, exc)
+        if passed:
+            return by_ptx
+        logging.getLogger("foretell.store").warning(
+            "the kept kernel %s failed its check; placing by mx.fast.cuda_kernel", PLACE_NAME)
+    kernel = custom_kernel("foretell_place_runs", _PLACE_SOURCE, input_names=["runs"],
+                           output_names=["placed"])
+
+    def by_jit(table: Any) -> None:
+        mx.eval(kernel(inputs=[mx.array(table)], **grid(table))[0])
+
+    return by_jit
+
+
+def _places_exactly(launch: Any) -> bool:
+    """Whether ``launch`` copies runs of 16-, 4- and 1-byte alignment between two GPU
+    arrays exactly as the host does, touching nothing else."""
+    import mlx.core as mx
+    import numpy as np
+
+    pattern = (np.arange(8192, dtype=np.uint32) * np.uint32(2654435761) >> np.uint32(13)
+               ).astype(np.uint8)
+    source = mx.array(pattern)
+    target = mx.zeros((8192,), dtype=mx.uint8)
+    mx.eval(source, target)
+    src, dst = (address(memoryview(a).cast("B")) for a in (source, target))
+    runs = [(0, 4096, 2048), (4, 16, 1000), (9, 3001, 777)]
+    launch(np.array([[src + a, dst + b, n] for a, b, n in runs], dtype=np.uint64))
+    want = np.zeros(8192, dtype=np.uint8)
+    for a, b, n in runs:
+        want[b:b + n] = pattern[a:a + n]
+    return bool(np.array_equal(np.asarray(target), want))
 
 
 class DeviceLandingArea(LandingArea):
@@ -392,8 +466,9 @@ class DeviceLandingArea(LandingArea):
         self._kernel: list[Any] = []
 
     def prepare(self, nbytes: int) -> None:
-        """Also compile and load the kernel (in a fresh process on the H200 its first
-        launch took 2.2 s: a restore must not pay it), by placing one empty run."""
+        """Also ready the kernel (in a fresh process on the H200 the ``mx.fast.cuda_kernel``
+        form's first launch took 2.2 s: a restore must not pay it), by placing one empty
+        run."""
         import numpy as np
 
         super().prepare(nbytes)
@@ -408,19 +483,9 @@ class DeviceLandingArea(LandingArea):
         self._launch(table)
 
     def _launch(self, table: Any) -> None:
-        import mlx.core as mx
-
-        from foretell.platform.kernels import custom_kernel
-
         if not self._kernel:
-            self._kernel.append(custom_kernel("foretell_place_runs", _PLACE_SOURCE,
-                                              input_names=["runs"], output_names=["placed"]))
-        blocks = min(len(table), PLACE_BLOCKS)
-        (placed,) = self._kernel[0](
-            inputs=[mx.array(table)], grid=(PLACE_THREADS * blocks, 1, 1),
-            threadgroup=(PLACE_THREADS, 1, 1), output_shapes=[(1,)],
-            output_dtypes=[mx.uint64])
-        mx.eval(placed)
+            self._kernel.append(_place_launcher())
+        self._kernel[0](table)
 
     def _allocate(self, nbytes: int) -> int:
         driver = self._driver

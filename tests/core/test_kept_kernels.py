@@ -1,0 +1,106 @@
+"""foretell's own CUDA kernels compiled once with NVRTC and kept (foretell.platform.ptx), and
+the guard that runs a kept kernel only after it passed a check against a reference
+(otherwise the ``mx.fast.cuda_kernel`` form). NVRTC needs no GPU: where it is installed
+(the H200 host; here with ``nvidia-cuda-nvrtc`` on the path) the sources are compiled for
+real; the guard's fallbacks are driven with stand-ins anywhere."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from foretell.platform import cuda, ptx
+from foretell.store import digest
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    """A fresh kernel cache under ``tmp_path`` on a GPU of compute capability 9.0."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(ptx, "_PTX", {})
+    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    return tmp_path / "foretell" / "kernels"
+
+
+def test_a_kernel_is_compiled_once_and_read_back_by_later_processes(kept, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(ptx, "compile_ptx",
+                        lambda source, name, arch: compiled.append(name) or b"\x7fELF-image")
+    assert ptx.kernel_ptx("k", "extern \"C\" __global__ void k() {}") == b"\x7fELF-image"
+    [path] = kept.iterdir()
+    assert path.name.startswith("k-") and path.name.endswith("-sm_90.cubin")
+    monkeypatch.setattr(ptx, "_PTX", {})  # as a fresh process
+    assert ptx.kernel_ptx("k", "extern \"C\" __global__ void k() {}") == b"\x7fELF-image"
+    assert compiled == ["k"]
+    # another source is another kernel: the old image is never loaded for it
+    assert ptx.kernel_ptx("k", "extern \"C\" __global__ void k() { }") == b"\x7fELF-image"
+    assert compiled == ["k", "k"] and len(list(kept.iterdir())) == 2
+
+
+def test_without_nvrtc_or_a_gpu_there_is_no_kept_kernel(kept, monkeypatch, caplog):
+    monkeypatch.setattr(ptx, "nvrtc", lambda: None)
+    with caplog.at_level(logging.INFO, logger="foretell.platform"):
+        assert ptx.kernel_ptx("k", "extern \"C\" __global__ void k() {}") is None
+    assert "no NVRTC" in caplog.text and not kept.exists()
+    monkeypatch.setattr(cuda, "compute_capability", lambda: None)
+    monkeypatch.setattr(ptx, "_PTX", {})
+    assert ptx.kernel_ptx("k", "x") is None
+
+
+@pytest.mark.skipif(ptx.nvrtc() is None, reason="needs NVRTC (nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("name, source", [(digest.PTX_NAME, digest.PTX_SOURCE),
+                                          (cuda.PLACE_NAME, cuda.PLACE_PTX_SOURCE)])
+def test_our_kernels_compile_with_nvrtc_to_machine_code(name, source):
+    image = ptx.compile_ptx(source, name, (9, 0))
+    assert image is not None and image[:4] == b"\x7fELF" and name.encode() in image
+
+
+def test_a_bad_source_is_refused_with_nvrtcs_log(kept, caplog):
+    if ptx.nvrtc() is None:
+        pytest.skip("needs NVRTC (nvidia-cuda-nvrtc)")
+    with caplog.at_level(logging.WARNING, logger="foretell.platform"):
+        assert ptx.kernel_ptx("broken", 'extern "C" __global__ void broken() { nope; }') is None
+    assert "NVRTC refused kernel broken" in caplog.text and "nope" in caplog.text
+
+
+def test_digests_use_the_kept_kernel_only_after_it_passes_its_check(monkeypatch, caplog):
+    """A kept kernel that fails, or gives wrong sums, is never used: the
+    ``mx.fast.cuda_kernel`` form is, after one warning."""
+    from foretell.platform import kernels
+
+    monkeypatch.setattr("foretell.platform.ptx.kernel_ptx", lambda name, source: b"image")
+    monkeypatch.setattr(kernels, "custom_kernel", lambda *a, **k: "the jit form")
+
+    def wrong(**kwargs):
+        return [mx.ones((digest.KERNEL_INPUTS,), dtype=mx.uint64)]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", wrong)
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        launch = digest._launcher()
+    assert launch.__name__ == "by_jit" and "failed its check" not in caplog.text
+    assert "gave" in caplog.text
+
+    def right(*, inputs, **kwargs):
+        return [mx.array(np.array([digest.reference(memoryview(a)) for a in inputs[:-1]],
+                                  dtype=np.uint64))]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", right)
+    assert digest._launcher().__name__ == "by_ptx"
+
+
+def test_placing_uses_the_kept_kernel_only_after_it_passes_its_check(monkeypatch, caplog):
+    from foretell.platform import kernels
+
+    monkeypatch.setattr("foretell.platform.ptx.kernel_ptx", lambda name, source: b"image")
+    monkeypatch.setattr(kernels, "custom_kernel", lambda *a, **k: "the jit form")
+
+    def refusing(**kwargs):
+        raise RuntimeError("Failed to load compiled foretell_place_runs kernel")
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", refusing)
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        launch = cuda._place_launcher()
+    assert launch.__name__ == "by_jit" and "failed its check" in caplog.text
