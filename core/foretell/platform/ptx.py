@@ -58,7 +58,11 @@ def kernel_ptx(name: str, source: str) -> bytes | None:
         try:
             found = path.read_bytes()
         except OSError:
-            found = compile_ptx(source, name, arch)
+            try:
+                found = compile_ptx(source, name, arch)
+            except Exception as exc:  # noqa: BLE001 - a kept kernel is only ever an option
+                log.warning("NVRTC failed on kernel %s: %s", name, exc)
+                found = None
             if found is not None:
                 _keep(path, found)
         _PTX[key] = found

@@ -173,7 +173,7 @@ def _launcher() -> Any:
         try:
             got = by_ptx([mx.array(t) for t in tests] + [mx.zeros((1,), dtype=mx.uint32)] * (
                 KERNEL_INPUTS - len(tests))).tolist()[:len(tests)]
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
             got = exc
         if got == [reference(t) for t in tests]:
             return by_ptx
