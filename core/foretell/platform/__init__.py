@@ -8,6 +8,8 @@
   that land on a CUDA GPU (the block store's);
 - :mod:`foretell.platform.kernels`: MLX's run-time compiled kernels on a CUDA GPU, kept
   across reboots and compiled in parallel;
+- :mod:`foretell.platform.ptx`: foretell's own CUDA kernels, compiled once with NVRTC and
+  kept;
 - :func:`cache_home`: where foretell keeps what it makes for itself.
 
 Nothing here runs on import.
