@@ -578,8 +578,7 @@ class BlockStoreLayout:
         return manifest
 
     def _assemble(self, manifest: mf.Manifest, *, verify: bool = True,
-                  started: float | None = None, on_device: bool = True,
-                  whole: bool = True) -> list[LayerState]:
+                  started: float | None = None, on_device: bool = True) -> list[LayerState]:
         """Read every block into its tensors' MLX-owned buffers, blocks in parallel on the
         pool, each checking its header and size; all checks pass before anything is
         returned. The bytes are checked by the manifest's device digests where it has them
@@ -587,7 +586,7 @@ class BlockStoreLayout:
         it landed, after the last block), by each piece's checksum as it lands otherwise
         (``verify=False``: neither, the benchmark's only; ``on_device=False``: the
         checksums). On a CUDA GPU the buffers are born there and the blocks land by DMA
-        from page-locked slots (``foretell.platform.cuda``): ``whole``, each slot in one
+        from page-locked slots (``foretell.platform.cuda``): each slot in one
         copy to the process's landing area, its runs placed into the tensors by one kernel
         after the last block (:meth:`_land_whole`); otherwise, and when the area is held or
         the entry is larger than the restore reserve's cap, each piece's copy lands in
@@ -603,7 +602,7 @@ class BlockStoreLayout:
         flats = {key: flat for key, (_array, flat) in buffers.items()}
         marks.append(time.perf_counter())
         check = verify and not by_digest
-        landed = self._land_whole(manifest, flats, check, marks) if whole else None
+        landed = self._land_whole(manifest, flats, check, marks)
         if landed is None:
             jobs = []
             for group, refs in manifest.groups:

@@ -126,6 +126,12 @@ def test_writes_by_dma_are_off_unless_asked_and_a_bad_setting_is_named(monkeypat
         cuda.write_area()
 
 
+def test_a_bad_write_dma_setting_fails_as_the_store_opens(tmp_path, identity, monkeypatch):
+    monkeypatch.setenv(cuda.WRITE_DMA, "sometimes")
+    with pytest.raises(ConfigError, match=cuda.WRITE_DMA):
+        BlockStoreLayout(tmp_path, identity=identity)
+
+
 @pytest.mark.skipif(not cuda.gpu_landing(), reason="needs MLX on a CUDA GPU")
 def test_the_device_fetch_gathers_strided_runs_and_leaves_the_pages_on_the_gpu(monkeypatch):
     monkeypatch.setenv(cuda.WRITE_DMA, "on")

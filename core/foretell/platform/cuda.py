@@ -528,6 +528,7 @@ def prepare() -> None:
     not the first restore. A process without MLX (``foretell cache ls``) loads nothing."""
     if "mlx.core" in sys.modules:
         gpu_landing()
+        write_area()  # a bad FORETELL_WRITE_DMA fails as the store opens, not at a write
 
 
 def compute_capability() -> tuple[int, int] | None:
