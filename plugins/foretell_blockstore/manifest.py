@@ -270,15 +270,15 @@ def run_layout(host: np.ndarray) -> tuple[int, int] | None:
     address = host.__array_interface__["data"][0]
     if host.ndim < 2:
         return (address, host.nbytes) if host.flags.c_contiguous else None
-    item = host.itemsize
-    if host.strides[-1] != item or (host.shape[-2] > 1 and host.strides[-2] != host.shape[-1] * item):
+    item, row = host.itemsize, host.shape[-1] * host.itemsize
+    if host.strides[-1] != item or (host.shape[-2] > 1 and host.strides[-2] != row):
         return None
     leads = [(size, stride) for size, stride in zip(host.shape[:-2], host.strides[:-2])
              if size > 1]
     if not leads:
-        return address, host.shape[-2] * host.shape[-1] * item
+        return address, host.shape[-2] * row
     pitch = leads[-1][1]
-    if pitch < host.shape[-2] * host.shape[-1] * item:
+    if pitch < host.shape[-2] * row:
         return None
     for (_outer, outer_stride), (inner, inner_stride) in zip(leads, leads[1:]):
         if outer_stride != inner_stride * inner:
