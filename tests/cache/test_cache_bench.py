@@ -25,6 +25,9 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     assert warm["cached_from"] == "ssd"
     assert evicted["cached_tokens"] == 47 and evicted["evicted"]
     assert prime["durable"] and prime["mlx_lm"]["save_s"] > 0
+    # RAM hits once the entry was written (what a writer's reads cost the next step).
+    assert len(prime["ram_hits_after_write_ttft_s"]) == 2
+    assert all(t > 0 for t in prime["ram_hits_after_write_ttft_s"])
     # The restore read the entry the dd rows read: the same key, the same bytes.
     assert warm["read_keys"] == [prime["entry_key"]]
     assert warm["read_bytes"] == prime["entry_bytes"] == row["dd_warm"]["runs"][0]["bytes"]
