@@ -517,7 +517,14 @@ class BlockStoreLayout:
         _offsets, need, plan = mf.piece_plan(
             groups, rows, {key: at for key, (at, _pitch) in found.items()},
             {key: pitch for key, (_at, pitch) in found.items()})
-        if area.acquire(need) is None:
+        if need > self._landing_cap():  # page-locked memory is held by the area for good
+            return on_host
+        try:
+            if area.acquire(need) is None:
+                return on_host
+        except cuda.CudaCopyError as exc:
+            log.debug("block store %s: no write area of %d bytes (%s)", self.directory,
+                      need, exc)
             return on_host
         at, where = 0, {}
         for group in groups:
@@ -645,7 +652,8 @@ class BlockStoreLayout:
         return layers
 
     def _landing_cap(self) -> int:
-        """The most a landing area may hold for this layout: the restore reserve's cap."""
+        """The most a landing or write area may hold for this layout: the restore
+        reserve's cap."""
         return self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(True)
 
     def _land_whole(self, manifest: mf.Manifest, flats: dict[tuple[int, str], memoryview],

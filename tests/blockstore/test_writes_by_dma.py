@@ -76,6 +76,28 @@ def test_a_write_finding_the_area_held_reads_the_tensors_on_the_host(
     assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
 
 
+def test_an_entry_over_the_reserve_cap_or_without_room_is_read_on_the_host(
+        tmp_path, identity, codecs, area, monkeypatch):
+    from foretell_blockstore.layout import BlockStoreConfig
+
+    capped = BlockStoreLayout(tmp_path / "capped", BlockStoreConfig(block_tokens=4,
+                                                                    restore_reserve_mb=0),
+                              identity=identity)
+    entry = mixed_entry(codecs)
+    assert capped.write(entry) and area.fetched == [] and area.nbytes == 0
+
+    def no_room(nbytes):
+        raise cuda.CudaCopyError("CUDA driver call cuMemHostAlloc failed (CUresult 2)")
+
+    monkeypatch.setattr(area, "_allocate", no_room)
+    roomless = BlockStoreLayout(tmp_path / "roomless", BlockStoreConfig(block_tokens=4),
+                                identity=identity)
+    assert roomless.write(entry) and area.fetched == []
+    assert_same_entry(roomless.read(roomless.key_for(entry.tokens)), entry)
+    assert area.acquire(0) is not None  # not left held
+    area.release()
+
+
 def test_a_strided_tensor_makes_the_write_read_on_the_host(tmp_path, identity, codecs,
                                                           layout, area, monkeypatch):
     entry = mixed_entry(codecs)
