@@ -20,6 +20,7 @@ from foretell.store import digest
 def kept(tmp_path, monkeypatch):
     """A fresh kernel cache under ``tmp_path`` on a GPU of compute capability 9.0."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(ptx.ENV, "on")
     monkeypatch.setattr(ptx, "_PTX", {})
     monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
     return tmp_path / "foretell" / "kernels"
@@ -38,6 +39,18 @@ def test_a_kernel_is_compiled_once_and_read_back_by_later_processes(kept, monkey
     # another source is another kernel: the old image is never loaded for it
     assert ptx.kernel_ptx("k", "extern \"C\" __global__ void k() { }") == b"\x7fELF-image"
     assert compiled == ["k", "k"] and len(list(kept.iterdir())) == 2
+
+
+def test_kept_kernels_are_off_unless_asked_and_a_bad_setting_is_named(kept, monkeypatch):
+    from foretell.errors import ConfigError
+
+    compiled = []
+    monkeypatch.setattr(ptx, "compile_ptx", lambda *a: compiled.append(a) or b"image")
+    monkeypatch.delenv(ptx.ENV)
+    assert ptx.kernel_ptx("k", "x") is None and compiled == []
+    monkeypatch.setenv(ptx.ENV, "always")
+    with pytest.raises(ConfigError, match=ptx.ENV):
+        ptx.kernel_ptx("k", "x")
 
 
 def test_without_nvrtc_or_a_gpu_there_is_no_kept_kernel(kept, monkeypatch, caplog):

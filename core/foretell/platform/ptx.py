@@ -34,6 +34,22 @@ from foretell.platform import cache_home
 
 log = logging.getLogger("foretell.platform")
 
+#: ``on``: run the kept kernels (where NVRTC is found and each passes its check); ``off``
+#: or ``auto`` (the default): the ``mx.fast.cuda_kernel`` forms. Off until they have run on
+#: a GPU: a kernel that faults there would leave the process's CUDA context unusable,
+#: which no check afterwards can undo (docs/decisions.md).
+ENV = "FORETELL_KEPT_KERNELS"
+
+
+def enabled() -> bool:
+    """Whether :func:`kernel_ptx` offers kept kernels (:data:`ENV`).
+
+    :raises ConfigError: :data:`ENV` holds something else (naming it).
+    """
+    from foretell.platform.device import device_mode
+
+    return device_mode(ENV, cuda="off", elsewhere="off", choices=("on", "off")) == "on"
+
 _LOCK = threading.Lock()
 _NVRTC: list[Any] = []
 _PTX: dict[str, bytes | None] = {}
@@ -41,11 +57,14 @@ _PTX: dict[str, bytes | None] = {}
 
 def kernel_ptx(name: str, source: str) -> bytes | None:
     """The compiled ``source`` (a complete CUDA source defining ``extern "C"`` kernel
-    ``name``) for this process's GPU: from ``<cache home>/kernels/`` when compiled before, else
-    compiled now with NVRTC and kept there (tmp, then rename). None where there is no GPU
-    answering, no NVRTC, or NVRTC refuses the source (logged once)."""
+    ``name``) for this process's GPU: from ``<cache home>/kernels/`` when compiled before,
+    else compiled now with NVRTC and kept there (tmp, then rename). None unless
+    :func:`enabled`, and where no GPU answers, there is no NVRTC, or NVRTC refuses the
+    source (logged)."""
     from foretell.platform import cuda
 
+    if not enabled():
+        return None
     arch = cuda.compute_capability()
     if arch is None:
         return None
