@@ -560,14 +560,7 @@ def _load_driver() -> _Driver | None:
 def landing() -> LandingArea | None:
     """The process's :class:`DeviceLandingArea` where :func:`gpu_landing`; None elsewhere
     (reads there land in place, straight from the file)."""
-    if not gpu_landing():
-        return None
-    with _LOCK:
-        if not _DRIVER or _DRIVER[0] is None:
-            return None
-        if not _LANDING:
-            _LANDING.append(DeviceLandingArea(_DRIVER[0]))
-        return _LANDING[0]
+    return _process_area(_LANDING, DeviceLandingArea)
 
 
 #: ``on``: on a CUDA GPU a write gathers an entry's pieces by DMA into a page-locked area
@@ -587,14 +580,21 @@ def write_area() -> HostArea | None:
 
     if device_mode(WRITE_DMA, cuda="off", elsewhere="off", choices=("on", "off")) != "on":
         return None
+    return _process_area(_WRITE_AREA, PinnedArea)
+
+
+def _process_area(kept: list[Any], make: Any) -> Any:
+    """The one area ``kept`` holds for this process, made by ``make(driver)`` on first use
+    where reads land on a CUDA GPU and the driver answers; None otherwise (or once ``kept``
+    was given up: :func:`give_up_landing`)."""
     if not gpu_landing():
         return None
     with _LOCK:
         if not _DRIVER or _DRIVER[0] is None:
             return None
-        if not _WRITE_AREA:
-            _WRITE_AREA.append(PinnedArea(_DRIVER[0]))
-        return _WRITE_AREA[0]
+        if not kept:
+            kept.append(make(_DRIVER[0]))
+        return kept[0]
 
 
 def give_up_landing(exc: Exception) -> None:
