@@ -871,7 +871,7 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     to its runs (``pieces``, in file order) and is checksummed right after its read, while
     still in the cache; together they must match the manifest's checksum. ``staged``:
     consecutive pieces are read in one call into this thread's staging slot (up to
-    ``cuda.SLOT_BYTES``, :func:`_read_groups`), each piece's copy into its runs is started
+    ``cuda.SLOT_BYTES``, :func:`_slots`), each piece's copy into its runs is started
     (on a CUDA GPU, by DMA: ``foretell.platform.cuda``) and the piece hashed in one call
     while the copies run (no later read overwrites the slot before its copies have finished;
     a block that fails its checksum is never returned, whatever landed). Otherwise each
@@ -882,33 +882,21 @@ def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
     :raises _BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
     """
-    fd, offset = _open_block(path, ref, header)
-    checksums, stage = [], None
-    try:
-        stage = cuda.staging() if staged else None
+    stage = cuda.staging() if staged else None
+    with _checked_block(path, ref, header, verify, stage) as (fd, offset, checksums):
         if stage is None:
             for runs in pieces:
                 offset = _read_runs(fd, runs, offset, ref)
                 if verify:
                     checksums.append(fmt.checksum(*runs))
-        else:
-            for group in _read_groups(pieces):
-                slot, views, begin = stage.slot(sum(size for _runs, size in group)), [], 0
-                offset = _read_runs(fd, [slot], offset, ref)
-                for runs, size in group:
-                    views.append(slot[begin:begin + size])
-                    begin += size
-                    stage.send(views[-1], runs)  # the copies read the slot while it is hashed
-                if verify:
-                    checksums.extend(fmt.checksum(view) for view in views)
-    finally:
-        try:
-            if stage is not None:
-                stage.finish()  # no copy may still be landing once the read has returned
-        finally:
-            os.close(fd)
-    if verify and mf.block_checksum(checksums) != ref.checksum:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+            return
+        destinations = iter(pieces)
+        for _slot, views in _slots(fd, offset, ref, [sum(r.nbytes for r in runs)
+                                                     for runs in pieces], stage):
+            for view in views:
+                stage.send(view, next(destinations))  # the copies read it while it is hashed
+            if verify:
+                checksums.extend(fmt.checksum(view) for view in views)
 
 
 def _land_block(path: Path, ref: mf.BlockRef, header: bytes, sizes: list[int],
@@ -921,28 +909,53 @@ def _land_block(path: Path, ref: mf.BlockRef, header: bytes, sizes: list[int],
     :raises _BadBlock: as :func:`_read_block`.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
     """
-    fd, offset = _open_block(path, ref, header)
-    checksums, stage, at = [], None, address
-    try:
-        stage = cuda.staging()
-        for group in _consecutive(sizes, sizes, cuda.SLOT_BYTES):
-            slot = stage.slot(sum(size for _size, size in group))
-            offset = _read_runs(fd, [slot], offset, ref)
-            stage.send_to(slot, at)
-            at += slot.nbytes
+    stage = cuda.staging()
+    with _checked_block(path, ref, header, verify, stage) as (fd, offset, checksums):
+        for slot, views in _slots(fd, offset, ref, sizes, stage):
+            stage.send_to(slot, address)
+            address += slot.nbytes
             if verify:
-                begin = 0
-                for size, _same in group:
-                    checksums.append(fmt.checksum(slot[begin:begin + size]))
-                    begin += size
+                checksums.extend(fmt.checksum(view) for view in views)
+
+
+@contextlib.contextmanager
+def _checked_block(path: Path, ref: mf.BlockRef, header: bytes, verify: bool,
+                   stage: cuda.Staging | None) -> Iterator[tuple[int, int, list[str]]]:
+    """A block opened for reading (:func:`_open_block`): yields its descriptor, the offset
+    past its header and a list for its pieces' checksums, in file order. Afterwards every
+    copy ``stage`` started has landed and the file is closed, whatever happened; and if
+    the read finished, ``verify`` checks the checksums against the manifest's.
+
+    :raises _BadBlock: as :func:`_open_block`, or failing its checksum.
+    """
+    fd, offset = _open_block(path, ref, header)
+    checksums: list[str] = []
+    try:
+        yield fd, offset, checksums
     finally:
         try:
             if stage is not None:
-                stage.finish()
+                stage.finish()  # no copy may still be landing once the read has returned
         finally:
             os.close(fd)
     if verify and mf.block_checksum(checksums) != ref.checksum:
         raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
+
+
+def _slots(fd: int, offset: int, ref: mf.BlockRef, sizes: list[int], stage: cuda.Staging
+           ) -> Iterator[tuple[memoryview, list[memoryview]]]:
+    """Consecutive pieces of ``sizes`` read from ``offset`` on, as many as fit one staging
+    slot (``cuda.SLOT_BYTES``; a larger piece alone) in one call: each slot with a view of
+    each of its pieces. A staged reader reads 4 MiB at a time (docs/block-store.md,
+    "Reads of 4 MiB")."""
+    for group in _consecutive(sizes, sizes, cuda.SLOT_BYTES):
+        slot = stage.slot(sum(size for size, _same in group))
+        offset = _read_runs(fd, [slot], offset, ref)
+        views, begin = [], 0
+        for size, _same in group:
+            views.append(slot[begin:begin + size])
+            begin += size
+        yield slot, views
 
 
 def _wait_in_order(jobs: list[Any]) -> None:
@@ -950,15 +963,6 @@ def _wait_in_order(jobs: list[Any]) -> None:
     futures.wait(jobs)
     for job in jobs:
         job.result()  # raises _BadBlock for the first damaged block, in order
-
-
-def _read_groups(pieces: list[list[memoryview]]
-                 ) -> Iterator[list[tuple[list[memoryview], int]]]:
-    """Consecutive pieces (they lie back to back in the file) with their sizes, as many as
-    fit one staging slot (``cuda.SLOT_BYTES``; a larger piece alone): a staged reader reads
-    each group in one call."""
-    return _consecutive(pieces, [sum(run.nbytes for run in runs) for runs in pieces],
-                        cuda.SLOT_BYTES)
 
 
 def _consecutive(items: list[Any], sizes: list[int], limit: int, most: int | None = None
