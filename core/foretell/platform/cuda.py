@@ -395,42 +395,35 @@ def _place_launcher() -> Any:
     ``mx.fast.cuda_kernel`` form took 1.7-2.5 s to ready in each fresh process on the
     H200) once it copies a test table of every alignment exactly, else by the
     ``mx.fast.cuda_kernel`` form. Either returns once the runs have landed."""
-    import logging
-
     import mlx.core as mx
 
+    from foretell.platform import ptx
     from foretell.platform.kernels import custom_kernel
-    from foretell.platform.ptx import kernel_ptx
 
     def grid(table: Any) -> dict[str, Any]:
         blocks = min(len(table), PLACE_BLOCKS)
         return {"grid": (PLACE_THREADS * blocks, 1, 1), "threadgroup": (PLACE_THREADS, 1, 1),
                 "output_shapes": [(1,)], "output_dtypes": [mx.uint64]}
 
-    compiled = kernel_ptx(PLACE_NAME, PLACE_PTX_SOURCE)
-    if compiled is not None:
+    def kept(compiled: bytes) -> Any:
         def by_ptx(table: Any) -> None:
             mx.eval(mx.fast.precompiled_cuda_kernel(
                 name=PLACE_NAME, compiled_source=compiled,
                 inputs=[mx.array(table), mx.array([len(table)], dtype=mx.uint64)],
                 scalars=[], **grid(table))[0])
+        return by_ptx
 
-        try:
-            passed = _places_exactly(by_ptx)
-        except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
-            passed = False
-            logging.getLogger("foretell.store").debug("kept kernel %s: %s", PLACE_NAME, exc)
-        if passed:
-            return by_ptx
-        logging.getLogger("foretell.store").warning(
-            "the kept kernel %s failed its check; placing by mx.fast.cuda_kernel", PLACE_NAME)
-    kernel = custom_kernel("foretell_place_runs", _PLACE_SOURCE, input_names=["runs"],
-                           output_names=["placed"])
+    def fallback() -> Any:
+        kernel = custom_kernel("foretell_place_runs", _PLACE_SOURCE, input_names=["runs"],
+                               output_names=["placed"])
 
-    def by_jit(table: Any) -> None:
-        mx.eval(kernel(inputs=[mx.array(table)], **grid(table))[0])
+        def by_jit(table: Any) -> None:
+            mx.eval(kernel(inputs=[mx.array(table)], **grid(table))[0])
+        return by_jit
 
-    return by_jit
+    return ptx.checked(PLACE_NAME, PLACE_PTX_SOURCE, kept,
+                       lambda launch: None if _places_exactly(launch) else "other bytes",
+                       fallback)
 
 
 def _places_exactly(launch: Any) -> bool:

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,29 @@ def kernel_ptx(name: str, source: str) -> bytes | None:
                 _keep(path, found)
         _PTX[key] = found
         return found
+
+
+def checked(name: str, source: str, kept: Callable[[bytes], Any],
+            mismatch: Callable[[Any], str | None], fallback: Callable[[], Any]) -> Any:
+    """The launch to use for kernel ``name``: ``kept(compiled)``, the kept form of
+    ``source`` (:func:`kernel_ptx`), once ``mismatch(launch)`` finds nothing wrong with its
+    results against a reference (it returns what it got otherwise); else ``fallback()``,
+    the ``mx.fast.cuda_kernel`` form, with one warning if a kept form was tried. Any error
+    of the kept form counts as failing its check."""
+    compiled = kernel_ptx(name, source)
+    if compiled is not None:
+        launch = kept(compiled)
+        try:
+            wrong = mismatch(launch)
+        except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
+            log.warning("kept kernel %s failed its check (%s: %s); using mx.fast.cuda_kernel",
+                        name, type(exc).__name__, exc)
+        else:
+            if wrong is None:
+                return launch
+            log.warning("kept kernel %s gave %s on its check; using mx.fast.cuda_kernel",
+                        name, wrong)
+    return fallback()
 
 
 def kernel_dir() -> Path:

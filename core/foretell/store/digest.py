@@ -155,40 +155,38 @@ def _launcher() -> Any:
     import mlx.core as mx
     import numpy as np
 
+    from foretell.platform import ptx
     from foretell.platform.kernels import custom_kernel
-    from foretell.platform.ptx import kernel_ptx
 
-    ptx = kernel_ptx(PTX_NAME, PTX_SOURCE)
-    if ptx is not None:
+    def kept(compiled: bytes) -> Any:
         def by_ptx(batch: list[mx.array]) -> mx.array:
             sizes = mx.array([w.size for w in batch], dtype=mx.uint64)
             return mx.fast.precompiled_cuda_kernel(
-                name=PTX_NAME, compiled_source=ptx, inputs=[*batch, sizes],
+                name=PTX_NAME, compiled_source=compiled, inputs=[*batch, sizes],
                 output_shapes=[(KERNEL_INPUTS,)], output_dtypes=[mx.uint64], scalars=[],
                 grid=(KERNEL_THREADS, KERNEL_INPUTS, 1), threadgroup=(256, 1, 1),
                 init_value=0)[0]
+        return by_ptx
 
+    def mismatch(launch: Any) -> str | None:
         tests = [np.arange(4099, dtype=np.uint32) * np.uint32(2654435761),
                  np.arange(37, dtype=np.uint32) + np.uint32(0xFFFFFF00)]
-        try:
-            got = by_ptx([mx.array(t) for t in tests] + [mx.zeros((1,), dtype=mx.uint32)] * (
-                KERNEL_INPUTS - len(tests))).tolist()[:len(tests)]
-        except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
-            got = exc
-        if got == [reference(t) for t in tests]:
-            return by_ptx
-        log.warning("device digests: the kept kernel %s gave %s on its check; using "
-                    "mx.fast.cuda_kernel", PTX_NAME, got)
-    kernel = custom_kernel("foretell_mlh64", _KERNEL_SOURCE,
-                           input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
-                           output_names=["sums"])
+        pads = [mx.zeros((1,), dtype=mx.uint32)] * (KERNEL_INPUTS - len(tests))
+        got = launch([mx.array(t) for t in tests] + pads).tolist()[:len(tests)]
+        return None if got == [reference(t) for t in tests] else str(got)
 
-    def by_jit(batch: list[mx.array]) -> mx.array:
-        return kernel(inputs=batch, grid=(KERNEL_THREADS, KERNEL_INPUTS, 1),
-                      threadgroup=(256, 1, 1), output_shapes=[(KERNEL_INPUTS,)],
-                      output_dtypes=[mx.uint64], init_value=0)[0]
+    def fallback() -> Any:
+        kernel = custom_kernel("foretell_mlh64", _KERNEL_SOURCE,
+                               input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
+                               output_names=["sums"])
 
-    return by_jit
+        def by_jit(batch: list[mx.array]) -> mx.array:
+            return kernel(inputs=batch, grid=(KERNEL_THREADS, KERNEL_INPUTS, 1),
+                          threadgroup=(256, 1, 1), output_shapes=[(KERNEL_INPUTS,)],
+                          output_dtypes=[mx.uint64], init_value=0)[0]
+        return by_jit
+
+    return ptx.checked(PTX_NAME, PTX_SOURCE, kept, mismatch, fallback)
 
 
 def _on_cuda() -> bool:
