@@ -325,9 +325,9 @@ class BlockStoreLayout:
         request's end. Runs MLX: the tier calls it where MLX runs and no request waits
         (:class:`foretell.store.layout.KeepsRestoreReserve`). Where reads are checked by
         device digests, their weights and kernels are made ready here too."""
-        marks = [time.perf_counter()]
+        marks, indexed = [time.perf_counter()], self._indexed()
         if digest.enabled():  # at least the kernel: the first write needs it too
-            digest.prepare(max((i.largest_tensor for i in self._indexed()), default=4) // 4)
+            digest.prepare(max((i.largest_tensor for i in indexed), default=4) // 4)
         marks.append(time.perf_counter())
         on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
         with self._lock:  # engines sharing a tier may finish requests on two threads
@@ -337,21 +337,21 @@ class BlockStoreLayout:
                 if cap == 0:
                     return
                 self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
-        self._prepare_landing()
+        self._prepare_landing(max((i.landing_bytes for i in indexed), default=0))
         marks.append(time.perf_counter())
         if self.reserve.used_since_fill():
-            self.reserve.refill(max((i.buffer_bytes for i in self._indexed()), default=0))
+            self.reserve.refill(max((i.buffer_bytes for i in indexed), default=0))
         marks.append(time.perf_counter())
         self.last_replenish_ms = {step: (end - begin) * 1e3 for step, begin, end in zip(
             ("digests", "landing", "reserve"), marks, marks[1:])}
 
-    def _prepare_landing(self) -> None:
-        """Grow the landing area to the largest indexed entry (within the reserve's cap) and
-        load its kernel, where no request waits (a no-op once it has room)."""
+    def _prepare_landing(self, largest: int) -> None:
+        """Grow the landing area to ``largest`` bytes (the largest indexed entry's; within
+        the reserve's cap) and load its kernel, where no request waits (a no-op once it has
+        room)."""
         area = cuda.landing()
         if area is None:
             return
-        largest = max((i.landing_bytes for i in self._indexed()), default=0)
         try:
             area.prepare(min(largest, self._landing_cap()))
         except cuda.CudaCopyError as exc:  # no device memory for it: reads land piece by piece
