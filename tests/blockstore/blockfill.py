@@ -103,3 +103,19 @@ def flip_a_byte(path, at=-5, bit=0x01) -> None:
     raw = bytearray(path.read_bytes())
     raw[at] ^= bit
     path.write_bytes(bytes(raw))
+
+
+def failing_staging(method: str, call: str) -> tuple[type, list[int]]:
+    """A host staging whose ``method`` (``send`` or ``send_to``) fails as the CUDA driver
+    call ``call`` does, and the list its waits for its copies (``finish``) are counted in."""
+    from foretell.platform import cuda
+
+    finished: list[int] = []
+
+    def fail(self, *args):
+        raise cuda.CudaCopyError(f"CUDA driver call {call} failed (CUresult 700)")
+
+    def finish(self):
+        finished.append(1)
+
+    return type("Failing", (cuda.Staging,), {method: fail, "finish": finish}), finished

@@ -16,6 +16,7 @@ from blockfill import (
     assert_same_entry,
     block_files,
     entry_of,
+    failing_staging,
     flip_a_byte,
     kv_of,
     listed_blocks,
@@ -225,19 +226,11 @@ def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
     from foretell.platform import cuda
     from foretell_blockstore import manifest as mf
 
-    finished = []
-
-    class Failing(cuda.Staging):
-        def send(self, slot, runs):
-            raise cuda.CudaCopyError("CUDA driver call cuMemcpy2DAsync failed (CUresult 700)")
-
-        def finish(self):
-            finished.append(1)
-
+    failing, finished = failing_staging("send", "cuMemcpy2DAsync")
     host_buffers = mf.host_buffers
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
     monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
-    monkeypatch.setattr(cuda, "staging", Failing)
+    monkeypatch.setattr(cuda, "staging", failing)
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     entry = entry_of(range(600), codecs)
     assert layout.write(entry) is True

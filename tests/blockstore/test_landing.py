@@ -16,6 +16,7 @@ import pytest
 from blockfill import (
     assert_same_entry,
     entry_of,
+    failing_staging,
     flip_a_byte,
     kv_of,
     listed_blocks,
@@ -141,16 +142,8 @@ def test_a_failed_copy_to_the_area_fails_the_read_and_keeps_the_entry(
         layout, codecs, area, monkeypatch, caplog):
     """A driver call failing (not the files) is not the entry's fault: it is not served
     and not dropped; every reader waited for its copies before the area was let go."""
-    finished = []
-
-    class Failing(cuda.Staging):
-        def send_to(self, slot, to):
-            raise cuda.CudaCopyError("CUDA driver call cuMemcpyHtoDAsync failed (CUresult 700)")
-
-        def finish(self):
-            finished.append(1)
-
-    monkeypatch.setattr(cuda, "staging", Failing)
+    failing, finished = failing_staging("send_to", "cuMemcpyHtoDAsync")
+    monkeypatch.setattr(cuda, "staging", failing)
     entry = mixed_entry(codecs)
     assert layout.write(entry)
     key = layout.key_for(entry.tokens)
