@@ -119,3 +119,18 @@ def failing_staging(method: str, call: str) -> tuple[type, list[int]]:
         finished.append(1)
 
     return type("Failing", (cuda.Staging,), {method: fail, "finish": finish}), finished
+
+
+def per_thread(make):
+    """A ``cuda.staging`` stand-in: one ``make()`` per calling thread, as the real one keeps
+    one staging per reader or writer thread."""
+    import threading
+
+    local = threading.local()
+
+    def staging():
+        if not hasattr(local, "staging"):
+            local.staging = make()
+        return local.staging
+
+    return staging

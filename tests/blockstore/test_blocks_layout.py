@@ -22,6 +22,7 @@ from blockfill import (
     listed_blocks,
     manifest_files,
     manifest_header,
+    per_thread,
     ring_of,
     sizes,
 )
@@ -108,12 +109,11 @@ def _host_staging(monkeypatch, *, landing: bool) -> tuple[list[int], list[int]]:
     thread, with buffers made on the host; ``landing``: whether reads take it. Returns the
     bytes of each piece sent (its slot holding exactly its runs' bytes) and, at each wait
     for a block's copies, how many pieces had been sent."""
-    import threading
 
     from foretell.platform import cuda
     from foretell_blockstore import manifest as mf
 
-    sent, finished, local, host_buffers = [], [], threading.local(), mf.host_buffers
+    sent, finished, host_buffers = [], [], mf.host_buffers
 
     class Counting(cuda.Staging):
         def send(self, slot, runs):
@@ -124,14 +124,9 @@ def _host_staging(monkeypatch, *, landing: bool) -> tuple[list[int], list[int]]:
         def finish(self):
             finished.append(len(sent))
 
-    def staging():
-        if not hasattr(local, "staging"):
-            local.staging = Counting()
-        return local.staging
-
     monkeypatch.setattr(cuda, "gpu_landing", lambda: landing)
     monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
-    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(cuda, "staging", per_thread(Counting))
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     return sent, finished
 

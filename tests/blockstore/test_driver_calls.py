@@ -7,10 +7,9 @@ over the same table stands in for it (the kernel itself is tested on the H200)."
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import pytest
-from blockfill import assert_same_entry, block_files, listed_blocks
+from blockfill import assert_same_entry, block_files, listed_blocks, per_thread
 from fake_cuda import fake_driver
 from test_landing import mixed_entry
 
@@ -23,15 +22,9 @@ from foretell_blockstore.layout import BlockStoreLayout
 def driver(monkeypatch):
     """The fake driver behind per-thread CUDA staging, reads landing on the "GPU" into
     buffers made on the host, no landing or write area unless a test adds one."""
-    found, local, host_buffers = fake_driver(), threading.local(), mf.host_buffers
-
-    def staging():
-        if not hasattr(local, "staging"):
-            local.staging = cuda.CudaStaging(found)
-        return local.staging
-
+    found, host_buffers = fake_driver(), mf.host_buffers
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
-    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(cuda, "staging", per_thread(lambda: cuda.CudaStaging(found)))
     monkeypatch.setattr(cuda, "landing", lambda: None)
     monkeypatch.setattr(cuda, "write_area", lambda: None)
     monkeypatch.setattr(mf, "host_buffers",

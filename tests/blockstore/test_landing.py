@@ -21,6 +21,7 @@ from blockfill import (
     kv_of,
     listed_blocks,
     manifest_files,
+    per_thread,
     ring_of,
 )
 
@@ -36,17 +37,9 @@ from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 def area(monkeypatch):
     """A host landing area, filled through host staging, into buffers made on the host:
     the reference path, the same on a CUDA host as anywhere."""
-    import threading
-
-    found, local = cuda.LandingArea(), threading.local()
-
-    def staging():
-        if not hasattr(local, "staging"):
-            local.staging = cuda.Staging()
-        return local.staging
-
+    found = cuda.LandingArea()
     monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
-    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(cuda, "staging", per_thread(cuda.Staging))
     monkeypatch.setattr(cuda, "landing", lambda: found)
     return found
 

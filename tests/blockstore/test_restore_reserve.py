@@ -11,7 +11,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from blockfill import assert_same_entry, entry_of
+from blockfill import assert_same_entry, entry_of, per_thread
 
 import foretell
 from foretell.cache.tier import CacheTier
@@ -256,22 +256,16 @@ def test_on_a_cuda_landing_the_reserve_is_born_on_the_gpu(stored, monkeypatch):
 def test_a_staged_read_copies_into_the_reserves_buffers(stored, monkeypatch):
     """The GPU path (each piece read into a staging slot, hashed, copied into its runs)
     lands in the carved views too; here the host staging stands in for the DMA."""
-    import threading
 
     from foretell.platform import cuda
 
     layout, entry, key = stored
     layout.replenish()
-    slab, local = slab_range(layout), threading.local()
-
-    def staging():
-        if not hasattr(local, "staging"):
-            local.staging = cuda.Staging()
-        return local.staging
+    slab = slab_range(layout)
 
     monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
     monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
-    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(cuda, "staging", per_thread(cuda.Staging))
     restored = layout.read(key)
     assert layout.reserve.served == 1 and inside(tensor_ranges(restored), slab)
     assert_same_entry(restored, entry)

@@ -7,13 +7,11 @@ blocks the host path writes, byte for byte, on every path a write takes."""
 
 from __future__ import annotations
 
-import threading
-
 import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
-from blockfill import assert_same_entry, block_files, listed_blocks
+from blockfill import assert_same_entry, block_files, listed_blocks, per_thread
 from test_landing import mixed_entry
 
 from foretell.errors import ConfigError
@@ -25,20 +23,15 @@ from foretell_blockstore.layout import BlockStoreLayout
 @pytest.fixture
 def area(monkeypatch):
     """A host write area and host staging that count the pieces they gather."""
-    found, local, fetched = cuda.HostArea(), threading.local(), []
+    found, fetched = cuda.HostArea(), []
 
     class Counting(cuda.Staging):
         def fetch(self, into, first, width, count, pitch):
             fetched.append(into.nbytes)
             super().fetch(into, first, width, count, pitch)
 
-    def staging():
-        if not hasattr(local, "staging"):
-            local.staging = Counting()
-        return local.staging
-
     monkeypatch.setattr(cuda, "write_area", lambda: found)
-    monkeypatch.setattr(cuda, "staging", staging)
+    monkeypatch.setattr(cuda, "staging", per_thread(Counting))
     found.fetched = fetched
     return found
 
