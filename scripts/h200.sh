@@ -20,7 +20,10 @@
 #   firstcross scripts/first_cross.py: requests crossing new KV capacities (~2 min)
 #   stretch    scripts/stretch_probe.py (ROUNDS, default 5)
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
-#              KV_BITS=4|8: the KV quantized, as --kv-bits)
+#              KV_BITS=4|8: the KV quantized, as --kv-bits; TAG: a suffix for its files)
+#   pending    in one call (~7 min), what issue 9 left unverified on a GPU: the kept kernels
+#              (kernel_load_probe twice, FORETELL_KEPT_KERNELS=on), the block store's suite
+#              with them on, then cache4b at 8-bit KV with FORETELL_WRITE_DMA off and on
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -72,7 +75,17 @@ paired)
 cache4b)
   timeout 580 $PY -m foretell bench --cache --synthetic 4b --dtype bfloat16 \
     --cache-prompt-tokens 4096 --repeats "${REPEATS:-3}" --generate 64 ${KV_BITS:+--kv-bits $KV_BITS} \
-    --json "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}.json" 2>&1 | tee "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}.log" | tail -30
+    --json "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}${TAG:+-$TAG}.json" 2>&1 \
+    | tee "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}${TAG:+-$TAG}.log" | tail -30
+  ;;
+pending)
+  export FORETELL_KEPT_KERNELS=on
+  { for n in 1 2; do echo "kernel_load_probe, process $n"; timeout 60 $PY scripts/kernel_load_probe.py; done
+    timeout 200 $PY -m pytest -q -p no:cacheprovider tests/blockstore tests/cache/test_device_digest.py \
+      tests/core/test_kept_kernels.py 2>&1 | tail -25; } 2>&1 | tee "$OUT/pending-kernels-tests.log"
+  for dma in off on; do
+    FORETELL_WRITE_DMA=$dma KV_BITS=8 TAG=dma-$dma bash "$0" cache4b
+  done
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
@@ -97,5 +110,5 @@ firstrun)
 x)
   shift; eval "$@"
   ;;
-*) sed -n 2,20p "$0"; exit 2 ;;
+*) sed -n "2,/^set -uo/p" "$0" | sed '$d'; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 tier on the H200 went from 0.05 s to 3.4-5.5 s once they existed): the device digest's and
 the landing area's, each timed on its own, with what MLX keeps on disk for them listed.
 Run it twice on a CUDA host: ``python scripts/kernel_load_probe.py`` (the second run should
-find both compiled)."""
+find both compiled); with ``FORETELL_KEPT_KERNELS=on`` it lists foretell's kept cubins too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from foretell.platform import cuda, kernels
+from foretell.platform import cuda, kernels, ptx
 from foretell.store import digest
 
 
@@ -22,11 +22,17 @@ def timed(label: str, action) -> None:
     print(f"  {label:34s} {(time.perf_counter() - start) * 1e3:9.1f} ms")
 
 
+def listed(label: str, folder: str | Path | None, named: str = "") -> None:
+    if folder is not None and Path(folder).is_dir():
+        print(f"  {label}:", sorted(p.name for p in Path(folder).iterdir() if named in p.name))
+
+
 def main() -> None:
     kept = kernels.keep_compiled_kernels()
-    print(f"MLX_PTX_CACHE_DIR={os.environ.get(kernels.PTX_CACHE)}")
-    if kept is not None and Path(kept).is_dir():
-        print("  kept:", sorted(p.name for p in Path(kept).iterdir() if "foretell" in p.name))
+    print(f"MLX_PTX_CACHE_DIR={os.environ.get(kernels.PTX_CACHE)}, "
+          f"{ptx.ENV}={os.environ.get(ptx.ENV, 'off')}")
+    listed("kept by MLX", kept, "foretell")
+    listed("kept by foretell", ptx.kernel_dir())
     timed("driver, pinned arena", cuda.gpu_landing)
     timed("first MLX op on the GPU", lambda: mx.eval(mx.zeros((4,)) + 1))
     timed("digest.prepare (kernel)", lambda: digest.prepare(1 << 20))
@@ -34,8 +40,8 @@ def main() -> None:
     area = cuda.landing()
     timed("landing area: 64 MiB", lambda: area.reserve(64 << 20))
     timed("landing kernel: first placing", lambda: area.prepare(64 << 20))
-    if kept is not None and Path(kept).is_dir():
-        print("  kept after:", sorted(p.name for p in Path(kept).iterdir() if "foretell" in p.name))
+    listed("kept by MLX after", kept, "foretell")
+    listed("kept by foretell after", ptx.kernel_dir())
 
 
 if __name__ == "__main__":
