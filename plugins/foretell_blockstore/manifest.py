@@ -465,15 +465,7 @@ def render(entry: Entry, identity: StoreIdentity, block_rows: int, created_at: f
            groups: list[tuple[Group, list[BlockRef]]]) -> bytes:
     """The manifest file's bytes: a safetensors header with no tensors."""
     fields = {
-        "format_version": FORMAT_VERSION,
-        "created_at": created_at,
-        "model_id": identity.model_id,
-        "model_fingerprint": identity.model_fingerprint,
-        "kv_scheme": identity.kv_scheme,
-        "tokenizer_hash": identity.tokenizer_hash,
-        "namespace": entry.namespace,
-        "num_tokens": len(entry.tokens),
-        "tokens": list(entry.tokens),
+        **fmt.entry_fields(FORMAT_VERSION, entry, identity, created_at),
         "checksum": f"{fmt.CHECKSUM} of piece {fmt.CHECKSUM}s",
         "block_id": BLOCK_NAMING,
         "block_rows": block_rows,

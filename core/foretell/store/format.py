@@ -131,6 +131,23 @@ def host_bytes(array: mx.array) -> memoryview:
     return memoryview(host).cast("B") if host.size else memoryview(b"")
 
 
+def entry_fields(version: int | str, entry: Entry, identity: StoreIdentity,
+                 created_at: float) -> dict[str, Any]:
+    """The header fields every layout's entry starts with: its format version, when it was
+    written, whose it is (checked by :func:`check_identity` on every read) and its tokens."""
+    return {
+        "format_version": version,
+        "created_at": created_at,
+        "model_id": identity.model_id,
+        "model_fingerprint": identity.model_fingerprint,
+        "kv_scheme": identity.kv_scheme,
+        "tokenizer_hash": identity.tokenizer_hash,
+        "namespace": entry.namespace,
+        "num_tokens": len(entry.tokens),
+        "tokens": list(entry.tokens),
+    }
+
+
 class EntryWriter:
     """Lays one entry out as a safetensors file: plan once, then stream it to a descriptor."""
 
@@ -153,15 +170,7 @@ class EntryWriter:
                            "meta": dict(layer.meta), "tensors": table})
         self.data_bytes = offset
         self._fields = {
-            "format_version": FORMAT_VERSION,
-            "created_at": created_at,
-            "model_id": identity.model_id,
-            "model_fingerprint": identity.model_fingerprint,
-            "kv_scheme": identity.kv_scheme,
-            "tokenizer_hash": identity.tokenizer_hash,
-            "namespace": entry.namespace,
-            "num_tokens": len(entry.tokens),
-            "tokens": list(entry.tokens),
+            **entry_fields(FORMAT_VERSION, entry, identity, created_at),
             "data_bytes": offset,
             "checksum": CHECKSUM,
             "layers": layers,
