@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 
@@ -256,6 +258,26 @@ def test_a_name_resolves_to_a_shipped_model(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
     monkeypatch.chdir(tmp_path.parent)
     assert resolve_model_path("tiny") == tmp_path / "tiny"
+
+
+def test_a_model_directory_of_a_shipped_name_is_used_as_given(tmp_path, monkeypatch):
+    for root in (tmp_path / "shipped", tmp_path / "here"):
+        (root / "tiny").mkdir(parents=True)
+        (root / "tiny" / "config.json").write_text("{}")
+    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path / "shipped")
+    monkeypatch.chdir(tmp_path / "here")
+    assert resolve_model_path("tiny") == Path("tiny")
+
+
+def test_a_folder_that_is_no_model_does_not_shadow_the_shipped_model_of_its_name(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "shipped" / "tiny").mkdir(parents=True)
+    (tmp_path / "shipped" / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "here" / "tiny").mkdir(parents=True)  # e.g. tests/demo beside a run
+    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path / "shipped")
+    monkeypatch.chdir(tmp_path / "here")
+    assert resolve_model_path("tiny") == tmp_path / "shipped" / "tiny"
 
 
 def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
