@@ -117,3 +117,27 @@ def test_placing_uses_the_kept_kernel_only_after_it_passes_its_check(monkeypatch
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         launch = cuda._place_launcher()
     assert launch.__name__ == "by_jit" and "failed its check" in caplog.text
+
+
+def test_a_kept_kernel_that_fails_its_check_is_deleted_and_compiled_afresh_next_time(
+        kept, monkeypatch, caplog):
+    """A damaged kept image (one that fails as it loads) is not loaded again by later
+    processes, nor retried in this one: the next process compiles the source again."""
+    compiled = []
+    monkeypatch.setattr(ptx, "compile_ptx",
+                        lambda source, name, arch: compiled.append(name) or b"\x7fELF-image")
+    source = 'extern "C" __global__ void k() {}'
+    assert ptx.kernel_ptx("k", source) == b"\x7fELF-image"
+    [path] = kept.iterdir()
+    path.write_bytes(b"\x7fELF-trunc")  # damaged on disk
+    monkeypatch.setattr(ptx, "_PTX", {})  # a fresh process
+
+    def loading(image):
+        raise RuntimeError(f"cannot load an image of {len(image)} bytes")
+
+    with caplog.at_level(logging.WARNING, logger="foretell.platform"):
+        assert ptx.checked("k", source, loading, lambda launch: None, lambda: "jit") == "jit"
+    assert "failed its check" in caplog.text and not path.exists()
+    assert ptx.kernel_ptx("k", source) is None  # not offered again in this process
+    monkeypatch.setattr(ptx, "_PTX", {})  # the next process
+    assert ptx.kernel_ptx("k", source) == b"\x7fELF-image" and compiled == ["k", "k"]

@@ -69,8 +69,7 @@ def kernel_ptx(name: str, source: str) -> bytes | None:
     arch = cuda.compute_capability()
     if arch is None:
         return None
-    digest = hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
-    key = f"{name}-{digest}-sm_{arch[0]}{arch[1]}"
+    key = _key(name, source, arch)
     with _LOCK:
         if key in _PTX:
             return _PTX[key]
@@ -95,11 +94,13 @@ def checked(name: str, source: str, kept: Callable[[bytes], Any],
     ``source`` (:func:`kernel_ptx`), once ``mismatch(launch)`` finds nothing wrong with its
     results against a reference (it returns what it got otherwise); else ``fallback()``,
     the ``mx.fast.cuda_kernel`` form, with one warning if a kept form was tried. Any error
-    of the kept form counts as failing its check."""
+    of the kept form counts as failing its check; a kept form that fails it is deleted
+    (:func:`discard`), so a damaged file is compiled afresh by the next process instead of
+    failing in every one."""
     compiled = kernel_ptx(name, source)
     if compiled is not None:
-        launch = kept(compiled)
         try:
+            launch = kept(compiled)  # a damaged image may fail as it loads
             wrong = mismatch(launch)
         except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
             log.warning("kept kernel %s failed its check (%s: %s); using mx.fast.cuda_kernel",
@@ -109,7 +110,33 @@ def checked(name: str, source: str, kept: Callable[[bytes], Any],
                 return launch
             log.warning("kept kernel %s gave %s on its check; using mx.fast.cuda_kernel",
                         name, wrong)
+        discard(name, source)
     return fallback()
+
+
+def discard(name: str, source: str) -> None:
+    """Forget the kept form of ``source``: deleted from disk, and not offered again in this
+    process."""
+    from foretell.platform import cuda
+
+    arch = cuda.compute_capability()
+    if arch is None:
+        return
+    key = _key(name, source, arch)
+    with _LOCK:
+        _PTX[key] = None
+    path = kernel_dir() / f"{key}.cubin"
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("kept kernel %s not deleted: %s", path, exc)
+
+
+def _key(name: str, source: str, arch: tuple[int, int]) -> str:
+    """The kept form's file name, less its suffix: the kernel, its source's hash, the GPU's
+    architecture (another source or GPU is another file)."""
+    digest = hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
+    return f"{name}-{digest}-sm_{arch[0]}{arch[1]}"
 
 
 def kernel_dir() -> Path:
