@@ -166,3 +166,34 @@ def test_collect_racing_writes_in_another_process_never_takes_their_blocks(tmp_p
     layout.collect()
     listed = referenced(layout)
     assert block_ids(layout) == {b for ids in listed.values() for b in ids}
+
+
+def test_opening_a_tier_under_a_smaller_cap_frees_the_evicted_entries_blocks(
+        layout, codecs, identity, tmp_path):
+    """Entries another process left beyond this tier's cap (or a cap lowered since) are
+    evicted as the tier opens, and their blocks deleted then, not at some later write: the
+    directory holds no more than the cap once the tier is open."""
+    from blockfill import block_files, kv_of, sizes
+
+    from foretell.cache.tier import CacheTier
+    from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
+
+    def reopened():
+        return BlockStoreLayout(tmp_path, BlockStoreConfig(block_tokens=BLOCK_TOKENS),
+                                identity=identity)
+
+    first = CacheTier(codecs, layout=reopened())
+    for i in range(4):  # no two share a block
+        first.store(range(100 * i, 100 * i + 12), kv_of(list(range(100 * i, 100 * i + 12))))
+    assert first.flush(10).durable
+    first.close()
+    one_entry = layout.bytes() // 4
+    tier = CacheTier(codecs, layout=reopened(), ssd_bytes=2 * one_entry + one_entry // 2)
+    try:
+        assert len(tier.ssd.entries()) == 2
+        on_disk = sizes(layout, block_files(layout))
+        assert on_disk <= tier.ssd.max_bytes
+        assert on_disk == sum(ref.nbytes for i in tier.ssd.layout._indexed()
+                              for ref in i.blocks)
+    finally:
+        tier.close()

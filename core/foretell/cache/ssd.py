@@ -66,16 +66,18 @@ class SsdIndex:
     # -- the index --------------------------------------------------------------------------
 
     def scan(self) -> list[Stored]:
-        """Rebuild the index from the layout (reaps orphans, drops corrupt files)."""
+        """Rebuild the index from the layout (reaps orphans, drops corrupt files), evict
+        down to the cap, then collect what no entry uses any more (so what another process
+        left over this cap is freed as the tier opens, not at its first write)."""
         headers = self.layout.scan()
-        self.layout.collect()
         with self._lock:
             self._index = {}
             for header in headers:
                 self._add(header)
-            stored = list(self._index.values())
         self._evict_to_cap(keep=())
-        return stored
+        self.layout.collect()
+        with self._lock:
+            return list(self._index.values())
 
     def _add(self, header: EntryHeader) -> Stored | None:
         try:
