@@ -47,7 +47,8 @@ from foretell.store.entry import (
     entry_key,
 )
 from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
-from foretell.store.single_file import full_fsync, log_io_failure, unlink_quietly
+from foretell.store.single_file import log_io_failure, unlink_quietly
+from foretell_blockstore import blockfile
 from foretell_blockstore import manifest as mf
 
 log = logging.getLogger("foretell.store")
@@ -60,8 +61,6 @@ KEY_VERSION = 102
 #: so they are never served and never stall collect() (which keeps every block when it
 #: finds a manifest it cannot read).
 STORE_DIR = "blocks-v4"
-#: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
-_IOV_MAX = 1024
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -252,11 +251,11 @@ class BlockStoreLayout:
                             self.bytes_reused += ref.nbytes
                 listed = [(group, [ref for ref, _new in stored]) for group, stored in listed]
                 if wrote:  # the blocks' names are durable before a manifest can list them
-                    _fsync_dir(self.data_dir)
+                    blockfile.fsync_dir(self.data_dir)
                 raw = mf.render(entry, self.identity, rows, time.time(), listed)
-                _write_durably(tmp, raw)
+                blockfile.write_durably(tmp, raw)
                 os.replace(tmp, self.path(key))
-                _fsync_dir(self.entries_dir)
+                blockfile.fsync_dir(self.entries_dir)
                 stat = os.stat(self.path(key))
         except OSError as exc:
             unlink_quietly(tmp)
@@ -292,7 +291,7 @@ class BlockStoreLayout:
         except FileNotFoundError:
             self._forget(key)
             return None
-        except _BadBlock as bad:
+        except blockfile.BadBlock as bad:
             self._drop(key, bad.reason, bad_block=bad.block_id)
             return None
         except CorruptEntry as exc:
@@ -374,7 +373,7 @@ class BlockStoreLayout:
         manifest = self._load_manifest(key)
         try:
             return self._assemble(manifest, verify=verify, started=started)
-        except _BadBlock as bad:
+        except blockfile.BadBlock as bad:
             raise CorruptEntry(bad.reason) from None
 
     def files(self, key: str) -> list[Path]:
@@ -402,10 +401,10 @@ class BlockStoreLayout:
                 missing = next((r.id for r in manifest.blocks
                                 if not os.path.exists(self.block_path(r.id))), None)
                 if missing is not None:
-                    raise _BadBlock(missing, f"block {missing[:16]} is missing")
+                    raise blockfile.BadBlock(missing, f"block {missing[:16]} is missing")
             except FileNotFoundError:
                 continue
-            except _BadBlock as bad:
+            except blockfile.BadBlock as bad:
                 self._drop(key, bad.reason)
                 continue
             except CorruptEntry as exc:
@@ -466,7 +465,7 @@ class BlockStoreLayout:
                     return freed
                 for name in self._listdir(self.data_dir):
                     if name.endswith(BLOCK_SUFFIX) and name[: -len(BLOCK_SUFFIX)] not in live:
-                        freed += _unlink_counting(self.data_dir / name)
+                        freed += blockfile.unlink_counting(self.data_dir / name)
                 return freed
         except _LockBusy:
             log.info("block store %s is busy with writes; collect() skipped this round",
@@ -557,7 +556,7 @@ class BlockStoreLayout:
             return ref, False
         tmp = self.data_dir / f"{ref.id}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            _write_durably(tmp, header, *(run for runs in pieces for run in runs))
+            blockfile.write_durably(tmp, header, *(run for runs in pieces for run in runs))
             os.replace(tmp, final)  # a racing writer of the same id wrote the same bytes
         except BaseException:
             unlink_quietly(tmp)
@@ -615,11 +614,11 @@ class BlockStoreLayout:
             for group, refs in manifest.groups:
                 for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
                     jobs.append(fmt.io_pool().submit(
-                        _read_block, self.block_path(ref.id), ref,
+                        blockfile.read_block, self.block_path(ref.id), ref,
                         mf.block_header(group, begin, end),
                         mf.destinations(group, begin, end, flats), check, staged))
             marks.append(time.perf_counter())
-            _wait_in_order(jobs)
+            blockfile.wait_in_order(jobs)
             marks.append(time.perf_counter())
         if by_digest:
             found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs])
@@ -664,7 +663,7 @@ class BlockStoreLayout:
         restore; larger than the restore reserve's cap; no device memory for it; its kernel
         failed, then never again in this process, with one warning).
 
-        :raises _BadBlock: as :func:`_read_block`, before anything is placed.
+        :raises blockfile.BadBlock: as :func:`blockfile.read_block`, before anything is placed.
         """
         area = cuda.landing()
         if area is None:
@@ -686,13 +685,13 @@ class BlockStoreLayout:
             for group, refs in manifest.groups:
                 for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
                     jobs.append(fmt.io_pool().submit(
-                        _land_block, self.block_path(ref.id), ref,
+                        blockfile.land_block, self.block_path(ref.id), ref,
                         mf.block_header(group, begin, end),
                         [t.piece_bytes(begin, end) for t in group.tensors], verify,
                         base + offsets[at]))
                     at += 1
             marks.append(time.perf_counter())
-            _wait_in_order(jobs)
+            blockfile.wait_in_order(jobs)
             marks.append(time.perf_counter())
             try:
                 area.place(runs)
@@ -707,7 +706,7 @@ class BlockStoreLayout:
 
     def _locate_damage(self, manifest: mf.Manifest) -> None:
         """After a device digest failed: read the blocks again, each checked by its own
-        checksum, so a damaged block is named (:class:`_BadBlock`) and deleted with the
+        checksum, so a damaged block is named (:class:`blockfile.BadBlock`) and deleted with the
         entry instead of being reused by later writes of the same bytes."""
         self._assemble(manifest, on_device=False)
 
@@ -767,7 +766,7 @@ class BlockStoreLayout:
         for folder in (self.entries_dir, self.data_dir):
             for name in self._listdir(folder):
                 if name.endswith(".tmp"):
-                    freed += _unlink_counting(folder / name)
+                    freed += blockfile.unlink_counting(folder / name)
         return freed
 
     @contextlib.contextmanager
@@ -830,210 +829,5 @@ class BlockStoreLayout:
         self._warned = log_io_failure(exc, action, warned=self._warned)
 
 
-class _BadBlock(Exception):
-    def __init__(self, block_id: str, reason: str):
-        super().__init__(reason)
-        self.block_id = block_id
-        self.reason = reason
-
-
 class _LockBusy(Exception):
     pass
-
-
-def _open_block(path: Path, ref: mf.BlockRef, header: bytes) -> tuple[int, int]:
-    """A block's descriptor and the offset past its header, once its size and header are
-    the ones its manifest implies (the caller closes it).
-
-    :raises _BadBlock: missing, of another size or another header.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except FileNotFoundError:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
-    try:
-        if os.fstat(fd).st_size != ref.nbytes:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
-        seen = bytearray(len(header))
-        offset = _read_runs(fd, [memoryview(seen)], 0, ref)
-        if seen != header:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} has another header")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, offset
-
-
-def _read_block(path: Path, ref: mf.BlockRef, header: bytes,
-                pieces: list[list[memoryview]], verify: bool = True,
-                staged: bool = False) -> None:
-    """Read one block: its header must be the one its manifest implies; each piece's bytes go
-    to its runs (``pieces``, in file order) and is checksummed right after its read, while
-    still in the cache; together they must match the manifest's checksum. ``staged``:
-    consecutive pieces are read in one call into this thread's staging slot (up to
-    ``cuda.SLOT_BYTES``, :func:`_slots`), each piece's copy into its runs is started
-    (on a CUDA GPU, by DMA: ``foretell.platform.cuda``) and the piece hashed in one call
-    while the copies run (no later read overwrites the slot before its copies have finished;
-    a block that fails its checksum is never returned, whatever landed). Otherwise each
-    piece is read straight into its runs and hashed there: reading several at once there
-    made verified reads slower, the first pieces leaving the cache before they were hashed
-    (2-core Xeon, the demo's 50 MB entry: 18.7 against 17.8 ms).
-
-    :raises _BadBlock: missing, of another size, another header, or failing its checksum.
-    :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
-    """
-    stage = cuda.staging() if staged else None
-    with _checked_block(path, ref, header, verify, stage) as (fd, offset, checksums):
-        if stage is None:
-            for runs in pieces:
-                offset = _read_runs(fd, runs, offset, ref)
-                if verify:
-                    checksums.append(fmt.checksum(*runs))
-            return
-        destinations = iter(pieces)
-        for _slot, views in _slots(fd, offset, ref, [sum(r.nbytes for r in runs)
-                                                     for runs in pieces], stage):
-            for view in views:
-                stage.send(view, next(destinations))  # the copies read it while it is hashed
-            if verify:
-                checksums.extend(fmt.checksum(view) for view in views)
-
-
-def _land_block(path: Path, ref: mf.BlockRef, header: bytes, sizes: list[int],
-                verify: bool, address: int) -> None:
-    """Read one block's tensor bytes (its pieces of ``sizes``, in file order) to
-    ``address`` in a landing area (``foretell.platform.cuda.LandingArea``): consecutive
-    pieces into this thread's staging slot in one call, the slot copied there in one, each
-    piece hashed while the copy runs; as :func:`_read_block` otherwise.
-
-    :raises _BadBlock: as :func:`_read_block`.
-    :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
-    """
-    stage = cuda.staging()
-    with _checked_block(path, ref, header, verify, stage) as (fd, offset, checksums):
-        for slot, views in _slots(fd, offset, ref, sizes, stage):
-            stage.send_to(slot, address)
-            address += slot.nbytes
-            if verify:
-                checksums.extend(fmt.checksum(view) for view in views)
-
-
-@contextlib.contextmanager
-def _checked_block(path: Path, ref: mf.BlockRef, header: bytes, verify: bool,
-                   stage: cuda.Staging | None) -> Iterator[tuple[int, int, list[str]]]:
-    """A block opened for reading (:func:`_open_block`): yields its descriptor, the offset
-    past its header and a list for its pieces' checksums, in file order. Afterwards every
-    copy ``stage`` started has landed and the file is closed, whatever happened; and if
-    the read finished, ``verify`` checks the checksums against the manifest's.
-
-    :raises _BadBlock: as :func:`_open_block`, or failing its checksum.
-    """
-    fd, offset = _open_block(path, ref, header)
-    checksums: list[str] = []
-    try:
-        yield fd, offset, checksums
-    finally:
-        try:
-            if stage is not None:
-                stage.finish()  # no copy may still be landing once the read has returned
-        finally:
-            os.close(fd)
-    if verify and mf.block_checksum(checksums) != ref.checksum:
-        raise _BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
-
-
-def _slots(fd: int, offset: int, ref: mf.BlockRef, sizes: list[int], stage: cuda.Staging
-           ) -> Iterator[tuple[memoryview, list[memoryview]]]:
-    """Consecutive pieces of ``sizes`` read from ``offset`` on, as many as fit one staging
-    slot (``cuda.SLOT_BYTES``; a larger piece alone) in one call: each slot with a view of
-    each of its pieces. A staged reader reads 4 MiB at a time (docs/block-store.md,
-    "Reads of 4 MiB")."""
-    for group in _consecutive(sizes, sizes, cuda.SLOT_BYTES):
-        slot = stage.slot(sum(size for size, _same in group))
-        offset = _read_runs(fd, [slot], offset, ref)
-        views, begin = [], 0
-        for size, _same in group:
-            views.append(slot[begin:begin + size])
-            begin += size
-        yield slot, views
-
-
-def _wait_in_order(jobs: list[Any]) -> None:
-    """Wait for every job, then raise the first one's error (in submission order)."""
-    futures.wait(jobs)
-    for job in jobs:
-        job.result()  # raises _BadBlock for the first damaged block, in order
-
-
-def _consecutive(items: list[Any], sizes: list[int], limit: int, most: int | None = None
-                 ) -> Iterator[list[tuple[Any, int]]]:
-    """``items`` with their ``sizes``, in order, cut into runs of at most ``limit`` bytes
-    and ``most`` items (an item larger than ``limit`` alone): what one read into a staging
-    slot, or one ``writev``, takes."""
-    group: list[tuple[Any, int]] = []
-    total = 0
-    for item, size in zip(items, sizes):
-        if group and (total + size > limit or len(group) == most):
-            yield group
-            group, total = [], 0
-        group.append((item, size))
-        total += size
-    if group:
-        yield group
-
-
-def _read_runs(fd: int, runs: list[memoryview], offset: int, ref: mf.BlockRef) -> int:
-    """``preadv`` the file's bytes from ``offset`` into ``runs``; returns the next offset."""
-    for start in range(0, len(runs), _IOV_MAX):
-        batch = runs[start:start + _IOV_MAX]
-        want = sum(v.nbytes for v in batch)
-        if os.preadv(fd, batch, offset) != want:
-            raise _BadBlock(ref.id, f"block {ref.id[:16]} is truncated")
-        offset += want
-    return offset
-
-
-def _write_durably(path: Path, *chunks: Any) -> None:
-    """Write ``chunks`` to a new file and fsync it, gathered into ``writev`` calls of about
-    :data:`WRITEV_BYTES` (a block's 576 runs of the 4B shape were as many writes, each a
-    hand-over of the GIL)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-    try:
-        views = [memoryview(chunk).cast("B") for chunk in chunks]
-        for gathered in _consecutive(views, [view.nbytes for view in views], WRITEV_BYTES,
-                                     _IOV_MAX):
-            batch = [view for view, _size in gathered]
-            written = os.writev(fd, batch)
-            for view in batch:  # a short write (rare for files): the rest one at a time
-                if written >= view.nbytes:
-                    written -= view.nbytes
-                    continue
-                fmt.write_all(fd, view[written:])
-                written = 0
-        full_fsync(fd)
-    finally:
-        os.close(fd)
-
-
-#: Bytes one ``writev`` of a block gathers (at least one chunk). On the 2-core EPYC, writing
-#: the 4B shape's 604 MB entry (8 blocks of 576 runs of 128 KiB) in a fresh process took
-#: 0.44-0.45 s the first time and 0.37-0.44 s after in calls of 1 MiB, 1.47-1.56 s and
-#: 0.34-0.37 s in one call per block, 0.52-1.02 s and 0.45-0.59 s in one write per run.
-WRITEV_BYTES = 1 << 20
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_counting(path: Path) -> int:
-    try:
-        size = os.stat(path).st_size
-        os.unlink(path)
-        return size
-    except OSError:
-        return 0

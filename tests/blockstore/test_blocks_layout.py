@@ -162,7 +162,7 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
     import os as os_module
 
     from foretell.platform import cuda
-    from foretell_blockstore import layout as layout_module
+    from foretell_blockstore import blockfile
 
     reads, preadv = [], os_module.preadv
 
@@ -171,7 +171,7 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
         return preadv(fd, buffers, offset)
 
     sent, _finished = _host_staging(monkeypatch, landing=staged)
-    monkeypatch.setattr(layout_module.os, "preadv", counted)
+    monkeypatch.setattr(blockfile.os, "preadv", counted)
     entry = entry_of(range(1100), codecs, dtype=mx.bfloat16)
     assert layout.write(entry) is True
     key = layout.key_for(entry.tokens)
@@ -316,7 +316,7 @@ def test_a_piece_of_small_runs_is_packed_into_one_and_hashes_and_writes_the_same
 
 def test_a_block_is_written_in_writes_of_about_a_mebibyte_and_survives_short_ones(
         tmp_path, monkeypatch):
-    from foretell_blockstore import layout as layout_module
+    from foretell_blockstore import blockfile
 
     chunks = [bytes([i]) * size for i, size in enumerate([100, 700_000, 700_000, 3_000_000, 5])]
     calls, writev = [], os.writev
@@ -325,9 +325,9 @@ def test_a_block_is_written_in_writes_of_about_a_mebibyte_and_survives_short_one
         calls.append([len(b) for b in buffers])
         return writev(fd, [memoryview(b"".join(bytes(b) for b in buffers))[:1000]])
 
-    monkeypatch.setattr(layout_module.os, "writev", short)
+    monkeypatch.setattr(blockfile.os, "writev", short)
     path = tmp_path / "block"
-    layout_module._write_durably(path, *chunks)
+    blockfile.write_durably(path, *chunks)
     assert path.read_bytes() == b"".join(chunks)
     assert calls == [[100, 700_000], [700_000], [3_000_000], [5]]
 
@@ -660,17 +660,17 @@ def test_blocks_are_written_at_the_write_niceness_and_read_at_the_callers(layout
                                                                            monkeypatch):
     import threading
 
-    import foretell_blockstore.layout as blocks
     from foretell.store import format as fmt
+    from foretell_blockstore import blockfile
 
     def niceness():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     caller, seen = niceness(), {"write": set(), "read": set()}
-    store_block, open_block = BlockStoreLayout._store_block, blocks._open_block
+    store_block, open_block = BlockStoreLayout._store_block, blockfile.open_block
     monkeypatch.setattr(BlockStoreLayout, "_store_block", lambda self, *a: (
         seen["write"].add(niceness()), store_block(self, *a))[1])
-    monkeypatch.setattr(blocks, "_open_block", lambda *a: (  # every read, whole or by piece
+    monkeypatch.setattr(blockfile, "open_block", lambda *a: (  # every read, whole or by piece
         seen["read"].add(niceness()), open_block(*a))[1])
     entry = entry_of(range(10), codecs)
     assert layout.write(entry)
@@ -826,7 +826,7 @@ def test_a_failing_disk_warns_once_and_never_raises(layout, codecs, monkeypatch,
     def fail(*_a, **_k):
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr("foretell_blockstore.layout.full_fsync", fail)
+    monkeypatch.setattr("foretell_blockstore.blockfile.full_fsync", fail)
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         assert layout.write(entry_of(range(8), codecs)) is False
         assert layout.write(entry_of(range(9), codecs)) is False

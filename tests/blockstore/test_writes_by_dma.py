@@ -16,7 +16,7 @@ from test_landing import mixed_entry
 
 from foretell.errors import ConfigError
 from foretell.platform import cuda
-from foretell_blockstore import layout as blocks
+from foretell_blockstore import blockfile
 from foretell_blockstore.layout import BlockStoreLayout
 
 
@@ -124,7 +124,7 @@ def test_the_area_is_released_when_a_block_fails_to_write(codecs, layout, area, 
     def full(path, *chunks):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(blocks, "_write_durably", full)
+    monkeypatch.setattr(blockfile, "write_durably", full)
     assert layout.write(mixed_entry(codecs)) is False
     assert area.acquire(1) is not None
     area.release()
