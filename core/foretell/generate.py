@@ -58,18 +58,18 @@ def shipped_models() -> list[str]:
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """A model directory: a directory as given, else a shipped model's name. A directory
-    without ``config.json`` (no model, say a folder of one's own called ``demo``) does not
-    shadow the shipped model of its name."""
+    """A model directory: a directory as given, else a shipped model's name. What is no
+    model (a folder without ``config.json``, a file: say a folder of one's own called
+    ``demo``) does not shadow the shipped model of its name."""
     name = os.fspath(model) if model is not None else DEFAULT_MODEL
     path = Path(name).expanduser()
     shipped = shipped_models()
     if path.is_dir() and ((path / "config.json").is_file() or name not in shipped):
         return path
-    if path.exists() and not path.is_dir():
-        raise ModelNotFound(name, "is a file; give the model's directory")
     if name in shipped:
         return DEMO_DIR / name
+    if path.exists():
+        raise ModelNotFound(name, "is a file; give the model's directory")
     listing = ", ".join(shipped) if shipped else "none are installed"
     raise ModelNotFound(
         name, f"no such directory and no shipped model of that name (shipped models: {listing})"

@@ -275,9 +275,19 @@ def test_a_folder_that_is_no_model_does_not_shadow_the_shipped_model_of_its_name
     (tmp_path / "shipped" / "tiny").mkdir(parents=True)
     (tmp_path / "shipped" / "tiny" / "config.json").write_text("{}")
     (tmp_path / "here" / "tiny").mkdir(parents=True)  # e.g. tests/demo beside a run
+    (tmp_path / "here" / "small").write_text("notes")
+    (tmp_path / "shipped" / "small").mkdir()
+    (tmp_path / "shipped" / "small" / "config.json").write_text("{}")
     monkeypatch.setattr(gen, "DEMO_DIR", tmp_path / "shipped")
     monkeypatch.chdir(tmp_path / "here")
     assert resolve_model_path("tiny") == tmp_path / "shipped" / "tiny"
+    assert resolve_model_path("small") == tmp_path / "shipped" / "small"
+
+
+def test_a_file_given_for_a_model_is_one_error_naming_it(tmp_path):
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFound, match="weights.safetensors.*is a file; give the model"):
+        resolve_model_path(tmp_path / "weights.safetensors")
 
 
 def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
