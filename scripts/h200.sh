@@ -20,11 +20,12 @@
 #   firstcross scripts/first_cross.py: requests crossing new KV capacities (~2 min)
 #   stretch    scripts/stretch_probe.py (ROUNDS, default 5)
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
-#              KV_BITS=4|8: the KV quantized, as --kv-bits; TAG: a suffix for its files)
-#   pending    in one call (~7 min), what issue 9 left unverified on a GPU: the kept kernels
+#              KV_BITS=4|8: the KV quantized, as --kv-bits; SHAPE=0.6b: the 0.6B shape;
+#              TAG: a suffix for its files)
+#   pending    in one call (~8 min), what issue 9 left unverified on a GPU: the kept kernels
 #              (kernel_load_probe twice, FORETELL_KEPT_KERNELS=on), the block store's suite
 #              with them on, then (kept kernels off) cache4b at 8-bit KV with
-#              FORETELL_WRITE_DMA off and on
+#              FORETELL_WRITE_DMA off and on, and the 0.6B shape's cache rows
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -74,10 +75,10 @@ paired)
     --json "$OUT/spec-paired.json" 2>&1 | tee "$OUT/spec-paired.log" | tail -30
   ;;
 cache4b)
-  timeout 580 $PY -m foretell bench --cache --synthetic 4b --dtype bfloat16 \
+  name="cache-${SHAPE:-4b}${KV_BITS:+-kv$KV_BITS}${TAG:+-$TAG}"
+  timeout 580 $PY -m foretell bench --cache --synthetic "${SHAPE:-4b}" --dtype bfloat16 \
     --cache-prompt-tokens 4096 --repeats "${REPEATS:-3}" --generate 64 ${KV_BITS:+--kv-bits $KV_BITS} \
-    --json "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}${TAG:+-$TAG}.json" 2>&1 \
-    | tee "$OUT/cache-4b${KV_BITS:+-kv$KV_BITS}${TAG:+-$TAG}.log" | tail -30
+    --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -30
   ;;
 pending)
   # The kept kernels only where they are tested: a faulting one would spoil the A/B after.
@@ -88,6 +89,7 @@ pending)
   for dma in off on; do
     FORETELL_WRITE_DMA=$dma KV_BITS=8 TAG=dma-$dma bash "$0" cache4b
   done
+  SHAPE=0.6b bash "$0" cache4b
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
