@@ -22,10 +22,12 @@
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
 #              KV_BITS=4|8: the KV quantized, as --kv-bits; SHAPE=0.6b: the 0.6B shape;
 #              TAG: a suffix for its files)
-#   pending    in one call (~8 min), what issue 9 left unverified on a GPU: the kept kernels
+#   pending    what issue 9 left unverified on a GPU, part 1 (~6 min): the kept kernels
 #              (kernel_load_probe twice, FORETELL_KEPT_KERNELS=on), the block store's suite
 #              with them on, then (kept kernels off) cache4b at 8-bit KV with
-#              FORETELL_WRITE_DMA off and on, and the 0.6B shape's cache rows
+#              FORETELL_WRITE_DMA off and on
+#   pending2   part 2 (~4 min, the next call): cache4b at 8-bit KV with the spill worker at a
+#              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -89,6 +91,9 @@ pending)
   for dma in off on; do
     FORETELL_WRITE_DMA=$dma KV_BITS=8 TAG=dma-$dma bash "$0" cache4b
   done
+  ;;
+pending2)
+  FORETELL_SPILL_DUTY=0.25 KV_BITS=8 TAG=duty-0.25 bash "$0" cache4b
   SHAPE=0.6b bash "$0" cache4b
   ;;
 mtpoff)
