@@ -61,6 +61,22 @@ def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, cap
     assert f"{row['decode_ratio']:.2f}x" in table
 
 
+def test_without_a_model_it_measures_the_shipped_default(monkeypatch, capsys):
+    from foretell.generate import DEFAULT_MODEL, resolve_model_path
+
+    class Measured(Exception):
+        pass
+
+    def run_bench(models, **_options):
+        raise Measured(models)
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    with pytest.raises(Measured) as measured:
+        cli_main(["bench", "--repeats", "1"])
+    assert measured.value.args[0] == [(DEFAULT_MODEL, resolve_model_path(None))]
+    assert f"the shipped {DEFAULT_MODEL!r}" in capsys.readouterr().err
+
+
 def test_a_side_that_fails_is_one_error_naming_it(tmp_path, capsys):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
         "prompt token ids and generated-token count; print median tok/s and ratios.",
     )
     p.add_argument("--model", action="append", default=[], metavar="PATH",
-                   help="a model directory (or shipped model name); repeatable")
+                   help="a model directory (or shipped model name); repeatable; with neither "
+                        "this nor --synthetic, the shipped demo")
     p.add_argument("--synthetic", default="", metavar="SHAPES",
                    help="random-weight shapes the architecture plugins name, comma-separated "
                         "(e.g. 30m,150m); MODEL_TYPE:SHAPE picks the architecture")
@@ -126,8 +127,11 @@ def run(args) -> int:
         print(f"synthetic {preset} ({args.dtype}) in {cache_dir}", file=sys.stderr)
         with naming_the_file("--cache-dir", cache_dir):
             models.append((name, bench.synthetic_model(preset, args.dtype, cache_dir)))
-    if not models:
-        raise BenchError("name a model: --model PATH and/or --synthetic 30m,150m")
+    if not models:  # as `foretell run`: the shipped default
+        from foretell.generate import DEFAULT_MODEL
+
+        print(f"no --model or --synthetic: the shipped {DEFAULT_MODEL!r}", file=sys.stderr)
+        models = [(DEFAULT_MODEL, model_path(None))]
     to_file = Path(args.json) if args.json not in (None, "-") else None
     if args.layout is not None and not args.cache:
         raise BenchError("--layout picks the storage layout of --cache; add --cache")
