@@ -161,6 +161,8 @@ class BlockStoreLayout:
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
         self.io_failures = 0
+        #: Manifests passed over since the last scan, and why (ReportsSkipped).
+        self.skipped: dict[str, str] = {}
         #: Block bytes this layout wrote / found already stored (the benchmark reads them).
         self.bytes_written = 0
         self.bytes_reused = 0
@@ -299,6 +301,7 @@ class BlockStoreLayout:
             return None
         except (UnknownVersion, ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
+            self.skipped[str(path)] = str(exc)
             self._forget(key)
             return None
         except OSError as exc:
@@ -391,6 +394,7 @@ class BlockStoreLayout:
         interrupted writes when no write is in flight. Least recently used first."""
         self._reap_interrupted_writes()
         found: dict[str, _Indexed] = {}
+        skipped: dict[str, str] = {}
         for name in self._listdir(self.entries_dir):
             if not name.endswith(SUFFIX):
                 continue
@@ -412,6 +416,7 @@ class BlockStoreLayout:
                 continue
             except (UnknownVersion, ForeignEntry) as exc:
                 log.debug("cache entry %s skipped: %s", self.path(key), exc)
+                skipped[str(self.path(key))] = str(exc)
                 continue
             except OSError as exc:
                 log.warning("cannot read cache entry %s: %s", self.path(key), exc)
@@ -427,6 +432,7 @@ class BlockStoreLayout:
                 landing_bytes=mf.landing_bytes(manifest.blocks))
         with self._lock:
             self._index = found
+            self.skipped = skipped
             self._manifests = {k: v for k, v in self._manifests.items() if k in found}
         return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
 

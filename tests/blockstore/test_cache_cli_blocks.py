@@ -48,7 +48,7 @@ def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, caps
     assert code == 0 and group["layout"] == "BlockStoreLayout" and group["entries"] >= 2
     assert group["disk_bytes"] < group["bytes"] and group["dedup_ratio"] > 1
     assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (
-        0, {"verified": group["entries"], "bad": []})
+        0, {"verified": group["entries"], "bad": [], "skipped": []})
 
     block = max(tmp_path.glob("*/blocks-v4/data/*.blk"), key=lambda p: p.stat().st_size)
     raw = bytearray(block.read_bytes())

@@ -53,7 +53,8 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
     entry = listing["entries"][0]
     code, stats = cache_json(capsys, "stats", "--cache-dir", str(tmp_path))
     assert stats["entries"] == 1 and stats["bytes"] == entry["bytes"]
-    assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (0, {"verified": 1, "bad": []})
+    assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (
+        0, {"verified": 1, "bad": [], "skipped": []})
 
     path = next(tmp_path.glob("*/*.safetensors"))
     raw = bytearray(path.read_bytes())
@@ -69,7 +70,8 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
     run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
              "--max-tokens", "4", "--cache-dir", str(tmp_path), "--cache-layout", "single-file")
     assert cache_json(capsys, "clear", "--cache-dir", str(tmp_path)) == (0, {"removed": 1})
-    assert cache_json(capsys, "ls", "--cache-dir", str(tmp_path)) == (0, {"entries": []})
+    assert cache_json(capsys, "ls", "--cache-dir", str(tmp_path)) == (
+        0, {"entries": [], "skipped": []})
 
 
 def test_a_cache_directory_that_does_not_exist_is_one_error(tmp_path, capsys):

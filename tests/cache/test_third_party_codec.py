@@ -169,3 +169,33 @@ def test_without_the_plugin_its_entries_are_never_served(
         assert again.lookup([*range(12), 99]).tokens == 12
     finally:
         again.close()
+
+
+def test_the_cache_commands_say_why_such_entries_are_not_served(plugin_codecs, tmp_path, capsys):
+    """Where the plugin is not installed (the CLI loads what is), the directory does not
+    look empty for no reason: ls, stats and verify count the entries they pass over and
+    name the missing codec provider; verify deletes nothing and fails nothing."""
+    import json
+
+    from foretell.cli import main as cli_main
+
+    for kind in ("single-file", "blocks"):
+        tier = CacheTier(plugin_codecs, layout=layout_of(kind, tmp_path, plugin_codecs))
+        tier.store(range(12), sequence(12))
+        assert tier.flush(10).durable
+        tier.close()
+    stored = sorted(str(p) for p in tmp_path.rglob("*.safetensors"))
+    assert len(stored) == 2
+
+    assert cli_main(["cache", "ls", "--cache-dir", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["entries"] == []
+    assert [s["path"] for s in listed["skipped"]] == stored
+    assert all(PROVIDER in s["reason"] and "not loaded" in s["reason"]
+               for s in listed["skipped"])
+    for action in ("ls", "stats", "verify"):
+        assert cli_main(["cache", action, "--cache-dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert "2 entries kept but not served here" in out, action
+        assert f"2 × codec provider '{PROVIDER}' is not loaded here" in out, action
+    assert sorted(str(p) for p in tmp_path.rglob("*.safetensors")) == stored

@@ -153,6 +153,34 @@ def _claimed_fields(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def skipped_entries(found: list[Any]) -> list[dict[str, str]]:
+    """Entry files the layouts' scans passed over (another model's or tokenizer's, an unknown
+    version, a codec provider not loaded here: ``foretell.store.ReportsSkipped``) and that no
+    layout serves, each with why. Call after every layout has scanned."""
+    from foretell.store.layout import ReportsSkipped
+
+    served = {str(layout.path(h.key)) for layout in found for h in layout.headers()}
+    why: dict[str, str] = {}
+    for layout in found:
+        if isinstance(layout, ReportsSkipped):
+            why.update(layout.skipped)
+    return [{"path": path, "reason": reason} for path, reason in sorted(why.items())
+            if path not in served]
+
+
+def _say_skipped(skipped: list[dict[str, str]]) -> None:
+    """One line per reason, so a directory that looks empty here says why."""
+    if not skipped:
+        return
+    counts: dict[str, int] = {}
+    for s in skipped:
+        counts[s["reason"]] = counts.get(s["reason"], 0) + 1
+    print(f"{len(skipped)} entries kept but not served here (`foretell cache ls --json` "
+          "lists them):")
+    for reason, n in sorted(counts.items(), key=lambda item: -item[1]):
+        print(f"  {n} × {reason}")
+
+
 def _orphans(root: Path) -> list[Path]:
     return sorted(root.glob("*/*.tmp"))
 
@@ -162,7 +190,8 @@ def _orphans(root: Path) -> list[Path]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     rows = []
-    for layout in layouts(args):
+    found = layouts(args)
+    for layout in found:
         for h in layout.scan():
             rows.append({
                 "model_id": layout.identity.model_id, "directory": layout.identity.directory,
@@ -170,8 +199,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "bytes": h.nbytes, "last_used": h.last_used,
                 "codecs": sorted({la.codec for la in h.layers}),
             })
+    skipped = skipped_entries(found)
     if args.json:
-        print(json.dumps({"entries": rows}))
+        print(json.dumps({"entries": rows, "skipped": skipped}))
         return 0
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["last_used"]))
@@ -179,12 +209,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
               f"{r['model_id']}  {r['namespace'] or '-'}")
     if not rows:
         print("no entries")
+    _say_skipped(skipped)
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     groups = []
-    for layout in layouts(args):
+    found = layouts(args)
+    for layout in found:
         headers = layout.scan()
         logical, disk = sum(h.nbytes for h in headers), layout.bytes()
         # bytes: what the entries hold; disk_bytes: what they take (shared blocks once).
@@ -198,7 +230,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                "entries": sum(g["entries"] for g in groups),
                "bytes": sum(g["bytes"] for g in groups),
                "disk_bytes": sum(g["disk_bytes"] for g in groups),
-               "interrupted_writes": len(_orphans(root))}
+               "interrupted_writes": len(_orphans(root)),
+               "skipped": len(skipped := skipped_entries(found))}
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -209,6 +242,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"total: {summary['entries']} entries, {_size(summary['bytes'])} "
           f"({_size(summary['disk_bytes'])} on disk); "
           f"{summary['interrupted_writes']} interrupted writes")
+    _say_skipped(skipped)
     return 0
 
 
@@ -235,13 +269,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad.append({"key": path.stem, "path": str(path), "reason": "corrupt header"})
         elif args.model is None and _claimed_fields(path) is None:
             bad.append({"key": path.stem, "path": str(path), "reason": "not a foretell entry"})
-    report = {"verified": good, "bad": bad}
+    report = {"verified": good, "bad": bad, "skipped": skipped_entries(found)}
     if args.json:
         print(json.dumps(report))
     else:
         for b in bad:
             print(f"bad: {b['path']} ({b['reason']})")
         print(f"{good} entries verified, {len(bad)} bad")
+        _say_skipped(report["skipped"])
     return 1 if bad else 0
 
 

@@ -22,11 +22,12 @@ from foretell.store.entry import (
 from foretell.store.layout import (
     KeepsRestoreReserve,
     RecordsDeviceDigests,
+    ReportsSkipped,
     StorageLayout,
     StoreError,
 )
 from foretell.store.reserve import BufferReserve
 
 __all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
-           "RecordsDeviceDigests",
+           "RecordsDeviceDigests", "ReportsSkipped",
            "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint"]

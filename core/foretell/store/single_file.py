@@ -67,6 +67,8 @@ class SingleFileLayout:
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
         self.io_failures = 0
+        #: Entry files passed over since the last scan, and why (ReportsSkipped).
+        self.skipped: dict[str, str] = {}
 
     # -- keys and paths ----------------------------------------------------------------
 
@@ -174,6 +176,7 @@ class SingleFileLayout:
             names = []
         now = time.time()
         found: dict[str, EntryHeader] = {}
+        self.skipped = {}
         for name in names:
             if name.endswith(".tmp"):
                 self._reap_orphan(self.directory / name, now)
@@ -253,6 +256,7 @@ class SingleFileLayout:
             unlink_quietly(path)
         except (fmt.UnknownVersion, fmt.ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
+            self.skipped[str(path)] = str(exc)
             self._forget(key)
         except OSError as exc:
             log.warning("cannot read cache entry %s: %s", path, exc)
