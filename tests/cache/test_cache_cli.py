@@ -69,7 +69,8 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
     assert code == 0
     run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
              "--max-tokens", "4", "--cache-dir", str(tmp_path), "--cache-layout", "single-file")
-    assert cache_json(capsys, "clear", "--cache-dir", str(tmp_path)) == (0, {"removed": 1})
+    assert cache_json(capsys, "clear", "--cache-dir", str(tmp_path)) == (
+        0, {"removed": 1, "skipped": []})
     assert cache_json(capsys, "ls", "--cache-dir", str(tmp_path)) == (
         0, {"entries": [], "skipped": []})
 

@@ -174,7 +174,8 @@ def test_without_the_plugin_its_entries_are_never_served(
 def test_the_cache_commands_say_why_such_entries_are_not_served(plugin_codecs, tmp_path, capsys):
     """Where the plugin is not installed (the CLI loads what is), the directory does not
     look empty for no reason: ls, stats and verify count the entries they pass over and
-    name the missing codec provider; verify deletes nothing and fails nothing."""
+    name the missing codec provider; verify and clear delete none of them, verify fails
+    nothing."""
     import json
 
     from foretell.cli import main as cli_main
@@ -193,7 +194,7 @@ def test_the_cache_commands_say_why_such_entries_are_not_served(plugin_codecs, t
     assert [s["path"] for s in listed["skipped"]] == stored
     assert all(PROVIDER in s["reason"] and "not loaded" in s["reason"]
                for s in listed["skipped"])
-    for action in ("ls", "stats", "verify"):
+    for action in ("ls", "stats", "verify", "clear"):
         assert cli_main(["cache", action, "--cache-dir", str(tmp_path)]) == 0
         out = capsys.readouterr().out
         assert "2 entries kept but not served here" in out, action

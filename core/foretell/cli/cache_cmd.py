@@ -303,7 +303,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     removed = 0
-    for layout in layouts(args):
+    found = layouts(args)
+    for layout in found:
         for h in layout.scan():
             removed += bool(layout.remove(h.key))
     root = Path(args.cache_dir).expanduser()
@@ -311,7 +312,12 @@ def cmd_clear(args: argparse.Namespace) -> int:
         for orphan in _orphans(root):
             with contextlib.suppress(OSError):
                 orphan.unlink()
-    print(json.dumps({"removed": removed}) if args.json else f"removed {removed} entries")
+    skipped = skipped_entries(found)  # not this foretell's to judge: kept, and said so
+    if args.json:
+        print(json.dumps({"removed": removed, "skipped": skipped}))
+        return 0
+    print(f"removed {removed} entries")
+    _say_skipped(skipped)
     return 0
 
 
