@@ -52,7 +52,11 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     runs = decode["runs"]
     assert decode["paired_ratios"] == [w / i for i, w in zip(runs["idle"], runs["writing"])]
     assert decode["ratio"] == statistics.median(decode["paired_ratios"])
+    interleaved = decode["interleaved"]  # within one decode: the steps writes ran through
+    assert interleaved["writes"] >= 1
+    assert interleaved["writing_steps"] + interleaved["idle_steps"] <= 8 * 4 - 1
     table = bench.render(report)
+    assert f"in one decode {interleaved['ratio']:.2f}×" in table
     assert f"| tiny | {ran} | 48 " in table
     # Cold over SSD restore, warm and evicted, as the TTFTs give them (never rounded to 0×).
     cold = prime["cold_ttft_s"]
@@ -89,6 +93,20 @@ def test_an_unknown_layout_is_refused_naming_the_option_and_the_installed_ones(t
     with pytest.raises(BenchError, match=r"--layout nope: .*installed: .*blocks.*single-file"):
         bench.run_cache_bench([("tiny", tmp_path)], prompt_tokens=8, repeats=1,
                               decode_tokens=1, layout="nope", work_dir=tmp_path)
+
+
+def test_steps_count_as_writing_only_when_a_write_ran_all_through_them():
+    """Writes ran over [1, 2] and [3, 4]: a step inside one is "writing", a step touching
+    none is "idle", a step a write began or ended in counts for neither."""
+    steps = [(0.0, 0.5, 1), (0.5, 1.0, 1),     # idle (touching the span's start is not in it)
+             (1.1, 1.5, 2), (1.5, 2.0, 2),     # writing: 4 tokens over 0.9 s
+             (2.5, 3.5, 1),                    # a write began in it: neither
+             (3.2, 3.4, 1)]                    # writing
+    speeds = bench.steady_speeds(steps, [(1.0, 2.0), (3.0, 4.0)])
+    assert (speeds["writing_steps"], speeds["idle_steps"]) == (3, 2)
+    assert speeds["writing_tps"] == pytest.approx(5 / 1.1)
+    assert speeds["idle_tps"] == pytest.approx(2 / 1.0)
+    assert speeds["ratio"] == pytest.approx((5 / 1.1) / 2.0)
 
 
 def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):

@@ -14,7 +14,8 @@ For each model, in one run, over one storage layout (the tier's default, ``block
   process;
 - decode tok/s with nothing else running vs while a background thread keeps writing the
   entry, as the spill worker would (the ratio: the median of each writing round over the
-  idle round beside it).
+  idle round beside it); and within one long decode, the steps a write ran through against
+  those no write touched, the worker resting as long as each write took.
 
 Each phase runs in its own process (``python -m foretell.cache.bench --worker PHASE``), so
 "fresh process" means it. Not a test: numbers only, never assertions.
@@ -312,7 +313,71 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
     return {"idle_tps": idle, "writing_tps": writing, "ratio": _median(paired),
             "ratio_of_medians": writing / idle, "paired_ratios": paired,
             "entries_written_per_run": written, "entry_bytes": entry.tensor_bytes,
-            "runs": speeds}
+            "runs": speeds,
+            "interleaved": _decode_beside_interleaved_writes(
+                engine, factory, entry, short, scratch, 8 * args.decode_tokens)}
+
+
+def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any,
+                                      prompt: list[int], scratch: Path, tokens: int
+                                      ) -> dict[str, Any]:
+    """One long decode while the spill worker writes ``entry``, then rests as long as that
+    write took, over and over: each step counts as "writing" when a write ran all through
+    it and "idle" when none ran at any moment of it (steps a write began or ended in are
+    left out). The two alternate every write's length within one decode, so a host whose
+    own speed drifts between rounds minutes apart (the H200's idle decode swung 139-221
+    tok/s) weighs on both alike."""
+    from foretell.cache.spill import SpillQueue
+
+    spans: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def write(stored: Any) -> bool:
+        root, start = scratch / f"interleaved-{len(spans)}", time.perf_counter()
+        try:
+            return factory(root).write(stored)
+        finally:
+            spans.append((start, time.perf_counter()))
+            shutil.rmtree(root, ignore_errors=True)
+
+    def again(stored: Any, _outcome: str) -> None:
+        begin, end = spans[-1] if spans else (0.0, 0.0)
+        if not stop.wait(end - begin):  # rest as long as the write took
+            queue.submit(stored)
+
+    queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
+    queue.submit(entry)
+    steps, last = [], time.perf_counter()
+    for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True):
+        now = time.perf_counter()
+        if event.type == "text" and event.tokens:
+            steps.append((last, now, len(event.tokens)))
+        last = now
+    stop.set()
+    queue.close()
+    return {**steady_speeds(steps[1:], spans), "writes": len(spans)}  # step 1: the prefill
+
+
+def steady_speeds(steps: Sequence[tuple[float, float, int]],
+                  spans: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """Tokens per second of the ``(start, end, tokens)`` steps a write span covered whole
+    ("writing") and of those no span touched ("idle"), their ratio, and how many of each."""
+    totals = {"writing": [0.0, 0], "idle": [0.0, 0]}
+    counts = {"writing": 0, "idle": 0}
+    for begin, end, n in steps:
+        if any(a <= begin and end <= b for a, b in spans):
+            state = "writing"
+        elif not any(a < end and begin < b for a, b in spans):
+            state = "idle"
+        else:
+            continue
+        totals[state][0] += end - begin
+        totals[state][1] += n
+        counts[state] += 1
+    tps = {state: n / t if t > 0 else float("nan") for state, (t, n) in totals.items()}
+    return {"writing_tps": tps["writing"], "idle_tps": tps["idle"],
+            "ratio": tps["writing"] / tps["idle"], "writing_steps": counts["writing"],
+            "idle_steps": counts["idle"]}
 
 
 def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.Event,
@@ -600,7 +665,8 @@ def render(report: dict[str, Any]) -> str:
         "| model | layout | prompt | cold TTFT | RAM hit TTFT | SSD restore TTFT (warm / evicted) "
         "| cold / SSD (warm / evicted) | restore read GB/s (warm / evicted) | dd GB/s, the entry's files (warm / "
         "evicted) | restore / dd | dd GB/s, one file of its bytes | verified / unverified read "
-        "| mlx-lm save / load (warm / evicted) | decode tok/s idle / writing (paired ratio) |",
+        "| mlx-lm save / load (warm / evicted) | decode tok/s idle / writing (paired ratio; "
+        "steps within one decode) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
@@ -629,10 +695,18 @@ def render(report: dict[str, Any]) -> str:
             f"| {rw['read_gb_per_s'] / dw['gb_per_s']:.0%} / "
             f"{re_['read_gb_per_s'] / de['gb_per_s']:.0%} "
             f"| {one_cell} | {reads_cell} | {lm_cell} "
-            f"| {d['idle_tps']:.1f} / {d['writing_tps']:.1f} ({d['ratio']:.2f}×) |")
+            f"| {d['idle_tps']:.1f} / {d['writing_tps']:.1f} ({d['ratio']:.2f}×){_interleaved_cell(d)} |")
     if any("restore_warm_no_reserve" in row for row in report["rows"]):
         lines += ["", *render_reserve_ab(report["rows"])]
     return "\n".join(lines)
+
+
+def _interleaved_cell(decode: dict[str, Any]) -> str:
+    found = decode.get("interleaved")
+    if not found:
+        return ""
+    return (f"; in one decode {found['ratio']:.2f}× ({found['writing_steps']} steps "
+            f"writing, {found['idle_steps']} idle)")
 
 
 def _times(ratio: float) -> str:
