@@ -194,6 +194,9 @@ def test_the_cache_commands_say_why_such_entries_are_not_served(plugin_codecs, t
     assert [s["path"] for s in listed["skipped"]] == stored
     assert all(PROVIDER in s["reason"] and "not loaded" in s["reason"]
                for s in listed["skipped"])
+    for action in ("stats", "verify"):
+        assert cli_main(["cache", action, "--cache-dir", str(tmp_path), "--json"]) == 0
+        assert [s["path"] for s in json.loads(capsys.readouterr().out)["skipped"]] == stored
     for action in ("ls", "stats", "verify", "clear"):
         assert cli_main(["cache", action, "--cache-dir", str(tmp_path)]) == 0
         out = capsys.readouterr().out

@@ -231,7 +231,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                "bytes": sum(g["bytes"] for g in groups),
                "disk_bytes": sum(g["disk_bytes"] for g in groups),
                "interrupted_writes": len(_orphans(root)),
-               "skipped": len(skipped := skipped_entries(found))}
+               "skipped": (skipped := skipped_entries(found))}
     if args.json:
         print(json.dumps(summary))
         return 0
