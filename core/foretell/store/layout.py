@@ -106,8 +106,8 @@ class ReportsSkipped(Protocol):
     """A layout that says which stored entries it passes over and why: another model's or
     tokenizer's, an unknown format version, a codec provider this process has not loaded.
     Such entries are never served and never deleted (another foretell, or this one with the
-    plugin that wrote them, may serve them); ``foretell cache ls|stats|verify`` count them,
-    so a directory that seems empty says why."""
+    plugin that wrote them, may serve them); ``foretell cache ls|stats|verify|clear`` count
+    them, so a directory that seems empty says why."""
 
     #: Entry file path -> why, as found since the last ``scan`` (reads add to it).
     skipped: dict[str, str]
