@@ -281,8 +281,10 @@ def test_lookups_while_the_spill_worker_writes_never_see_a_partial_state(layout,
     assert len(tier_over(layout, codecs).ssd.entries()) == 12
 
 
-def test_a_ram_hit_keeps_the_stored_copy_from_being_evicted_first(layout, codecs):
+@pytest.mark.parametrize("rescan_s", [30.0, 0.0])  # 0: re-read the directory at each write
+def test_a_ram_hit_keeps_the_stored_copy_from_being_evicted_first(layout, codecs, rescan_s):
     tier = tier_over(layout, codecs)
+    tier.ssd.rescan_s = rescan_s
     for start in (0, 100):
         tier.store(range(start, start + 16), [filled_kv(16)])
         assert tier.flush(10).durable
@@ -301,3 +303,26 @@ def test_a_state_already_held_is_not_written_again(layout, codecs):
     tier.store(range(16), [filled_kv(16)])  # a RAM hit that computed only the last token
     tier.flush(10)
     assert tier.ssd.writes == 1
+
+
+def test_processes_sharing_a_directory_hold_its_cap_together(layout, codecs):
+    """Each tier indexes what it found when it opened; a write re-reads the directory once
+    its view is older than ``rescan_s``, so entries another process stored since count
+    against the cap (and can be served) instead of the directory growing past it."""
+    probe = stored_tier(layout, codecs, range(500, 516), [filled_kv(16)])
+    unit = probe.ssd.bytes()
+    probe.ssd.remove(probe.ssd.entries()[0].header.key)
+    cap = 3 * unit + unit // 2
+    first = tier_over(layout, codecs, ssd_bytes=cap)
+    second = tier_over(layout, codecs, ssd_bytes=cap)
+    for tier in (first, second):
+        tier.ssd.rescan_s = 0.0
+    for i in range(6):  # the two take turns
+        tier = (first, second)[i % 2]
+        tier.store(range(100 * i, 100 * i + 16), [filled_kv(16)])
+        assert tier.flush(10).durable
+        assert tier_over(layout, codecs).ssd.bytes() <= cap
+    # the survivors are the three stored last, whichever process stored them
+    assert sorted(s.tokens[0] for s in tier_over(layout, codecs).ssd.entries()) == [300, 400, 500]
+    # the other's entry stored before this one's last write: indexed, so served from disk
+    assert first.lookup([*range(300, 316), 7]).tier == "ssd"

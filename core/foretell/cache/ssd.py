@@ -49,13 +49,21 @@ class Stored:
         return self.header.tokens
 
 
+#: How old this process's view of the directory may be when a write evicts: other processes
+#: sharing the directory write entries it has not indexed, and the cap holds over them too.
+RESCAN_S = 30.0
+
+
 class SsdIndex:
     """Lookup, supersession and the byte cap for one layout; safe across threads."""
 
-    def __init__(self, layout: StorageLayout, codecs: Sequence[CacheCodec], max_bytes: int):
+    def __init__(self, layout: StorageLayout, codecs: Sequence[CacheCodec], max_bytes: int,
+                 rescan_s: float = RESCAN_S):
         self.layout = layout
         self.codecs = list(codecs)
         self.max_bytes = max_bytes
+        self.rescan_s = rescan_s
+        self._scanned_at = float("-inf")
         self._lock = threading.RLock()
         self._index: dict[str, Stored] = {}
         self.restores = 0
@@ -69,15 +77,25 @@ class SsdIndex:
         """Rebuild the index from the layout (reaps orphans, drops corrupt files), evict
         down to the cap, then collect what no entry uses any more (so what another process
         left over this cap is freed as the tier opens, not at its first write)."""
-        headers = self.layout.scan()
-        with self._lock:
-            self._index = {}
-            for header in headers:
-                self._add(header)
+        self._reindex()
         self._evict_to_cap(keep=())
         self.layout.collect()
         with self._lock:
             return list(self._index.values())
+
+    def _reindex(self) -> None:
+        """The index rebuilt from the layout's scan (what any process stored there), each
+        entry keeping the later of its last use on disk and in this process (a RAM hit
+        marks only the latter)."""
+        headers = self.layout.scan()
+        with self._lock:
+            known, self._index = self._index, {}
+            for header in headers:
+                seen = known.get(header.key)
+                if seen is not None and seen.header.last_used > header.last_used:
+                    header = attrs.evolve(header, last_used=seen.header.last_used)
+                self._add(header)
+            self._scanned_at = time.monotonic()
 
     def _add(self, header: EntryHeader) -> Stored | None:
         try:
@@ -169,6 +187,8 @@ class SsdIndex:
                      entry.tensor_bytes, self.max_bytes)
             return False
         durable = self.layout.write(entry)
+        if time.monotonic() - self._scanned_at >= self.rescan_s:
+            self._reindex()  # what other processes wrote since counts against the cap too
         key = self.layout.key_for(entry.tokens, entry.namespace)
         header = next((h for h in self.layout.headers() if h.key == key), None)
         if header is None:
