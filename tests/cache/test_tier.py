@@ -326,3 +326,21 @@ def test_processes_sharing_a_directory_hold_its_cap_together(layout, codecs):
     assert sorted(s.tokens[0] for s in tier_over(layout, codecs).ssd.entries()) == [300, 400, 500]
     # the other's entry stored before this one's last write: indexed, so served from disk
     assert first.lookup([*range(300, 316), 7]).tier == "ssd"
+
+
+def test_processes_that_wrote_at_once_leave_the_directory_within_the_cap_as_they_close(
+        layout, codecs):
+    """Short runs started together each index only what they found when they opened; the
+    last to close re-reads the directory and evicts to the cap over all of it."""
+    probe = stored_tier(layout, codecs, range(500, 516), [filled_kv(16)])
+    unit = probe.ssd.bytes()
+    probe.ssd.remove(probe.ssd.entries()[0].header.key)
+    cap = 2 * unit + unit // 2
+    runs = [tier_over(layout, codecs, ssd_bytes=cap) for _ in range(3)]  # opened together
+    for i, tier in enumerate(runs):
+        tier.store(range(100 * i, 100 * i + 16), [filled_kv(16)])
+        assert tier.flush(10).durable
+    assert tier_over(layout, codecs).ssd.layout.bytes() > cap  # each within its own view
+    for tier in runs:
+        assert tier.close(10).durable
+    assert tier_over(layout, codecs).ssd.layout.bytes() <= cap

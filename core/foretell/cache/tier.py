@@ -309,10 +309,15 @@ class CacheTier:
                            dropped=dropped, failed=failed, missing=missing)
 
     def close(self, timeout: float | None = None) -> FlushReport:
-        """Flush (bounded) and stop the spill worker."""
+        """Flush (bounded) and stop the spill worker; then, if this tier wrote and all of it
+        is durable, re-read the directory and evict to the cap over everything in it, so
+        processes that wrote there at once leave it within the cap as they exit (each
+        indexed only what it found when it opened, docs/cache-storage.md)."""
         report = self.flush(timeout)
         if self._spill is not None:
             self._spill.close(0)
+        if self.ssd is not None and self.ssd.writes and report.durable:
+            self.ssd.scan()
         return report
 
     def _dirty_keys(self) -> list[Key]:
