@@ -167,6 +167,17 @@ def test_a_failing_kernel_warns_once_and_reads_land_piece_by_piece(
     assert cuda._LANDING == [None]
 
 
+def test_an_empty_store_readies_no_landing_until_it_holds_an_entry(layout, codecs, area,
+                                                                 monkeypatch):
+    prepared = []
+    monkeypatch.setattr(area, "prepare", prepared.append)
+    layout.replenish()  # as a tier opens on a fresh directory: nothing to restore yet
+    assert prepared == []
+    assert layout.write(mixed_entry(codecs))
+    layout.replenish()  # as the request that stored it ends
+    assert len(prepared) == 1 and prepared[0] > 0
+
+
 def test_replenish_readies_the_area_for_the_largest_entry_so_a_read_does_not_grow_it(
         layout, codecs, area, monkeypatch):
     entry = mixed_entry(codecs)
