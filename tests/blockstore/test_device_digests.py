@@ -180,3 +180,17 @@ def test_a_tier_over_a_layout_that_records_no_digests_computes_none(tmp_path, id
     tier = CacheTier(codecs, layout=SingleFileLayout(tmp_path, identity=identity))
     tier.store(range(10), kv_of(list(range(10))))
     assert tier.flush(10).durable and computed == []
+
+
+def test_a_layout_that_says_it_records_no_digests_gets_none(layout, codecs, on, monkeypatch):
+    """``records_device_digests = False`` is heard, not only the attribute's presence."""
+    from blockfill import kv_of
+
+    from foretell.cache.tier import CacheTier
+
+    computed, digests = [], digest.digests
+    monkeypatch.setattr(digest, "digests", lambda arrays: computed.append(1) or digests(arrays))
+    monkeypatch.setattr(layout, "records_device_digests", False, raising=False)
+    tier = CacheTier(codecs, layout=layout)
+    tier.store(range(10), kv_of(list(range(10))))
+    assert tier.flush(10).durable and computed == []

@@ -72,7 +72,9 @@ class CacheTier:
         self.ram = PrefixCache(self.codecs, ram_bytes)
         self.ssd = SsdIndex(layout, self.codecs, ssd_bytes) if layout is not None else None
         #: Whether entries handed to the writer get device digests (the layout records them).
-        self._digests = isinstance(layout, RecordsDeviceDigests)
+        # The Protocol's check sees the attribute, not its value: a layout may say False.
+        self._digests = (isinstance(layout, RecordsDeviceDigests)
+                         and layout.records_device_digests is True)
         # spill_duty: the share of its time the writer may write (None: spill.default_duty)
         self._spill = (SpillQueue(self._write, spill_bytes, self._written, spill_duty)
                        if self.ssd is not None else None)
