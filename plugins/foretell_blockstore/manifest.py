@@ -309,10 +309,9 @@ def piece_plan(groups: Sequence[Group], block_rows: int,
                            else s.piece_bytes(0, 1) for s in group.tensors], dtype=np.uint64)
         bases = np.array([addresses[(s.layer, s.name)] for s in group.tensors],
                          dtype=np.uint64)
-        strides = widths * np.uint64(group.rows)
-        if pitches is not None:
-            strides = np.array([pitches[(s.layer, s.name)] for s in group.tensors],
-                               dtype=np.uint64)
+        strides = (widths * np.uint64(group.rows) if pitches is None else
+                   np.array([pitches[(s.layer, s.name)] for s in group.tensors],
+                            dtype=np.uint64))
         for begin, end in group.spans(block_rows):
             offsets.append(at)
             run = widths * np.uint64(end - begin)
@@ -339,8 +338,7 @@ def landing_plan(manifest: Manifest, addresses: dict[tuple[int, str], int]
     at = np.arange(int(counts.sum()), dtype=np.uint64) - np.repeat(
         (np.cumsum(pieces[:, 3]) - pieces[:, 3]), counts)
     offset, first, run, _count, pitch = (np.repeat(pieces[:, k], counts) for k in range(5))
-    runs = np.stack([offset + at * run, first + at * pitch, run], axis=1)
-    return offsets, need, runs.reshape(-1, 3).astype(np.uint64)
+    return offsets, need, np.stack([offset + at * run, first + at * pitch, run], axis=1)
 
 
 def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False,
