@@ -414,7 +414,7 @@ def _place_launcher() -> Any:
         return by_ptx
 
     def fallback() -> Any:
-        kernel = custom_kernel("foretell_place_runs", _PLACE_SOURCE, input_names=["runs"],
+        kernel = custom_kernel(PLACE_NAME, _PLACE_SOURCE, input_names=["runs"],
                                output_names=["placed"])
 
         def by_jit(table: Any) -> None:

@@ -176,7 +176,7 @@ def _launcher() -> Any:
         return None if got == [reference(t) for t in tests] else str(got)
 
     def fallback() -> Any:
-        kernel = custom_kernel("foretell_mlh64", _KERNEL_SOURCE,
+        kernel = custom_kernel(PTX_NAME, _KERNEL_SOURCE,
                                input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
                                output_names=["sums"])
 
