@@ -327,26 +327,11 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
     left out). The two alternate every write's length within one decode, so a host whose
     own speed drifts between rounds minutes apart (the H200's idle decode swung 139-221
     tok/s) weighs on both alike."""
-    from foretell.cache.spill import SpillQueue
-
     spans: list[tuple[float, float]] = []
     stop = threading.Event()
-
-    def write(stored: Any) -> bool:
-        root, start = scratch / f"interleaved-{len(spans)}", time.perf_counter()
-        try:
-            return factory(root).write(stored)
-        finally:
-            spans.append((start, time.perf_counter()))
-            shutil.rmtree(root, ignore_errors=True)
-
-    def again(stored: Any, _outcome: str) -> None:
-        begin, end = spans[-1] if spans else (0.0, 0.0)
-        if not stop.wait(end - begin):  # rest as long as the write took
-            queue.submit(stored)
-
-    queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
-    queue.submit(entry)
+    writer = threading.Thread(target=_write_until, args=(factory, scratch, entry, stop, [0]),
+                              kwargs={"spans": spans, "rest": True}, daemon=True)
+    writer.start()
     steps, last = [], time.perf_counter()
     for event in engine.generate(prompt, max_tokens=tokens, ignore_eos=True):
         now = time.perf_counter()
@@ -354,7 +339,7 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
             steps.append((last, now, len(event.tokens)))
         last = now
     stop.set()
-    queue.close()
+    writer.join()
     return {**steady_speeds(steps[1:], spans), "writes": len(spans)}  # step 1: the prefill
 
 
@@ -381,23 +366,32 @@ def steady_speeds(steps: Sequence[tuple[float, float, int]],
 
 
 def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.Event,
-                 count: list[int]) -> None:
+                 count: list[int], *, spans: list[tuple[float, float]] | None = None,
+                 rest: bool = False) -> None:
     """Keep the spill worker itself (``foretell.cache.spill.SpillQueue``: its priority, its
     pace) writing ``entry`` until told to stop, each time into an empty directory (then
     deleted): a spill that never runs dry, writing every byte each time (a block store
-    would otherwise find every block already stored and write only a manifest)."""
+    would otherwise find every block already stored and write only a manifest). Each
+    write's start and end go to ``spans``; with ``rest`` the worker waits as long as a
+    write took before the next."""
     from foretell.cache.spill import SpillQueue
 
+    took = [0.0]
+
     def write(stored: Any) -> bool:
-        root = scratch / f"write-{count[0]}"
+        root, start = scratch / f"write-{count[0]}", time.perf_counter()
         try:
             return factory(root).write(stored)
         finally:
+            end = time.perf_counter()
+            took[0] = end - start
+            if spans is not None:
+                spans.append((start, end))
             shutil.rmtree(root, ignore_errors=True)
             count[0] += 1
 
     def again(stored: Any, _outcome: str) -> None:
-        if not stop.is_set():
+        if not stop.wait(took[0] if rest else 0):
             queue.submit(stored)
 
     queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
