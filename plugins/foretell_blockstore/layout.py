@@ -47,7 +47,7 @@ from foretell.store.entry import (
     entry_key,
 )
 from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
-from foretell.store.single_file import log_io_failure, unlink_quietly
+from foretell.store.single_file import FileVersion, file_version, log_io_failure, unlink_quietly
 from foretell_blockstore import blockfile
 from foretell_blockstore import manifest as mf
 
@@ -157,6 +157,8 @@ class BlockStoreLayout:
         self._parsed: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
         #: key -> (a manifest file's bytes, what they parsed to), see _load_manifest.
         self._manifests: dict[str, tuple[bytes, mf.Manifest]] = {}
+        #: manifest name -> (its version when last scanned, its entry or why it is skipped).
+        self._scanned: dict[str, tuple[FileVersion, _Indexed | str]] = {}
         self._lock = threading.Lock()
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
@@ -393,50 +395,76 @@ class BlockStoreLayout:
     def scan(self) -> list[EntryHeader]:
         """Rebuild the index from manifests (no block bytes are read): drops entries whose
         manifest is corrupt or whose blocks are missing, skips foreign ones, and reaps
-        interrupted writes when no write is in flight. Least recently used first."""
+        interrupted writes when no write is in flight. Least recently used first. A manifest
+        this layout read at an earlier scan whose inode, size and mtime are unchanged is not
+        read again, nor are its blocks looked for (reads check them), so rescanning a
+        directory of unchanged entries costs a ``stat`` each."""
         self._reap_interrupted_writes()
         found: dict[str, _Indexed] = {}
+        scanned: dict[str, tuple[FileVersion, _Indexed | str]] = {}
         skipped: dict[str, str] = {}
         for name in self._listdir(self.entries_dir):
             if not name.endswith(SUFFIX):
                 continue
             key = name[: -len(SUFFIX)]
             try:
-                manifest = self._load_manifest(key)
-                stat = os.stat(self.path(key))
-                missing = next((r.id for r in manifest.blocks
-                                if not os.path.exists(self.block_path(r.id))), None)
-                if missing is not None:
-                    raise blockfile.BadBlock(missing, f"block {missing[:16]} is missing")
-            except FileNotFoundError:
-                continue
-            except blockfile.BadBlock as bad:
-                self._drop(key, bad.reason)
-                continue
-            except CorruptEntry as exc:
-                self._drop(key, str(exc))
-                continue
-            except (UnknownVersion, ForeignEntry) as exc:
-                log.debug("cache entry %s skipped: %s", self.path(key), exc)
-                skipped[str(self.path(key))] = str(exc)
-                continue
-            except OSError as exc:
-                log.warning("cannot read cache entry %s: %s", self.path(key), exc)
-                continue
-            found[key] = _Indexed(
-                header=EntryHeader(key=key, tokens=manifest.tokens,
-                                   namespace=manifest.namespace, layers=manifest.layers,
-                                   nbytes=stat.st_size + manifest.tensor_bytes,
-                                   last_used=stat.st_mtime),
-                manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks),
-                buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups),
-                largest_tensor=mf.largest_tensor(group for group, _refs in manifest.groups),
-                landing_bytes=mf.landing_bytes(manifest.blocks))
+                version = file_version(os.stat(self.path(key)))
+            except OSError:
+                continue  # removed meanwhile
+            known = self._scanned.get(name)
+            if known is None or known[0] != version:
+                known = self._scan_manifest(key)
+                if known is None:
+                    continue
+            scanned[name] = known
+            if isinstance(known[1], str):
+                skipped[str(self.path(key))] = known[1]
+            else:
+                found[key] = known[1]
         with self._lock:
             self._index = found
+            self._scanned = scanned
             self.skipped = skipped
             self._manifests = {k: v for k, v in self._manifests.items() if k in found}
         return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
+
+    def _scan_manifest(self, key: str) -> tuple[FileVersion, _Indexed | str] | None:
+        """One manifest read and checked, its blocks looked for: what a later scan reuses
+        while the file is unchanged (the entry, or why it is skipped); None when it was
+        unusable (dropped if damaged) or could not be read."""
+        try:
+            # Its version before its bytes: a manifest replaced in between is read again.
+            stat = os.stat(self.path(key))
+            manifest = self._load_manifest(key)
+            missing = next((r.id for r in manifest.blocks
+                            if not os.path.exists(self.block_path(r.id))), None)
+            if missing is not None:
+                raise blockfile.BadBlock(missing, f"block {missing[:16]} is missing")
+        except FileNotFoundError:
+            return None
+        except blockfile.BadBlock as bad:
+            self._drop(key, bad.reason)
+            return None
+        except CorruptEntry as exc:
+            self._drop(key, str(exc))
+            return None
+        except (UnknownVersion, ForeignEntry) as exc:
+            log.debug("cache entry %s skipped: %s", self.path(key), exc)
+            try:
+                return file_version(os.stat(self.path(key))), str(exc)
+            except OSError:
+                return None
+        except OSError as exc:
+            log.warning("cannot read cache entry %s: %s", self.path(key), exc)
+            return None
+        return file_version(stat), _Indexed(
+            header=EntryHeader(key=key, tokens=manifest.tokens, namespace=manifest.namespace,
+                               layers=manifest.layers, nbytes=stat.st_size + manifest.tensor_bytes,
+                               last_used=stat.st_mtime),
+            manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks),
+            buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups),
+            largest_tensor=mf.largest_tensor(group for group, _refs in manifest.groups),
+            landing_bytes=mf.landing_bytes(manifest.blocks))
 
     def headers(self) -> list[EntryHeader]:
         """The index, least recently used first (scans once if it was never built)."""
@@ -820,6 +848,7 @@ class BlockStoreLayout:
     def _forget(self, key: str) -> None:
         with self._lock:
             self._manifests.pop(key, None)
+            self._scanned.pop(self.path(key).name, None)
             if self._index is not None:
                 self._index.pop(key, None)
 

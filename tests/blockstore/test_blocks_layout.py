@@ -9,6 +9,7 @@ import logging
 import os
 import struct
 import sys
+import time
 
 import mlx.core as mx
 import pytest
@@ -577,6 +578,41 @@ def stored(layout, codecs):
     entry = entry_of(range(10), codecs)
     assert layout.write(entry)
     return entry, layout.key_for(entry.tokens)
+
+
+def test_a_rescan_reads_only_the_manifests_that_are_new_or_changed(layout, codecs,
+                                                                   monkeypatch):
+    """A re-read of the directory reuses what each unchanged manifest parsed to (its inode,
+    size and mtime the same) and does not look for its blocks again; a manifest written,
+    touched or removed since is seen."""
+    kept, touched = entry_of(range(10), codecs), entry_of(range(50, 58), codecs)
+    for entry in (kept, touched):
+        assert layout.write(entry)
+    layout.scan()
+    loaded = []
+    real = layout._load_manifest
+    monkeypatch.setattr(layout, "_load_manifest", lambda key: loaded.append(key) or real(key))
+    looked = []
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: looked.append(p) or real_exists(p))
+    assert len(layout.scan()) == 2 and loaded == [] and looked == []
+    later = time.time() + 60
+    os.utime(layout.path(layout.key_for(touched.tokens)), (later, later))  # another's read
+    added = entry_of(range(100, 106), codecs)
+    assert BlockStoreLayout(layout.directory.parent.parent, layout.config,
+                            identity=layout.identity).write(added)  # another process's
+    headers = layout.scan()
+    assert sorted(loaded) == sorted(layout.key_for(e.tokens) for e in (touched, added))
+    assert headers[-1].key == layout.key_for(touched.tokens)  # its new last use counts
+    os.unlink(layout.path(layout.key_for(kept.tokens)))
+    assert {h.key for h in layout.scan()} == {layout.key_for(e.tokens) for e in (touched, added)}
+
+
+def test_a_block_lost_under_an_unchanged_manifest_is_caught_by_the_read(layout, stored):
+    layout.scan()
+    os.unlink(layout.block_path(_a_block(layout)))
+    assert [h.key for h in layout.scan()] == [stored[1]]  # not looked for again
+    assert layout.read(stored[1]) is None and not layout.path(stored[1]).exists()
 
 
 def _a_block(layout, index=0) -> str:

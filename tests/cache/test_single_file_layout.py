@@ -250,6 +250,44 @@ def test_an_unknown_format_version_is_skipped_and_kept(layout, stored, version):
     assert path.exists()  # a newer foretell wrote it; not ours to delete
 
 
+def test_a_rescan_reads_only_the_files_that_are_new_or_changed(layout, codecs, monkeypatch):
+    """A re-read of the directory reuses what each unchanged file's header parsed to (its
+    inode, size and mtime the same), so the tier can re-read often; a file written, touched
+    or removed since is seen."""
+    from foretell.store import format as fmt
+
+    kept, touched = make_entry(codecs, n=24), make_entry(codecs, n=20)
+    for entry in (kept, touched):
+        assert layout.write(entry)
+    layout.scan()
+    parsed = []
+    real = fmt.read_header
+    monkeypatch.setattr(fmt, "read_header",
+                        lambda fh, *a: parsed.append(os.path.basename(fh.name)) or real(fh, *a))
+    assert len(layout.scan()) == 2 and parsed == []
+    later = time.time() + 60
+    os.utime(layout.path(layout.key_for(touched.tokens)), (later, later))  # another's read
+    added = make_entry(codecs, n=16)
+    other = SingleFileLayout(layout.directory.parent, identity=layout.identity)
+    assert other.write(added)  # another process's write
+    headers = layout.scan()
+    assert sorted(parsed) == sorted(f"{layout.key_for(e.tokens)}.safetensors"
+                                    for e in (touched, added))
+    assert headers[-1].key == layout.key_for(touched.tokens)  # its new last use counts
+    os.unlink(layout.path(layout.key_for(kept.tokens)))
+    assert {h.key for h in layout.scan()} == {layout.key_for(e.tokens) for e in (touched, added)}
+
+
+def test_a_skipped_file_is_reported_at_every_rescan_and_read_once(layout, stored, monkeypatch):
+    from foretell.store import format as fmt
+
+    rewrite(layout.path(stored[1]), b'"foretell.format_version":"2"',
+            b'"foretell.format_version":"9"')
+    assert layout.scan() == [] and list(layout.skipped) == [str(layout.path(stored[1]))]
+    monkeypatch.setattr(fmt, "read_header", lambda *a: pytest.fail("read again"))
+    assert layout.scan() == [] and list(layout.skipped) == [str(layout.path(stored[1]))]
+
+
 # -- identity: another model's or tokenizer's file is never served --------------------------
 
 

@@ -63,6 +63,8 @@ class SingleFileLayout:
         self.identity = identity
         self.directory = Path(root) / identity.directory
         self._index: dict[str, EntryHeader] | None = None
+        #: file name -> (its version when last scanned, its header or why it is skipped).
+        self._scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
         self._lock = threading.Lock()
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
@@ -165,7 +167,9 @@ class SingleFileLayout:
 
         Deletes crashed writes' ``.tmp`` files and corrupt entries; skips, and keeps, entries
         of another format version or identity. Returns the servable entries, least recently
-        used first.
+        used first. A file this layout read at an earlier scan whose inode, size and mtime are
+        unchanged is not read again (a rewrite renames a new file in, a read bumps the mtime),
+        so rescanning a directory of unchanged entries costs a ``stat`` each.
         """
         try:
             names = os.listdir(self.directory)
@@ -176,22 +180,45 @@ class SingleFileLayout:
             names = []
         now = time.time()
         found: dict[str, EntryHeader] = {}
+        scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
         self.skipped = {}
         for name in names:
             if name.endswith(".tmp"):
                 self._reap_orphan(self.directory / name, now)
             elif name.endswith(fmt.SUFFIX):
-                key = name[: -len(fmt.SUFFIX)]
-                verified = self._open_verified(key, with_tensors=False)
-                if verified is not None:
-                    header, stat, _ = verified
-                    found[key] = EntryHeader(
-                        key=key, tokens=header.tokens, namespace=header.namespace,
-                        layers=header.layers, nbytes=stat.st_size, last_used=stat.st_mtime,
-                    )
+                key, path = name[: -len(fmt.SUFFIX)], self.directory / name
+                try:
+                    version = file_version(os.stat(path))
+                except OSError:
+                    continue  # removed meanwhile
+                known = self._scanned.get(name)
+                if known is None or known[0] != version:
+                    known = self._scan_file(key, version)
+                    if known is None:
+                        continue
+                scanned[name] = known
+                if isinstance(known[1], str):
+                    self.skipped[str(path)] = known[1]
+                else:
+                    found[key] = known[1]
         with self._lock:
             self._index = found
+            self._scanned = scanned
         return sorted(found.values(), key=lambda h: h.last_used)
+
+    def _scan_file(self, key: str, version: FileVersion
+                   ) -> tuple[FileVersion, EntryHeader | str] | None:
+        """One file's header read and checked: what a later scan reuses while the file is
+        unchanged (the header, or why it is skipped); None when it was unusable (deleted if
+        corrupt) or could not be read."""
+        verified = self._open_verified(key, with_tensors=False)
+        if verified is None:
+            reason = self.skipped.get(str(self.path(key)))
+            return None if reason is None else (version, reason)
+        header, stat, _ = verified
+        return file_version(stat), EntryHeader(
+            key=key, tokens=header.tokens, namespace=header.namespace, layers=header.layers,
+            nbytes=stat.st_size, last_used=stat.st_mtime)
 
     def headers(self) -> list[EntryHeader]:
         """The index, least recently used first (scans once if it was never built)."""
@@ -272,6 +299,7 @@ class SingleFileLayout:
 
     def _forget(self, key: str) -> None:
         with self._lock:
+            self._scanned.pop(self.path(key).name, None)
             if self._index is not None:
                 self._index.pop(key, None)
 
@@ -301,6 +329,16 @@ class SingleFileLayout:
     def _io_failed(self, exc: OSError, action: str) -> None:
         self.io_failures += 1
         self._warned = log_io_failure(exc, action, warned=self._warned)
+
+
+#: What tells a scan that a file changed: inode, size, mtime (ns).
+FileVersion = tuple[int, int, int]
+
+
+def file_version(stat: os.stat_result) -> FileVersion:
+    """A file's :data:`FileVersion`: files are never rewritten in place (a rewrite renames a
+    new inode over the name), so an unchanged version means unchanged bytes."""
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def log_io_failure(exc: OSError, action: str, *, warned: bool) -> bool:
