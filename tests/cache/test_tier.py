@@ -305,18 +305,20 @@ def test_a_state_already_held_is_not_written_again(layout, codecs):
     assert tier.ssd.writes == 1
 
 
-def test_processes_sharing_a_directory_hold_its_cap_together(layout, codecs):
+def test_processes_sharing_a_directory_hold_its_cap_together(layout, codecs, monkeypatch):
     """Each tier indexes what it found when it opened; a write re-reads the directory once
-    its view is older than ``rescan_s``, so entries another process stored since count
-    against the cap (and can be served) instead of the directory growing past it."""
+    its view is older than re-reading took (divided by RESCAN_SHARE), so entries another
+    process stored since count against the cap (and can be served) instead of the directory
+    growing past it."""
+    from foretell.cache import ssd
+
+    monkeypatch.setattr(ssd, "RESCAN_SHARE", 1.0)  # writes here are ms apart, as are re-reads
     probe = stored_tier(layout, codecs, range(500, 516), [filled_kv(16)])
     unit = probe.ssd.bytes()
     probe.ssd.remove(probe.ssd.entries()[0].header.key)
     cap = 3 * unit + unit // 2
     first = tier_over(layout, codecs, ssd_bytes=cap)
     second = tier_over(layout, codecs, ssd_bytes=cap)
-    for tier in (first, second):
-        tier.ssd.rescan_s = 0.0
     for i in range(6):  # the two take turns
         tier = (first, second)[i % 2]
         tier.store(range(100 * i, 100 * i + 16), [filled_kv(16)])
@@ -328,6 +330,45 @@ def test_processes_sharing_a_directory_hold_its_cap_together(layout, codecs):
     assert first.lookup([*range(300, 316), 7]).tier == "ssd"
 
 
+def test_writes_re_read_the_directory_only_as_often_as_re_reading_stays_cheap(
+        layout, codecs, monkeypatch):
+    """A write re-reads the directory when the view is older than the last re-read took,
+    divided by RESCAN_SHARE: a directory that is cheap to re-read is re-read at each write,
+    one that is slow to re-read is not re-read at every write."""
+    from foretell.cache import ssd
+    from foretell.cache.codecs import snapshot_entry
+
+    clock = [100.0]
+    monkeypatch.setattr(ssd.time, "monotonic", lambda: clock[0])
+    scan_takes = [0.001]
+    index = ssd.SsdIndex(layout, codecs, max_bytes=1 << 30)
+    scans = []
+    real = layout.scan
+
+    def timed_scan():
+        scans.append(clock[0])
+        clock[0] += scan_takes[0]
+        return real()
+
+    monkeypatch.setattr(layout, "scan", timed_scan)
+    index.scan()
+
+    def write_after(seconds, start):
+        clock[0] += seconds
+        index.write(snapshot_entry(range(start, start + 8), [filled_kv(8)], codecs))
+
+    write_after(0.05, 0)  # re-reading took 1 ms: a view 50 ms old is re-read
+    assert len(scans) == 2
+    scan_takes[0] = 0.1  # this re-read takes 100 ms: the next only once the view is 2 s old
+    write_after(0.05, 100)
+    assert len(scans) == 3
+    write_after(1.0, 200)
+    assert len(scans) == 3
+    write_after(1.0, 300)
+    assert len(scans) == 4
+    assert len(index.entries()) == 4
+
+
 def test_processes_that_wrote_at_once_leave_the_directory_within_the_cap_as_they_close(
         layout, codecs):
     """Short runs started together each index only what they found when they opened; the
@@ -337,6 +378,8 @@ def test_processes_that_wrote_at_once_leave_the_directory_within_the_cap_as_they
     probe.ssd.remove(probe.ssd.entries()[0].header.key)
     cap = 2 * unit + unit // 2
     runs = [tier_over(layout, codecs, ssd_bytes=cap) for _ in range(3)]  # opened together
+    for tier in runs:  # writes within one view each (as where re-reading is slow)
+        tier.ssd.rescan_s = 30.0
     for i, tier in enumerate(runs):
         tier.store(range(100 * i, 100 * i + 16), [filled_kv(16)])
         assert tier.flush(10).durable

@@ -49,12 +49,16 @@ class Stored:
         return self.header.tokens
 
 
-#: How old this process's view of the directory may be when a write evicts: other processes
-#: sharing the directory write entries it has not indexed, and the cap holds over them too.
-#: A re-read stats each file and reads only new or changed ones (the layouts' incremental
-#: scans): 2 ms for 300 unchanged entries on the 2-core dev VM, against 14-25 ms reading
-#: every header (docs/cache-storage.md#the-ssd-tier-ssdindex-over-any-storagelayout).
-RESCAN_S = 1.0
+#: How old this process's view of the directory may be when a write evicts, at least: other
+#: processes sharing the directory write entries it has not indexed, and the cap holds over
+#: them too (0: a write re-reads whenever re-reading stays within :data:`RESCAN_SHARE`).
+RESCAN_S = 0.0
+#: Re-reads take at most this share of the time: a write re-reads the directory only when
+#: the view is older than the last re-read's duration divided by it. A re-read stats each
+#: file and reads only new or changed ones (the layouts' incremental scans): 2-3 ms for 300
+#: unchanged entries on the 2-core dev VM, so there each write re-reads; a directory of
+#: tens of thousands of small entries is re-read every few seconds instead.
+RESCAN_SHARE = 0.05
 
 
 class SsdIndex:
@@ -67,6 +71,7 @@ class SsdIndex:
         self.max_bytes = max_bytes
         self.rescan_s = rescan_s
         self._scanned_at = float("-inf")
+        self._rescan_cost = 0.0
         self._lock = threading.RLock()
         self._index: dict[str, Stored] = {}
         self.restores = 0
@@ -90,6 +95,7 @@ class SsdIndex:
         """The index rebuilt from the layout's scan (what any process stored there), each
         entry keeping the later of its last use on disk and in this process (a RAM hit
         marks only the latter)."""
+        started = time.monotonic()
         headers = self.layout.scan()
         with self._lock:
             known, self._index = self._index, {}
@@ -99,6 +105,7 @@ class SsdIndex:
                     header = attrs.evolve(header, last_used=seen.header.last_used)
                 self._add(header)
             self._scanned_at = time.monotonic()
+            self._rescan_cost = self._scanned_at - started
 
     def _add(self, header: EntryHeader) -> Stored | None:
         try:
@@ -190,7 +197,8 @@ class SsdIndex:
                      entry.tensor_bytes, self.max_bytes)
             return False
         durable = self.layout.write(entry)
-        if time.monotonic() - self._scanned_at >= self.rescan_s:
+        if time.monotonic() - self._scanned_at >= max(self.rescan_s,
+                                                      self._rescan_cost / RESCAN_SHARE):
             self._reindex()  # what other processes wrote since counts against the cap too
         key = self.layout.key_for(entry.tokens, entry.namespace)
         header = next((h for h in self.layout.headers() if h.key == key), None)
