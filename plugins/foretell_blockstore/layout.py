@@ -154,7 +154,7 @@ class BlockStoreLayout:
         self._index: dict[str, _Indexed] | None = None
         #: manifest name -> ((inode, size, mtime), block ids), so collect() re-reads only
         #: manifests that are new since the last one.
-        self._parsed: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+        self._parsed: dict[str, tuple[FileVersion, frozenset[str]]] = {}
         #: key -> (a manifest file's bytes, what they parsed to), see _load_manifest.
         self._manifests: dict[str, tuple[bytes, mf.Manifest]] = {}
         #: manifest name -> (its version when last scanned, its entry or why it is skipped).
@@ -450,10 +450,7 @@ class BlockStoreLayout:
             return None
         except (UnknownVersion, ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", self.path(key), exc)
-            try:
-                return file_version(os.stat(self.path(key))), str(exc)
-            except OSError:
-                return None
+            return file_version(stat), str(exc)
         except OSError as exc:
             log.warning("cannot read cache entry %s: %s", self.path(key), exc)
             return None
@@ -762,15 +759,14 @@ class BlockStoreLayout:
         """Ids of every block a manifest in the directory lists, foreign identities
         included; None if some manifest cannot be read (then nothing may be deleted)."""
         live: set[str] = set()
-        seen: dict[str, tuple[tuple[int, int, int], frozenset[str]]] = {}
+        seen: dict[str, tuple[FileVersion, frozenset[str]]] = {}
         for name in self._listdir(self.entries_dir):
             if not name.endswith(SUFFIX):
                 continue
             try:
-                stat = os.stat(self.entries_dir / name)
                 # A landed manifest never changes in place (rewrites rename a new file over
                 # it), so one parsed before with the same inode, size and mtime is reused.
-                version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+                version = file_version(os.stat(self.entries_dir / name))
                 cached = self._parsed.get(name)
                 if cached is None or cached[0] != version:
                     raw = (self.entries_dir / name).read_bytes()

@@ -336,8 +336,10 @@ FileVersion = tuple[int, int, int]
 
 
 def file_version(stat: os.stat_result) -> FileVersion:
-    """A file's :data:`FileVersion`: files are never rewritten in place (a rewrite renames a
-    new inode over the name), so an unchanged version means unchanged bytes."""
+    """A file's :data:`FileVersion`. Entries are never rewritten in place (a rewrite renames
+    a new inode over the name), so an unchanged version means the bytes parsed before; an
+    edit in place that restores the time is no such rewrite, and reads, which verify every
+    byte, still catch it."""
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
