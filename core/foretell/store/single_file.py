@@ -232,9 +232,7 @@ class SingleFileLayout:
 
     def remove(self, key: str) -> bool:
         """Delete the entry; True if a file was removed."""
-        with self._lock:
-            if self._index is not None:
-                self._index.pop(key, None)
+        self._forget(key)
         try:
             os.unlink(self.path(key))
         except FileNotFoundError:
