@@ -193,6 +193,49 @@ def test_a_truncated_file_is_never_served(layout, stored):
     assert not path.exists() and layout.read(key) is None
 
 
+def _during_the_read(monkeypatch, act):
+    """Run ``act(path)`` right after MLX's loader opened an entry, before it reads bytes."""
+    real = mx.load
+
+    def load(path, **kwargs):
+        loaded = real(path, **kwargs)
+        act(path)
+        return loaded
+
+    monkeypatch.setattr(mx, "load", load)
+
+
+def test_bytes_that_cannot_be_read_are_never_served_and_never_raise(layout, stored,
+                                                                    monkeypatch, caplog):
+    """The read itself failing (a short file, an I/O error) is damage: not served, the file
+    deleted with one warning, nothing raised into the caller."""
+    _during_the_read(monkeypatch, lambda path: os.truncate(path, 64))
+    with caplog.at_level(logging.WARNING):
+        assert layout.read(stored[1]) is None
+    assert not layout.path(stored[1]).exists()
+    assert sum("corrupt" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("how", ["rewritten", "evicted"])
+def test_a_file_replaced_or_removed_while_it_is_read_is_not_taken_for_damage(
+        layout, stored, codecs, monkeypatch, caplog, how):
+    """Another process's atomic rewrite of the same key, or its eviction, during a read:
+    the read serves nothing, warns of nothing, and deletes nothing (the new file stays)."""
+    other = SingleFileLayout(layout.directory.parent, identity=layout.identity)
+
+    def act(path):
+        if how == "rewritten":
+            assert other.write(make_entry(codecs, seed_offset=3))  # same tokens, other bytes
+        else:
+            os.unlink(path)
+
+    _during_the_read(monkeypatch, act)
+    with caplog.at_level(logging.WARNING):
+        assert layout.read(stored[1]) is None
+    assert layout.path(stored[1]).exists() == (how == "rewritten")
+    assert [r.message for r in caplog.records] == []
+
+
 def test_a_truncated_header_is_never_served(layout, stored):
     _, key = stored
     path = layout.path(key)

@@ -120,6 +120,48 @@ def test_a_corrupt_file_is_never_served_and_the_next_best_entry_is(layout, codec
     assert not path.exists() and sum("corrupt" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("failing", ["layout", "codec"])
+def test_a_plugin_failing_to_restore_an_entry_costs_a_warning_not_the_request(
+        layout, codecs, monkeypatch, caplog, failing):
+    """A storage layout raising from ``read`` or a codec raising from ``load`` (defects of
+    a plugin) makes the lookup a miss with one warning; it never raises into generation."""
+    tier = stored_tier(layout, codecs, range(16), [filled_kv(16)])
+    tier.close()
+    fresh = tier_over(layout, codecs)
+
+    def broken(*_args, **_kwargs):
+        raise ValueError("a plugin's defect")
+
+    if failing == "layout":
+        monkeypatch.setattr(fresh.ssd.layout, "read", broken)
+    else:
+        monkeypatch.setattr(type(codecs[0]), "load", broken)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert fresh.lookup([*range(16), 1]).tier is None
+    assert sum("a plugin's defect" in r.message for r in caplog.records) == 1
+    assert layout.path(layout.key_for(range(16))).exists()
+
+
+def test_an_entry_evicted_while_it_was_read_is_not_indexed_again(layout, codecs):
+    """A restore on the request thread reading an entry the spill worker evicts meanwhile
+    must not put it back in the index: a phantom would claim a state is on disk."""
+    tier = stored_tier(layout, codecs, range(16), [filled_kv(16)])
+    tier.ram.clear()
+    key = layout.key_for(range(16))
+    real = tier.ssd.layout.read
+
+    def read_while_evicted(k):
+        entry = real(k)
+        tier.ssd.remove(k)  # what an eviction on the spill thread does, at this moment
+        return entry
+
+    tier.ssd.layout.read = read_while_evicted
+    assert tier.lookup([*range(16), 1]).tier == "ssd"  # the bytes read were verified
+    assert not tier.ssd.covers(range(16), "") and key not in {
+        s.header.key for s in tier.ssd.entries()}
+
+
 def test_flush_reports_durable_once_everything_is_on_disk(layout, codecs):
     tier = tier_over(layout, codecs)
     for i in range(3):

@@ -72,6 +72,7 @@ class SsdIndex:
         self.rescan_s = rescan_s
         self._scanned_at = float("-inf")
         self._rescan_cost = 0.0
+        self._warned = False
         self._lock = threading.RLock()
         self._index: dict[str, Stored] = {}
         self.restores = 0
@@ -176,17 +177,33 @@ class SsdIndex:
                 for s in self._index.values())
 
     def read(self, stored: Stored) -> Entry | None:
-        """The entry's bytes, verified by the layout; a failed read drops it from the index."""
-        entry = self.layout.read(stored.header.key)
+        """The entry's bytes, verified by the layout; a failed read drops it from the index.
+        A layout that raises instead of returning None (a plugin's defect) fails the read
+        the same way, with one warning: the cold tier never takes serving down (invariant 9).
+        """
+        key = stored.header.key
+        try:
+            entry = self.layout.read(key)
+        except Exception as exc:  # noqa: BLE001 - any plugin's failure, reported below
+            self.warn_once(f"storage layout {type(self.layout).__name__} failed to read an "
+                           f"entry ({type(exc).__name__}: {exc}); serving it from the "
+                           "prompt instead")
+            entry = None
         with self._lock:
             if entry is None:
                 self.restore_failures += 1
-                self._index.pop(stored.header.key, None)
+                self._index.pop(key, None)
             else:
                 self.restores += 1
-                self._index[stored.header.key] = attrs.evolve(
-                    stored, header=attrs.evolve(stored.header, last_used=time.time()))
+                if key in self._index:  # unless evicted meanwhile: it is gone from disk
+                    self._index[key] = attrs.evolve(
+                        stored, header=attrs.evolve(stored.header, last_used=time.time()))
         return entry
+
+    def warn_once(self, message: str) -> None:
+        """A warning the first time, debug logging after (a defect repeats at every use)."""
+        log.log(logging.DEBUG if self._warned else logging.WARNING, message)
+        self._warned = True
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -224,6 +241,11 @@ class SsdIndex:
     def remove(self, key: str) -> None:
         with self._lock:
             self._remove(key)
+
+    def forget(self, key: str) -> None:
+        """Stop serving an entry in this process, leaving its file (until a re-read)."""
+        with self._lock:
+            self._index.pop(key, None)
 
     def _remove(self, key: str) -> None:
         self._index.pop(key, None)

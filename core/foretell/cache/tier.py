@@ -173,8 +173,14 @@ class CacheTier:
             restored = self.ssd.read(stored)
             if restored is None:
                 continue  # damaged: the layout deleted it and the index dropped it; next best
+            try:
+                caches = restore_caches(restored, self.codecs)
+            except Exception as exc:  # noqa: BLE001 - a codec plugin's defect: not served
+                self.ssd.warn_once(f"cache entry of {len(restored.tokens)} tokens could not "
+                                   f"be rebuilt ({type(exc).__name__}: {exc}); not served")
+                self.ssd.forget(stored.header.key)  # kept on disk: its bytes verified
+                continue
             self.ssd_hits += 1
-            caches = restore_caches(restored, self.codecs)
             promoted = self.ram.adopt(restored.tokens, caches, namespace)
             if promoted is not None:
                 return Reuse(self.ram.take(promoted, disk_length), disk_length, "ssd")

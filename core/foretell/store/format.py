@@ -313,40 +313,58 @@ def read_layers(fh: BinaryIO, header: StoredHeader, *, verify: bool = True) -> l
     entry in fresh processes). ``verify=False`` exists for the benchmark that measures what
     verification costs; serving always verifies.
 
-    :raises CorruptEntry: a tensor's bytes are short or do not match their checksum.
+    :raises CorruptEntry: a tensor's bytes are short, unreadable or do not match their
+        checksum. :raises FileReplaced: the path names another file (or none) by now.
     """
     import mlx.core as mx
 
     try:
-        loaded = mx.load(fh.name, format="safetensors", stream=mx.cpu)
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise CorruptEntry(f"its tensors cannot be loaded: {exc}") from None
-    # The path may have been replaced (an atomic rewrite) since ``fh`` was opened: then the
-    # bytes are another version's, not damage. Say so instead of deleting a good file.
-    if os.stat(fh.name).st_ino != os.fstat(fh.fileno()).st_ino:
+        try:
+            loaded = mx.load(fh.name, format="safetensors", stream=mx.cpu)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise CorruptEntry(f"its tensors cannot be loaded: {exc}") from None
+        layers, order = [], []
+        for layer, table in zip(header.layers, header.slots):
+            tensors = {}
+            for tname, slot in table.items():
+                array = loaded.get(slot.name)
+                if array is None or tuple(array.shape) != slot.shape or dtype_code(array) != slot.dtype:
+                    raise CorruptEntry(f"tensor {slot.name} disagrees with the verified header")
+                tensors[tname] = array
+                order.append((slot, array))
+            layers.append(LayerState(codec=layer.codec, provider=layer.provider,
+                                     meta=layer.meta, tensors=tensors))
+        if parallel_reads():
+            mx.async_eval([array for _slot, array in order])
+        checks = []
+        for slot, array in order:
+            try:
+                mx.eval(array)  # reads this tensor (or waits for it); earlier ones are being checksummed
+            except RuntimeError as exc:  # the bytes could not be read (short, or an I/O error)
+                raise CorruptEntry(f"tensor {slot.name} cannot be read: {exc}") from None
+            if verify:
+                checks.append((slot, io_pool().submit(_checksum_view, array)))
+        for slot, future in checks:
+            if future.result() != slot.checksum:
+                raise CorruptEntry(f"tensor {slot.name} fails its checksum")
+    except CorruptEntry:
+        # MLX reads by path, and the path may have been replaced (an atomic rewrite) or
+        # removed (an eviction) since ``fh`` was opened: then the bytes are another
+        # version's or gone, not damage. Say so instead of deleting a good file.
+        if not _same_file(fh):
+            raise FileReplaced(fh.name) from None
+        raise
+    if not _same_file(fh):
         raise FileReplaced(fh.name)
-    layers, order = [], []
-    for layer, table in zip(header.layers, header.slots):
-        tensors = {}
-        for tname, slot in table.items():
-            array = loaded.get(slot.name)
-            if array is None or tuple(array.shape) != slot.shape or dtype_code(array) != slot.dtype:
-                raise CorruptEntry(f"tensor {slot.name} disagrees with the verified header")
-            tensors[tname] = array
-            order.append((slot, array))
-        layers.append(LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
-                                 tensors=tensors))
-    if parallel_reads():
-        mx.async_eval([array for _slot, array in order])
-    checks = []
-    for slot, array in order:
-        mx.eval(array)  # reads this tensor (or waits for it); earlier ones are being checksummed
-        if verify:
-            checks.append((slot, io_pool().submit(_checksum_view, array)))
-    for slot, future in checks:
-        if future.result() != slot.checksum:
-            raise CorruptEntry(f"tensor {slot.name} fails its checksum")
     return layers
+
+
+def _same_file(fh: BinaryIO) -> bool:
+    """Whether ``fh``'s path still names the file ``fh`` has open."""
+    try:
+        return os.stat(fh.name).st_ino == os.fstat(fh.fileno()).st_ino
+    except OSError:
+        return False
 
 
 #: Cores from which a read lets MLX load every tensor of an entry at once (see read_layers).
@@ -360,7 +378,7 @@ def parallel_reads() -> bool:
 
 
 class FileReplaced(OSError):
-    """The entry's file was atomically replaced while it was being read; read it again."""
+    """The entry's file was atomically replaced, or removed, while it was being read."""
 
 
 def _checksum_view(array: mx.array) -> str:

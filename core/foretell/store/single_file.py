@@ -283,6 +283,8 @@ class SingleFileLayout:
             log.debug("cache entry %s skipped: %s", path, exc)
             self.skipped[str(path)] = str(exc)
             self._forget(key)
+        except fmt.FileReplaced:  # another process rewrote or evicted it meanwhile
+            log.debug("cache entry %s changed while it was read; not served", path)
         except OSError as exc:
             log.warning("cannot read cache entry %s: %s", path, exc)
         return None
