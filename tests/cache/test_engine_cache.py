@@ -131,6 +131,25 @@ def test_an_interrupted_generation_resumes_identically(model_dir, tmp_path, samp
         s.header.namespace.startswith("generation:") for s in fresh.cache.ssd.entries())
 
 
+def test_a_request_run_again_in_the_same_process_checkpoints_anew(tmp_path):
+    """A completed resumable generation deletes its checkpoints; the same request again
+    (the same prompt and settings, so the same checkpoint namespace) must still leave
+    checkpoints to resume from when it is interrupted."""
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    uninterrupted, _ = run(foretell.load(model_dir))
+    engine = engine_over(model_dir, tmp_path / "c")
+    engine.cache.checkpoint_every = 3
+    assert run(engine, resume=True)[0] == uninterrupted  # completed: its checkpoints go
+    seen = []
+    for event in engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, resume=True):
+        seen += event.tokens
+        if len(seen) >= 8:  # the second run "dies" here
+            break
+    assert engine.cache.flush(10).durable
+    resumed, stats = run(engine_over(model_dir, tmp_path / "c"), resume=True)
+    assert stats.cached_from == "checkpoint" and resumed == uninterrupted
+
+
 def test_another_setting_never_resumes_a_checkpoint(tmp_path):
     model_dir = make_model_dir(tmp_path / "m", "qwen3")
     engine = engine_over(model_dir, tmp_path / "c")

@@ -82,8 +82,8 @@ class CacheTier:
         #: States handed to ``store`` and not yet known to be on disk.
         self._dirty: set[Key] = set()
         self._failed = 0
-        #: Checkpoint namespaces whose generation finished: late writes there are removed.
-        self._finished: set[str] = set()
+        #: Checkpoints of completed generations still queued: deleted as they land.
+        self._finished: set[Key] = set()
         self.ssd_hits = 0
         if self.ssd is not None:
             self.ssd.scan()
@@ -247,7 +247,8 @@ class CacheTier:
                 self._dirty.discard(key)
             elif outcome == "failed":
                 self._failed += 1
-            finished = entry.namespace in self._finished
+            finished = key in self._finished
+            self._finished.discard(key)
         if outcome == "stored" and self.ssd is not None:
             if finished:
                 self.ssd.remove(self.ssd.layout.key_for(entry.tokens, entry.namespace))
@@ -264,9 +265,11 @@ class CacheTier:
         return None if self.ssd is None else self.ssd.read(stored)
 
     def discard(self, namespace: str) -> None:
-        """The generation of ``namespace`` completed: delete its checkpoints, now and late."""
+        """The generation of ``namespace`` completed: delete its checkpoints, now and those
+        still queued as they land. Only those: the same request run again (the same prompt
+        and settings, so the same namespace) checkpoints anew."""
         with self._lock:
-            self._finished.add(namespace)
+            self._finished |= {k for k in self._dirty if k[0] == namespace}
             self._dirty = {k for k in self._dirty if k[0] != namespace}
         for stored in self.checkpoints(namespace):
             self.ssd.remove(stored.header.key)
