@@ -218,14 +218,6 @@ def write_durably(path: Path, *chunks: Any) -> None:
 WRITEV_BYTES = 1 << 20
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def unlink_counting(path: Path) -> int:
     try:
         size = os.stat(path).st_size

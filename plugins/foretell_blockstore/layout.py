@@ -47,7 +47,14 @@ from foretell.store.entry import (
     entry_key,
 )
 from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
-from foretell.store.single_file import FileVersion, file_version, log_io_failure, unlink_quietly
+from foretell.store.single_file import (
+    FileVersion,
+    file_version,
+    fsync_directory,
+    log_io_failure,
+    make_directories,
+    unlink_quietly,
+)
 from foretell_blockstore import blockfile
 from foretell_blockstore import manifest as mf
 
@@ -231,8 +238,8 @@ class BlockStoreLayout:
         tmp = self.entries_dir / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
         try:
             with self._flock(exclusive=False):
-                self.entries_dir.mkdir(parents=True, exist_ok=True)
-                self.data_dir.mkdir(parents=True, exist_ok=True)
+                make_directories(self.entries_dir)
+                make_directories(self.data_dir)
                 area, sources = self._gather_by_dma(entry, groups, rows)
                 try:
                     jobs = [(group, [fmt.write_pool().submit(self._store_block, sources,
@@ -245,21 +252,21 @@ class BlockStoreLayout:
                         area.release()
                 listed = [(group, [job.result() for job in group_jobs])
                           for group, group_jobs in jobs]
-                wrote = False
                 for _group, stored in listed:
                     for ref, new in stored:
-                        wrote |= new
                         if new:
                             self.bytes_written += ref.nbytes
                         else:
                             self.bytes_reused += ref.nbytes
                 listed = [(group, [ref for ref, _new in stored]) for group, stored in listed]
-                if wrote:  # the blocks' names are durable before a manifest can list them
-                    blockfile.fsync_dir(self.data_dir)
+                # The blocks' names are durable before a manifest can list them: also the
+                # ones found stored, which another writer may have renamed in and not yet
+                # made durable (or failed to).
+                fsync_directory(self.data_dir)
                 raw = mf.render(entry, self.identity, rows, time.time(), listed)
                 blockfile.write_durably(tmp, raw)
                 os.replace(tmp, self.path(key))
-                blockfile.fsync_dir(self.entries_dir)
+                fsync_directory(self.entries_dir)
                 stat = os.stat(self.path(key))
         except OSError as exc:
             unlink_quietly(tmp)

@@ -10,6 +10,7 @@ import os
 import struct
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -613,6 +614,26 @@ def test_a_block_lost_under_an_unchanged_manifest_is_caught_by_the_read(layout, 
     os.unlink(layout.block_path(_a_block(layout)))
     assert [h.key for h in layout.scan()] == [stored[1]]  # not looked for again
     assert layout.read(stored[1]) is None and not layout.path(stored[1]).exists()
+
+
+def test_a_manifest_lands_only_after_the_blocks_names_are_durable_even_when_all_existed(
+        layout, codecs, monkeypatch):
+    """Blocks another writer renamed in may not be durable yet (its directory fsync pending,
+    or failed): a manifest listing them, all reused, still fsyncs the blocks' directory
+    before it is renamed in."""
+    from foretell_blockstore import layout as module
+
+    assert layout.write(entry_of(range(10), codecs))
+    events = []
+    real_sync, real_replace = module.fsync_directory, os.replace
+    monkeypatch.setattr(module, "fsync_directory",
+                        lambda path: events.append(("sync", Path(path).name)) or real_sync(path))
+    monkeypatch.setattr(module.os, "replace",
+                        lambda a, b: events.append(("rename", Path(b).parent.name))
+                        or real_replace(a, b))
+    assert layout.write(entry_of(range(10), codecs, namespace="again"))  # every block reused
+    assert layout.bytes_reused and events == [("sync", "data"), ("rename", "entries"),
+                                              ("sync", "entries")]
 
 
 def _a_block(layout, index=0) -> str:

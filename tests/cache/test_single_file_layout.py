@@ -9,6 +9,7 @@ import logging
 import os
 import struct
 import time
+from pathlib import Path
 
 import attrs
 import mlx.core as mx
@@ -414,6 +415,20 @@ def test_a_failing_disk_warns_once_and_never_raises(layout, codecs, monkeypatch,
     assert not any(f.endswith(".tmp") for f in files(layout))
     assert layout.write(make_entry(codecs, n=12)) is True  # keeps working once the disk does
     assert [len(h.tokens) for h in layout.scan()] == [12]
+
+
+def test_directories_created_for_a_write_are_made_durable_in_their_parents(
+        tmp_path, identity, codecs, monkeypatch):
+    from foretell.store import single_file
+
+    synced = []
+    real = single_file.fsync_directory
+    monkeypatch.setattr(single_file, "fsync_directory",
+                        lambda path: synced.append(Path(path)) or real(path))
+    layout = SingleFileLayout(tmp_path / "new" / "cache", identity=identity)
+    assert layout.write(make_entry(codecs))
+    assert synced == [tmp_path, tmp_path / "new", tmp_path / "new" / "cache",
+                      layout.directory]  # each new name, then the entry's
 
 
 def test_an_unsynced_directory_is_not_claimed_durable(layout, codecs, monkeypatch):

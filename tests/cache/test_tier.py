@@ -162,6 +162,19 @@ def test_an_entry_evicted_while_it_was_read_is_not_indexed_again(layout, codecs)
         s.header.key for s in tier.ssd.entries()}
 
 
+def test_a_write_whose_name_is_not_durable_is_not_counted_and_supersedes_nothing(
+        layout, codecs, monkeypatch):
+    """The file renamed in, its directory's fsync failing: the layout says not durable, so
+    the tier neither claims it (flush) nor lets it replace the ancestor it could serve."""
+    tier = stored_tier(layout, codecs, range(8), [filled_kv(8)])
+    monkeypatch.setattr(type(layout), "_fsync_directory", lambda self: False)
+    tier.store(range(16), [filled_kv(16)])  # would supersede the 8-token entry
+    report = tier.flush(10)
+    assert not report.durable and report.failed >= 1
+    assert layout.path(layout.key_for(range(8))).exists()
+    assert tier.ssd.covers(range(8), "") and not tier.ssd.covers(range(16), "")
+
+
 def test_flush_reports_durable_once_everything_is_on_disk(layout, codecs):
     tier = tier_over(layout, codecs)
     for i in range(3):

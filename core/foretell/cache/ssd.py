@@ -208,12 +208,17 @@ class SsdIndex:
     # -- writes -----------------------------------------------------------------------------
 
     def write(self, entry: Entry) -> bool:
-        """Store ``entry``; supersede what it can serve; evict to the cap. True if durable."""
+        """Store ``entry``; supersede what it can serve; evict to the cap. True if durable.
+        A write the layout does not report durable (its file may be there, its name not
+        yet on disk) is not indexed and supersedes nothing: its ancestors stay until a
+        durable write can serve them, and ``covers`` does not count it (a later re-read of
+        the directory indexes it if it is there)."""
         if entry.tensor_bytes > self.max_bytes:
             log.info("cache entry of %d bytes exceeds the SSD cap of %d; not stored",
                      entry.tensor_bytes, self.max_bytes)
             return False
-        durable = self.layout.write(entry)
+        if not self.layout.write(entry):
+            return False
         if time.monotonic() - self._scanned_at >= max(self.rescan_s,
                                                       self._rescan_cost / RESCAN_SHARE):
             self._reindex()  # what other processes wrote since counts against the cap too
@@ -225,7 +230,7 @@ class SsdIndex:
             self.writes += 1
             new = self._add(header)
             if new is None:
-                return durable
+                return True
             removed = self.evictions
             for old_key, old in list(self._index.items()):
                 if old_key != key and old.header.namespace == entry.namespace and can_serve(
@@ -236,7 +241,7 @@ class SsdIndex:
         self._evict_to_cap(keep=(key,))
         if removed != self.evictions:  # free what only the removed entries used (blocks)
             self.layout.collect()
-        return durable
+        return True
 
     def remove(self, key: str) -> None:
         with self._lock:

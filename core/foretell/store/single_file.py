@@ -94,7 +94,7 @@ class SingleFileLayout:
         # A unique tmp name: two writers of the same key never interleave bytes in one file.
         tmp = self.directory / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            make_directories(self.directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                          0o644)
             try:
@@ -316,11 +316,7 @@ class SingleFileLayout:
 
     def _fsync_directory(self) -> bool:
         try:
-            fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_directory(self.directory)
         except OSError as exc:
             self._io_failed(exc, f"sync cache directory {self.directory}")
             return False
@@ -363,6 +359,27 @@ def full_fsync(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
     except (ImportError, AttributeError, OSError):
         os.fsync(fd)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make the names in directory ``path`` durable (what a rename into it needs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        full_fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_directories(path: Path) -> None:
+    """``path`` and its missing parents created, each new one's name made durable in its
+    parent: an entry written into a directory created for it is durable only then."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(exist_ok=True)
+        fsync_directory(directory.parent)
 
 
 def unlink_quietly(path: Path) -> None:
