@@ -295,18 +295,20 @@ class BlockStoreLayout:
         """The entry under ``key`` assembled from its blocks, each verified; None when
         absent, foreign, of another version, or damaged (then dropped with one warning)."""
         path = self.path(key)
+        raw = None
         try:
             started = time.perf_counter()
-            manifest = self._load_manifest(key)
+            raw = self._manifest_bytes(key)
+            manifest = self._manifest_of(key, raw)
             layers = self._assemble(manifest, started=started)
         except FileNotFoundError:
             self._forget(key)
             return None
         except blockfile.BadBlock as bad:
-            self._drop(key, bad.reason, bad_block=bad.block_id)
+            self._drop(key, bad.reason, raw, bad_block=bad.block_id)
             return None
         except CorruptEntry as exc:
-            self._drop(key, str(exc))
+            self._drop(key, str(exc), raw)
             return None
         except (UnknownVersion, ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
@@ -439,10 +441,12 @@ class BlockStoreLayout:
         """One manifest read and checked, its blocks looked for: what a later scan reuses
         while the file is unchanged (the entry, or why it is skipped); None when it was
         unusable (dropped if damaged) or could not be read."""
+        raw = None
         try:
             # Its version before its bytes: a manifest replaced in between is read again.
             stat = os.stat(self.path(key))
-            manifest = self._load_manifest(key)
+            raw = self._manifest_bytes(key)
+            manifest = self._manifest_of(key, raw)
             missing = next((r.id for r in manifest.blocks
                             if not os.path.exists(self.block_path(r.id))), None)
             if missing is not None:
@@ -450,10 +454,10 @@ class BlockStoreLayout:
         except FileNotFoundError:
             return None
         except blockfile.BadBlock as bad:
-            self._drop(key, bad.reason)
+            self._drop(key, bad.reason, raw)
             return None
         except CorruptEntry as exc:
-            self._drop(key, str(exc))
+            self._drop(key, str(exc), raw)
             return None
         except (UnknownVersion, ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", self.path(key), exc)
@@ -610,8 +614,14 @@ class BlockStoreLayout:
         bytes parse and verify the same. A read parses before any block read starts; in a
         fresh process that was 1.2-2.4 ms of a 15 ms restore of the demo's 4,096 tokens on
         the 2-core Xeon (docs/block-store.md)."""
+        return self._manifest_of(key, self._manifest_bytes(key))
+
+    def _manifest_bytes(self, key: str) -> bytes:
         with open(self.path(key), "rb") as fh:
-            raw = fh.read()
+            return fh.read()
+
+    def _manifest_of(self, key: str, raw: bytes) -> mf.Manifest:
+        """:meth:`_load_manifest` of bytes read already."""
         known = self._manifests.get(key)
         if known is not None and known[0] == raw:
             return known[1]
@@ -750,13 +760,24 @@ class BlockStoreLayout:
         entry instead of being reused by later writes of the same bytes."""
         self._assemble(manifest, on_device=False)
 
-    def _drop(self, key: str, reason: str, *, bad_block: str | None = None) -> None:
+    def _drop(self, key: str, reason: str, judged: bytes | None, *,
+              bad_block: str | None = None) -> None:
         """Never serve this entry again: delete its manifest (and a damaged block, which
-        would otherwise be reused by every later write of the same bytes)."""
+        would otherwise be reused by every later write of the same bytes). Only the manifest
+        whose bytes were ``judged`` (when they could be read): another process may have
+        rewritten the key meanwhile, with other blocks, and collected the old ones that this
+        read then found missing; its manifest is not at fault."""
         path = self.path(key)
         self._forget(key)
-        if not path.exists():
+        try:
+            now = path.read_bytes()
+        except FileNotFoundError:
             return  # removed meanwhile (evicted, then its blocks collected): nothing to say
+        except OSError:
+            now = judged
+        if judged is not None and now != judged:
+            log.debug("cache entry %s was rewritten while it was read (%s); kept", path, reason)
+            return
         log.warning("cache entry %s dropped: %s", path, reason)
         unlink_quietly(path)
         if bad_block is not None and "missing" not in reason:

@@ -636,6 +636,27 @@ def test_a_manifest_lands_only_after_the_blocks_names_are_durable_even_when_all_
                                               ("sync", "entries")]
 
 
+def test_a_read_racing_a_rewrite_of_its_key_drops_nothing_of_the_rewrite(layout, codecs,
+                                                                          monkeypatch):
+    """Between a read's manifest and its blocks, another process rewrites the key with
+    other blocks (another block size) and collects the old ones: the read finds a block
+    missing and serves nothing, but the new manifest is not at fault and stays."""
+    entry = entry_of(range(16), codecs)
+    key = layout.key_for(entry.tokens)
+    assert layout.write(entry)
+    other = BlockStoreLayout(layout.directory.parent.parent, BlockStoreConfig(block_tokens=8),
+                             identity=layout.identity)
+    real = layout._assemble
+
+    def rewritten_meanwhile(manifest, **kwargs):
+        assert other.write(entry) and other.collect() > 0
+        return real(manifest, **kwargs)
+
+    monkeypatch.setattr(layout, "_assemble", rewritten_meanwhile)
+    assert layout.read(key) is None
+    assert_same_entry(other.read(key), entry)
+
+
 def _a_block(layout, index=0) -> str:
     return manifest_header(layout)["groups"][0]["blocks"][index][0]
 
