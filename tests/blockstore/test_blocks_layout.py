@@ -521,15 +521,15 @@ def test_a_read_racing_remove_and_collect_returns_none_quietly(layout, codecs, c
     entry = entry_of(range(8), codecs)
     layout.write(entry)
     key = layout.key_for(entry.tokens)
-    load = layout._load_manifest
+    parse = layout._manifest_of
 
-    def load_then_lose_the_race(k):
-        manifest = load(k)
+    def parse_then_lose_the_race(k, raw):
+        manifest = parse(k, raw)
         layout.remove(k)  # another thread evicts the entry and collects its blocks
         layout.collect()
         return manifest
 
-    monkeypatch.setattr(layout, "_load_manifest", load_then_lose_the_race)
+    monkeypatch.setattr(layout, "_manifest_of", parse_then_lose_the_race)
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         assert layout.read(key) is None
     assert not caplog.records
@@ -591,8 +591,8 @@ def test_a_rescan_reads_only_the_manifests_that_are_new_or_changed(layout, codec
         assert layout.write(entry)
     layout.scan()
     loaded = []
-    real = layout._load_manifest
-    monkeypatch.setattr(layout, "_load_manifest", lambda key: loaded.append(key) or real(key))
+    real = layout._manifest_bytes
+    monkeypatch.setattr(layout, "_manifest_bytes", lambda key: loaded.append(key) or real(key))
     looked = []
     real_exists = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: looked.append(p) or real_exists(p))
