@@ -27,11 +27,13 @@ from blockfill import (
     per_thread,
     ring_of,
     sizes,
+    token_rows,
 )
 
 from foretell.cache.codecs import snapshot_entry
 from foretell.cache.quantized import QuantizedKVCache
 from foretell.config import FieldError
+from foretell.kvcache import KVCache
 from foretell.store.entry import StoreIdentity
 from foretell.store.layout import CorruptEntry, StorageLayout
 from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
@@ -655,6 +657,34 @@ def test_a_read_racing_a_rewrite_of_its_key_drops_nothing_of_the_rewrite(layout,
     monkeypatch.setattr(layout, "_assemble", rewritten_meanwhile)
     assert layout.read(key) is None
     assert_same_entry(other.read(key), entry)
+
+
+def test_collect_keeps_the_blocks_of_a_rewrite_whose_inode_size_and_time_repeat(
+        layout, codecs, monkeypatch):
+    """collect() chooses what to delete by what the manifests list, so it reads them anew
+    each time: a rewrite of a key can come back with the inode, size and mtime the old
+    manifest had (a freed inode reused within one timestamp tick), and its blocks are
+    live all the same."""
+    from foretell_blockstore import layout as module
+
+    tokens = list(range(8))
+    assert layout.write(entry_of(tokens, codecs))
+    layout.collect()
+    path = layout.path(layout.key_for(tokens))
+    before = os.stat(path)
+    other = [KVCache() for _ in range(2)]
+    for i, cache in enumerate(other):
+        rows = token_rows(tokens, i) * 3  # the same tokens, other bytes: other blocks
+        cache.update_and_fetch(rows, rows)
+    rewrite = snapshot_entry(tokens, other, codecs)
+    assert BlockStoreLayout(layout.directory.parent.parent, layout.config,
+                            identity=layout.identity).write(rewrite)
+    real_stat = os.stat
+    monkeypatch.setattr(module.os, "stat", lambda p, *a, **k: before if Path(p) == path
+                        else real_stat(p, *a, **k))
+    layout.collect()
+    monkeypatch.setattr(module.os, "stat", real_stat)
+    assert_same_entry(layout.read(layout.key_for(tokens)), rewrite)
 
 
 def _a_block(layout, index=0) -> str:
