@@ -47,7 +47,7 @@ from foretell.store.entry import (
     StoreIdentity,
     entry_key,
 )
-from foretell.store.layout import CorruptEntry, ForeignEntry, UnknownVersion
+from foretell.store.layout import CorruptEntry, ForeignEntry, ScanJournal, UnknownVersion
 from foretell.store.single_file import (
     FileVersion,
     file_version,
@@ -160,6 +160,7 @@ class BlockStoreLayout:
         self.entries_dir = self.directory / "entries"
         self.data_dir = self.directory / "data"
         self._index: dict[str, _Indexed] | None = None
+        self._journal = ScanJournal()
         #: manifest name -> (its bytes' XXH3-128, block ids), so collect() parses only
         #: manifests that changed since the last one.
         self._parsed: dict[str, tuple[int, frozenset[str]]] = {}
@@ -289,6 +290,7 @@ class BlockStoreLayout:
         with self._lock:
             if self._index is not None:
                 self._index[key] = indexed
+            self._journal.record(key, indexed)
         self._warned = False
         return True
 
@@ -329,6 +331,7 @@ class BlockStoreLayout:
                 found = self._index[key]
                 self._index[key] = attrs.evolve(
                     found, header=attrs.evolve(found.header, last_used=last_used))
+                self._journal.record(key, self._index[key])
         return Entry(tokens=manifest.tokens, layers=layers, namespace=manifest.namespace)
 
     def replenish(self) -> None:
@@ -413,6 +416,8 @@ class BlockStoreLayout:
         found: dict[str, _Indexed] = {}
         scanned: dict[str, tuple[FileVersion, _Indexed | str]] = {}
         skipped: dict[str, str] = {}
+        with self._lock:
+            changes = self._journal.begin()
         for name in self._listdir(self.entries_dir):
             if not name.endswith(SUFFIX):
                 continue
@@ -432,11 +437,11 @@ class BlockStoreLayout:
             else:
                 found[key] = known[1]
         with self._lock:
-            self._index = found
+            self._index = found = self._journal.finish(changes, found)
             self._scanned = scanned
             self.skipped = skipped
             self._manifests = {k: v for k, v in self._manifests.items() if k in found}
-        return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
+            return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
 
     def _scan_manifest(self, key: str) -> tuple[FileVersion, _Indexed | str] | None:
         """One manifest read and checked, its blocks looked for: what a later scan reuses
@@ -876,6 +881,7 @@ class BlockStoreLayout:
         with self._lock:
             self._manifests.pop(key, None)
             self._scanned.pop(self.path(key).name, None)
+            self._journal.record(key, None)
             if self._index is not None:
                 self._index.pop(key, None)
 

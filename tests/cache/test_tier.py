@@ -175,6 +175,27 @@ def test_a_write_whose_name_is_not_durable_is_not_counted_and_supersedes_nothing
     assert tier.ssd.covers(range(8), "") and not tier.ssd.covers(range(16), "")
 
 
+def test_a_re_read_of_the_directory_keeps_a_removal_made_while_it_ran(layout, codecs,
+                                                                      monkeypatch):
+    """The spill thread re-reads the directory while the request thread deletes a finished
+    generation's checkpoint: the removed entry must not come back with the re-read."""
+    tier = stored_tier(layout, codecs, range(16), [filled_kv(16)])
+    tier.store(range(100, 108), [filled_kv(8)])
+    assert tier.flush(10).durable
+    gone = layout.key_for(range(100, 108))
+    real = tier.ssd.layout.scan
+
+    def scan_then_removed_elsewhere():
+        headers = real()
+        tier.ssd.remove(gone)
+        return headers
+
+    monkeypatch.setattr(tier.ssd.layout, "scan", scan_then_removed_elsewhere)
+    tier.ssd.scan()
+    assert gone not in {s.header.key for s in tier.ssd.entries()}
+    assert not tier.ssd.covers(range(100, 108), "")
+
+
 def test_flush_reports_durable_once_everything_is_on_disk(layout, codecs):
     tier = tier_over(layout, codecs)
     for i in range(3):

@@ -25,7 +25,7 @@ from foretell.cache.codecs import (
 )
 from foretell.cache.prefix import can_serve, match_rank, usable_length
 from foretell.store.entry import Entry, EntryHeader
-from foretell.store.layout import StorageLayout
+from foretell.store.layout import ScanJournal, StorageLayout
 
 log = logging.getLogger("foretell.cache")
 
@@ -75,6 +75,7 @@ class SsdIndex:
         self._warned = False
         self._lock = threading.RLock()
         self._index: dict[str, Stored] = {}
+        self._journal = ScanJournal()
         self.restores = 0
         self.restore_failures = 0
         self.writes = 0
@@ -95,28 +96,46 @@ class SsdIndex:
     def _reindex(self) -> None:
         """The index rebuilt from the layout's scan (what any process stored there), each
         entry keeping the later of its last use on disk and in this process (a RAM hit
-        marks only the latter)."""
+        marks only the latter), and what another thread changed meanwhile kept
+        (:class:`~foretell.store.layout.ScanJournal`)."""
         started = time.monotonic()
-        headers = self.layout.scan()
         with self._lock:
-            known, self._index = self._index, {}
-            for header in headers:
-                seen = known.get(header.key)
-                if seen is not None and seen.header.last_used > header.last_used:
-                    header = attrs.evolve(header, last_used=seen.header.last_used)
-                self._add(header)
+            changes = self._journal.begin()
+        try:
+            headers = self.layout.scan()
+        except BaseException:
+            with self._lock:
+                self._journal.finish(changes, {})
+            raise
+        found = {h.key: s for h in headers if (s := self._stored(h)) is not None}
+        with self._lock:
+            self._journal.finish(changes, found)
+            for key, stored in found.items():
+                seen = self._index.get(key)
+                if seen is not None and seen.header.last_used > stored.header.last_used:
+                    found[key] = attrs.evolve(stored, header=attrs.evolve(
+                        stored.header, last_used=seen.header.last_used))
+            self._index = found
             self._scanned_at = time.monotonic()
             self._rescan_cost = self._scanned_at - started
 
-    def _add(self, header: EntryHeader) -> Stored | None:
+    def _stored(self, header: EntryHeader) -> Stored | None:
         try:
-            stored = Stored(header, entry_trimmable(header.layers, self.codecs),
-                            entry_minimum_reusable_offset(header.layers, self.codecs),
-                            attachment_identity(header.layers))
+            return Stored(header, entry_trimmable(header.layers, self.codecs),
+                          entry_minimum_reusable_offset(header.layers, self.codecs),
+                          attachment_identity(header.layers))
         except CodecError:  # the layout checked providers; a codec may still refuse meta
             return None
-        self._index[header.key] = stored
-        return stored
+
+    def _put(self, stored: Stored) -> None:
+        """Index ``stored`` (under the lock)."""
+        self._index[stored.header.key] = stored
+        self._journal.record(stored.header.key, stored)
+
+    def _drop(self, key: str) -> None:
+        """Unindex ``key`` (under the lock)."""
+        self._index.pop(key, None)
+        self._journal.record(key, None)
 
     def entries(self) -> list[Stored]:
         with self._lock:
@@ -163,8 +182,8 @@ class SsdIndex:
         if stored is not None:
             with self._lock:
                 if stored.header.key in self._index:
-                    self._index[stored.header.key] = attrs.evolve(
-                        stored, header=attrs.evolve(stored.header, last_used=time.time()))
+                    self._put(attrs.evolve(
+                        stored, header=attrs.evolve(stored.header, last_used=time.time())))
 
     def covers(self, tokens: Sequence[int], namespace: str, *, attached: bool = False) -> bool:
         """Whether some stored entry can restore exactly ``tokens`` (with a drafter's
@@ -192,12 +211,12 @@ class SsdIndex:
         with self._lock:
             if entry is None:
                 self.restore_failures += 1
-                self._index.pop(key, None)
+                self._drop(key)
             else:
                 self.restores += 1
                 if key in self._index:  # unless evicted meanwhile: it is gone from disk
-                    self._index[key] = attrs.evolve(
-                        stored, header=attrs.evolve(stored.header, last_used=time.time()))
+                    self._put(attrs.evolve(
+                        stored, header=attrs.evolve(stored.header, last_used=time.time())))
         return entry
 
     def warn_once(self, message: str) -> None:
@@ -228,9 +247,10 @@ class SsdIndex:
             return False
         with self._lock:
             self.writes += 1
-            new = self._add(header)
+            new = self._stored(header)
             if new is None:
                 return True
+            self._put(new)
             removed = self.evictions
             for old_key, old in list(self._index.items()):
                 if old_key != key and old.header.namespace == entry.namespace and can_serve(
@@ -250,10 +270,10 @@ class SsdIndex:
     def forget(self, key: str) -> None:
         """Stop serving an entry in this process, leaving its file (until a re-read)."""
         with self._lock:
-            self._index.pop(key, None)
+            self._drop(key)
 
     def _remove(self, key: str) -> None:
-        self._index.pop(key, None)
+        self._drop(key)
         self.layout.remove(key)
 
     def _evict_to_cap(self, keep: Sequence[str]) -> None:

@@ -111,3 +111,37 @@ class ReportsSkipped(Protocol):
 
     #: Entry file path -> why, as found since the last ``scan`` (reads add to it).
     skipped: dict[str, str]
+
+
+class ScanJournal:
+    """What changed in an index while a scan rebuilt it, so the scan does not undo it.
+
+    A scan lists the directory, reads what it finds, then replaces the index whole; an
+    entry another thread removed or wrote meanwhile would come back, or go missing, with
+    the swap. Each scan opens a journal (:meth:`begin`), every change to the index is
+    recorded into the open ones (:meth:`record`; ``None`` for a removal), and the scan
+    applies its journal over what it found before it swaps (:meth:`finish`). All three run
+    under the index owner's lock; the scan's reading does not.
+    """
+
+    def __init__(self) -> None:
+        self._open: list[dict[str, Any]] = []
+
+    def begin(self) -> dict[str, Any]:
+        changes: dict[str, Any] = {}
+        self._open.append(changes)
+        return changes
+
+    def record(self, key: str, value: Any) -> None:
+        for changes in self._open:
+            changes[key] = value
+
+    def finish(self, changes: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
+        """``found`` with the changes made since :meth:`begin` applied; closes the journal."""
+        self._open.remove(changes)
+        for key, value in changes.items():
+            if value is None:
+                found.pop(key, None)
+            else:
+                found[key] = value
+        return found

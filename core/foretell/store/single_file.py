@@ -28,6 +28,7 @@ import attrs
 
 from foretell.store import format as fmt
 from foretell.store.entry import Entry, EntryHeader, LayerState, StoreIdentity, entry_key
+from foretell.store.layout import ScanJournal
 
 log = logging.getLogger("foretell.store")
 
@@ -63,6 +64,7 @@ class SingleFileLayout:
         self.identity = identity
         self.directory = Path(root) / identity.directory
         self._index: dict[str, EntryHeader] | None = None
+        self._journal = ScanJournal()
         #: file name -> (its version when last scanned, its header or why it is skipped).
         self._scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
         self._lock = threading.Lock()
@@ -119,6 +121,7 @@ class SingleFileLayout:
         with self._lock:
             if self._index is not None:
                 self._index[key] = header
+            self._journal.record(key, header)
         # The rename is durable only once the directory entry is on disk (invariant 9).
         durable = self._fsync_directory()
         if durable:
@@ -144,6 +147,7 @@ class SingleFileLayout:
         with self._lock:
             if self._index is not None and key in self._index:
                 self._index[key] = attrs.evolve(self._index[key], last_used=last_used)
+                self._journal.record(key, self._index[key])
         return Entry(tokens=header.tokens, layers=layers, namespace=header.namespace)
 
     def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
@@ -182,6 +186,8 @@ class SingleFileLayout:
         found: dict[str, EntryHeader] = {}
         scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
         self.skipped = {}
+        with self._lock:
+            changes = self._journal.begin()
         for name in names:
             if name.endswith(".tmp"):
                 self._reap_orphan(self.directory / name, now)
@@ -202,9 +208,9 @@ class SingleFileLayout:
                 else:
                     found[key] = known[1]
         with self._lock:
-            self._index = found
+            self._index = self._journal.finish(changes, found)
             self._scanned = scanned
-        return sorted(found.values(), key=lambda h: h.last_used)
+            return sorted(self._index.values(), key=lambda h: h.last_used)
 
     def _scan_file(self, key: str, version: FileVersion
                    ) -> tuple[FileVersion, EntryHeader | str] | None:
@@ -300,6 +306,7 @@ class SingleFileLayout:
     def _forget(self, key: str) -> None:
         with self._lock:
             self._scanned.pop(self.path(key).name, None)
+            self._journal.record(key, None)
             if self._index is not None:
                 self._index.pop(key, None)
 
