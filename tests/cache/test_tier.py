@@ -278,6 +278,22 @@ def test_a_dropped_spill_no_longer_in_ram_is_reported_missing(layout, codecs, mo
     gate.set()
     report = tier.flush(10)
     assert not report.durable and report.missing >= 1
+    # Reported once: what can never reach the disk does not make every later flush fail.
+    tier.store(range(100, 105), [filled_kv(5)])
+    again = tier.flush(10)
+    assert again.durable and again.missing == again.dropped == 0
+
+
+def test_a_request_storing_after_its_tier_closed_keeps_going(layout, codecs):
+    """A server closing the tier while a request still runs: the request's stores do not
+    raise; RAM keeps the state and a later flush writes it."""
+    tier = tier_over(layout, codecs)
+    assert tier.close(10).durable
+    tier.store(range(5), [filled_kv(5)])
+    assert tier.lookup([*range(5), 1]).tier == "ram"
+    report = tier.flush(10)
+    assert report.durable and report.dropped == 1
+    assert tier_over(layout, codecs).lookup([*range(5), 1]).tier == "ssd"
 
 
 def test_flush_is_bounded_by_its_timeout(layout, codecs, monkeypatch):

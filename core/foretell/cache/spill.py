@@ -40,7 +40,8 @@ class FlushReport:
     #: States that were dropped from the queue or failed to write and are not on disk.
     dropped: int
     failed: int
-    #: States no longer held anywhere that could be written (evicted from RAM, not on disk).
+    #: States no longer held anywhere that could be written (evicted from RAM, not on disk);
+    #: each is reported by one flush, then let go.
     missing: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,25 +105,34 @@ class SpillQueue:
         self.dropped = 0
 
     def submit(self, entry: Entry) -> None:
-        """Queue ``entry`` for writing; drops the oldest queued ones if over the byte cap."""
+        """Queue ``entry`` for writing; drops the oldest queued ones if over the byte cap.
+        After :meth:`close` the entry itself is dropped (a request still running as its tier
+        closes keeps generating; a later flush writes what RAM still holds)."""
         dropped = []
         with self._cond:
             if self._closed:
-                raise RuntimeError("the spill queue is closed")
-            self._queue.append(entry)
-            self._queued_bytes += entry.tensor_bytes
-            while self._queued_bytes > self.max_bytes and len(self._queue) > 1:
-                old = self._queue.popleft()
-                self._queued_bytes -= old.tensor_bytes
-                dropped.append(old)
+                dropped.append(entry)
+            else:
+                self._queue.append(entry)
+                self._queued_bytes += entry.tensor_bytes
+                while self._queued_bytes > self.max_bytes and len(self._queue) > 1:
+                    old = self._queue.popleft()
+                    self._queued_bytes -= old.tensor_bytes
+                    dropped.append(old)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="foretell-spill",
+                                                    daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
             self.dropped += len(dropped)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="foretell-spill",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
         for old in dropped:
             self._on_done(old, "dropped")
+
+    def take_dropped(self) -> int:
+        """Entries dropped since the last call."""
+        with self._cond:
+            dropped, self.dropped = self.dropped, 0
+            return dropped
 
     def pending(self) -> int:
         with self._cond:

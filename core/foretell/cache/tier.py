@@ -302,8 +302,9 @@ class CacheTier:
             if self.ssd.covers(tokens, namespace, attached=donor is not None and donor.attached):
                 self._clean((namespace, tokens))
                 continue
-            if donor is None:
+            if donor is None:  # dropped, then evicted from RAM: reported once, then let go
                 missing += 1
+                self._clean((namespace, tokens))
                 continue
             entry = _ready_for_worker(snapshot_entry(tokens, donor.caches, self.codecs, namespace),
                                       digests=self._digests)
@@ -314,10 +315,9 @@ class CacheTier:
             failed = self._failed
             self._failed = 0
         pending = self._spill.pending()
-        dropped = self._spill.dropped
-        self._spill.dropped = 0
-        return FlushReport(durable=drained and left == 0 and pending == 0, pending=pending,
-                           dropped=dropped, failed=failed, missing=missing)
+        dropped = self._spill.take_dropped()
+        return FlushReport(durable=drained and left == missing == pending == 0,
+                           pending=pending, dropped=dropped, failed=failed, missing=missing)
 
     def close(self, timeout: float | None = None) -> FlushReport:
         """Flush (bounded) and stop the spill worker; then, if this tier wrote and all of it
