@@ -331,7 +331,7 @@ class BlockStoreLayout:
                 found = self._index[key]
                 self._index[key] = attrs.evolve(
                     found, header=attrs.evolve(found.header, last_used=last_used))
-                self._journal.record(key, self._index[key])
+                self._journal.record(key, self._index[key], if_present=True)
         return Entry(tokens=manifest.tokens, layers=layers, namespace=manifest.namespace)
 
     def replenish(self) -> None:
@@ -775,6 +775,8 @@ class BlockStoreLayout:
         read then found missing; its manifest is not at fault."""
         path = self.path(key)
         self._forget(key)
+        if bad_block is not None and "missing" not in reason:
+            unlink_quietly(self.block_path(bad_block))  # damaged whichever manifest lists it
         try:
             now = path.read_bytes()
         except FileNotFoundError:
@@ -786,8 +788,6 @@ class BlockStoreLayout:
             return
         log.warning("cache entry %s dropped: %s", path, reason)
         unlink_quietly(path)
-        if bad_block is not None and "missing" not in reason:
-            unlink_quietly(self.block_path(bad_block))
 
     def _live_blocks(self) -> set[str] | None:
         """Ids of every block a manifest in the directory lists, foreign identities

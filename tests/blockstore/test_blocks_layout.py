@@ -679,6 +679,24 @@ def test_a_read_racing_a_rewrite_of_its_key_drops_nothing_of_the_rewrite(layout,
     assert_same_entry(other.read(key), entry)
 
 
+def test_a_damaged_block_goes_even_when_its_manifest_was_rewritten_meanwhile(
+        layout, stored, codecs, monkeypatch):
+    """A block that fails its checksum is damaged whichever manifest lists it: deleted,
+    not left for the rewrite of the same state (which reuses stored blocks) to list."""
+    bad = _a_block(layout)
+    flip_a_byte(layout.block_path(bad))
+    real = layout._assemble
+
+    def rewritten_meanwhile(manifest, **kwargs):
+        os.utime(layout.path(stored[1]), (1, 1))
+        layout.path(stored[1]).write_bytes(layout.path(stored[1]).read_bytes() + b" ")
+        return real(manifest, **kwargs)
+
+    monkeypatch.setattr(layout, "_assemble", rewritten_meanwhile)
+    assert layout.read(stored[1]) is None
+    assert not layout.block_path(bad).exists()
+
+
 def test_collect_keeps_the_blocks_of_a_rewrite_whose_inode_size_and_time_repeat(
         layout, codecs, monkeypatch):
     """collect() chooses what to delete by what the manifests list, so it reads them anew

@@ -345,6 +345,47 @@ def test_a_scan_keeps_what_another_thread_removed_or_wrote_while_it_ran(layout, 
     assert fresh.bytes() == sum(os.path.getsize(fresh.path(k)) for k in keys)
 
 
+def test_overlapping_scans_each_keep_the_changes_made_while_they_ran():
+    from foretell.store.layout import ScanJournal
+
+    journal = ScanJournal()
+    first, second = journal.begin(), journal.begin()  # equal journals, not the same one
+    journal.record("b", None)
+    assert journal.finish(second, {"b": "listed"}) == {}
+    journal.record("c", "written")  # only the first is still open
+    assert journal.finish(first, {"b": "listed"}) == {"c": "written"}
+
+
+def test_an_update_recorded_during_a_scan_does_not_bring_back_what_it_found_gone():
+    from foretell.store.layout import ScanJournal
+
+    journal = ScanJournal()
+    changes = journal.begin()
+    journal.record("gone", "last use bumped", if_present=True)
+    journal.record("kept", "last use bumped", if_present=True)
+    assert journal.finish(changes, {"kept": "listed"}) == {"kept": "last use bumped"}
+
+
+def test_a_write_landing_right_after_a_scans_listing_is_indexed(layout, codecs, monkeypatch):
+    """The scan opens its journal before it lists the directory: an entry written by
+    another thread just after the listing (so not in it) is in the index the scan swaps in."""
+    from foretell.store import single_file
+
+    assert layout.write(make_entry(codecs))
+    late = make_entry(codecs, n=16)
+    real = single_file.os.listdir
+
+    def listing_then_a_write(path):
+        names = real(path)
+        assert layout.write(late)
+        return names
+
+    monkeypatch.setattr(single_file.os, "listdir", listing_then_a_write)
+    layout.scan()
+    monkeypatch.setattr(single_file.os, "listdir", real)
+    assert layout.key_for(late.tokens) in {h.key for h in layout.headers()}
+
+
 def test_a_skipped_file_is_reported_at_every_rescan_and_read_once(layout, stored, monkeypatch):
     from foretell.store import format as fmt
 

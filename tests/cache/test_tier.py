@@ -196,6 +196,50 @@ def test_a_re_read_of_the_directory_keeps_a_removal_made_while_it_ran(layout, co
     assert not tier.ssd.covers(range(100, 108), "")
 
 
+def test_a_ram_hit_during_a_re_read_does_not_bring_back_an_entry_deleted_on_disk(
+        layout, codecs, monkeypatch):
+    """Another process evicted the file; a RAM hit marks its stored copy used while this
+    process re-reads the directory: the re-read's result (gone) stands."""
+    tier = stored_tier(layout, codecs, range(16), [filled_kv(16)])
+    os.unlink(layout.path(layout.key_for(range(16))))
+    real = tier.ssd.layout.scan
+
+    def scan_then_a_ram_hit():
+        headers = real()
+        tier.ssd.touch(range(16), "")
+        return headers
+
+    monkeypatch.setattr(tier.ssd.layout, "scan", scan_then_a_ram_hit)
+    tier.ssd.scan()
+    assert not tier.ssd.covers(range(16), "") and tier.ssd.find_exact(range(16), "") is None
+
+
+def test_a_checkpoint_dropped_before_its_generation_completed_does_not_doom_a_rerun(
+        layout, codecs, monkeypatch):
+    """A completed generation marks its checkpoints still queued for deletion as they land;
+    one the queue dropped never lands, and the same request run again stores that state
+    anew: it must stay."""
+    from foretell.cache.codecs import snapshot_entry
+
+    tier = tier_over(layout, codecs, spill_bytes=1)
+    gate = threading.Event()
+    real = tier.ssd.write
+    monkeypatch.setattr(tier.ssd, "write", lambda e: gate.wait(10) and real(e))
+    namespace = "generation:same-request"
+
+    def checkpoint(n):
+        tier.persist(snapshot_entry(range(n), [filled_kv(n)], codecs, namespace=namespace))
+
+    for n in (2, 3, 6):  # 2 in flight, 3 dropped when 6 comes
+        checkpoint(n)
+    gate.set()
+    tier._spill.drain(10)
+    tier.discard(namespace)  # the first run completed, no flush since
+    checkpoint(3)  # the second run's first checkpoint
+    tier.flush(10)
+    assert [len(s.tokens) for s in tier.checkpoints(namespace)] == [3]
+
+
 def test_flush_reports_durable_once_everything_is_on_disk(layout, codecs):
     tier = tier_over(layout, codecs)
     for i in range(3):

@@ -127,10 +127,11 @@ class SsdIndex:
         except CodecError:  # the layout checked providers; a codec may still refuse meta
             return None
 
-    def _put(self, stored: Stored) -> None:
-        """Index ``stored`` (under the lock)."""
+    def _put(self, stored: Stored, *, update: bool = False) -> None:
+        """Index ``stored`` (under the lock); ``update``: a newer last use of an entry that
+        a re-read running meanwhile must not bring back if it found the entry gone."""
         self._index[stored.header.key] = stored
-        self._journal.record(stored.header.key, stored)
+        self._journal.record(stored.header.key, stored, if_present=update)
 
     def _drop(self, key: str) -> None:
         """Unindex ``key`` (under the lock)."""
@@ -183,7 +184,8 @@ class SsdIndex:
             with self._lock:
                 if stored.header.key in self._index:
                     self._put(attrs.evolve(
-                        stored, header=attrs.evolve(stored.header, last_used=time.time())))
+                        stored, header=attrs.evolve(stored.header, last_used=time.time())),
+                        update=True)
 
     def covers(self, tokens: Sequence[int], namespace: str, *, attached: bool = False) -> bool:
         """Whether some stored entry can restore exactly ``tokens`` (with a drafter's
@@ -216,7 +218,8 @@ class SsdIndex:
                 self.restores += 1
                 if key in self._index:  # unless evicted meanwhile: it is gone from disk
                     self._put(attrs.evolve(
-                        stored, header=attrs.evolve(stored.header, last_used=time.time())))
+                        stored, header=attrs.evolve(stored.header, last_used=time.time())),
+                        update=True)
         return entry
 
     def warn_once(self, message: str) -> None:

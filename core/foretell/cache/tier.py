@@ -234,7 +234,12 @@ class CacheTier:
             return
         entry = _ready_for_worker(entry, digests=self._digests)
         with self._lock:
-            self._dirty.add((entry.namespace, entry.tokens))
+            key = (entry.namespace, entry.tokens)
+            self._dirty.add(key)
+            # Stored anew (the same request run again): wanted, whatever a completed run
+            # left marked for deletion under the same key (a mark whose write was dropped
+            # or failed is never cleared by a landing).
+            self._finished.discard(key)
         self._spill.submit(entry)
 
     def _write(self, entry: Entry) -> bool:

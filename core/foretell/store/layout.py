@@ -118,30 +118,33 @@ class ScanJournal:
 
     A scan lists the directory, reads what it finds, then replaces the index whole; an
     entry another thread removed or wrote meanwhile would come back, or go missing, with
-    the swap. Each scan opens a journal (:meth:`begin`), every change to the index is
-    recorded into the open ones (:meth:`record`; ``None`` for a removal), and the scan
-    applies its journal over what it found before it swaps (:meth:`finish`). All three run
-    under the index owner's lock; the scan's reading does not.
+    the swap. Each scan opens a journal (:meth:`begin`) before it lists, every change to
+    the index is recorded into the open ones (:meth:`record`), and the scan applies its
+    journal over what it found before it swaps (:meth:`finish`). All three run under the
+    index owner's lock; the scan's reading does not. Scans may overlap: each has its own.
     """
 
     def __init__(self) -> None:
-        self._open: list[dict[str, Any]] = []
+        self._open: list[dict[str, tuple[Any, bool]]] = []
 
-    def begin(self) -> dict[str, Any]:
-        changes: dict[str, Any] = {}
+    def begin(self) -> dict[str, tuple[Any, bool]]:
+        changes: dict[str, tuple[Any, bool]] = {}
         self._open.append(changes)
         return changes
 
-    def record(self, key: str, value: Any) -> None:
+    def record(self, key: str, value: Any, *, if_present: bool = False) -> None:
+        """``value`` now stands for ``key`` (``None``: removed). ``if_present``: an update
+        of an entry (its last use), which must not bring back one the scan found gone."""
         for changes in self._open:
-            changes[key] = value
+            changes[key] = (value, if_present)
 
-    def finish(self, changes: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, changes: dict[str, tuple[Any, bool]], found: dict[str, Any]
+               ) -> dict[str, Any]:
         """``found`` with the changes made since :meth:`begin` applied; closes the journal."""
-        self._open.remove(changes)
-        for key, value in changes.items():
+        self._open = [open_ for open_ in self._open if open_ is not changes]
+        for key, (value, if_present) in changes.items():
             if value is None:
                 found.pop(key, None)
-            else:
+            elif not if_present or key in found:
                 found[key] = value
         return found

@@ -147,7 +147,7 @@ class SingleFileLayout:
         with self._lock:
             if self._index is not None and key in self._index:
                 self._index[key] = attrs.evolve(self._index[key], last_used=last_used)
-                self._journal.record(key, self._index[key])
+                self._journal.record(key, self._index[key], if_present=True)
         return Entry(tokens=header.tokens, layers=layers, namespace=header.namespace)
 
     def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
@@ -175,6 +175,8 @@ class SingleFileLayout:
         unchanged is not read again (a rewrite renames a new file in, a read bumps the mtime),
         so rescanning a directory of unchanged entries costs a ``stat`` each.
         """
+        with self._lock:
+            changes = self._journal.begin()  # before the listing: what lands after it counts
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -186,8 +188,6 @@ class SingleFileLayout:
         found: dict[str, EntryHeader] = {}
         scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
         self.skipped = {}
-        with self._lock:
-            changes = self._journal.begin()
         for name in names:
             if name.endswith(".tmp"):
                 self._reap_orphan(self.directory / name, now)
