@@ -379,14 +379,20 @@ def fsync_directory(path: Path) -> None:
 
 def make_directories(path: Path) -> None:
     """``path`` and its missing parents created, each new one's name made durable in its
-    parent: an entry written into a directory created for it is durable only then."""
-    missing = []
-    while not path.is_dir():
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        directory.mkdir(exist_ok=True)
-        fsync_directory(directory.parent)
+    parent: an entry written into a directory created for it is durable only then. One
+    thread at a time, so a writer never finds a directory another thread has created but
+    not yet made durable (another process's, at the first writes to a fresh root, can)."""
+    with _MAKING_DIRECTORIES:
+        missing = []
+        while not path.is_dir():
+            missing.append(path)
+            path = path.parent
+        for directory in reversed(missing):
+            directory.mkdir(exist_ok=True)
+            fsync_directory(directory.parent)
+
+
+_MAKING_DIRECTORIES = threading.Lock()
 
 
 def unlink_quietly(path: Path) -> None:
