@@ -100,7 +100,7 @@ class SamplingConfig:
     repetition_penalty: float = attrs.field(default=1.0, validator=greater_than(0.0), metadata={"help": "divide logits of recent tokens by this; 1 disables"})
     repetition_context_size: int = attrs.field(default=20, validator=[at_least(1), at_most(INT32_MAX)], metadata={"help": "how many recent tokens the penalty sees"})
     # MLX's PRNG key is an unsigned 64-bit integer.
-    seed: int | None = attrs.field(default=None, validator=[at_least(0), less_than(2**64)], metadata={"help": "random seed, 0 <= seed < 2**64; the same seed reproduces a run"})
+    seed: int | None = attrs.field(default=None, validator=[at_least(0), less_than(2**64)], metadata={"help": "random seed, 0 <= seed < 2**64; the same seed reproduces a plain run (a sampled speculative one only with a fixed draft length: docs/speculation.md)"})
 
 
 #: ``[draft] kind`` values that name no provider: speculation off, or the model's measured best.
@@ -161,7 +161,7 @@ class CacheSection:
     """``[cache]``: the prefix cache tier (docs/cache-storage.md)."""
 
     dir: str | None = attrs.field(default=None, validator=_a_directory, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
-    max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB"})
+    max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB, per model and KV scheme in the directory"})
     ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
     layout: str = attrs.field(default=DEFAULT_LAYOUT, metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})
     kv_bits: int | None = attrs.field(default=None, validator=_kv_bits, metadata={"help": "quantize full-attention KV to 4 or 8 bits"})

@@ -507,6 +507,8 @@ class BlockStoreLayout:
         """Delete blocks no manifest in the directory lists (this identity's or another's)
         and interrupted writes; returns bytes freed. Waits up to ``lock_timeout_s`` for
         in-flight writes to finish, else frees nothing this round."""
+        if not self.directory.is_dir():
+            return 0
         try:
             with self._flock(exclusive=True, timeout=self.config.lock_timeout_s):
                 freed = self._reap_tmp_files()
@@ -786,8 +788,8 @@ class BlockStoreLayout:
         if judged is not None and now != judged:
             log.debug("cache entry %s was rewritten while it was read (%s); kept", path, reason)
             return
-        log.warning("cache entry %s dropped: %s", path, reason)
-        unlink_quietly(path)
+        log.warning("cache entry %s dropped: %s%s", path, reason,
+                    "" if unlink_quietly(path) else " (its manifest could not be deleted)")
 
     def _live_blocks(self) -> set[str] | None:
         """Ids of every block a manifest in the directory lists, foreign identities
@@ -822,6 +824,8 @@ class BlockStoreLayout:
         return live
 
     def _reap_interrupted_writes(self) -> None:
+        if not self.directory.is_dir():
+            return  # nothing stored here: no lock file or folder made by looking
         try:
             with self._flock(exclusive=True, timeout=0):
                 self._reap_tmp_files()

@@ -63,6 +63,62 @@ def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, caps
     assert code == 0 and after["bad"] == []
 
 
+def test_clear_leaves_no_block_behind_and_says_what_it_freed(model_dir, tmp_path, capsys):
+    run_json(capsys, "--model", str(model_dir), "--max-tokens", "3", "--cache-dir",
+             str(tmp_path), "--prompt", PROMPT)
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("*/blocks-v4/*/*") if p.is_file())
+    code, cleared = cache_json(capsys, "clear", "--cache-dir", str(tmp_path))
+    assert code == 0 and cleared["removed"] >= 1 and cleared["freed_bytes"] == on_disk
+    assert not list(tmp_path.glob("*/blocks-v4/data/*.blk"))
+
+
+def test_gc_and_clear_count_only_what_left_the_disk(model_dir, tmp_path, capsys,
+                                                    monkeypatch):
+    """A read-only directory (every unlink refused): nothing is reported evicted, removed
+    or freed, and clear fails."""
+    import errno
+    import os
+
+    run_json(capsys, "--model", str(model_dir), "--max-tokens", "3", "--cache-dir",
+             str(tmp_path), "--prompt", PROMPT)
+
+    def refused(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "unlink", refused)
+    code, gc = cache_json(capsys, "gc", "--cache-dir", str(tmp_path), "--max-gb", "0")
+    assert code == 0 and (gc["evicted"], gc["freed_bytes"]) == (0, 0)
+    code, cleared = cache_json(capsys, "clear", "--cache-dir", str(tmp_path))
+    assert code == 1 and cleared["removed"] == 0 and cleared["not_removed"] >= 1
+    assert cleared["freed_bytes"] == 0
+
+
+def test_verify_says_why_and_does_not_reorder_what_eviction_takes_first(model_dir, tmp_path,
+                                                                         capsys):
+    """verify reads every entry without marking it used (a later gc still evicts the
+    least recently used), and names each bad entry's fault."""
+    import os
+
+    base = ["--model", str(model_dir), "--max-tokens", "3", "--cache-dir", str(tmp_path)]
+    for i, prompt in enumerate(("def a():\n", "class B:\n", "import os\n")):
+        run_json(capsys, *base, "--prompt", prompt * 40)
+        for manifest in tmp_path.glob("*/blocks-v4/entries/*.safetensors"):
+            if manifest.stat().st_mtime > 2e9:
+                continue
+            os.utime(manifest, (1e9 + i, 1e9 + i))  # oldest first, a second apart
+    order = sorted(tmp_path.glob("*/blocks-v4/entries/*.safetensors"),
+                   key=lambda p: p.stat().st_mtime)
+    times = [p.stat().st_mtime for p in order]
+    block = max(tmp_path.glob("*/blocks-v4/data/*.blk"), key=lambda p: p.stat().st_size)
+    raw = bytearray(block.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    block.write_bytes(bytes(raw))
+    code, report = cache_json(capsys, "verify", "--cache-dir", str(tmp_path))
+    assert code == 1 and all("checksum" in bad["reason"] for bad in report["bad"])
+    assert [p.stat().st_mtime for p in order if p.exists()] == [
+        t for p, t in zip(order, times) if p.exists()]
+
+
 def test_toml_cache_layout_selects_the_block_store(model_dir, tmp_path, capsys):
     config = tmp_path / "run.toml"
     cache = tmp_path / "cache"

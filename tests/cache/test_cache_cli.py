@@ -69,8 +69,9 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
     assert code == 0
     run_json(capsys, "--model", str(model_dir), "--prompt", "def fibonacci(n):",
              "--max-tokens", "4", "--cache-dir", str(tmp_path), "--cache-layout", "single-file")
-    assert cache_json(capsys, "clear", "--cache-dir", str(tmp_path)) == (
-        0, {"removed": 1, "skipped": []})
+    code, cleared = cache_json(capsys, "clear", "--cache-dir", str(tmp_path))
+    assert code == 0 and (cleared["removed"], cleared["not_removed"]) == (1, 0)
+    assert cleared["freed_bytes"] > 0 and cleared["skipped"] == []
     assert cache_json(capsys, "ls", "--cache-dir", str(tmp_path)) == (
         0, {"entries": [], "skipped": []})
 

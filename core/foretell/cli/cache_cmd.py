@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
         ("stats", "entries and bytes per model and KV scheme"),
         ("verify", "read every entry with every checksum; report (and delete) bad ones"),
         ("gc", "delete interrupted writes and evict to --max-gb"),
-        ("clear", "delete every entry"),
+        ("clear", "delete every entry and the storage it used"),
     ):
         a = actions.add_parser(name, help=summary)
         a.add_argument("--cache-dir", required=True, metavar="DIR", help="the cache directory")
@@ -51,7 +51,8 @@ def add_parser(sub: Any) -> None:
         a.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "gc":
             a.add_argument("--max-gb", type=gigabytes, default=None,
-                           help="evict least recently used entries down to this many GiB")
+                           help="evict least recently used entries down to this many GiB "
+                                "(per model and KV scheme, as --cache-max-gb caps them)")
         a.set_defaults(handler=globals()[f"cmd_{name}"])
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 
@@ -259,10 +260,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for layout in found:
         for h in layout.scan():
             checked.add(layout.path(h.key))
-            if layout.read(h.key) is None:
-                bad.append({"key": h.key, "path": str(layout.path(h.key)), "reason": "unreadable"})
-            else:
+            reason = _damage(layout, h.key)
+            if reason is None:
                 good += 1
+            else:
+                bad.append({"key": h.key, "path": str(layout.path(h.key)), "reason": reason})
     # Files the scans deleted (damaged headers) or that no identity could claim.
     for path in sorted(before - checked):
         if not path.exists():
@@ -280,6 +282,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _damage(layout: Any, key: str) -> str | None:
+    """Why the entry under ``key`` cannot be served (None: every byte verified). Read
+    without marking it used, so checking does not reorder eviction; a damaged entry is
+    then read as serving reads it, which deletes it."""
+    from foretell.store.layout import StoreError
+
+    check = getattr(layout, "read_layers", None)  # both built-in layouts have it
+    if check is None:
+        return None if layout.read(key) is not None else "unreadable"
+    try:
+        check(key)
+        return None
+    except (StoreError, OSError) as exc:
+        layout.read(key)
+        return str(exc) or type(exc).__name__
+
+
+def _on_disk(layout: Any) -> tuple[set[str], int]:
+    """The keys of the entries the layout finds on disk now, and their bytes."""
+    return {h.key for h in layout.scan()}, layout.bytes()
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from foretell.cache.codecs import load_codecs
     from foretell.cache.ssd import SsdIndex
@@ -290,11 +314,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for layout in layouts(args):
         freed += layout.collect()
         if args.max_gb is not None:
-            index = SsdIndex(layout, codecs, int(args.max_gb * (1 << 30)))
-            before = layout.bytes()
-            index.scan()
-            evicted += index.evictions
-            freed += before - layout.bytes()
+            keys, before = _on_disk(layout)
+            SsdIndex(layout, codecs, int(args.max_gb * (1 << 30))).scan()
+            # What left the disk, not what was asked to (a read-only directory keeps all).
+            left, after = _on_disk(layout)
+            evicted += len(keys - left)
+            freed += before - after
     report = {"freed_bytes": freed, "evicted": evicted}
     print(json.dumps(report) if args.json else
           f"freed {_size(freed)}; evicted {evicted} entries")
@@ -302,11 +327,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    removed = 0
+    removed = kept = freed = 0
     found = layouts(args)
     for layout in found:
-        for h in layout.scan():
-            removed += bool(layout.remove(h.key))
+        freed += layout.collect()  # what no entry used already
+        keys, before = _on_disk(layout)
+        for key in keys:
+            layout.remove(key)
+        layout.collect()  # the blocks no entry lists any more: counted in before - after
+        left, after = _on_disk(layout)
+        removed, kept, freed = removed + len(keys - left), kept + len(left), freed + before - after
     root = Path(args.cache_dir).expanduser()
     if args.model is None:
         for orphan in _orphans(root):
@@ -314,11 +344,14 @@ def cmd_clear(args: argparse.Namespace) -> int:
                 orphan.unlink()
     skipped = skipped_entries(found)  # not this foretell's to judge: kept, and said so
     if args.json:
-        print(json.dumps({"removed": removed, "skipped": skipped}))
-        return 0
-    print(f"removed {removed} entries")
+        print(json.dumps({"removed": removed, "not_removed": kept, "freed_bytes": freed,
+                          "skipped": skipped}))
+        return 1 if kept else 0
+    print(f"removed {removed} entries, freed {_size(freed)}")
+    if kept:
+        print(f"{kept} entries could not be removed (a read-only directory?)")
     _say_skipped(skipped)
-    return 0
+    return 1 if kept else 0
 
 
 def _size(n: int) -> str:

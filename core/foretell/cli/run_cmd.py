@@ -78,7 +78,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
         "--min-p", type=float, default=None, help="drop tokens below min-p x the top probability"
     )
     p.add_argument(
-        "--seed", type=int, default=None, help="random seed; the same seed reproduces a run"
+        "--seed", type=int, default=None,
+        help="random seed; the same seed reproduces a plain run (a sampled speculative one "
+             "only with --draft-option adaptive=false: docs/speculation.md)"
     )
     p.add_argument(
         "--repetition-penalty",
@@ -107,7 +109,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="keep computed prompt prefixes on disk here and reuse them")
     p.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
-                   help="byte cap of the cache directory, GiB (default: 32)")
+                   help="byte cap of this model's entries in the cache directory (per KV scheme), "
+                        "GiB (default: 32)")
     p.add_argument("--cache-layout", default=None, metavar="NAME",
                    help="storage layout of the cache directory (see `foretell plugins`)")
     p.add_argument("--kv-bits", type=int, default=None, metavar="N",

@@ -282,9 +282,9 @@ class SingleFileLayout:
         except FileNotFoundError:
             self._forget(key)
         except fmt.CorruptEntry as exc:
-            log.warning("cache entry %s is corrupt (%s); deleted", path, exc)
             self._forget(key)
-            unlink_quietly(path)
+            log.warning("cache entry %s is corrupt (%s); %s", path, exc,
+                        "deleted" if unlink_quietly(path) else "could not be deleted")
         except (fmt.UnknownVersion, fmt.ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
             self.skipped[str(path)] = str(exc)
@@ -351,6 +351,10 @@ def log_io_failure(exc: OSError, action: str, *, warned: bool) -> bool:
     that until a write succeeds (invariant 9). Returns True (the outage has been warned of)."""
     if warned:
         log.debug("cannot %s: %s", action, exc)
+    elif action.startswith("delete"):
+        log.warning("cannot %s: %s (read-only or unwritable?); it stays on disk. Further "
+                    "failures are logged at debug level until a write succeeds.", action,
+                    exc.strerror or exc)
     else:
         log.warning("cannot %s: %s (disk full or unwritable?). Cache entries are not being "
                     "persisted; generation continues. Further failures are logged at debug "
@@ -395,8 +399,10 @@ def make_directories(path: Path) -> None:
 _MAKING_DIRECTORIES = threading.Lock()
 
 
-def unlink_quietly(path: Path) -> None:
+def unlink_quietly(path: Path) -> bool:
+    """Delete ``path``; False (and nothing raised) if it could not be."""
     try:
         os.unlink(path)
     except OSError:
-        pass
+        return False
+    return True
