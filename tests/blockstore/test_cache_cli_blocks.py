@@ -93,6 +93,15 @@ def test_gc_and_clear_count_only_what_left_the_disk(model_dir, tmp_path, capsys,
     assert cleared["freed_bytes"] == 0
 
 
+def test_looking_at_a_models_entries_changes_nothing_in_an_empty_directory(model_dir,
+                                                                            tmp_path, capsys):
+    for action in ("ls", "stats", "verify", "gc"):
+        assert main(["cache", action, "--cache-dir", str(tmp_path), "--model",
+                     str(model_dir), "--kv-bits", "4"]) == 0
+    capsys.readouterr()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_verify_says_why_and_does_not_reorder_what_eviction_takes_first(model_dir, tmp_path,
                                                                          capsys):
     """verify reads every entry without marking it used (a later gc still evicts the
