@@ -94,14 +94,6 @@ def test_the_ssd_cap_evicts_least_recently_used_by_bytes(layout, codecs):
     assert [s.tokens[0] for s in tier.ssd.entries()] == [200, 300]
 
 
-def test_an_entry_larger_than_the_ssd_cap_is_not_written(layout, codecs):
-    tier = tier_over(layout, codecs, ssd_bytes=100)
-    tier.store(range(16), [filled_kv(16)])
-    report = tier.flush(10)
-    assert not report.durable and tier.ssd.entries() == []
-    assert tier.lookup([*range(16), 1]).tier == "ram"  # RAM still serves it
-
-
 def test_a_corrupt_file_is_never_served_and_the_next_best_entry_is(layout, codecs, caplog):
     tier = tier_over(layout, codecs)
     tier.store(range(8), [filled_kv(8), filled_rotating(8, max_size=8)])
@@ -238,6 +230,20 @@ def test_a_checkpoint_dropped_before_its_generation_completed_does_not_doom_a_re
     checkpoint(3)  # the second run's first checkpoint
     tier.flush(10)
     assert [len(s.tokens) for s in tier.checkpoints(namespace)] == [3]
+
+
+def test_a_state_larger_than_the_ssd_cap_is_kept_in_ram_and_is_no_failure(layout, codecs,
+                                                                           caplog):
+    """Over the cap by configuration, not by fault: one warning saying so, RAM serves it,
+    and flush (which a run's exit reports) has nothing it failed to write."""
+    tier = tier_over(layout, codecs, ssd_bytes=1024)
+    with caplog.at_level(logging.WARNING):
+        for start in (0, 100):
+            tier.store(range(start, start + 64), [filled_kv(64)])
+        report = tier.flush(10)
+    assert report.durable and report.failed == report.missing == 0
+    assert sum("larger than the SSD cap" in r.message for r in caplog.records) == 1
+    assert tier.lookup([*range(64), 1]).tier == "ram" and tier.ssd.entries() == []
 
 
 def test_flush_reports_durable_once_everything_is_on_disk(layout, codecs):

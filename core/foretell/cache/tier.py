@@ -82,6 +82,7 @@ class CacheTier:
         #: States handed to ``store`` and not yet known to be on disk.
         self._dirty: set[Key] = set()
         self._failed = 0
+        self._warned_over_cap = False
         #: Checkpoints of completed generations still queued: deleted as they land.
         self._finished: set[Key] = set()
         self.ssd_hits = 0
@@ -229,8 +230,17 @@ class CacheTier:
             return (namespace, tokens) in self._dirty
 
     def persist(self, entry: Entry) -> None:
-        """Queue ``entry`` for the SSD tier (no RAM copy): generation checkpoints."""
+        """Queue ``entry`` for the SSD tier (no RAM copy): generation checkpoints. An entry
+        larger than the SSD cap is not queued (it could never be stored, and that is the
+        cap's doing, not a failure): one warning, and ``flush`` does not wait for it."""
         if self._spill is None:
+            return
+        if entry.tensor_bytes > self.ssd.max_bytes:
+            log.log(logging.DEBUG if self._warned_over_cap else logging.WARNING,
+                    "a cache entry of %.1f MiB is larger than the SSD cap (%.1f MiB): kept "
+                    "in RAM only (raise --cache-max-gb to store such prompts)",
+                    entry.tensor_bytes / 2**20, self.ssd.max_bytes / 2**20)
+            self._warned_over_cap = True
             return
         entry = _ready_for_worker(entry, digests=self._digests)
         with self._lock:
