@@ -76,6 +76,24 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
         0, {"entries": [], "skipped": []})
 
 
+def test_verify_reports_a_stray_file_as_skipped_and_passes(model_dir, tmp_path, capsys):
+    """A file foretell did not write, in a folder of the cache directory that no model's
+    entries use: not ours to judge or delete, so reported as kept; verify passes."""
+    run_json(capsys, "--model", str(model_dir), "--prompt", "def f(n):", "--max-tokens", "2",
+             "--cache-dir", str(tmp_path), "--cache-layout", "single-file")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "weights.safetensors").write_bytes(b"not an entry")
+    code, report = cache_json(capsys, "verify", "--cache-dir", str(tmp_path))
+    assert code == 0 and report["bad"] == [] and report["verified"] == 1
+    assert [s["reason"] for s in report["skipped"]] == ["not a foretell entry"]
+
+
+def test_kv_bits_or_layout_without_a_model_is_an_error_not_ignored(tmp_path, capsys):
+    for flag in (["--kv-bits", "4"], ["--layout", "blocks"]):
+        assert main(["cache", "ls", "--cache-dir", str(tmp_path), *flag]) == 1
+        assert "--model" in capsys.readouterr().err
+
+
 def test_a_cache_directory_that_does_not_exist_is_one_error(tmp_path, capsys):
     assert main(["cache", "ls", "--cache-dir", str(tmp_path / "nope")]) == 1
     assert "--cache-dir" in capsys.readouterr().err
@@ -136,15 +154,37 @@ class RecordingTier:
 
 
 def test_sigterm_flushes_the_cache_with_a_bounded_wait_and_says_it_is_not_durable(capsys):
-    from foretell.cli.cache_cmd import flushing
+    from foretell.cli.cache_cmd import Terminated, flushing
 
     tier = RecordingTier()
-    with pytest.raises(KeyboardInterrupt), flushing(tier, timeout=1.5):
+    with pytest.raises(Terminated), flushing(tier, timeout=1.5):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the signal interrupts this
     assert tier.closed_with == 1.5
     assert "not durable (pending 1" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_ends_a_chat_session_with_its_cache_flushed(model_dir, tmp_path):
+    """SIGTERM ends ``foretell chat`` (not only its turn, as Ctrl-C does) after the bounded
+    flush, with the exit status of a process the signal ended (143)."""
+    import subprocess
+    import sys
+
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "foretell", "chat", "--model", str(model_dir), "--max-tokens",
+         "4", "--cache-dir", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    chat.stdin.write("hello there\n")
+    chat.stdin.flush()
+    seen = ""
+    while "prompt tokens cached" not in seen:  # the turn is over: chat waits for the next
+        line = chat.stderr.readline()
+        assert line, f"chat ended early: {seen}"
+        seen += line
+    chat.send_signal(signal.SIGTERM)
+    assert chat.wait(timeout=30) == 143
+    assert list(tmp_path.glob("*/blocks-v4/entries/*.safetensors"))  # the turn was stored
 
 
 def chat_notes(model_dir, monkeypatch, capsys, *extra) -> list[int]:

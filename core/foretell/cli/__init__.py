@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(BrokenPipeError):
             print(f"foretell: error: {printable(str(exc))}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        from foretell.cli.cache_cmd import Terminated
+
+        return 143 if isinstance(exc, Terminated) else 130
     except BrokenPipeError:
         _discard_stdout()
         return PIPE_CLOSED

@@ -86,6 +86,10 @@ def layouts(args: argparse.Namespace) -> list[Any]:
     root = Path(args.cache_dir).expanduser()
     if not root.is_dir():
         raise ForetellError(f"--cache-dir {args.cache_dir}: no such directory")
+    if args.model is None and (args.kv_bits is not None or args.layout is not None):
+        flag = "--kv-bits" if args.kv_bits is not None else "--layout"
+        raise ForetellError(f"{flag} selects among one model's entries: give --model too "
+                            "(without it every model, scheme and layout is examined)")
     registry = load_plugins().registry
     providers = [c.provider_id for c in load_codecs(registry)]
     if args.model is not None:
@@ -266,12 +270,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             else:
                 bad.append({"key": h.key, "path": str(layout.path(h.key)), "reason": reason})
     # Files the scans deleted (damaged headers) or that no identity could claim.
+    strays = []
     for path in sorted(before - checked):
         if not path.exists():
             bad.append({"key": path.stem, "path": str(path), "reason": "corrupt header"})
         elif args.model is None and _claimed_fields(path) is None:
-            bad.append({"key": path.stem, "path": str(path), "reason": "not a foretell entry"})
-    report = {"verified": good, "bad": bad, "skipped": skipped_entries(found)}
+            # Not this foretell's: kept, and said so, as other skipped files are.
+            strays.append({"path": str(path), "reason": "not a foretell entry"})
+    report = {"verified": good, "bad": bad, "skipped": skipped_entries(found) + strays}
     if args.json:
         print(json.dumps(report))
     else:
@@ -365,6 +371,12 @@ def _size(n: int) -> str:
 # -- durability on exit -----------------------------------------------------------------------
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where :func:`flushing` waits on the cache: it unwinds as Ctrl-C does (the
+    cache flushes on the way out), ends ``chat`` rather than only its turn, and the process
+    exits 143 (128 + SIGTERM), as one killed by the signal would."""
+
+
 @contextlib.contextmanager
 def flushing(tier: Any, timeout: float = FLUSH_TIMEOUT_S, quiet: bool = False) -> Iterator[None]:
     """Run the body; then (also after SIGINT or SIGTERM) wait up to ``timeout`` seconds
@@ -374,7 +386,7 @@ def flushing(tier: Any, timeout: float = FLUSH_TIMEOUT_S, quiet: bool = False) -
         return
 
     def terminate(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:

@@ -110,7 +110,11 @@ def converse(args: argparse.Namespace, config: Any, engine: Any) -> int:
                     sys.stdout.flush()
                 else:
                     stats = event
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            from foretell.cli.cache_cmd import Terminated
+
+            if isinstance(exc, Terminated):
+                raise  # SIGTERM ends the session, not the turn
             history.pop()  # the turn never completed; forget it
             err.write("\n(interrupted)\n")
             continue
