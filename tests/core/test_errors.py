@@ -14,12 +14,14 @@ from foretell import errors
 
 #: Never reach a user as themselves: the config structurer renders the first two into a
 #: ConfigError; the store's FileReplaced and the CUDA staging's CudaCopyError are OSErrors,
-#: handled like any failed read (not served, nothing dropped).
+#: handled like any failed read (not served, nothing dropped); the CLI's Terminated is
+#: SIGTERM unwinding as Ctrl-C does, which the CLI turns into exit status 143.
 INTERNAL = {
     "foretell.config.FieldError",
     "foretell.config.WrongType",
     "foretell.store.format.FileReplaced",
     "foretell.platform.cuda.CudaCopyError",
+    "foretell.cli.cache_cmd.Terminated",
 }
 
 
