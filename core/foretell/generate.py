@@ -118,6 +118,9 @@ class Stats:
     speculation: dict[str, Any] | None = None
     #: Where the ``cached_tokens`` came from: "ram", "ssd", "checkpoint" (None: computed).
     cached_from: str | None = None
+    #: Generated tokens a resumed request restored from its checkpoint (counted in
+    #: ``generated_tokens``, streamed again, not computed, so not in ``generation_tps``).
+    resumed_tokens: int = 0
     type: str = "stats"
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,6 +199,8 @@ class RequestState:
     cached_from: str | None = None
     #: The request's random stream (None when greedy); a resumed request continues its own.
     keys: Any = None
+    #: Leading ``generated`` tokens restored from the request's checkpoint, not computed.
+    resumed: int = 0
 
     @property
     def held(self) -> int:
@@ -564,7 +569,7 @@ class Engine:
             return RequestState(prompt=ids, caches=self.make_caches(), cached=0)
         caches, cached, tier, replay, keys = request.open(ids, self.make_caches)
         return RequestState(prompt=ids, caches=caches, cached=cached, cached_from=tier,
-                            generated=replay, keys=keys)
+                            generated=replay, keys=keys, resumed=len(replay))
 
     def _stats(self, state: RequestState, started: float, first_at: float | None) -> Stats:
         ended = time.perf_counter()
@@ -578,10 +583,13 @@ class Engine:
             cached_tokens=state.cached,
             ttft_s=prompt_time,
             prompt_tps=computed / prompt_time if prompt_time > 0 else 0.0,
-            generation_tps=state.consumed / decode_time if decode_time > 0 else 0.0,
+            # A resumed request's restored tokens stream out at once: not decode speed.
+            generation_tps=(state.consumed - state.resumed) / decode_time
+            if decode_time > 0 else 0.0,
             peak_memory_gb=mx.get_peak_memory() / 1e9,
             finish_reason=state.finish_reason or "length",
             cached_from=state.cached_from,
+            resumed_tokens=state.resumed,
         )
 
 

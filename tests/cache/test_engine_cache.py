@@ -125,6 +125,8 @@ def test_an_interrupted_generation_resumes_identically(model_dir, tmp_path, samp
     resumed, stats = run(engine_over(model_dir, tmp_path), sampling=sampling, resume=True)
     assert stats.cached_from == "checkpoint"
     assert resumed == uninterrupted
+    # What the checkpoint held is said, counted as generated, and not taken for decode speed.
+    assert 0 < stats.resumed_tokens <= 8 and stats.generated_tokens == MAX_TOKENS
     # A completed generation leaves no checkpoint behind.
     fresh = engine_over(model_dir, tmp_path)
     assert fresh.cache.ssd.entries() and not any(

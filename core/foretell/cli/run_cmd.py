@@ -353,6 +353,9 @@ def report(stats: Any) -> None:
     )
     if stats.cached_tokens:
         print(f"Cached: {stats.cached_tokens} prompt tokens ({stats.cached_from})", file=sys.stderr)
+    if stats.resumed_tokens:
+        print(f"Resumed: {stats.resumed_tokens} generated tokens restored from the checkpoint "
+              "(not in the generation speed)", file=sys.stderr)
     if (line := speculation_line(stats)) is not None:
         print(f"Speculation: {line}", file=sys.stderr)
     print(f"TTFT: {stats.ttft_s:.3f} s", file=sys.stderr)
