@@ -19,7 +19,7 @@ from typing import Any
 
 from foretell.platform import cuda
 from foretell.store import format as fmt
-from foretell.store.single_file import full_fsync
+from foretell.store.files import full_fsync
 from foretell_blockstore import manifest as mf
 
 #: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).

@@ -47,15 +47,16 @@ from foretell.store.entry import (
     StoreIdentity,
     entry_key,
 )
-from foretell.store.layout import CorruptEntry, ForeignEntry, ScanJournal, UnknownVersion
-from foretell.store.single_file import (
+from foretell.store.files import (
     FileVersion,
-    file_version,
+    Scanned,
     fsync_directory,
     log_io_failure,
     make_directories,
+    rescan,
     unlink_quietly,
 )
+from foretell.store.layout import CorruptEntry, ForeignEntry, ScanJournal, UnknownVersion
 from foretell_blockstore import blockfile
 from foretell_blockstore import manifest as mf
 
@@ -167,7 +168,7 @@ class BlockStoreLayout:
         #: key -> (a manifest file's bytes, what they parsed to), see _load_manifest.
         self._manifests: dict[str, tuple[bytes, mf.Manifest]] = {}
         #: manifest name -> (its version when last scanned, its entry or why it is skipped).
-        self._scanned: dict[str, tuple[FileVersion, _Indexed | str]] = {}
+        self._scanned: dict[str, Scanned] = {}
         self._lock = threading.Lock()
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
@@ -413,29 +414,10 @@ class BlockStoreLayout:
         read again, nor are its blocks looked for (reads check them), so rescanning a
         directory of unchanged entries costs a ``stat`` each."""
         self._reap_interrupted_writes()
-        found: dict[str, _Indexed] = {}
-        scanned: dict[str, tuple[FileVersion, _Indexed | str]] = {}
-        skipped: dict[str, str] = {}
         with self._lock:
-            changes = self._journal.begin()
-        for name in self._listdir(self.entries_dir):
-            if not name.endswith(SUFFIX):
-                continue
-            key = name[: -len(SUFFIX)]
-            try:
-                version = file_version(os.stat(self.path(key)))
-            except OSError:
-                continue  # removed meanwhile
-            known = self._scanned.get(name)
-            if known is None or known[0] != version:
-                known = self._scan_manifest(key)
-                if known is None:
-                    continue
-            scanned[name] = known
-            if isinstance(known[1], str):
-                skipped[str(self.path(key))] = known[1]
-            else:
-                found[key] = known[1]
+            changes = self._journal.begin()  # before the listing: what lands after it counts
+        found, scanned, skipped = rescan(self.entries_dir, self._listdir(self.entries_dir),
+                                         SUFFIX, self._scanned, self._scan_manifest)
         with self._lock:
             self._index = found = self._journal.finish(changes, found)
             self._scanned = scanned
@@ -443,14 +425,14 @@ class BlockStoreLayout:
             self._manifests = {k: v for k, v in self._manifests.items() if k in found}
             return sorted((i.header for i in found.values()), key=lambda h: h.last_used)
 
-    def _scan_manifest(self, key: str) -> tuple[FileVersion, _Indexed | str] | None:
+    def _scan_manifest(self, key: str, version: FileVersion) -> Scanned | None:
         """One manifest read and checked, its blocks looked for: what a later scan reuses
         while the file is unchanged (the entry, or why it is skipped); None when it was
-        unusable (dropped if damaged) or could not be read."""
+        unusable (dropped if damaged) or could not be read. ``version`` was taken before the
+        bytes are read, so a manifest replaced in between is read again next time."""
         raw = None
+        _inode, size, mtime_ns = version
         try:
-            # Its version before its bytes: a manifest replaced in between is read again.
-            stat = os.stat(self.path(key))
             raw = self._manifest_bytes(key)
             manifest = self._manifest_of(key, raw)
             missing = next((r.id for r in manifest.blocks
@@ -467,15 +449,15 @@ class BlockStoreLayout:
             return None
         except (UnknownVersion, ForeignEntry) as exc:
             log.debug("cache entry %s skipped: %s", self.path(key), exc)
-            return file_version(stat), str(exc)
+            return version, str(exc)
         except OSError as exc:
             log.warning("cannot read cache entry %s: %s", self.path(key), exc)
             return None
-        return file_version(stat), _Indexed(
+        return version, _Indexed(
             header=EntryHeader(key=key, tokens=manifest.tokens, namespace=manifest.namespace,
-                               layers=manifest.layers, nbytes=stat.st_size + manifest.tensor_bytes,
-                               last_used=stat.st_mtime),
-            manifest_bytes=stat.st_size, blocks=tuple(manifest.blocks),
+                               layers=manifest.layers, nbytes=size + manifest.tensor_bytes,
+                               last_used=mtime_ns / 1e9),
+            manifest_bytes=size, blocks=tuple(manifest.blocks),
             buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups),
             largest_tensor=mf.largest_tensor(group for group, _refs in manifest.groups),
             landing_bytes=mf.landing_bytes(manifest.blocks))

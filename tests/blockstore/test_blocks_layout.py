@@ -619,8 +619,8 @@ def test_a_scan_keeps_what_another_thread_removed_or_wrote_while_it_ran(layout, 
                              identity=layout.identity)
     real = fresh._scan_manifest
 
-    def then_others_act(key):
-        result = real(key)
+    def then_others_act(key, version):
+        result = real(key, version)
         if key == fresh.key_for(removed.tokens):
             assert fresh.remove(key) and fresh.write(written)
         return result

@@ -483,12 +483,13 @@ def test_a_failing_disk_warns_once_and_never_raises(layout, codecs, monkeypatch,
 
 def test_directories_created_for_a_write_are_made_durable_in_their_parents(
         tmp_path, identity, codecs, monkeypatch):
-    from foretell.store import single_file
+    from foretell.store import files, single_file
 
     synced = []
-    real = single_file.fsync_directory
-    monkeypatch.setattr(single_file, "fsync_directory",
-                        lambda path: synced.append(Path(path)) or real(path))
+    real = files.fsync_directory
+    for module in (files, single_file):  # new folders' parents, then the entry's folder
+        monkeypatch.setattr(module, "fsync_directory",
+                            lambda path: synced.append(Path(path)) or real(path))
     layout = SingleFileLayout(tmp_path / "new" / "cache", identity=identity)
     assert layout.write(make_entry(codecs))
     assert synced == [tmp_path, tmp_path / "new", tmp_path / "new" / "cache",

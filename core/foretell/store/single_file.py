@@ -28,6 +28,17 @@ import attrs
 
 from foretell.store import format as fmt
 from foretell.store.entry import Entry, EntryHeader, LayerState, StoreIdentity, entry_key
+from foretell.store.files import (
+    FileVersion,
+    Scanned,
+    file_version,
+    fsync_directory,
+    full_fsync,
+    log_io_failure,
+    make_directories,
+    rescan,
+    unlink_quietly,
+)
 from foretell.store.layout import ScanJournal
 
 log = logging.getLogger("foretell.store")
@@ -66,7 +77,7 @@ class SingleFileLayout:
         self._index: dict[str, EntryHeader] | None = None
         self._journal = ScanJournal()
         #: file name -> (its version when last scanned, its header or why it is skipped).
-        self._scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
+        self._scanned: dict[str, Scanned] = {}
         self._lock = threading.Lock()
         self._warned = False
         #: I/O failures since this layout opened (disk full, unwritable, read-only...).
@@ -185,35 +196,18 @@ class SingleFileLayout:
             self._io_failed(exc, f"list cache directory {self.directory}")
             names = []
         now = time.time()
-        found: dict[str, EntryHeader] = {}
-        scanned: dict[str, tuple[FileVersion, EntryHeader | str]] = {}
-        self.skipped = {}
         for name in names:
             if name.endswith(".tmp"):
                 self._reap_orphan(self.directory / name, now)
-            elif name.endswith(fmt.SUFFIX):
-                key, path = name[: -len(fmt.SUFFIX)], self.directory / name
-                try:
-                    version = file_version(os.stat(path))
-                except OSError:
-                    continue  # removed meanwhile
-                known = self._scanned.get(name)
-                if known is None or known[0] != version:
-                    known = self._scan_file(key, version)
-                    if known is None:
-                        continue
-                scanned[name] = known
-                if isinstance(known[1], str):
-                    self.skipped[str(path)] = known[1]
-                else:
-                    found[key] = known[1]
+        found, scanned, skipped = rescan(self.directory, names, fmt.SUFFIX, self._scanned,
+                                         self._scan_file)
         with self._lock:
             self._index = self._journal.finish(changes, found)
             self._scanned = scanned
+            self.skipped = skipped
             return sorted(self._index.values(), key=lambda h: h.last_used)
 
-    def _scan_file(self, key: str, version: FileVersion
-                   ) -> tuple[FileVersion, EntryHeader | str] | None:
+    def _scan_file(self, key: str, version: FileVersion) -> Scanned | None:
         """One file's header read and checked: what a later scan reuses while the file is
         unchanged (the header, or why it is skipped); None when it was unusable (deleted if
         corrupt) or could not be read."""
@@ -332,77 +326,3 @@ class SingleFileLayout:
     def _io_failed(self, exc: OSError, action: str) -> None:
         self.io_failures += 1
         self._warned = log_io_failure(exc, action, warned=self._warned)
-
-
-#: What tells a scan that a file changed: inode, size, mtime (ns).
-FileVersion = tuple[int, int, int]
-
-
-def file_version(stat: os.stat_result) -> FileVersion:
-    """A file's :data:`FileVersion`. Entries are never rewritten in place (a rewrite renames
-    a new inode over the name), so an unchanged version means the bytes parsed before; an
-    edit in place that restores the time is no such rewrite, and reads, which verify every
-    byte, still catch it."""
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
-def log_io_failure(exc: OSError, action: str, *, warned: bool) -> bool:
-    """Log a cache I/O failure: a warning for the first of an outage, debug level after
-    that until a write succeeds (invariant 9). Returns True (the outage has been warned of)."""
-    if warned:
-        log.debug("cannot %s: %s", action, exc)
-    elif action.startswith("delete"):
-        log.warning("cannot %s: %s (read-only or unwritable?); it stays on disk. Further "
-                    "failures are logged at debug level until a write succeeds.", action,
-                    exc.strerror or exc)
-    else:
-        log.warning("cannot %s: %s (disk full or unwritable?). Cache entries are not being "
-                    "persisted; generation continues. Further failures are logged at debug "
-                    "level until a write succeeds.", action, exc.strerror or exc)
-    return True
-
-
-def full_fsync(fd: int) -> None:
-    # macOS's fsync leaves data in the drive's cache; F_FULLFSYNC is what makes it durable.
-    try:
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-    except (ImportError, AttributeError, OSError):
-        os.fsync(fd)
-
-
-def fsync_directory(path: Path) -> None:
-    """Make the names in directory ``path`` durable (what a rename into it needs)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        full_fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def make_directories(path: Path) -> None:
-    """``path`` and its missing parents created, each new one's name made durable in its
-    parent: an entry written into a directory created for it is durable only then. One
-    thread at a time, so a writer never finds a directory another thread has created but
-    not yet made durable (another process's, at the first writes to a fresh root, can)."""
-    with _MAKING_DIRECTORIES:
-        missing = []
-        while not path.is_dir():
-            missing.append(path)
-            path = path.parent
-        for directory in reversed(missing):
-            directory.mkdir(exist_ok=True)
-            fsync_directory(directory.parent)
-
-
-_MAKING_DIRECTORIES = threading.Lock()
-
-
-def unlink_quietly(path: Path) -> bool:
-    """Delete ``path``; False (and nothing raised) if it could not be."""
-    try:
-        os.unlink(path)
-    except OSError:
-        return False
-    return True
