@@ -72,7 +72,7 @@ class SsdIndex:
         self.rescan_s = rescan_s
         self._scanned_at = float("-inf")
         self._rescan_cost = 0.0
-        self._warned = False
+        self._warned: set[str] = set()
         self._lock = threading.RLock()
         self._index: dict[str, Stored] = {}
         self._journal = ScanJournal()
@@ -206,9 +206,9 @@ class SsdIndex:
         try:
             entry = self.layout.read(key)
         except Exception as exc:  # noqa: BLE001 - any plugin's failure, reported below
-            self.warn_once(f"storage layout {type(self.layout).__name__} failed to read an "
-                           f"entry ({type(exc).__name__}: {exc}); serving it from the "
-                           "prompt instead")
+            self.warn_once("layout read", f"storage layout {type(self.layout).__name__} "
+                           f"failed to read an entry ({type(exc).__name__}: {exc}); serving "
+                           "it from the prompt instead")
             entry = None
         with self._lock:
             if entry is None:
@@ -222,10 +222,21 @@ class SsdIndex:
                         update=True)
         return entry
 
-    def warn_once(self, message: str) -> None:
-        """A warning the first time, debug logging after (a defect repeats at every use)."""
-        log.log(logging.DEBUG if self._warned else logging.WARNING, message)
-        self._warned = True
+    def warn_once(self, kind: str, message: str) -> None:
+        """A warning the first time for each ``kind``, debug logging after (a defect or a
+        setting repeats at every use)."""
+        log.log(logging.DEBUG if kind in self._warned else logging.WARNING, message)
+        self._warned.add(kind)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` can be stored under the cap at all; one that
+        cannot is the cap's doing, not a failed write: said once, kept in RAM only."""
+        if nbytes <= self.max_bytes:
+            return True
+        self.warn_once("over cap", f"a cache entry of {nbytes / 2**20:.1f} MiB is larger than "
+                       f"the SSD cap ({self.max_bytes / 2**20:.1f} MiB): kept in RAM only "
+                       "(raise --cache-max-gb to store such prompts)")
+        return False
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -235,11 +246,7 @@ class SsdIndex:
         yet on disk) is not indexed and supersedes nothing: its ancestors stay until a
         durable write can serve them, and ``covers`` does not count it (a later re-read of
         the directory indexes it if it is there)."""
-        if entry.tensor_bytes > self.max_bytes:
-            log.info("cache entry of %d bytes exceeds the SSD cap of %d; not stored",
-                     entry.tensor_bytes, self.max_bytes)
-            return False
-        if not self.layout.write(entry):
+        if not self.fits(entry.tensor_bytes) or not self.layout.write(entry):
             return False
         if time.monotonic() - self._scanned_at >= max(self.rescan_s,
                                                       self._rescan_cost / RESCAN_SHARE):

@@ -82,7 +82,6 @@ class CacheTier:
         #: States handed to ``store`` and not yet known to be on disk.
         self._dirty: set[Key] = set()
         self._failed = 0
-        self._warned_over_cap = False
         #: Checkpoints of completed generations still queued: deleted as they land.
         self._finished: set[Key] = set()
         self.ssd_hits = 0
@@ -177,8 +176,9 @@ class CacheTier:
             try:
                 caches = restore_caches(restored, self.codecs)
             except Exception as exc:  # noqa: BLE001 - a codec plugin's defect: not served
-                self.ssd.warn_once(f"cache entry of {len(restored.tokens)} tokens could not "
-                                   f"be rebuilt ({type(exc).__name__}: {exc}); not served")
+                self.ssd.warn_once("codec load", f"cache entry of {len(restored.tokens)} tokens "
+                                   f"could not be rebuilt ({type(exc).__name__}: {exc}); "
+                                   "not served")
                 self.ssd.forget(stored.header.key)  # kept on disk: its bytes verified
                 continue
             self.ssd_hits += 1
@@ -235,12 +235,7 @@ class CacheTier:
         cap's doing, not a failure): one warning, and ``flush`` does not wait for it."""
         if self._spill is None:
             return
-        if entry.tensor_bytes > self.ssd.max_bytes:
-            log.log(logging.DEBUG if self._warned_over_cap else logging.WARNING,
-                    "a cache entry of %.1f MiB is larger than the SSD cap (%.1f MiB): kept "
-                    "in RAM only (raise --cache-max-gb to store such prompts)",
-                    entry.tensor_bytes / 2**20, self.ssd.max_bytes / 2**20)
-            self._warned_over_cap = True
+        if not self.ssd.fits(entry.tensor_bytes):
             return
         entry = _ready_for_worker(entry, digests=self._digests)
         with self._lock:
