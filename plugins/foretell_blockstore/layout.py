@@ -796,8 +796,7 @@ class BlockStoreLayout:
             except FileNotFoundError:
                 continue
             except CorruptEntry as exc:
-                log.warning("cache entry %s dropped: %s", self.entries_dir / name, exc)
-                unlink_quietly(self.entries_dir / name)
+                self._drop(name[: -len(SUFFIX)], str(exc), raw)
             except (UnknownVersion, OSError) as exc:
                 log.warning("block store %s: cannot tell which blocks %s uses (%s); no "
                             "block is collected", self.directory, name, exc)
