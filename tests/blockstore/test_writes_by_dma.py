@@ -32,6 +32,10 @@ def area(monkeypatch):
 
     monkeypatch.setattr(cuda, "write_area", lambda: found)
     monkeypatch.setattr(cuda, "staging", per_thread(Counting))
+    # Reads on the host too: host staging copying into a GPU's landing area (device
+    # memory) would write where the CPU cannot (a segfault on the H200, 2026-12-05).
+    monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
+    monkeypatch.setattr(cuda, "landing", lambda: None)
     found.fetched = fetched
     return found
 
