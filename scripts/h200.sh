@@ -28,6 +28,9 @@
 #              FORETELL_WRITE_DMA off and on
 #   pending2   part 2 (~4 min, the next call): cache4b at 8-bit KV with the spill worker at a
 #              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
+#   verify     the GPU's own tests (~4 min): the block store's suite, the device digest's and
+#              the kept kernels', FORETELL_KEPT_KERNELS=on, verbose (which GPU-only tests ran),
+#              then cache4b at 8-bit KV with the defaults of 2026-12-05 (TAG=defaults)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -95,6 +98,13 @@ pending)
 pending2)
   FORETELL_SPILL_DUTY=0.25 KV_BITS=8 TAG=duty-0.25 bash "$0" cache4b
   SHAPE=0.6b bash "$0" cache4b
+  ;;
+verify)
+  FORETELL_KEPT_KERNELS=on timeout 300 $PY -X faulthandler -m pytest -v -rs -p no:cacheprovider \
+    tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py \
+    > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
+  grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
+  KV_BITS=8 TAG=defaults bash "$0" cache4b
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8

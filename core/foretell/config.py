@@ -279,7 +279,9 @@ def _structure_selected(
     if not isinstance(body, Mapping):
         raise WrongType(f"expected a table with a 'kind' key, got {body!r}")
     if "kind" not in body:
-        raise FieldError("kind", f"required: one of {', '.join(registry.names(kind)) or 'none installed'}")
+        options = ", ".join(sorted(body))
+        raise FieldError("kind", f"required: one of {', '.join(registry.names(kind)) or 'none installed'}"
+                                 + (f", to take the options given ({options})" if options else ""))
     name = body["kind"]
     if not isinstance(name, str):
         raise FieldError("kind", f"expected a string, got {name!r}")

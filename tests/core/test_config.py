@@ -74,6 +74,11 @@ def test_unknown_kind_lists_the_installed_ones(registry, tmp_path):
     )
 
 
+def test_options_without_a_kind_ask_for_the_kind_they_belong_to(registry, tmp_path):
+    assert _errors(registry, tmp_path, "[draft]\ndepth = 3\n") == (
+        "run.toml: draft.kind: required: one of plain, two-model, to take the options given (depth)")
+
+
 def test_options_given_to_a_kind_without_config(registry, tmp_path):
     text = '[draft]\nkind = "plain"\ndepth = 3\n'
     assert _errors(registry, tmp_path, text) == (
