@@ -45,7 +45,7 @@ def test_runs_share_blocks_and_cache_commands_see_them(model_dir, tmp_path, caps
 
     code, stats = cache_json(capsys, "stats", "--cache-dir", str(tmp_path))
     [group] = stats["models"]
-    assert code == 0 and group["layout"] == "BlockStoreLayout" and group["entries"] >= 2
+    assert code == 0 and group["layout"] == "blocks" and group["entries"] >= 2
     assert group["disk_bytes"] < group["bytes"] and group["dedup_ratio"] > 1
     assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (
         0, {"verified": group["entries"], "bad": [], "skipped": []})
@@ -150,7 +150,7 @@ def test_the_block_store_is_the_default_layout(model_dir, tmp_path, capsys):
     assert not list(tmp_path.glob("*/*.safetensors"))
     code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path), "--model",
                                str(model_dir))  # --model without --layout: the default's
-    assert code == 0 and len(listing["entries"]) == 1
+    assert code == 0 and [e["layout"] for e in listing["entries"]] == ["blocks"]
 
 
 def test_an_engines_tier_uses_the_default_layout_unless_told(model_dir, tmp_path):

@@ -51,8 +51,9 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
     code, listing = cache_json(capsys, "ls", "--cache-dir", str(tmp_path))
     assert code == 0 and len(listing["entries"]) == 1
     entry = listing["entries"][0]
+    assert entry["layout"] == "single-file"  # the name --layout and [cache] layout take
     code, stats = cache_json(capsys, "stats", "--cache-dir", str(tmp_path))
-    assert stats["entries"] == 1 and stats["bytes"] == entry["bytes"]
+    assert stats["entries"] == 1 and stats["models"][0]["layout"] == "single-file" and stats["bytes"] == entry["bytes"]
     assert cache_json(capsys, "verify", "--cache-dir", str(tmp_path)) == (
         0, {"verified": 1, "bad": [], "skipped": []})
 

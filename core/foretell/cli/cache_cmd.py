@@ -92,6 +92,8 @@ def layouts(args: argparse.Namespace) -> list[Any]:
                             "(without it every model, scheme and layout is examined)")
     registry = load_plugins().registry
     providers = [c.provider_id for c in load_codecs(registry)]
+    for name in registry.names(Kind.LAYOUT):
+        _LAYOUT_NAMES.setdefault(registry.get(Kind.LAYOUT, name).load(), name)
     if args.model is not None:
         from foretell.cache.quantized import kv_scheme
         from foretell.cli.run_cmd import model_path
@@ -120,6 +122,15 @@ def layouts(args: argparse.Namespace) -> list[Any]:
             config = contribution.config() if contribution.config is not None else None
             found += [factory(root, config, identity=i) for i in discover(root, providers)]
     return found
+
+
+#: Each layout class's registered name, as :func:`layouts` found them.
+_LAYOUT_NAMES: dict[type, str] = {}
+
+
+def layout_name(layout: Any) -> str:
+    """The name ``layout`` is registered under (``[cache] layout``, ``--layout``)."""
+    return _LAYOUT_NAMES.get(type(layout), type(layout).__name__)
 
 
 def claimed_identities(root: Path, providers: list[str]) -> list[Any]:
@@ -200,7 +211,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for h in layout.scan():
             rows.append({
                 "model_id": layout.identity.model_id, "directory": layout.identity.directory,
-                "key": h.key, "namespace": h.namespace, "tokens": len(h.tokens),
+                "layout": layout_name(layout), "key": h.key, "namespace": h.namespace, "tokens": len(h.tokens),
                 "bytes": h.nbytes, "last_used": h.last_used,
                 "codecs": sorted({la.codec for la in h.layers}),
             })
@@ -211,7 +222,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["last_used"]))
         print(f"{r['key']}  {r['tokens']:>7} tok  {_size(r['bytes']):>9}  {when}  "
-              f"{r['model_id']}  {r['namespace'] or '-'}")
+              f"{r['model_id']}  {r['layout']}  {r['namespace'] or '-'}")
     if not rows:
         print("no entries")
     _say_skipped(skipped)
@@ -226,7 +237,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         logical, disk = sum(h.nbytes for h in headers), layout.bytes()
         # bytes: what the entries hold; disk_bytes: what they take (shared blocks once).
         groups.append({"model_id": layout.identity.model_id,
-                       "directory": layout.identity.directory, "layout": type(layout).__name__,
+                       "directory": layout.identity.directory, "layout": layout_name(layout),
                        "entries": len(headers), "bytes": logical, "disk_bytes": disk,
                        "dedup_ratio": round(logical / disk, 3) if disk else 1.0,
                        "tokens": sum(len(h.tokens) for h in headers)})
