@@ -208,3 +208,18 @@ def test_run_reports_what_the_drafter_did(model_dir, capsys):
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("Speculation: ")]
     assert len(line) == 1 and line[0].startswith("Speculation: ngram, ")
     assert "drafts accepted" in line[0] and "tokens per target forward" in line[0]
+
+
+def test_the_report_of_a_prompt_restored_whole_gives_no_speed(capsys):
+    """A resumed run's checkpoint covers its whole prompt: no prompt speed to report."""
+    from foretell.cli.run_cmd import report
+    from foretell.generate import Stats
+
+    common = dict(generated_tokens=9, ttft_s=0.01, generation_tps=90.0, peak_memory_gb=0.1,
+                  finish_reason="length")
+    report(Stats(prompt_tokens=6, cached_tokens=6, prompt_tps=0.0, **common,
+                           cached_from="checkpoint"))
+    assert "Prompt: 6 tokens, none computed (all from the checkpoint)" in capsys.readouterr().err
+    report(Stats(prompt_tokens=6, cached_tokens=5, prompt_tps=100.0, **common,
+                           cached_from="ssd"))
+    assert "Prompt: 6 tokens, 100.000 tokens-per-sec" in capsys.readouterr().err

@@ -343,10 +343,10 @@ def warn_past_context(engine: Any, prompt_ids: list[int], max_tokens: int) -> bo
 def report(stats: Any) -> None:
     """The speed report, on stderr (mlx-lm's layout)."""
     print("=" * 10, file=sys.stderr)
-    print(
-        f"Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec",
-        file=sys.stderr,
-    )
+    computed = stats.prompt_tokens - stats.cached_tokens
+    speed = (f"{stats.prompt_tps:.3f} tokens-per-sec" if computed > 0
+             else f"none computed (all from the {stats.cached_from})")
+    print(f"Prompt: {stats.prompt_tokens} tokens, {speed}", file=sys.stderr)
     print(
         f"Generation: {stats.generated_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
         file=sys.stderr,
