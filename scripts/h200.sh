@@ -30,7 +30,7 @@
 #              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
 #   verify     the GPU's own tests (~4 min): the block store's suite, the device digest's and
 #              the kept kernels', FORETELL_KEPT_KERNELS=on, verbose (which GPU-only tests ran),
-#              then cache4b at 8-bit KV with the defaults of 2026-12-05 (TAG=defaults)
+#              then cache4b at 8-bit KV with writes by DMA and the kept kernels on (TAG=dma-kept)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -104,7 +104,7 @@ verify)
     tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py \
     > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
   grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
-  KV_BITS=8 TAG=defaults bash "$0" cache4b
+  FORETELL_KEPT_KERNELS=on FORETELL_WRITE_DMA=on KV_BITS=8 TAG=dma-kept bash "$0" cache4b
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
