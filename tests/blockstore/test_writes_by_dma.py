@@ -134,8 +134,11 @@ def test_the_area_is_released_when_a_block_fails_to_write(codecs, layout, area, 
     area.release()
 
 
-def test_writes_by_dma_are_off_unless_asked_and_a_bad_setting_is_named(monkeypatch):
+def test_writes_by_dma_are_on_where_reads_land_on_a_cuda_gpu_and_a_bad_setting_is_named(
+        monkeypatch):
     monkeypatch.delenv(cuda.WRITE_DMA, raising=False)
+    assert (cuda.write_area() is not None) == cuda.gpu_landing()
+    monkeypatch.setenv(cuda.WRITE_DMA, "off")
     assert cuda.write_area() is None
     monkeypatch.setenv(cuda.WRITE_DMA, "on")
     if not cuda.gpu_landing():
@@ -152,7 +155,7 @@ def test_a_bad_write_dma_setting_fails_as_the_store_opens(tmp_path, identity, mo
 
 
 @pytest.mark.skipif(not cuda.gpu_landing(), reason="needs MLX on a CUDA GPU")
-def test_the_device_fetch_gathers_strided_runs_and_leaves_the_pages_on_the_gpu(monkeypatch):
+def test_the_device_fetch_gathers_strided_runs(monkeypatch):
     monkeypatch.setenv(cuda.WRITE_DMA, "on")
     found = cuda.write_area()
     tensor = mx.arange(4 * 64 * 32, dtype=mx.uint32).reshape(1, 4, 64, 32)

@@ -41,13 +41,20 @@ def test_a_kernel_is_compiled_once_and_read_back_by_later_processes(kept, monkey
     assert compiled == ["k", "k"] and len(list(kept.iterdir())) == 2
 
 
-def test_kept_kernels_are_off_unless_asked_and_a_bad_setting_is_named(kept, monkeypatch):
+def test_kept_kernels_are_on_on_a_cuda_gpu_unless_turned_off_and_a_bad_setting_is_named(
+        kept, monkeypatch):
     from foretell.errors import ConfigError
+    from foretell.platform import device
 
     compiled = []
     monkeypatch.setattr(ptx, "compile_ptx", lambda *a: compiled.append(a) or b"image")
     monkeypatch.delenv(ptx.ENV)
+    monkeypatch.setattr(device, "on_cuda", lambda: False)
     assert ptx.kernel_ptx("k", "x") is None and compiled == []
+    monkeypatch.setattr(device, "on_cuda", lambda: True)
+    assert ptx.kernel_ptx("k", "x") == b"image" and len(compiled) == 1
+    monkeypatch.setenv(ptx.ENV, "off")
+    assert ptx.kernel_ptx("k2", "y") is None and len(compiled) == 1
     monkeypatch.setenv(ptx.ENV, "always")
     with pytest.raises(ConfigError, match=ptx.ENV):
         ptx.kernel_ptx("k", "x")
