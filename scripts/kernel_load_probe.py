@@ -2,7 +2,7 @@
 tier on the H200 went from 0.05 s to 3.4-5.5 s once they existed): the device digest's and
 the landing area's, each timed on its own, with what MLX keeps on disk for them listed.
 Run it twice on a CUDA host: ``python scripts/kernel_load_probe.py`` (the second run should
-find both compiled); with ``FORETELL_KEPT_KERNELS=on`` it lists foretell's kept cubins too."""
+find both compiled); it lists foretell's kept cubins too (unless ``FORETELL_KEPT_KERNELS=off``)."""
 
 from __future__ import annotations
 
