@@ -74,6 +74,15 @@ def gigabytes(text: str) -> float:
 # -- which layouts ------------------------------------------------------------------------
 
 
+#: Each layout class's registered name, as :func:`layouts` found them.
+_LAYOUT_NAMES: dict[type, str] = {}
+
+
+def layout_name(layout: Any) -> str:
+    """The name ``layout`` is registered under (``[cache] layout``, ``--layout``)."""
+    return _LAYOUT_NAMES.get(type(layout), type(layout).__name__)
+
+
 def layouts(args: argparse.Namespace) -> list[Any]:
     """The layouts to act on: the model's, or one per identity found in the directory."""
     from foretell.cache.codecs import load_codecs
@@ -122,15 +131,6 @@ def layouts(args: argparse.Namespace) -> list[Any]:
             config = contribution.config() if contribution.config is not None else None
             found += [factory(root, config, identity=i) for i in discover(root, providers)]
     return found
-
-
-#: Each layout class's registered name, as :func:`layouts` found them.
-_LAYOUT_NAMES: dict[type, str] = {}
-
-
-def layout_name(layout: Any) -> str:
-    """The name ``layout`` is registered under (``[cache] layout``, ``--layout``)."""
-    return _LAYOUT_NAMES.get(type(layout), type(layout).__name__)
 
 
 def claimed_identities(root: Path, providers: list[str]) -> list[Any]:
@@ -211,8 +211,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for h in layout.scan():
             rows.append({
                 "model_id": layout.identity.model_id, "directory": layout.identity.directory,
-                "layout": layout_name(layout), "key": h.key, "namespace": h.namespace, "tokens": len(h.tokens),
-                "bytes": h.nbytes, "last_used": h.last_used,
+                "layout": layout_name(layout), "key": h.key, "namespace": h.namespace,
+                "tokens": len(h.tokens), "bytes": h.nbytes, "last_used": h.last_used,
                 "codecs": sorted({la.codec for la in h.layers}),
             })
     skipped = skipped_entries(found)
