@@ -28,9 +28,9 @@
 #              FORETELL_WRITE_DMA off and on
 #   pending2   part 2 (~4 min, the next call): cache4b at 8-bit KV with the spill worker at a
 #              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
-#   verify     the GPU's own tests (~4 min): the block store's suite, the device digest's and
-#              the kept kernels', FORETELL_KEPT_KERNELS=on, verbose (which GPU-only tests ran),
-#              then cache4b at 8-bit KV with writes by DMA and the kept kernels on (TAG=dma-kept)
+#   verify     the GPU's own tests (~3 min): the block store's suite, the device digest's and
+#              the kept kernels', verbose (which GPU-only tests ran); ROW=1: then cache4b at
+#              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -100,11 +100,11 @@ pending2)
   SHAPE=0.6b bash "$0" cache4b
   ;;
 verify)
-  FORETELL_KEPT_KERNELS=on timeout 300 $PY -X faulthandler -m pytest -v -rs -p no:cacheprovider \
+  timeout 280 $PY -X faulthandler -m pytest -v -rs -p no:cacheprovider \
     tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py \
     > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
   grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
-  FORETELL_KEPT_KERNELS=on FORETELL_WRITE_DMA=on KV_BITS=8 TAG=dma-kept bash "$0" cache4b
+  [ "${ROW:-0}" = 1 ] && KV_BITS=8 TAG=defaults bash "$0" cache4b
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
