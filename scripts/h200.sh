@@ -104,7 +104,7 @@ verify)
     tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py \
     > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
   grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
-  [ "${ROW:-0}" = 1 ] && KV_BITS=8 TAG=defaults bash "$0" cache4b
+  if [ "${ROW:-0}" = 1 ]; then KV_BITS=8 TAG=defaults bash "$0" cache4b; fi
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
