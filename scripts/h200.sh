@@ -29,7 +29,7 @@
 #   pending2   part 2 (~4 min, the next call): cache4b at 8-bit KV with the spill worker at a
 #              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
 #   verify     the GPU's own tests (~3 min): the block store's suite, the device digest's and
-#              the kept kernels', verbose (which GPU-only tests ran); ROW=1: then cache4b at
+#              the kept kernels' (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then cache4b at
 #              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
@@ -101,7 +101,7 @@ pending2)
   ;;
 verify)
   timeout 280 $PY -X faulthandler -m pytest -v -rs -p no:cacheprovider \
-    tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py \
+    ${TESTS:-tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py} \
     > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
   grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
   if [ "${ROW:-0}" = 1 ]; then KV_BITS=8 TAG=defaults bash "$0" cache4b; fi
