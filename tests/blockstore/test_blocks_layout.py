@@ -611,26 +611,6 @@ def test_a_rescan_reads_only_the_manifests_that_are_new_or_changed(layout, codec
     assert {h.key for h in layout.scan()} == {layout.key_for(e.tokens) for e in (touched, added)}
 
 
-def test_a_scan_keeps_what_another_thread_removed_or_wrote_while_it_ran(layout, codecs,
-                                                                        monkeypatch):
-    kept, removed, written = (entry_of(range(s, s + 8), codecs) for s in (0, 50, 100))
-    assert layout.write(kept) and layout.write(removed)
-    fresh = BlockStoreLayout(layout.directory.parent.parent, layout.config,
-                             identity=layout.identity)
-    real = fresh._scan_manifest
-
-    def then_others_act(key, version):
-        result = real(key, version)
-        if key == fresh.key_for(removed.tokens):
-            assert fresh.remove(key) and fresh.write(written)
-        return result
-
-    monkeypatch.setattr(fresh, "_scan_manifest", then_others_act)
-    keys = {h.key for h in fresh.scan()}
-    assert keys == {fresh.key_for(e.tokens) for e in (kept, written)}
-    assert {h.key for h in fresh.headers()} == keys
-
-
 def test_a_block_lost_under_an_unchanged_manifest_is_caught_by_the_read(layout, stored):
     layout.scan()
     os.unlink(layout.block_path(_a_block(layout)))

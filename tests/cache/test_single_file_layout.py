@@ -322,29 +322,6 @@ def test_a_rescan_reads_only_the_files_that_are_new_or_changed(layout, codecs, m
     assert {h.key for h in layout.scan()} == {layout.key_for(e.tokens) for e in (touched, added)}
 
 
-def test_a_scan_keeps_what_another_thread_removed_or_wrote_while_it_ran(layout, codecs,
-                                                                        monkeypatch):
-    """A scan swaps in the index it built from its listing: a removal or a write by
-    another thread after the listing must survive the swap (a removed entry served from
-    the index, a written one missing from it, and the byte count off, otherwise)."""
-    removed, written = make_entry(codecs, n=24), make_entry(codecs, n=16)
-    assert layout.write(make_entry(codecs, n=20)) and layout.write(removed)
-    fresh = SingleFileLayout(layout.directory.parent, identity=layout.identity)
-    real = fresh._scan_file
-
-    def then_others_act(key, version):
-        result = real(key, version)
-        if key == fresh.key_for(removed.tokens):
-            assert fresh.remove(key) and fresh.write(written)
-        return result
-
-    monkeypatch.setattr(fresh, "_scan_file", then_others_act)
-    keys = {h.key for h in fresh.scan()}
-    assert keys == {fresh.key_for(e.tokens) for e in (make_entry(codecs, n=20), written)}
-    assert {h.key for h in fresh.headers()} == keys
-    assert fresh.bytes() == sum(os.path.getsize(fresh.path(k)) for k in keys)
-
-
 def test_overlapping_scans_each_keep_the_changes_made_while_they_ran():
     from foretell.store.layout import ScanJournal
 
