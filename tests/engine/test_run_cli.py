@@ -210,8 +210,9 @@ def test_run_reports_what_the_drafter_did(model_dir, capsys):
     assert "drafts accepted" in line[0] and "tokens per target forward" in line[0]
 
 
-def test_the_report_of_a_prompt_restored_whole_gives_no_speed(capsys):
-    """A resumed run's checkpoint covers its whole prompt: no prompt speed to report."""
+def test_the_report_gives_the_prompt_speed_of_the_tokens_computed(capsys):
+    """A resumed run's checkpoint covers its whole prompt: no prompt speed to report; a
+    partly cached prompt's speed names the tokens it is over."""
     from foretell.cli.run_cmd import report
     from foretell.generate import Stats
 
@@ -222,4 +223,7 @@ def test_the_report_of_a_prompt_restored_whole_gives_no_speed(capsys):
     assert "Prompt: 6 tokens, none computed (all from the checkpoint)" in capsys.readouterr().err
     report(Stats(prompt_tokens=6, cached_tokens=5, prompt_tps=100.0, **common,
                            cached_from="ssd"))
-    assert "Prompt: 6 tokens, 100.000 tokens-per-sec" in capsys.readouterr().err
+    assert "Prompt: 6 tokens, 100.000 tokens-per-sec over the 1 computed" in (
+        capsys.readouterr().err)
+    report(Stats(prompt_tokens=6, cached_tokens=0, prompt_tps=100.0, **common))
+    assert "Prompt: 6 tokens, 100.000 tokens-per-sec\n" in capsys.readouterr().err

@@ -344,8 +344,12 @@ def report(stats: Any) -> None:
     """The speed report, on stderr (mlx-lm's layout)."""
     print("=" * 10, file=sys.stderr)
     computed = stats.prompt_tokens - stats.cached_tokens
-    speed = (f"{stats.prompt_tps:.3f} tokens-per-sec" if computed > 0
-             else f"none computed (all from the {stats.cached_from})")
+    if computed <= 0:
+        speed = f"none computed (all from the {stats.cached_from})"
+    elif stats.cached_tokens:  # the speed is of the tokens computed, not of the cached ones
+        speed = f"{stats.prompt_tps:.3f} tokens-per-sec over the {computed} computed"
+    else:
+        speed = f"{stats.prompt_tps:.3f} tokens-per-sec"
     print(f"Prompt: {stats.prompt_tokens} tokens, {speed}", file=sys.stderr)
     print(
         f"Generation: {stats.generated_tokens} tokens, {stats.generation_tps:.3f} tokens-per-sec",
