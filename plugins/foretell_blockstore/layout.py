@@ -661,7 +661,8 @@ class BlockStoreLayout:
             blockfile.wait_in_order(jobs)
             marks.append(time.perf_counter())
         if by_digest:
-            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs])
+            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs],
+                                   views=[flats[(s.layer, s.name)] for s in specs])
             bad = next((s for s, got, want in zip(specs, found or [None] * len(specs),
                                                   manifest.digests) if got != want), None)
             if bad is not None:

@@ -103,16 +103,53 @@ def test_preparing_readies_a_check_of_that_size_once(monkeypatch):
     assert digest._WEIGHTS == kept and digest._PREPARED == [5000]
 
 
-@pytest.mark.skipif(not (mx.cuda.is_available() and mx.default_device() == mx.gpu),
-                    reason="the fused kernel runs on a CUDA GPU")
-def test_the_cuda_kernel_equals_the_oracle_over_several_launches():
-    sizes = [1, 3, 255, 4096, 65_537, 300_001, *([2048] * 12)]  # more than one launch
+def _stored_forms() -> list[mx.array]:
+    """Arrays of every size class and layout a check meets: empty, odd word counts,
+    slices that start past their buffer's first byte, a transpose (not row-contiguous)."""
+    sizes = [1, 3, 255, 4096, 65_537, 300_001, *([2048] * 12)]
     arrays = [mx.random.randint(0, 2**31, (n,), key=mx.random.key(n)).astype(mx.uint32)
               for n in sizes]
-    arrays.append(mx.random.normal((2, 4, 64, 128)).astype(mx.bfloat16))
+    base = mx.random.normal((2, 4, 64, 128), key=mx.random.key(7)).astype(mx.bfloat16)
+    arrays += [base, base[:, :, 5:, :], base.transpose(0, 2, 1, 3), mx.zeros((0,), mx.uint32)]
     mx.eval(arrays)
-    assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
+    return arrays
+
+
+def _host_table_kernel(table):
+    """The kernel's contract on the host: each row (address, words) summed by the oracle
+    from the bytes at that address."""
+    import ctypes
+
+    return mx.array(np.array([digest.reference(ctypes.string_at(int(a), int(n) * 4))
+                              for a, n in table.tolist()], dtype=np.uint64))
+
+
+def test_the_table_of_addresses_points_at_every_tensors_bytes(monkeypatch):
+    """The kernel reads each tensor at the address and length its table gives: for arrays
+    of every layout (their words made contiguous first) and for a read's flat views of the
+    same buffers, the table's bytes are the tensors' (here read on the host)."""
+    monkeypatch.setattr(digest, "_on_cuda", lambda: True)
+    monkeypatch.setattr(digest, "_KERNEL", [_host_table_kernel])
+    monkeypatch.setattr(digest, "_KERNEL_STATE", ["untried"])
+    monkeypatch.setattr(digest, "KERNEL_ROWS", 5)  # several launches
+    arrays = _stored_forms()
+    expected = [digest.reference(_bytes(a)) for a in arrays]
+    assert digest.digests(arrays) == expected
+    flat = [a for a in arrays if a.nbytes == 0 or memoryview(a).c_contiguous]
+    views = [memoryview(a).cast("B") for a in flat]
+    assert digest.digests(flat, views=views) == [digest.reference(_bytes(a)) for a in flat]
     assert digest._KERNEL_STATE[0] == "works"
+
+
+@pytest.mark.skipif(not (mx.cuda.is_available() and mx.default_device() == mx.gpu),
+                    reason="the kernel runs on a CUDA GPU")
+def test_the_cuda_kernel_equals_the_oracle(monkeypatch):
+    arrays = _stored_forms()
+    expected = [digest.reference(_bytes(a)) for a in arrays]
+    assert digest.digests(arrays) == expected
+    assert digest._KERNEL_STATE[0] == "works"
+    monkeypatch.setattr(digest, "KERNEL_ROWS", 5)
+    assert digest.digests(arrays) == expected
 
 
 def test_a_kernel_that_fails_leaves_the_ops_to_digest_with_one_warning(monkeypatch, caplog):
@@ -122,8 +159,8 @@ def test_a_kernel_that_fails_leaves_the_ops_to_digest_with_one_warning(monkeypat
 
     calls = []
 
-    def failing(words):
-        calls.append(len(words))
+    def failing(arrays, views):
+        calls.append(len(arrays))
         raise RuntimeError("nvrtc: no such library")
 
     monkeypatch.setattr(digest, "_on_cuda", lambda: True)

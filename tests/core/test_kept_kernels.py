@@ -6,6 +6,7 @@ real; the guard's fallbacks are driven with stand-ins anywhere."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import mlx.core as mx
@@ -95,7 +96,7 @@ def test_digests_use_the_kept_kernel_only_after_it_passes_its_check(monkeypatch,
     monkeypatch.setattr(kernels, "custom_kernel", lambda *a, **k: "the jit form")
 
     def wrong(**kwargs):
-        return [mx.ones((digest.KERNEL_INPUTS,), dtype=mx.uint64)]
+        return [mx.ones((3,), dtype=mx.uint64)]
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", wrong)
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
@@ -103,9 +104,9 @@ def test_digests_use_the_kept_kernel_only_after_it_passes_its_check(monkeypatch,
     assert launch.__name__ == "by_jit" and "failed its check" not in caplog.text
     assert "gave" in caplog.text
 
-    def right(*, inputs, **kwargs):
-        return [mx.array(np.array([digest.reference(memoryview(a)) for a in inputs[:-1]],
-                                  dtype=np.uint64))]
+    def right(*, inputs, **kwargs):  # sums the rows (address, words) of its table
+        return [mx.array(np.array([digest.reference(ctypes.string_at(a, n * 4))
+                                   for a, n in inputs[0].tolist()], dtype=np.uint64))]
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", right)
     assert digest._launcher().__name__ == "by_ptx"

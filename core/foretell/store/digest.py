@@ -5,9 +5,10 @@ GPU by DMA. Hashing those bytes on the host (XXH3, :func:`foretell.store.format.
 made the verified read of the 4B shape's 604 MB entry 1.34-1.80x the unverified one on the
 H200 host (docs/benchmarks.md): the host's memory and threads were the read's limit, and
 the hash added to both. A device digest runs on the GPU after every block has landed and
-checks the bytes where they will be used: one fused CUDA kernel (:func:`_by_kernel`, 0.9 ms
-for the 604 MB) where MLX runs on CUDA, MLX ops elsewhere and where the kernel cannot be
-built (3.0 ms there; ~1.8 GB/s on a CPU, where XXH3's 30 GB/s stays the check).
+checks the bytes where they will be used: one launch of a CUDA kernel over a table of the
+tensors' addresses (:func:`_by_kernel`) where MLX runs on CUDA, MLX ops elsewhere and where
+the kernel cannot be built (3.0 ms for the 4B shape's 604 MB on the H200; ~1.8 GB/s on a
+CPU, where XXH3's 30 GB/s stays the check).
 
 **The digest** (``mlh64``) of a tensor whose row-major bytes are the little-endian 32-bit
 words ``x_0 .. x_{n-1}``: ``sum(x_i * w_i) mod 2**64``, with ``w_i`` the SplitMix64 output
@@ -62,38 +63,49 @@ def enabled() -> bool:
     return device_mode(ENV, cuda="on", elsewhere="off", choices=("on", "off")) == "on"
 
 
-def digests(arrays: Sequence[mx.array]) -> list[int] | None:
+def digests(arrays: Sequence[mx.array], views: Sequence[memoryview] | None = None
+            ) -> list[int] | None:
     """Each array's digest, computed by MLX where it lives, in one evaluation; None when
-    some array's bytes do not split into 32-bit words (then none is recorded)."""
+    some array's bytes do not split into 32-bit words (then none is recorded). ``views``:
+    writable flat views of the same (row-contiguous) buffers, as a read holds them; the
+    CUDA kernel then reads the buffers at their addresses, with no MLX op per array."""
     import mlx.core as mx
 
     if any(a.nbytes % 4 for a in arrays):
         return None
     if not arrays:
         return []
-    words = [a.reshape(-1).view(mx.uint32) if a.dtype != mx.uint32 else a.reshape(-1)
-             for a in arrays]
     if _KERNEL_STATE[0] != "failed" and _on_cuda():
         try:
-            return _by_kernel(words)
+            return _by_kernel(arrays, views)
         except RuntimeError as exc:  # NVRTC missing or refusing: the ops give the same
             _KERNEL_STATE[0] = "failed"
             log.warning("device digests: the CUDA kernel failed (%s); using MLX ops", exc)
+    words = [_words(a) for a in arrays]
     weights = _weights(max(w.size for w in words))
     sums = mx.stack([mx.sum(w.astype(mx.uint64) * weights[:w.size]) for w in words])
     return [int(s) for s in sums.tolist()]
 
 
-#: Tensors one launch of the CUDA kernel digests (a fixed count: one compiled kernel).
-KERNEL_INPUTS = 8
-#: Threads per tensor in a launch; each strides over its tensor's words.
+def _words(array: mx.array) -> mx.array:
+    import mlx.core as mx
+
+    return array.reshape(-1) if array.dtype == mx.uint32 else array.reshape(-1).view(mx.uint32)
+
+
+#: Tensors one launch of the CUDA kernel digests, one per row of its grid (CUDA's limit).
+KERNEL_ROWS = 65_535
+#: The most threads a tensor gets in a launch; each strides over its tensor's words.
 KERNEL_THREADS = 1 << 16
 _KERNEL: list[Any] = []
 _KERNEL_STATE = ["untried"]
 #: The kernel's name in its PTX form (``foretell.platform.ptx``).
-PTX_NAME = "foretell_mlh64"
-# The sum over one tensor's words; ``words``, ``n`` and ``sums`` are set by each form.
+PTX_NAME = "foretell_mlh64_table"
+# The sum over one tensor's words, the tensor being row ``blockIdx.y`` of ``table``
+# (address, words); ``table`` and ``sums`` are set by each form.
 _BODY = """
+    const unsigned int* words = (const unsigned int*)table[2 * blockIdx.y];
+    const long long n = (long long)table[2 * blockIdx.y + 1];
     unsigned long long acc = 0;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -110,80 +122,92 @@ _BODY = """
       atomicAdd((unsigned long long*)&sums[blockIdx.y], acc);
     }
 """
-_CASES = "".join(f"      case {k}: words = w{k}; break;\n" for k in range(1, KERNEL_INPUTS))
 #: The body as ``mx.fast.cuda_kernel`` wraps it (MLX writes the signature).
-_KERNEL_SOURCE = ("""
-    const uint32_t* words = w0;
-    long long n = w0_shape[0];
-    switch (blockIdx.y) {
-""" + "".join(f"      case {k}: words = w{k}; n = w{k}_shape[0]; break;\n"
-              for k in range(1, KERNEL_INPUTS)) + "    }" + _BODY)
+_KERNEL_SOURCE = _BODY
 #: The same kernel whole, needing no header (compiled once and kept: foretell.platform.ptx).
 PTX_SOURCE = (f'extern "C" __global__ void {PTX_NAME}(\n'
-              + "".join(f"    const unsigned int* w{k},\n" for k in range(KERNEL_INPUTS))
-              + """    const unsigned long long* sizes, unsigned long long* sums) {
-    const unsigned int* words = w0;
-    switch (blockIdx.y) {
-""" + _CASES + """    }
-    const long long n = (long long)sizes[blockIdx.y];""" + _BODY + "}\n")
+              "    const unsigned long long* table, unsigned long long* sums) {"
+              + _BODY + "}\n")
 
 
-def _by_kernel(words: list[mx.array]) -> list[int]:
-    """The digests by one fused CUDA kernel (weights made on the fly, each word read once,
-    :data:`KERNEL_INPUTS` tensors a launch): the same sum the MLX ops compute, without their
-    64-bit temporaries and with a ninth of their Python calls."""
+def _by_kernel(arrays: Sequence[mx.array], views: Sequence[memoryview] | None) -> list[int]:
+    """The digests by one launch of a CUDA kernel over a table of the tensors' addresses
+    and sizes (weights made on the fly, each word read once, no MLX op per tensor): the
+    same sums the MLX ops compute. Launches per tensor and ops per tensor were what a
+    check cost: 4.1-5.9 ms of a 26 ms restore of the 4B shape's 216 tensors (8-bit KV) on
+    the H200 in launches of 8, where the kernels' reading takes ~0.1 ms."""
     import mlx.core as mx
 
     with _LOCK:  # engines sharing a tier may write from two threads
         if not _KERNEL:
             _KERNEL.append(_launcher())
-    pad = mx.zeros((1,), dtype=mx.uint32)
-    outputs = []
-    for at in range(0, len(words), KERNEL_INPUTS):
-        batch = words[at:at + KERNEL_INPUTS]
-        outputs.append(_KERNEL[0](batch + [pad] * (KERNEL_INPUTS - len(batch)))[:len(batch)])
-    found = [int(s) for s in mx.concatenate(outputs).tolist()]
+    if views is None:
+        words = [_words(a) for a in arrays]
+        mx.eval(words)  # kept alive (``words``) until the sums are back
+        views = [_flat(w) for w in words]
+    table = _table(views)
+    found: list[int] = []
+    for at in range(0, len(table), KERNEL_ROWS):
+        found.extend(int(s) for s in _KERNEL[0](table[at:at + KERNEL_ROWS]).tolist())
     _KERNEL_STATE[0] = "works"
     return found
 
 
+def _flat(array: mx.array) -> memoryview:
+    return memoryview(array).cast("B") if array.size else memoryview(b"")
+
+
+def _table(views: Sequence[memoryview]) -> Any:
+    """The kernel's input: a row (address, 32-bit words) per view; an empty one reads
+    nothing (its address is never used)."""
+    import numpy as np
+
+    from foretell.platform.cuda import address
+
+    return np.array([(address(v) if v.nbytes else 0, v.nbytes // 4) for v in views],
+                    dtype=np.uint64).reshape(-1, 2)
+
+
 def _launcher() -> Any:
-    """How a batch of :data:`KERNEL_INPUTS` word arrays is digested: by the kernel compiled
-    from :data:`PTX_SOURCE` and kept (``foretell.platform.ptx``; each fresh process
-    compiling the ``mx.fast.cuda_kernel`` form took ~2 s on the H200) once its digests of
-    test arrays equal :func:`reference`'s, else by the ``mx.fast.cuda_kernel`` form."""
+    """How a table of (address, words) rows is digested: by the kernel compiled from
+    :data:`PTX_SOURCE` and kept (``foretell.platform.ptx``; each fresh process compiling
+    the ``mx.fast.cuda_kernel`` form took ~2 s on the H200) once its digests of test
+    arrays equal :func:`reference`'s, else by the ``mx.fast.cuda_kernel`` form."""
     import mlx.core as mx
     import numpy as np
 
     from foretell.platform import ptx
     from foretell.platform.kernels import custom_kernel
 
+    def grid(table: Any) -> dict[str, Any]:
+        widest = int(table[:, 1].max()) if len(table) else 0
+        threads = min(KERNEL_THREADS, max(256, -(-widest // 256) * 256))
+        return {"grid": (threads, len(table), 1), "threadgroup": (256, 1, 1),
+                "output_shapes": [(len(table),)], "output_dtypes": [mx.uint64],
+                "init_value": 0}
+
     def kept(compiled: bytes) -> Any:
-        def by_ptx(batch: list[mx.array]) -> mx.array:
-            sizes = mx.array([w.size for w in batch], dtype=mx.uint64)
+        def by_ptx(table: Any) -> mx.array:
             return mx.fast.precompiled_cuda_kernel(
-                name=PTX_NAME, compiled_source=compiled, inputs=[*batch, sizes],
-                output_shapes=[(KERNEL_INPUTS,)], output_dtypes=[mx.uint64], scalars=[],
-                grid=(KERNEL_THREADS, KERNEL_INPUTS, 1), threadgroup=(256, 1, 1),
-                init_value=0)[0]
+                name=PTX_NAME, compiled_source=compiled, inputs=[mx.array(table)],
+                scalars=[], **grid(table))[0]
         return by_ptx
 
     def mismatch(launch: Any) -> str | None:
         tests = [np.arange(4099, dtype=np.uint32) * np.uint32(2654435761),
-                 np.arange(37, dtype=np.uint32) + np.uint32(0xFFFFFF00)]
-        pads = [mx.zeros((1,), dtype=mx.uint32)] * (KERNEL_INPUTS - len(tests))
-        got = launch([mx.array(t) for t in tests] + pads).tolist()[:len(tests)]
+                 np.arange(37, dtype=np.uint32) + np.uint32(0xFFFFFF00),
+                 np.zeros(0, dtype=np.uint32)]
+        arrays = [mx.array(t) for t in tests]
+        mx.eval(arrays)
+        got = launch(_table([_flat(a) for a in arrays])).tolist()
         return None if got == [reference(t) for t in tests] else str(got)
 
     def fallback() -> Any:
-        kernel = custom_kernel(PTX_NAME, _KERNEL_SOURCE,
-                               input_names=[f"w{k}" for k in range(KERNEL_INPUTS)],
+        kernel = custom_kernel(PTX_NAME, _KERNEL_SOURCE, input_names=["table"],
                                output_names=["sums"])
 
-        def by_jit(batch: list[mx.array]) -> mx.array:
-            return kernel(inputs=batch, grid=(KERNEL_THREADS, KERNEL_INPUTS, 1),
-                          threadgroup=(256, 1, 1), output_shapes=[(KERNEL_INPUTS,)],
-                          output_dtypes=[mx.uint64], init_value=0)[0]
+        def by_jit(table: Any) -> mx.array:
+            return kernel(inputs=[mx.array(table)], **grid(table))[0]
         return by_jit
 
     return ptx.checked(PTX_NAME, PTX_SOURCE, kept, mismatch, fallback)
