@@ -31,6 +31,9 @@
 #   verify     the GPU's own tests (~3 min): the block store's suite, the device digest's and
 #              the kept kernels' (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then cache4b at
 #              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
+#   digests    the device digests' and kept kernels' tests, scripts/device_digest_probe.py
+#              (8-bit and bf16 4B shapes), then cache4b at 8-bit KV (REPEATS, default 7;
+#              TAG, default table) (~5 min)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -105,6 +108,14 @@ verify)
     > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
   grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
   if [ "${ROW:-0}" = 1 ]; then KV_BITS=8 TAG=defaults bash "$0" cache4b; fi
+  ;;
+digests)
+  TESTS="tests/cache/test_device_digest.py tests/core/test_kept_kernels.py
+    tests/blockstore/test_device_digests.py tests/blockstore/test_blocks_layout.py" ROW=0 \
+    bash "$0" verify
+  for shape in kv8 bf16; do timeout 120 $PY scripts/device_digest_probe.py 15 $shape; done \
+    2>&1 | tee "$OUT/device-digest-probe.log"
+  KV_BITS=8 TAG=${TAG:-table} REPEATS=${REPEATS:-7} bash "$0" cache4b
   ;;
 mtpoff)
   timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
