@@ -110,7 +110,8 @@ def _stored_forms() -> list[mx.array]:
     arrays = [mx.random.randint(0, 2**31, (n,), key=mx.random.key(n)).astype(mx.uint32)
               for n in sizes]
     base = mx.random.normal((2, 4, 64, 128), key=mx.random.key(7)).astype(mx.bfloat16)
-    arrays += [base, base[:, :, 5:, :], base.transpose(0, 2, 1, 3), mx.zeros((0,), mx.uint32)]
+    arrays += [base, base[1:], base[:, :, 5:, :], base.transpose(0, 2, 1, 3),
+               mx.zeros((0,), mx.uint32)]
     mx.eval(arrays)
     return arrays
 
