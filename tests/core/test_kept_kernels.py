@@ -87,36 +87,70 @@ def test_a_bad_source_is_refused_with_nvrtcs_log(kept, caplog):
     assert "NVRTC refused kernel broken" in caplog.text and "nope" in caplog.text
 
 
+def _summing(*, inputs, **kwargs):
+    """A digest kernel on the host: sums the rows (address, words) of its table."""
+    return [mx.array(np.array([digest.reference(ctypes.string_at(a, n * 4))
+                               for a, n in inputs[0].tolist()], dtype=np.uint64))]
+
+
+def _wrong_sums(**kwargs):
+    return [mx.ones((3,), dtype=mx.uint64)]
+
+
+def _placing(*, inputs, **kwargs):
+    """A placing kernel on the host: copies the runs (from, to, bytes) of its table."""
+    for source, to, nbytes in inputs[0].tolist():
+        ctypes.memmove(to, source, nbytes)
+    return [mx.array([len(inputs[0])], dtype=mx.uint64)]
+
+
+def _jit_form(launch):
+    """An ``mx.fast.cuda_kernel`` stand-in whose kernel is ``launch``."""
+    return lambda *args, **kwargs: (lambda **call: launch(**call))
+
+
 def test_digests_use_the_kept_kernel_only_after_it_passes_its_check(monkeypatch, caplog):
     """A kept kernel that fails, or gives wrong sums, is never used: the
-    ``mx.fast.cuda_kernel`` form is, after one warning."""
+    ``mx.fast.cuda_kernel`` form is, after one warning, once it passes the same check."""
     from foretell.platform import kernels
 
     monkeypatch.setattr("foretell.platform.ptx.kernel_ptx", lambda name, source: b"image")
-    monkeypatch.setattr(kernels, "custom_kernel", lambda *a, **k: "the jit form")
-
-    def wrong(**kwargs):
-        return [mx.ones((3,), dtype=mx.uint64)]
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", wrong)
+    monkeypatch.setattr(kernels, "custom_kernel", _jit_form(_summing))
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", _wrong_sums)
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         launch = digest._launcher()
     assert launch.__name__ == "by_jit" and "failed its check" not in caplog.text
     assert "gave" in caplog.text
 
-    def right(*, inputs, **kwargs):  # sums the rows (address, words) of its table
-        return [mx.array(np.array([digest.reference(ctypes.string_at(a, n * 4))
-                                   for a, n in inputs[0].tolist()], dtype=np.uint64))]
-
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", right)
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", _summing)
     assert digest._launcher().__name__ == "by_ptx"
+
+
+def test_a_digest_kernel_failing_its_check_in_both_forms_leaves_the_ops(monkeypatch, caplog):
+    """A kernel that gives the same wrong sums for the bytes written and read would pass
+    every read it checks: no form of it is used unchecked. Both failing, the MLX ops
+    digest, with a warning."""
+    from foretell.platform import kernels
+
+    monkeypatch.setattr("foretell.platform.ptx.kernel_ptx", lambda name, source: b"image")
+    monkeypatch.setattr(kernels, "custom_kernel", _jit_form(_wrong_sums))
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", _wrong_sums)
+    with pytest.raises(RuntimeError, match="gave"):
+        digest._launcher()
+    monkeypatch.setattr(digest, "_on_cuda", lambda: True)
+    monkeypatch.setattr(digest, "_KERNEL", [])
+    monkeypatch.setattr(digest, "_KERNEL_STATE", ["untried"])
+    arrays = [mx.arange(40, dtype=mx.uint32), mx.arange(8, dtype=mx.uint32) * 3]
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        assert digest.digests(arrays) == [digest.reference(memoryview(a)) for a in arrays]
+    assert digest._KERNEL_STATE[0] == "failed" and "using MLX ops" in caplog.text
 
 
 def test_placing_uses_the_kept_kernel_only_after_it_passes_its_check(monkeypatch, caplog):
     from foretell.platform import kernels
 
     monkeypatch.setattr("foretell.platform.ptx.kernel_ptx", lambda name, source: b"image")
-    monkeypatch.setattr(kernels, "custom_kernel", lambda *a, **k: "the jit form")
+    monkeypatch.setattr(kernels, "custom_kernel", _jit_form(_placing))
 
     def refusing(**kwargs):
         raise RuntimeError("Failed to load compiled foretell_place_runs kernel")
@@ -125,6 +159,12 @@ def test_placing_uses_the_kept_kernel_only_after_it_passes_its_check(monkeypatch
     with caplog.at_level(logging.WARNING, logger="foretell.store"):
         launch = cuda._place_launcher()
     assert launch.__name__ == "by_jit" and "failed its check" in caplog.text
+    monkeypatch.setattr(kernels, "custom_kernel",
+                        _jit_form(lambda **call: [mx.array([0], dtype=mx.uint64)]))
+    with pytest.raises(RuntimeError, match="other bytes"):
+        cuda._place_launcher()  # a fallback that places nothing is not used either
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", _placing)
+    assert cuda._place_launcher().__name__ == "by_ptx"
 
 
 def test_a_kept_kernel_that_fails_its_check_is_deleted_and_compiled_afresh_next_time(

@@ -93,10 +93,15 @@ def checked(name: str, source: str, kept: Callable[[bytes], Any],
     """The launch to use for kernel ``name``: ``kept(compiled)``, the kept form of
     ``source`` (:func:`kernel_ptx`), once ``mismatch(launch)`` finds nothing wrong with its
     results against a reference (it returns what it got otherwise); else ``fallback()``,
-    the ``mx.fast.cuda_kernel`` form, with one warning if a kept form was tried. Any error
-    of the kept form counts as failing its check; a kept form that fails it is deleted
-    (:func:`discard`), so a damaged file is compiled afresh by the next process instead of
-    failing in every one."""
+    the ``mx.fast.cuda_kernel`` form, with one warning if a kept form was tried, once it
+    passes the same check. Any error of the kept form counts as failing its check; a kept
+    form that fails it is deleted (:func:`discard`), so a damaged file is compiled afresh
+    by the next process instead of failing in every one.
+
+    :raises RuntimeError: the fallback fails its check too (each caller has a slower path
+        that needs no kernel: a digest by MLX ops, a read landing piece by piece). A wrong
+        digest kernel used to check reads and to digest writes alike could pass everything
+        it was shown; no form is used unchecked."""
     compiled = kernel_ptx(name, source)
     if compiled is not None:
         try:
@@ -111,7 +116,11 @@ def checked(name: str, source: str, kept: Callable[[bytes], Any],
             log.warning("kept kernel %s gave %s on its check; using mx.fast.cuda_kernel",
                         name, wrong)
         discard(name, source)
-    return fallback()
+    launch = fallback()
+    wrong = mismatch(launch)
+    if wrong is not None:
+        raise RuntimeError(f"kernel {name} gave {wrong} on its check")
+    return launch
 
 
 def discard(name: str, source: str) -> None:
