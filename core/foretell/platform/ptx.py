@@ -11,8 +11,8 @@ compiles its own) under ``<cache home>/kernels/`` and MLX runs it through
 ``mx.fast.precompiled_cuda_kernel``.
 
 Where NVRTC cannot be found or refuses a source, :func:`kernel_ptx` answers None and the
-caller runs its ``mx.fast.cuda_kernel`` form instead; callers check a kernel's first
-results against a reference before trusting it. NVRTC comes with MLX's CUDA build (the
+caller runs its ``mx.fast.cuda_kernel`` form instead; :func:`checked` runs either form
+only after its first results equal a reference's. NVRTC comes with MLX's CUDA build (the
 ``nvidia-cuda-nvrtc`` package it requires); it is looked for where MLX loaded it, in
 Python's ``nvidia/*/lib`` directories, and by the loader's own search.
 """
