@@ -77,6 +77,21 @@ def test_cache_commands_list_verify_and_clean(model_dir, tmp_path, capsys):
         0, {"entries": [], "skipped": []})
 
 
+def test_the_listing_names_its_columns_and_aligns_them(model_dir, tmp_path, capsys):
+    for prompt, layout in (("def fibonacci(n):", "single-file"), ("import os", "blocks")):
+        run_json(capsys, "--model", str(model_dir), "--prompt", prompt, "--max-tokens", "4",
+                 "--cache-dir", str(tmp_path), "--cache-layout", layout)
+    assert main(["cache", "ls", "--cache-dir", str(tmp_path)]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.split() == ["KEY", "TOKENS", "SIZE", "LAST", "USED", "MODEL", "LAYOUT",
+                              "NAMESPACE"]
+    assert len(lines) == 2 and {line.split()[-2] for line in lines} == {"single-file",
+                                                                         "blocks"}
+    for column in ("LAYOUT", "NAMESPACE"):  # each row's cell starts under its name
+        at = header.index(column)
+        assert all(line[at - 2:at] == "  " and line[at] != " " for line in lines), column
+
+
 def test_verify_reports_a_stray_file_as_skipped_and_passes(model_dir, tmp_path, capsys):
     """A file foretell did not write, in a folder of the cache directory that no model's
     entries use: not ours to judge or delete, so reported as kept; verify passes."""

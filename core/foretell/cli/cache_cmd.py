@@ -219,10 +219,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"entries": rows, "skipped": skipped}))
         return 0
+    model = max([len("MODEL"), *(len(r["model_id"]) for r in rows)])
+    layout = max([len("LAYOUT"), *(len(r["layout"]) for r in rows)])
+    if rows:
+        print(f"{'KEY':<32}  {'TOKENS':>11}  {'SIZE':>9}  {'LAST USED':<19}  "
+              f"{'MODEL':<{model}}  {'LAYOUT':<{layout}}  NAMESPACE")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["last_used"]))
-        print(f"{r['key']}  {r['tokens']:>7} tok  {_size(r['bytes']):>9}  {when}  "
-              f"{r['model_id']}  {r['layout']}  {r['namespace'] or '-'}")
+        print(f"{r['key']:<32}  {r['tokens']:>7} tok  {_size(r['bytes']):>9}  {when}  "
+              f"{r['model_id']:<{model}}  {r['layout']:<{layout}}  {r['namespace'] or '-'}")
     if not rows:
         print("no entries")
     _say_skipped(skipped)
