@@ -165,7 +165,7 @@ class CacheSection:
     ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
     layout: str = attrs.field(default=DEFAULT_LAYOUT, metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})
     kv_bits: int | None = attrs.field(default=None, validator=_kv_bits, metadata={"help": "quantize full-attention KV to 4 or 8 bits"})
-    resume: bool = attrs.field(default=False, metadata={"help": "checkpoint the generation and continue an interrupted identical one"})
+    resume: bool = attrs.field(default=False, metadata={"help": "checkpoint the generation and continue an interrupted identical one (`foretell run`; `foretell chat` ignores it)"})
     checkpoint_every: int = attrs.field(default=64, validator=at_least(1), metadata={"help": "tokens between generation checkpoints"})
     #: The layout's own options (its registered config class), read from the same
     #: ``[cache]`` table as the keys above; None: the layout's defaults.

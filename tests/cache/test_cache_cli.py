@@ -213,6 +213,23 @@ def chat_notes(model_dir, monkeypatch, capsys, *extra) -> list[int]:
     return [int(n) for n in re.findall(r"(\d+) prompt tokens cached", capsys.readouterr().err)]
 
 
+def test_chat_offers_no_resume_and_says_a_configs_resume_is_not_for_it(
+        model_dir, tmp_path, monkeypatch, capsys):
+    """`--resume` reruns an identical `foretell run`; a chat has no such command to rerun,
+    so it is not offered, and a shared config's `resume = true` is named as ignored."""
+    import io
+
+    with pytest.raises(SystemExit):
+        main(["chat", "--model", str(model_dir), "--resume"])
+    assert "unrecognized arguments: --resume" in capsys.readouterr().err
+    config = tmp_path / "run.toml"
+    config.write_text(f'[cache]\ndir = "{tmp_path}"\nresume = true\n')
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hi\n")))
+    assert main(["chat", "--model", str(model_dir), "--max-tokens", "2", "--config",
+                 str(config)]) == 0
+    assert "[cache] resume applies to `foretell run` only" in capsys.readouterr().err
+
+
 def test_chat_turns_reuse_the_previous_turn_and_a_restart_reuses_the_disk(
         model_dir, tmp_path, monkeypatch, capsys):
     first, second = chat_notes(model_dir, monkeypatch, capsys, "--cache-dir", str(tmp_path))

@@ -36,13 +36,16 @@ HELP = "\n".join(f"  {name:<7} {what}" for name, what in COMMANDS.items())
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("chat", help="talk with a model: a multi-turn REPL")
-    add_run_flags(p)
+    add_run_flags(p, resume=False)
     p.add_argument("--system", default=None, help="a system message that opens the conversation")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     registry, config = run_config(args)
+    if config.cache.resume:  # a config file shared with `run` may set it
+        print("foretell chat: note: [cache] resume applies to `foretell run` only (a "
+              "conversation lives in this process); ignored here", file=sys.stderr)
     # Each turn's prompt + reply stays in RAM (and on disk with --cache-dir), so the next
     # turn computes only what is new.
     engine = open_engine(config.model, registry, quiet=False, cache=config.cache, ram_cache=True)

@@ -54,8 +54,10 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(handler=run)
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The flags ``run`` and ``chat`` share; each maps onto a field of the run config."""
+def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
+    """The flags ``run`` and ``chat`` share; each maps onto a field of the run config.
+    ``resume``: offer ``--resume`` (``run`` only: a chat's conversation lives in its
+    process, so there is no identical command to rerun)."""
     p.add_argument(
         "--model", "-m", default=None, help="model directory or shipped model name (default: demo)"
     )
@@ -115,9 +117,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="storage layout of the cache directory (see `foretell plugins`)")
     p.add_argument("--kv-bits", type=int, default=None, metavar="N",
                    help="quantize the KV cache to 4 or 8 bits (default: off)")
-    p.add_argument("--resume", action="store_const", const=True, default=None,
-                   help="checkpoint the generation; rerun the same command after a crash to "
-                   "continue it (needs --cache-dir)")
+    if resume:
+        p.add_argument("--resume", action="store_const", const=True, default=None,
+                       help="checkpoint the generation; rerun the same command after a crash "
+                       "to continue it (needs --cache-dir)")
 
 
 _FLAG_FIELDS = {
