@@ -213,6 +213,33 @@ def chat_notes(model_dir, monkeypatch, capsys, *extra) -> list[int]:
     return [int(n) for n in re.findall(r"(\d+) prompt tokens cached", capsys.readouterr().err)]
 
 
+@pytest.mark.parametrize("command, flags, named", [
+    ("run", ["--resume"], "cache.resume: needs a cache directory"),
+    ("run", ["--cache-max-gb", "2"], "cache.max_gb: needs a cache directory (--cache-dir DIR), "
+                                     "set by --cache-max-gb"),
+    ("chat", ["--cache-layout", "single-file"], "set by --cache-layout"),
+])
+def test_settings_of_the_disk_tier_without_a_directory_are_refused(
+        model_dir, capsys, command, flags, named):
+    """Given where there is no SSD tier they would be ignored in silence; nothing runs."""
+    assert main([command, "--model", str(model_dir), "--max-tokens", "2", *flags]) != 0
+    err = capsys.readouterr().err
+    assert named in err and "Prompt:" not in err
+
+
+def test_a_config_files_disk_settings_wait_for_a_directory(model_dir, tmp_path, capsys):
+    """A config may hold the tier's defaults for runs that name the directory on the
+    command line: alone, they run without one."""
+    config = tmp_path / "run.toml"
+    config.write_text('[cache]\nmax_gb = 2\nlayout = "single-file"\n')
+    stats = run_json(capsys, "--model", str(model_dir), "--max-tokens", "2", "--config",
+                     str(config))
+    assert stats["cached_tokens"] == 0
+    stats = run_json(capsys, "--model", str(model_dir), "--max-tokens", "2", "--config",
+                     str(config), "--cache-dir", str(tmp_path))
+    assert list(tmp_path.glob("*/*.safetensors"))  # the config's layout, the flag's directory
+
+
 def test_chat_offers_no_resume_and_says_a_configs_resume_is_not_for_it(
         model_dir, tmp_path, monkeypatch, capsys):
     """`--resume` reruns an identical `foretell run`; a chat has no such command to rerun,

@@ -154,7 +154,25 @@ def run_config(args: argparse.Namespace):
     overrides.update(draft_overrides(args))
     registry = load_plugins().registry
     config = load_run_config(registry, args.config, overrides)
+    if config.cache.dir is None:
+        _refuse_disk_settings_without_a_directory(args, config)
     return registry, config
+
+
+def _refuse_disk_settings_without_a_directory(args: argparse.Namespace, config: Any) -> None:
+    """Settings of the SSD tier given where there is none would be ignored in silence:
+    ``--resume`` (or ``[cache] resume``), ``--cache-max-gb`` and ``--cache-layout``. A
+    config file's ``max_gb`` or ``layout`` alone is allowed: it may hold the defaults for
+    runs that name the directory on the command line."""
+    problems = []
+    if config.cache.resume and hasattr(args, "resume"):  # a chat ignores it (chat_cmd)
+        problems.append("cache.resume: needs a cache directory (--cache-dir DIR)")
+    for flag, field in (("cache_max_gb", "max_gb"), ("cache_layout", "layout")):
+        if getattr(args, flag, None) is not None:
+            problems.append(f"cache.{field}: needs a cache directory (--cache-dir DIR), "
+                            f"set by --{flag.replace('_', '-')}")
+    if problems:
+        raise ConfigError(args.config or "command line", problems)
 
 
 def draft_overrides(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
@@ -265,9 +283,6 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
     stops = [text.unescape(text.checked(s, "--stop")) for s in args.stop]
     registry, config = run_config(args)
-    if config.cache.resume and config.cache.dir is None:
-        raise ConfigError(args.config or "command line",
-                          ["cache.resume: needs a cache directory (--cache-dir DIR)"])
     engine = open_engine(config.model, registry, quiet=args.json, cache=config.cache)
     apply_draft(engine, config.draft, registry, quiet=args.json)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
