@@ -231,6 +231,10 @@ def make_converter(registry: Registry) -> cattrs.Converter:
             extra = sorted(set(rest) - {"kind"})
             if extra:
                 raise FieldError(extra[0], f"unknown field: draft kind '{rest['kind']}' takes no options")
+            given = sorted(shared & set(body))
+            if rest["kind"] == DRAFT_NONE and given:  # else ignored in silence
+                raise FieldError(given[0], "draft kind 'none' turns speculation off: no draft "
+                                 "setting applies")
             return DraftSection(kind=rest["kind"], settings=settings)
         name, options = _structure_selected(conv, registry, Kind.DRAFT, rest)
         return DraftSection(kind=name, settings=settings, options=options)

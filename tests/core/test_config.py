@@ -86,6 +86,12 @@ def test_options_given_to_a_kind_without_config(registry, tmp_path):
     )
 
 
+def test_draft_settings_given_with_speculation_off_are_refused(registry, tmp_path):
+    assert _errors(registry, tmp_path, '[draft]\nkind = "none"\nnum_tokens = 3\n') == (
+        "run.toml: draft.num_tokens: draft kind 'none' turns speculation off: no draft "
+        "setting applies")
+
+
 def test_wrong_types_are_not_coerced(registry, tmp_path):
     assert _errors(registry, tmp_path, 'max_tokens = "12"\n') == (
         "run.toml: max_tokens: expected an integer, got '12'"
