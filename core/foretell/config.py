@@ -354,6 +354,18 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from exc
 
 
+def _draft_table_for(table: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A config file's ``[draft]`` table once a flag chose draft kind ``kind``: another
+    kind's own options belong to that drafter and go (else `--draft none` over a file that
+    configures a drafter could not turn it off); with ``none``, the shared settings too."""
+    if table.get("kind") == kind:
+        return table
+    if kind == DRAFT_NONE:
+        return {}
+    shared = {a.name for a in attrs.fields(DraftSettings)}
+    return {key: value for key, value in table.items() if key in shared}
+
+
 def load_run_config(
     registry: Registry,
     path: str | Path | None = None,
@@ -366,6 +378,9 @@ def load_run_config(
     """
     data = read_toml(path) if path is not None else {}
     source = str(path) if path is not None else "command line"
+    kind = (overrides or {}).get("draft.kind", (None, ""))[0]
+    if kind is not None and isinstance(data.get("draft"), dict):
+        data["draft"] = _draft_table_for(data["draft"], kind)
     flags: dict[str, str] = {}
     for dotted, (value, flag) in (overrides or {}).items():
         if value is None:

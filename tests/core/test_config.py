@@ -92,6 +92,22 @@ def test_draft_settings_given_with_speculation_off_are_refused(registry, tmp_pat
         "setting applies")
 
 
+def test_a_kind_chosen_by_flag_drops_the_files_options_of_another_kind(registry, tmp_path):
+    """`--draft none` turns off the drafter a config file sets up; another kind by flag
+    keeps the file's shared settings and drops the other drafter's own options."""
+    path = tmp_path / "run.toml"
+    path.write_text('[draft]\nkind = "two-model"\nmodel = "d"\nnum_tokens = 3\n')
+    off = load_run_config(registry, path, {"draft.kind": ("none", "--draft")})
+    assert off.draft.kind == "none" and off.draft.settings.num_tokens is None
+    plain = load_run_config(registry, path, {"draft.kind": ("plain", "--draft")})
+    assert plain.draft.kind == "plain" and plain.draft.settings.num_tokens == 3
+    same = load_run_config(registry, path, {"draft.kind": ("two-model", "--draft")})
+    assert same.draft.options is not None and same.draft.settings.num_tokens == 3
+    with pytest.raises(ConfigError, match="set by --num-draft-tokens"):  # given together
+        load_run_config(registry, path, {"draft.kind": ("none", "--draft"),
+                                         "draft.num_tokens": (2, "--num-draft-tokens")})
+
+
 def test_wrong_types_are_not_coerced(registry, tmp_path):
     assert _errors(registry, tmp_path, 'max_tokens = "12"\n') == (
         "run.toml: max_tokens: expected an integer, got '12'"
