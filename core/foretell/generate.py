@@ -339,19 +339,27 @@ class Engine:
         registry: Registry | None = None,
         path: Path | None = None,
         speculator: Speculator | None = None,
-        cache: CacheTier | None = None,
+        cache: CacheTier | str | os.PathLike[str] | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
     ):
+        """``cache``: a tier (engines of one model may share one), or a cache directory to
+        open one in for this engine (``CacheTier.for_engine``: the default layout, RAM and
+        SSD caps), so an integrator need not import the tier (which imports MLX) before
+        :func:`load` binds the CPU's BLAS."""
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
         self.path = path
-        #: The prefix cache tier (RAM, optional SSD); engines of one model may share one.
-        self.cache = cache
         #: Affine-quantized KV for full-attention layers (4 or 8 bits; None: unquantized).
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
+        if isinstance(cache, (str, os.PathLike)):
+            from foretell.cache.tier import CacheTier
+
+            cache = CacheTier.for_engine(self, cache)
+        #: The prefix cache tier (RAM, optional SSD); engines of one model may share one.
+        self.cache = cache
         #: The drafter requests use by default (None: plain decoding); see :meth:`use_draft`.
         self.speculator = speculator
 

@@ -47,6 +47,16 @@ def test_a_repeated_prompt_computes_only_its_last_token_and_says_so(model_dir, t
     assert warm.to_dict()["cached_from"] == "ram"
 
 
+def test_an_engine_given_a_directory_opens_its_tier_there(model_dir, tmp_path):
+    """`load(..., cache=DIR)`: the tier `CacheTier.for_engine` opens, without importing it."""
+    writer = foretell.load(model_dir, cache=str(tmp_path))
+    assert isinstance(writer.cache, CacheTier) and writer.cache.ssd is not None
+    run(writer)
+    assert writer.cache.close(10).durable
+    _, stats = run(foretell.load(model_dir, cache=tmp_path))  # a path-like too
+    assert (stats.cached_from, stats.cached_tokens) == ("ssd", len(PROMPT) - 1)
+
+
 def test_restore_in_a_fresh_process_continues_token_identically(model_dir, tmp_path):
     original, _ = run(foretell.load(model_dir))
     writer = engine_over(model_dir, tmp_path)
