@@ -57,6 +57,21 @@ def test_an_engine_given_a_directory_opens_its_tier_there(model_dir, tmp_path):
     assert (stats.cached_from, stats.cached_tokens) == ("ssd", len(PROMPT) - 1)
 
 
+def test_a_script_that_exits_without_flushing_keeps_what_it_computed(model_dir, tmp_path):
+    """The writer is a daemon thread: the interpreter's exit waits (bounded) for its queued
+    writes, so an integrator's script that generates and returns leaves its entries."""
+    import subprocess
+    import sys
+
+    script = ("import sys, foretell\n"
+              "engine = foretell.load(sys.argv[1], cache=sys.argv[2])\n"
+              f"list(engine.generate({PROMPT!r}, max_tokens=4, ignore_eos=True))\n")
+    subprocess.run([sys.executable, "-c", script, str(model_dir), str(tmp_path)], check=True,
+                   timeout=120)
+    _, stats = run(foretell.load(model_dir, cache=tmp_path))
+    assert (stats.cached_from, stats.cached_tokens) == ("ssd", len(PROMPT) - 1)
+
+
 def test_restore_in_a_fresh_process_continues_token_identically(model_dir, tmp_path):
     original, _ = run(foretell.load(model_dir))
     writer = engine_over(model_dir, tmp_path)

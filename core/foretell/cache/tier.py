@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,11 @@ class CacheTier:
         #: Checkpoints of completed generations still queued: deleted as they land.
         self._finished: set[Key] = set()
         self.ssd_hits = 0
+        self._closed = False
         if self.ssd is not None:
             self.ssd.scan()
             self.replenish()  # start-up pays the restore reserve's fill, not a first restore
+            _close_open_tiers_at_exit(self)
 
     @classmethod
     def open(
@@ -335,6 +338,7 @@ class CacheTier:
         processes that wrote there at once leave it within the cap as they exit (each
         indexed only what it found when it opened, docs/cache-storage.md)."""
         report = self.flush(timeout)
+        self._closed = True
         if self._spill is not None:
             self._spill.close(0)
         if self.ssd is not None and self.ssd.writes and report.durable:
@@ -364,6 +368,51 @@ class CacheTier:
                 "io_failures": self.ssd.layout.io_failures, "pending": self._spill.pending(),
             }
         return out
+
+
+#: How long the interpreter's exit waits for each open tier's queued writes (the CLI's
+#: bound after SIGINT or SIGTERM too: foretell.cli.cache_cmd).
+EXIT_FLUSH_S = 10.0
+#: Tiers with an SSD tier not yet closed (weakly: a tier let go needs no closing).
+_OPEN_TIERS: weakref.WeakSet[CacheTier] = weakref.WeakSet()
+_EXIT_LOCK = threading.Lock()
+_EXIT_HOOKED: list[bool] = []
+
+
+def _close_open_tiers_at_exit(tier: CacheTier) -> None:
+    """Have :func:`_close_at_exit` close ``tier`` as the interpreter exits. The hook runs
+    among threading's exit calls, before the thread pools the writes use refuse work (an
+    ``atexit`` hook comes after them: "cannot schedule new futures after interpreter
+    shutdown"); those calls run last registered first, so the pools' module is imported
+    before the hook registers."""
+    import concurrent.futures.thread  # noqa: F401 - its own exit call must run after ours
+
+    with _EXIT_LOCK:
+        if not _EXIT_HOOKED:
+            threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
+            _EXIT_HOOKED.append(True)
+        _OPEN_TIERS.add(tier)
+
+
+def _close_at_exit() -> None:
+    """Close every tier still open as the interpreter exits, so a script that generates
+    and returns keeps what it computed: the writer is a daemon thread, and without this its
+    queued writes died with the process (an integrator's script lost every entry of its
+    last requests). Bounded by :data:`EXIT_FLUSH_S`; what is not durable by then is said
+    once."""
+    for tier in list(_OPEN_TIERS):
+        if tier._closed:
+            continue
+        try:
+            report = tier.close(EXIT_FLUSH_S)
+        except Exception as exc:  # noqa: BLE001 - exiting: say it, never raise from here
+            log.warning("cache tier could not be flushed at exit (%s: %s)",
+                        type(exc).__name__, exc)
+            continue
+        if not report.durable:
+            log.warning("the cache is not durable at exit (pending %d, dropped %d, failed %d, "
+                        "missing %d)", report.pending, report.dropped, report.failed,
+                        report.missing)
 
 
 def _ready_for_worker(entry: Entry, *, digests: bool) -> Entry:
