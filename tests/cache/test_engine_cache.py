@@ -72,6 +72,29 @@ def test_a_script_that_exits_without_flushing_keeps_what_it_computed(model_dir, 
     assert (stats.cached_from, stats.cached_tokens) == ("ssd", len(PROMPT) - 1)
 
 
+def test_a_forked_child_leaves_the_parents_tiers_to_the_parent(model_dir, tmp_path):
+    """The child has the tier but not its writer thread; the parent closes it."""
+    import os
+    import warnings
+
+    from foretell.cache import tier as tier_module
+
+    engine = foretell.load(model_dir, cache=tmp_path)
+    assert engine.cache in tier_module._OPEN_TIERS
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # 3.12+: forking a threaded process (the child only
+        warnings.simplefilter("ignore", DeprecationWarning)  # writes a byte and exits)
+        child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        os.write(write, b"%d" % len(tier_module._OPEN_TIERS))
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"0"
+    os.waitpid(child, 0)
+    assert engine.cache in tier_module._OPEN_TIERS
+    engine.cache.close(10)
+
+
 def test_restore_in_a_fresh_process_continues_token_identically(model_dir, tmp_path):
     original, _ = run(foretell.load(model_dir))
     writer = engine_over(model_dir, tmp_path)

@@ -14,6 +14,7 @@ coordinator: it waits for the queue, rewrites from RAM what was dropped or faile
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -390,6 +391,9 @@ def _close_open_tiers_at_exit(tier: CacheTier) -> None:
     with _EXIT_LOCK:
         if not _EXIT_HOOKED:
             threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
+            # A forked child has the parent's tiers but not their writer thread: closing
+            # them would wait out the bound for a queue no thread drains. The parent's.
+            os.register_at_fork(after_in_child=_OPEN_TIERS.clear)
             _EXIT_HOOKED.append(True)
         _OPEN_TIERS.add(tier)
 
