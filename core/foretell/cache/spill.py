@@ -47,6 +47,17 @@ class FlushReport:
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    def shortfall(self) -> str:
+        """What kept it from being durable, in words."""
+        return (f"pending {self.pending}, dropped {self.dropped}, failed {self.failed}, "
+                f"missing {self.missing}")
+
+
+#: How long closing a tier waits for its queued writes: ``run`` and ``chat`` on exit (or
+#: SIGINT/SIGTERM), and the interpreter's exit for a tier still open
+#: (``foretell.cache.tier``).
+CLOSE_TIMEOUT_S = 10.0
+
 
 #: ``default_duty`` on a host with fewer than ``PARALLEL_READ_CORES`` cores.
 SMALL_HOST_DUTY = 0.1

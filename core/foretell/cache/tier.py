@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from foretell.cache.codecs import CacheCodec, restore_caches, snapshot_entry
 from foretell.cache.prefix import PrefixCache, match_rank
-from foretell.cache.spill import FlushReport, SpillQueue
+from foretell.cache.spill import CLOSE_TIMEOUT_S, FlushReport, SpillQueue
 from foretell.cache.ssd import SsdIndex
 from foretell.model.kvcache import trim_all
 from foretell.store import digest
@@ -371,9 +371,6 @@ class CacheTier:
         return out
 
 
-#: How long the interpreter's exit waits for each open tier's queued writes (the CLI's
-#: bound after SIGINT or SIGTERM too: foretell.cli.cache_cmd).
-EXIT_FLUSH_S = 10.0
 #: Tiers with an SSD tier not yet closed (weakly: a tier let go needs no closing).
 _OPEN_TIERS: weakref.WeakSet[CacheTier] = weakref.WeakSet()
 _EXIT_LOCK = threading.Lock()
@@ -402,21 +399,19 @@ def _close_at_exit() -> None:
     """Close every tier still open as the interpreter exits, so a script that generates
     and returns keeps what it computed: the writer is a daemon thread, and without this its
     queued writes died with the process (an integrator's script lost every entry of its
-    last requests). Bounded by :data:`EXIT_FLUSH_S`; what is not durable by then is said
+    last requests). Bounded by :data:`~foretell.cache.spill.CLOSE_TIMEOUT_S`; what is not durable by then is said
     once."""
     for tier in list(_OPEN_TIERS):
         if tier._closed:
             continue
         try:
-            report = tier.close(EXIT_FLUSH_S)
+            report = tier.close(CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - exiting: say it, never raise from here
             log.warning("cache tier could not be flushed at exit (%s: %s)",
                         type(exc).__name__, exc)
             continue
         if not report.durable:
-            log.warning("the cache is not durable at exit (pending %d, dropped %d, failed %d, "
-                        "missing %d)", report.pending, report.dropped, report.failed,
-                        report.missing)
+            log.warning("the cache is not durable at exit (%s)", report.shortfall())
 
 
 def _ready_for_worker(entry: Entry, *, digests: bool) -> Entry:

@@ -23,10 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from foretell.cache.spill import CLOSE_TIMEOUT_S
 from foretell.errors import ForetellError
-
-#: How long ``run``/``chat`` wait on exit (or SIGINT/SIGTERM) for queued cache writes.
-FLUSH_TIMEOUT_S = 10.0
 
 
 def add_parser(sub: Any) -> None:
@@ -394,7 +392,7 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def flushing(tier: Any, timeout: float = FLUSH_TIMEOUT_S, quiet: bool = False) -> Iterator[None]:
+def flushing(tier: Any, timeout: float = CLOSE_TIMEOUT_S, quiet: bool = False) -> Iterator[None]:
     """Run the body; then (also after SIGINT or SIGTERM) wait up to ``timeout`` seconds
     for queued cache writes, and say on stderr if the cache is not durable."""
     if tier is None:
@@ -411,6 +409,5 @@ def flushing(tier: Any, timeout: float = FLUSH_TIMEOUT_S, quiet: bool = False) -
         signal.signal(signal.SIGTERM, previous)
         report = tier.close(timeout)
         if tier.ssd is not None and not report.durable and not quiet:
-            print(f"foretell: warning: the cache is not durable (pending {report.pending}, "
-                  f"dropped {report.dropped}, failed {report.failed}, missing {report.missing})",
+            print(f"foretell: warning: the cache is not durable ({report.shortfall()})",
                   file=sys.stderr)
