@@ -102,7 +102,8 @@ _KERNEL_STATE = ["untried"]
 #: The kernel's name in its PTX form (``foretell.platform.ptx``).
 PTX_NAME = "foretell_mlh64_table"
 # The sum over one tensor's words, the tensor being row ``blockIdx.y`` of ``table``
-# (address, words); ``table`` and ``sums`` are set by each form.
+# (address, words): the whole ``mx.fast.cuda_kernel`` form (MLX writes its signature from
+# the input and output names), the body of the PTX form.
 _BODY = """
     const unsigned int* words = (const unsigned int*)table[2 * blockIdx.y];
     const long long n = (long long)table[2 * blockIdx.y + 1];
@@ -122,8 +123,6 @@ _BODY = """
       atomicAdd((unsigned long long*)&sums[blockIdx.y], acc);
     }
 """
-#: The body as ``mx.fast.cuda_kernel`` wraps it (MLX writes the signature).
-_KERNEL_SOURCE = _BODY
 #: The same kernel whole, needing no header (compiled once and kept: foretell.platform.ptx).
 PTX_SOURCE = (f'extern "C" __global__ void {PTX_NAME}(\n'
               "    const unsigned long long* table, unsigned long long* sums) {"
@@ -204,7 +203,7 @@ def _launcher() -> Any:
         return None if got == [reference(t) for t in tests] else str(got)
 
     def fallback() -> Any:
-        kernel = custom_kernel(PTX_NAME, _KERNEL_SOURCE, input_names=["table"],
+        kernel = custom_kernel(PTX_NAME, _BODY, input_names=["table"],  # MLX writes the rest
                                output_names=["sums"])
 
         def by_jit(table: Any) -> mx.array:
