@@ -52,9 +52,11 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     runs = decode["runs"]
     assert decode["paired_ratios"] == [w / i for i, w in zip(runs["idle"], runs["writing"])]
     assert decode["ratio"] == statistics.median(decode["paired_ratios"])
+    assert decode["write_s"] > 0 and decode["remove_s"] > 0
     interleaved = decode["interleaved"]  # within one decode: the steps writes ran through
     assert interleaved["writes"] >= 1
-    assert interleaved["writing_steps"] + interleaved["idle_steps"] <= 8 * 4 - 1
+    assert sum(interleaved[f"{s}_steps"] for s in ("writing", "removing", "idle", "edge")
+               ) <= 8 * 4 - 1
     table = bench.render(report)
     assert f"in one decode {interleaved['ratio']:.2f}×" in table
     assert f"| tiny | {ran} | 48 " in table
@@ -96,23 +98,31 @@ def test_an_unknown_layout_is_refused_naming_the_option_and_the_installed_ones(t
 
 
 def test_steps_count_as_writing_only_when_a_write_ran_all_through_them():
-    """Writes ran over [1, 2] and [3, 4]: a step inside one is "writing", a step touching
-    none is "idle", a step a write began or ended in counts for neither."""
+    """Writes ran over [1, 2] and [3, 4], their copies were deleted over [2, 2.4] and
+    [4, 4.2]: a step inside a write is "writing", one inside a deletion "removing", one
+    touching neither "idle", and one a write or a deletion began or ended in an "edge"."""
     steps = [(0.0, 0.5, 1), (0.5, 1.0, 1),     # idle (touching the span's start is not in it)
              (1.1, 1.5, 2), (1.5, 2.0, 2),     # writing: 4 tokens over 0.9 s
-             (2.5, 3.5, 1),                    # a write began in it: neither
-             (3.2, 3.4, 1)]                    # writing
-    speeds = bench.steady_speeds(steps, [(1.0, 2.0), (3.0, 4.0)])
-    assert (speeds["writing_steps"], speeds["idle_steps"]) == (3, 2)
+             (2.0, 2.3, 1),                    # removing
+             (2.5, 3.5, 1),                    # a write began in it: an edge
+             (3.2, 3.4, 1),                    # writing
+             (3.9, 4.1, 1), (4.1, 4.3, 3)]     # edges: a write ended, a deletion ended
+    speeds = bench.steady_speeds(steps, {"writing": [(1.0, 2.0), (3.0, 4.0)],
+                                         "removing": [(2.0, 2.4), (4.0, 4.2)]})
+    assert [speeds[f"{s}_steps"] for s in ("writing", "removing", "idle", "edge")] == [3, 1, 2, 3]
     assert speeds["writing_tps"] == pytest.approx(5 / 1.1)
     assert speeds["idle_tps"] == pytest.approx(2 / 1.0)
-    assert speeds["ratio"] == pytest.approx((5 / 1.1) / 2.0)
+    assert speeds["removing_tps"] == pytest.approx(1 / 0.3)
+    assert speeds["edge_tps"] == pytest.approx(5 / 1.4)
+    assert speeds["ratio"] == speeds["writing_ratio"] == pytest.approx((5 / 1.1) / 2.0)
+    assert speeds["removing_ratio"] == pytest.approx((1 / 0.3) / 2.0)
+    assert speeds["edge_ratio"] == pytest.approx((5 / 1.4) / 2.0)
 
 
 def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
     """The decode-under-writes row measures what the spill worker costs: its writes run on
     the worker's own thread (so at its priority and pace), each into a fresh directory that
-    is then deleted, until the decode is over."""
+    is then deleted, until the decode is over; each write and each deletion is timed."""
     import threading
     import time
 
@@ -133,8 +143,9 @@ def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
     class Entry:
         tensor_bytes = 8
 
-    stop, count = threading.Event(), [0]
-    writer = threading.Thread(target=_write_until, args=(Layout, tmp_path, Entry(), stop, count))
+    stop, count, spans = threading.Event(), [0], {"writing": [], "removing": []}
+    writer = threading.Thread(target=_write_until, args=(Layout, tmp_path, Entry(), stop, count),
+                              kwargs={"spans": spans})
     writer.start()
     deadline = time.monotonic() + 5
     while count[0] < 2 and time.monotonic() < deadline:
@@ -144,6 +155,10 @@ def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
     assert not writer.is_alive() and count[0] == len(roots) >= 2
     assert set(threads) == {"foretell-spill"} and len(set(roots)) == len(roots)
     assert list(tmp_path.iterdir()) == []
+    # Each write's span, then its copy's deletion's, starting where the write ended.
+    assert len(spans["writing"]) == len(spans["removing"]) == count[0]
+    for (start, end), (gone, done) in zip(spans["writing"], spans["removing"]):
+        assert start <= end == gone <= done
 
 
 def test_a_new_length_prefill_runs_prompt_lengths_the_process_has_not_run(tmp_path, monkeypatch):

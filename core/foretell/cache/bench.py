@@ -289,7 +289,7 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
     entry = snapshot_entry(donor.tokens, donor.caches, tier.codecs)
     short = list(donor.tokens[:32])
     speeds: dict[str, list[float]] = {"idle": [], "writing": []}
-    written = []
+    written, spans = [], {"writing": [], "removing": []}
     for i in range(2 * args.repeats):
         # Alternating order (idle, writing / writing, idle), so drift hits both alike.
         if (i % 2 == 0) == (i % 4 < 2):
@@ -298,7 +298,8 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
         stop = threading.Event()
         count = [0]
         writer = threading.Thread(target=_write_until,
-                                  args=(factory, scratch, entry, stop, count), daemon=True)
+                                  args=(factory, scratch, entry, stop, count),
+                                  kwargs={"spans": spans}, daemon=True)
         writer.start()
         speeds["writing"].append(_generate(engine, short, args.decode_tokens).generation_tps)
         stop.set()
@@ -313,6 +314,9 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
     return {"idle_tps": idle, "writing_tps": writing, "ratio": _median(paired),
             "ratio_of_medians": writing / idle, "paired_ratios": paired,
             "entries_written_per_run": written, "entry_bytes": entry.tensor_bytes,
+            # How the never-dry writer's time splits: writing a copy, deleting it.
+            "write_s": _median([b - a for a, b in spans["writing"]]),
+            "remove_s": _median([b - a for a, b in spans["removing"]]),
             "runs": speeds,
             "interleaved": _decode_beside_interleaved_writes(
                 engine, factory, entry, short, scratch, 8 * args.decode_tokens)}
@@ -323,11 +327,13 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
                                       ) -> dict[str, Any]:
     """One long decode while the spill worker writes ``entry``, then rests as long as that
     write took, over and over: each step counts as "writing" when a write ran all through
-    it and "idle" when none ran at any moment of it (steps a write began or ended in are
-    left out). The two alternate every write's length within one decode, so a host whose
-    own speed drifts between rounds minutes apart (the H200's idle decode swung 139-221
-    tok/s) weighs on both alike."""
-    spans: list[tuple[float, float]] = []
+    it, "removing" when the deletion of a written copy did (a full tier evicts as it
+    writes), "idle" when neither ran at any moment of it, and "edge" otherwise (a write or a
+    deletion began or ended in it). The phases alternate every write's length within one
+    decode, so a host whose own speed drifts between rounds minutes apart (the H200's idle
+    decode swung 139-221 tok/s) weighs on all alike; the edges show what starting and
+    finishing a write costs (a paired round beside a never-dry writer runs through all)."""
+    spans: dict[str, list[tuple[float, float]]] = {"writing": [], "removing": []}
     stop = threading.Event()
     writer = threading.Thread(target=_write_until, args=(factory, scratch, entry, stop, [0]),
                               kwargs={"spans": spans, "rest": True}, daemon=True)
@@ -340,40 +346,50 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
         last = now
     stop.set()
     writer.join()
-    return {**steady_speeds(steps[1:], spans), "writes": len(spans)}  # step 1: the prefill
+    return {**steady_speeds(steps[1:], spans), "writes": len(spans["writing"])}  # 1: prefill
 
 
 def steady_speeds(steps: Sequence[tuple[float, float, int]],
-                  spans: Sequence[tuple[float, float]]) -> dict[str, Any]:
-    """Tokens per second of the ``(start, end, tokens)`` steps a write span covered whole
-    ("writing") and of those no span touched ("idle"), their ratio, and how many of each."""
-    totals = {"writing": [0.0, 0], "idle": [0.0, 0]}
-    counts = {"writing": 0, "idle": 0}
+                  spans: dict[str, Sequence[tuple[float, float]]]) -> dict[str, Any]:
+    """Tokens per second of the ``(start, end, tokens)`` steps each phase's spans covered
+    whole (``spans``: phase name -> its spans), of those no span touched ("idle") and of the
+    rest ("edge"); each over idle as ``<phase>_ratio`` (the writing phase's as ``ratio``),
+    and how many steps of each."""
+    states = [*spans, "idle", "edge"]
+    totals = {state: [0.0, 0, 0] for state in states}  # seconds, tokens, steps
     for begin, end, n in steps:
-        if any(a <= begin and end <= b for a, b in spans):
-            state = "writing"
-        elif not any(a < end and begin < b for a, b in spans):
-            state = "idle"
+        inside = [phase for phase, found in spans.items()
+                  if any(a <= begin and end <= b for a, b in found)]
+        if len(inside) == 1:
+            state = inside[0]
+        elif any(a < end and begin < b for found in spans.values() for a, b in found):
+            state = "edge"
         else:
-            continue
+            state = "idle"
         totals[state][0] += end - begin
         totals[state][1] += n
-        counts[state] += 1
-    tps = {state: n / t if t > 0 else float("nan") for state, (t, n) in totals.items()}
-    return {"writing_tps": tps["writing"], "idle_tps": tps["idle"],
-            "ratio": tps["writing"] / tps["idle"], "writing_steps": counts["writing"],
-            "idle_steps": counts["idle"]}
+        totals[state][2] += 1
+    tps = {state: n / t if t > 0 else float("nan") for state, (t, n, _k) in totals.items()}
+    out: dict[str, Any] = {}
+    for state in states:
+        out[f"{state}_tps"] = tps[state]
+        out[f"{state}_steps"] = totals[state][2]
+        if state != "idle":
+            out[f"{state}_ratio"] = tps[state] / tps["idle"] if tps["idle"] > 0 else float("nan")
+    out["ratio"] = out.get("writing_ratio", float("nan"))
+    return out
 
 
 def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.Event,
-                 count: list[int], *, spans: list[tuple[float, float]] | None = None,
+                 count: list[int], *, spans: dict[str, list[tuple[float, float]]] | None = None,
                  rest: bool = False) -> None:
     """Keep the spill worker itself (``foretell.cache.spill.SpillQueue``: its priority, its
-    pace) writing ``entry`` until told to stop, each time into an empty directory (then
-    deleted): a spill that never runs dry, writing every byte each time (a block store
-    would otherwise find every block already stored and write only a manifest). Each
-    write's start and end go to ``spans``; with ``rest`` the worker waits as long as a
-    write took before the next."""
+    pace) writing ``entry`` until told to stop, each time into an empty directory, then
+    deleting it: a spill that never runs dry, writing every byte each time (a block store
+    would otherwise find every block already stored and write only a manifest), beside a
+    full tier's eviction. Each write's start and end go to ``spans["writing"]``, each
+    deletion's to ``spans["removing"]``; with ``rest`` the worker waits as long as a write
+    took before the next."""
     from foretell.cache.spill import SpillQueue
 
     took = [0.0]
@@ -385,9 +401,10 @@ def _write_until(factory: Callable, scratch: Path, entry: Any, stop: threading.E
         finally:
             end = time.perf_counter()
             took[0] = end - start
-            if spans is not None:
-                spans.append((start, end))
             shutil.rmtree(root, ignore_errors=True)
+            if spans is not None:
+                spans["writing"].append((start, end))
+                spans["removing"].append((end, time.perf_counter()))
             count[0] += 1
 
     def again(stored: Any, _outcome: str) -> None:
@@ -699,8 +716,12 @@ def _interleaved_cell(decode: dict[str, Any]) -> str:
     found = decode.get("interleaved")
     if not found:
         return ""
-    return (f"; in one decode {found['ratio']:.2f}× ({found['writing_steps']} steps "
+    cell = (f"; in one decode {found['ratio']:.2f}× ({found['writing_steps']} steps "
             f"writing, {found['idle_steps']} idle)")
+    for phase, label in (("removing", "deleting"), ("edge", "at a write's ends")):
+        if found.get(f"{phase}_steps"):
+            cell += f", {label} {found[f'{phase}_ratio']:.2f}× ({found[f'{phase}_steps']})"
+    return cell
 
 
 def _times(ratio: float) -> str:
