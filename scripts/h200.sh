@@ -32,8 +32,9 @@
 #              the kept kernels' (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then cache4b at
 #              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
 #   digests    the device digests' and kept kernels' tests, scripts/device_digest_probe.py
-#              (8-bit and bf16 4B shapes), then cache4b at 8-bit KV (REPEATS, default 7;
-#              TAG, default table) (~5 min)
+#              (8-bit and bf16 4B shapes), scripts/writer_gil_probe.py (8-bit, writes by
+#              DMA, two loop shapes), then cache4b at 8-bit KV (REPEATS, default 7; TAG,
+#              default table) (~6 min)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -115,6 +116,8 @@ digests)
     bash "$0" verify
   for shape in kv8 bf16; do timeout 120 $PY scripts/device_digest_probe.py 15 $shape; done \
     2>&1 | tee "$OUT/device-digest-probe.log"
+  for loop in 0.5,3 8,1; do timeout 90 $PY scripts/writer_gil_probe.py 8 --loop $loop; done \
+    2>&1 | grep -v Warning | tee "$OUT/writer-gil-probe.log"
   KV_BITS=8 TAG=${TAG:-table} REPEATS=${REPEATS:-7} bash "$0" cache4b
   ;;
 mtpoff)
