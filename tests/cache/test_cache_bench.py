@@ -161,6 +161,47 @@ def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
         assert start <= end == gone <= done
 
 
+def test_the_decode_rows_writer_writes_the_entry_as_the_tier_hands_it_over(tmp_path, codecs):
+    """The writer beside the decode writes what the spill worker would be given (the tier's
+    ``for_writer``: evaluated, bfloat16 contiguous, digests where recorded), not the raw
+    snapshot, whose strided views the writer thread would run MLX ops on."""
+    import argparse
+    import types
+
+    import mlx.core as mx
+    from cachefill import filled_kv
+
+    prepared, written = [], []
+
+    class Tier:
+        def __init__(self):
+            self.codecs = codecs
+
+        def for_writer(self, entry):
+            prepared.append(entry)
+            return entry
+
+    class Layout:
+        def __init__(self, root):
+            self.root = root
+
+        def write(self, entry):
+            written.append(entry)
+            return True
+
+    class Engine:
+        def generate(self, prompt, max_tokens, ignore_eos):
+            for _ in range(max_tokens):
+                yield types.SimpleNamespace(type="text", tokens=(1,), generation_tps=1.0)
+
+    donor = types.SimpleNamespace(tokens=tuple(range(20)),
+                                  caches=[filled_kv(20, dtype=mx.bfloat16)])
+    args = argparse.Namespace(repeats=1, decode_tokens=2)
+    bench._decode_under_writes(Engine(), Tier(), Layout, donor, tmp_path, args)
+    assert len(prepared) == 1 and written
+    assert all(entry is prepared[0] for entry in written)
+
+
 def test_a_new_length_prefill_runs_prompt_lengths_the_process_has_not_run(tmp_path, monkeypatch):
     """The GPU's cold row at a new length: each run a prompt one token shorter than the
     last, the median of their times to first token, and the table shows it beside the cold

@@ -404,6 +404,23 @@ def test_bfloat16_states_written_behind_restore_bit_exactly(layout, codecs):
             np.testing.assert_array_equal(host(a.view(mx.uint16)), host(b.view(mx.uint16)))
 
 
+def test_the_spill_worker_is_handed_row_contiguous_bfloat16(layout, codecs, monkeypatch):
+    """A cache's state is a token slice of a larger buffer (strided). The writer thread
+    reads tensors as memory and runs no MLX op: a strided bfloat16 array (which numpy
+    cannot view without one) reaches it made contiguous by the tier."""
+    import mlx.core as mx
+
+    cache = filled_kv(20, dtype=mx.bfloat16)
+    assert not all(memoryview(a).c_contiguous for a in cache.state)  # step slack: strided
+    handed = []
+    write = type(layout).write
+    monkeypatch.setattr(type(layout), "write",
+                        lambda self, entry: handed.append(entry) or write(self, entry))
+    stored_tier(layout, codecs, range(20), [cache]).close()
+    tensors = [t for entry in handed for layer in entry.layers for t in layer.tensors.values()]
+    assert tensors and all(memoryview(t).c_contiguous for t in tensors)
+
+
 def test_lookups_while_the_spill_worker_writes_never_see_a_partial_state(layout, codecs):
     tier = tier_over(layout, codecs)
     reference = {}

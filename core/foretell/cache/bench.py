@@ -286,7 +286,11 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
                          args: argparse.Namespace) -> dict[str, Any]:
     from foretell.cache.codecs import snapshot_entry
 
-    entry = snapshot_entry(donor.tokens, donor.caches, tier.codecs)
+    # As the tier hands an entry to its spill worker: evaluated, bfloat16 contiguous, with
+    # device digests where they are recorded. Unprepared, the writer thread itself ran MLX
+    # ops on the strided views (evaluating them, viewing bfloat16 as uint16) beside the
+    # decode, which the spill worker never does.
+    entry = tier.for_writer(snapshot_entry(donor.tokens, donor.caches, tier.codecs))
     short = list(donor.tokens[:32])
     speeds: dict[str, list[float]] = {"idle": [], "writing": []}
     written, spans = [], {"writing": [], "removing": []}

@@ -241,7 +241,7 @@ class CacheTier:
             return
         if not self.ssd.fits(entry.tensor_bytes):
             return
-        entry = _ready_for_worker(entry, digests=self._digests)
+        entry = self.for_writer(entry)
         with self._lock:
             key = (entry.namespace, entry.tokens)
             self._dirty.add(key)
@@ -250,6 +250,12 @@ class CacheTier:
             # or failed is never cleared by a landing).
             self._finished.discard(key)
         self._spill.submit(entry)
+
+    def for_writer(self, entry: Entry) -> Entry:
+        """``entry`` as this tier hands it to its writer (call where MLX runs): every tensor
+        evaluated, strided bfloat16 made contiguous, device digests attached where the
+        layout records them, so the writer thread runs no MLX op."""
+        return _ready_for_worker(entry, digests=self._digests)
 
     def _write(self, entry: Entry) -> bool:
         return self.ssd.write(entry)
@@ -320,8 +326,7 @@ class CacheTier:
                 missing += 1
                 self._clean((namespace, tokens))
                 continue
-            entry = _ready_for_worker(snapshot_entry(tokens, donor.caches, self.codecs, namespace),
-                                      digests=self._digests)
+            entry = self.for_writer(snapshot_entry(tokens, donor.caches, self.codecs, namespace))
             if self.ssd.write(entry):
                 self._clean((namespace, tokens))
         with self._lock:
