@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
-from foretell.errors import GenerationError, ModelNotFound
+from foretell.errors import ConfigError, GenerationError, ModelNotFound
 from foretell.platform import kernels
 from foretell.sampling import Sampler, decode_step
 from foretell.tokenizer import Tokenizer
@@ -354,14 +354,29 @@ class Engine:
         #: Affine-quantized KV for full-attention layers (4 or 8 bits; None: unquantized).
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
+        self._cache: CacheTier | None = None
         if isinstance(cache, (str, os.PathLike)):
             from foretell.cache.tier import CacheTier
 
             cache = CacheTier.for_engine(self, cache)
-        #: The prefix cache tier (RAM, optional SSD); engines of one model may share one.
         self.cache = cache
         #: The drafter requests use by default (None: plain decoding); see :meth:`use_draft`.
         self.speculator = speculator
+
+    @property
+    def cache(self) -> CacheTier | None:
+        """The prefix cache tier (RAM, optional SSD); engines of one model may share one.
+
+        :raises ConfigError: on assignment, a tier holding another model's states (another
+            config, weights or tokenizer) or another KV scheme's."""
+        return self._cache
+
+    @cache.setter
+    def cache(self, tier: CacheTier | None) -> None:
+        reason = tier.mismatch(self) if tier is not None else None
+        if reason is not None:
+            raise ConfigError("engine.cache", [reason])
+        self._cache = tier
 
     @property
     def target(self) -> Target:

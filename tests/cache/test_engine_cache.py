@@ -14,6 +14,7 @@ import pytest
 import foretell
 from foretell.cache.tier import CacheTier
 from foretell.config import SamplingConfig
+from foretell.errors import ConfigError
 from foretell.synthetic import make_model_dir
 
 PROMPT = list(range(5, 45))  # 40 tokens: wraps Gemma's 8-token window
@@ -221,6 +222,29 @@ def test_engines_of_one_model_share_one_tier(tmp_path):
     original, _ = run(first)
     shared, stats = run(second)
     assert stats.cached_from == "ram" and shared == original
+
+
+def test_a_fine_tune_is_never_served_its_base_models_states(tmp_path):
+    """Two models of one config and tokenizer, in directories of one name (as
+    ``mlx_lm.convert`` names its output), differ only in their weights: a cache directory
+    both use serves each its own states only, and neither engine takes the other's tier."""
+    base = make_model_dir(tmp_path / "base" / "mlx_model", "qwen3", seed=0)
+    tuned = make_model_dir(tmp_path / "tuned" / "mlx_model", "qwen3", seed=1)
+    assert (base / "config.json").read_bytes() == (tuned / "config.json").read_bytes()
+    run(engine_over(base, tmp_path / "kv"))
+    tuned_engine = engine_over(tuned, tmp_path / "kv")
+    tokens, stats = run(tuned_engine)
+    assert stats.cached_tokens == 0
+    assert tokens == run(foretell.load(tuned))[0]
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        foretell.load(base).cache = tuned_engine.cache
+
+
+def test_an_engine_refuses_a_tier_of_another_kv_scheme(tmp_path):
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    tier = CacheTier.for_engine(foretell.load(model_dir), tmp_path / "kv")
+    with pytest.raises(ConfigError, match="kv_scheme plain.*kv_scheme kv8g64"):
+        foretell.load(model_dir, kv_bits=8).cache = tier
 
 
 def test_caches_holding_tokens_the_sequence_does_not_name_are_not_stored(tmp_path, caplog):

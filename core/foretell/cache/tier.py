@@ -67,8 +67,13 @@ class CacheTier:
         spill_bytes: int = DEFAULT_SPILL_BYTES,
         spill_duty: float | None = None,
         checkpoint_every: int = 64,
+        identity: StoreIdentity | None = None,
     ):
         self.codecs = list(codecs)
+        #: The model whose states this tier holds (its layout's identity, or the one
+        #: :meth:`for_engine` gave a RAM-only tier): an engine of another model refuses it
+        #: (:meth:`mismatch`). None: unchecked (a tier an integrator built by hand).
+        self.identity = identity if identity is not None or layout is None else layout.identity
         #: Resumable generations are checkpointed every this many generated tokens.
         self.checkpoint_every = checkpoint_every
         self.ram = PrefixCache(self.codecs, ram_bytes)
@@ -139,7 +144,7 @@ class CacheTier:
             options.pop("layout", None)
             options.pop("layout_config", None)
             options.pop("ssd_bytes", None)
-            return cls(codecs, **options)
+            return cls(codecs, identity=engine_identity(engine, codecs), **options)
         layout = options.get("layout", DEFAULT_LAYOUT)
         if isinstance(layout, str):
             contribution = registry.get(Kind.LAYOUT, layout)
@@ -157,6 +162,21 @@ class CacheTier:
             engine, section.dir, ram_bytes=int(section.ram_gb * GiB),
             ssd_bytes=int(section.max_gb * GiB), checkpoint_every=section.checkpoint_every,
             layout=section.layout, layout_config=section.layout_options)
+
+    def mismatch(self, engine: Any) -> str | None:
+        """Why ``engine`` must not use this tier (its states belong to another model,
+        tokenizer or KV scheme), or None. Engines of one model may share a tier."""
+        if self.identity is None:
+            return None
+        theirs = engine_identity(engine, self.codecs)
+        if theirs is None:
+            return None
+        for field in ("model_fingerprint", "tokenizer_hash", "kv_scheme"):
+            ours, other = getattr(self.identity, field), getattr(theirs, field)
+            if ours != other:
+                return (f"this cache tier holds states of {self.identity.model_id} "
+                        f"({field} {ours}); the engine runs {theirs.model_id} ({field} {other})")
+        return None
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -374,6 +394,19 @@ class CacheTier:
                 "io_failures": self.ssd.layout.io_failures, "pending": self._spill.pending(),
             }
         return out
+
+
+def engine_identity(engine: Any, codecs: Sequence[CacheCodec]) -> StoreIdentity | None:
+    """The identity of ``engine``'s model and KV scheme as a tier over its directory would
+    have it (None for an engine built without a model directory)."""
+    from foretell.cache.quantized import kv_scheme
+
+    if engine.path is None:
+        return None
+    return StoreIdentity.for_model_dir(
+        engine.path, model_id=Path(engine.path).name,
+        codec_providers=[c.provider_id for c in codecs],
+        kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size))
 
 
 #: Tiers with an SSD tier not yet closed (weakly: a tier let go needs no closing).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from array import array
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import xxhash
+
+from foretell.errors import StoreError
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -61,12 +65,15 @@ class StoreIdentity:
         codec_providers: Sequence[str],
         kv_scheme: str = "plain",
     ) -> StoreIdentity:
-        """The identity of the model in ``model_dir``: its ``config.json`` fingerprint and
-        the digest of its ``tokenizer.json``."""
+        """The identity of the model in ``model_dir``: the fingerprint of its ``config.json``
+        and weights (:func:`model_fingerprint`) and the digest of its ``tokenizer.json``.
+
+        :raises StoreError: a weights file is not safetensors (naming it).
+        """
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         return cls(
-            model_fingerprint=config_fingerprint(config),
+            model_fingerprint=model_fingerprint(config, weights_digest(model_dir)),
             kv_scheme=kv_scheme,
             model_id=model_id,
             tokenizer_hash=hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()[:32],
@@ -78,6 +85,62 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
     """16 hex digits naming a model configuration; key order and whitespace do not matter."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(config: Mapping[str, Any], weights: str) -> str:
+    """16 hex digits naming a model: its configuration and its weights' digest
+    (:func:`weights_digest`). Two fine-tunes of one base share a config and a tokenizer,
+    and often a directory name (``mlx_model``); their KV must never be served for each
+    other."""
+    return hashlib.sha256(f"{config_fingerprint(config)}:{weights}".encode()).hexdigest()[:16]
+
+
+#: Bytes of each tensor :func:`weights_digest` reads at its start, its middle and its end.
+WEIGHT_SAMPLE_BYTES = 4096
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """32 hex digits naming the weights in ``model_dir``: XXH3-128 over each
+    ``*.safetensors`` file's name, size and header (every tensor's name, dtype, shape and
+    offsets) and, of every tensor, its first, middle and last :data:`WEIGHT_SAMPLE_BYTES`
+    bytes. That reads ~12 KiB a tensor (a few MB for a 4B model, from the page cache its
+    loading filled) instead of every byte: training changes every byte of a tensor it
+    touches, so a fine-tune gets another digest; a change confined to bytes no sample
+    covers goes unseen (the digest tells models apart, it does not resist an adversary).
+
+    :raises StoreError: a file is not safetensors (naming it).
+    """
+    state = xxhash.xxh3_128()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            raw = fh.read(8)
+            length = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 2 <= length <= size - 8:
+                raise StoreError(f"{path}: not a safetensors file (header length {length})")
+            header = fh.read(length)
+            try:
+                index = json.loads(header)
+                spans = sorted(tuple(t["data_offsets"]) for name, t in index.items()
+                               if name != "__metadata__")
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                raise StoreError(f"{path}: not a safetensors header ({exc})") from None
+            state.update(f"{path.name}:{size}:".encode())
+            state.update(header)
+            for begin, end in spans:
+                for at in _samples(8 + length + begin, 8 + length + end):
+                    state.update(os.pread(fh.fileno(), WEIGHT_SAMPLE_BYTES, at)
+                                 [: min(WEIGHT_SAMPLE_BYTES, 8 + length + end - at)])
+    return state.hexdigest()
+
+
+def _samples(begin: int, end: int) -> list[int]:
+    """Where a tensor's samples start: its first, middle and last bytes (fewer samples
+    where they would overlap)."""
+    n = WEIGHT_SAMPLE_BYTES
+    if end - begin <= 3 * n:
+        return list(range(begin, end, n))
+    return [begin, begin + (end - begin - n) // 2, end - n]
 
 
 @attrs.frozen(kw_only=True)
