@@ -111,8 +111,8 @@ class CacheTier:
         layout_config: Any = None,
         **caps: Any,
     ) -> CacheTier:
-        """A tier over ``cache_dir`` for the model in ``model_dir`` (its config fingerprint
-        and tokenizer hash name whose entries are served). ``layout`` is a layout class
+        """A tier over ``cache_dir`` for the model in ``model_dir`` (its fingerprint, of
+        config and weights, and its tokenizer hash name whose entries are served). ``layout`` is a layout class
         (:meth:`for_engine` passes the configured default; without one, the single-file
         layout core ships); ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes``."""
         from foretell.store.single_file import SingleFileLayout

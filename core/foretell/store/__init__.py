@@ -18,6 +18,8 @@ from foretell.store.entry import (
     LayerState,
     StoreIdentity,
     config_fingerprint,
+    model_fingerprint,
+    weights_digest,
 )
 from foretell.store.layout import (
     KeepsRestoreReserve,
@@ -30,4 +32,5 @@ from foretell.store.reserve import BufferReserve
 
 __all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
            "RecordsDeviceDigests", "ReportsSkipped",
-           "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint"]
+           "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint",
+           "model_fingerprint", "weights_digest"]
