@@ -112,9 +112,10 @@ class CacheTier:
         **caps: Any,
     ) -> CacheTier:
         """A tier over ``cache_dir`` for the model in ``model_dir`` (its fingerprint, of
-        config and weights, and its tokenizer hash name whose entries are served). ``layout`` is a layout class
-        (:meth:`for_engine` passes the configured default; without one, the single-file
-        layout core ships); ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes``."""
+        config and weights, and its tokenizer hash name whose entries are served).
+        ``layout`` is a layout class (:meth:`for_engine` passes the configured default;
+        without one, the single-file layout core ships); ``caps``: ``ram_bytes``,
+        ``ssd_bytes``, ``spill_bytes``."""
         from foretell.store.single_file import SingleFileLayout
 
         model_dir = Path(model_dir)
