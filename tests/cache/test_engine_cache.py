@@ -58,6 +58,14 @@ def test_an_engine_given_a_directory_opens_its_tier_there(model_dir, tmp_path):
     assert (stats.cached_from, stats.cached_tokens) == ("ssd", len(PROMPT) - 1)
 
 
+def test_a_cache_directory_that_is_a_file_is_refused_by_name(model_dir, tmp_path):
+    """As ``--cache-dir`` is: a path naming a file is a mistake, not a full disk."""
+    path = tmp_path / "kv"
+    path.write_text("")
+    with pytest.raises(ConfigError, match=f"{path} is a file, not a directory"):
+        foretell.load(model_dir, cache=path)
+
+
 def test_a_script_that_exits_without_flushing_keeps_what_it_computed(model_dir, tmp_path):
     """The writer is a daemon thread: the interpreter's exit waits (bounded) for its queued
     writes, so an integrator's script that generates and returns leaves its entries."""

@@ -29,6 +29,7 @@ from foretell.cache.codecs import CacheCodec, restore_caches, snapshot_entry
 from foretell.cache.prefix import PrefixCache, match_rank
 from foretell.cache.spill import CLOSE_TIMEOUT_S, FlushReport, SpillQueue
 from foretell.cache.ssd import SsdIndex
+from foretell.errors import ConfigError
 from foretell.model.kvcache import trim_all
 from foretell.store import digest
 from foretell.store.entry import Entry, StoreIdentity
@@ -115,15 +116,21 @@ class CacheTier:
         config and weights, and its tokenizer hash name whose entries are served).
         ``layout`` is a layout class (:meth:`for_engine` passes the configured default;
         without one, the single-file layout core ships); ``caps``: ``ram_bytes``,
-        ``ssd_bytes``, ``spill_bytes``."""
+        ``ssd_bytes``, ``spill_bytes``.
+
+        :raises ConfigError: ``cache_dir`` names a file (a missing directory is made on
+            first write; an unwritable one warns and generation goes on)."""
         from foretell.store.single_file import SingleFileLayout
 
+        root = Path(cache_dir).expanduser()
+        if root.exists() and not root.is_dir():  # as the CLI's --cache-dir refuses it
+            raise ConfigError("cache_dir", [f"{cache_dir} is a file, not a directory"])
         model_dir = Path(model_dir)
         identity = StoreIdentity.for_model_dir(
             model_dir, model_id=model_id or model_dir.name, kv_scheme=kv_scheme,
             codec_providers=[c.provider_id for c in codecs])
         factory = layout or SingleFileLayout
-        store = factory(Path(cache_dir).expanduser(), layout_config, identity=identity)
+        store = factory(root, layout_config, identity=identity)
         return cls(codecs, layout=store, **caps)
 
     @classmethod
