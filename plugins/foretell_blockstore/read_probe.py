@@ -50,8 +50,11 @@ def synthetic_entry(layers: int, tokens: int, heads: int, dim: int, *,
         cache = make_cache() if make_cache is not None else KVCache()
         cache.update_and_fetch(keys, keys * 2)
         caches.append(cache)
-    mx.eval([cache.state for cache in caches])
-    return snapshot_entry(list(range(tokens)), caches, _codecs(codecs))
+    entry = snapshot_entry(list(range(tokens)), caches, _codecs(codecs))
+    # Evaluated here, as the tier hands entries to its writer: a writer thread then runs
+    # no MLX op (the writer probes measure what writing costs a decode beside it).
+    mx.eval([t for layer in entry.layers for t in layer.tensors.values()])
+    return entry
 
 
 def _codecs(codecs: Sequence[Any] | None) -> list[Any]:
