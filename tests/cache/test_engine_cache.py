@@ -255,6 +255,21 @@ def test_an_engine_refuses_a_tier_of_another_kv_scheme(tmp_path):
         foretell.load(model_dir, kv_bits=8).cache = tier
 
 
+def test_a_request_on_another_thread_reuses_what_an_earlier_one_stored(model_dir, tmp_path):
+    """An integrator serving from a pool of threads: the entry a request on one thread
+    stored serves a request on another (MLX's streams are per thread)."""
+    import threading
+
+    engine = engine_over(model_dir, tmp_path / "kv")
+    original, _ = run(engine)
+    found = []
+    worker = threading.Thread(target=lambda: found.append(run(engine)))
+    worker.start()
+    worker.join()
+    tokens, stats = found[0]
+    assert stats.cached_from == "ram" and tokens == original
+
+
 def test_caches_holding_tokens_the_sequence_does_not_name_are_not_stored(tmp_path, caplog):
     import logging
 

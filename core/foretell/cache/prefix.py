@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import mlx.core as mx
 
 from foretell.cache.attachment import attachment_identity
 from foretell.cache.codecs import (
@@ -224,6 +225,10 @@ class PrefixCache:
             raise ValueError(f"caches hold {[c.offset for c in donors][:3]}... tokens, "
                              f"not the {len(tokens)} of the entry")
         snapshot = snapshot_entry(tokens, donors, self.codecs, namespace)
+        # Evaluated now, on the thread that computed them: MLX streams are per thread, and
+        # a request on another thread evaluating a clone of a still-lazy view failed ("no
+        # Stream(cpu, 1) in current thread"). The views share the caches' buffers: no copy.
+        mx.eval([t for layer in snapshot.layers for t in layer.tensors.values()])
         trimmable, min_offset = entry_facts(snapshot, self.codecs)
         entry = PrefixEntry(tokens=tokens, namespace=namespace, caches=donors,
                             nbytes=max(snapshot.tensor_bytes, held_bytes), trimmable=trimmable,
