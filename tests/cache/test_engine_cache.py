@@ -6,6 +6,7 @@ an interrupted generation resumes identically (greedy and seeded sampling)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -258,8 +259,6 @@ def test_an_engine_refuses_a_tier_of_another_kv_scheme(tmp_path):
 def test_a_request_on_another_thread_reuses_what_an_earlier_one_stored(model_dir, tmp_path):
     """An integrator serving from a pool of threads: the entry a request on one thread
     stored serves a request on another (MLX's streams are per thread)."""
-    import threading
-
     engine = engine_over(model_dir, tmp_path / "kv")
     original, _ = run(engine)
     found = []
@@ -268,6 +267,29 @@ def test_a_request_on_another_thread_reuses_what_an_earlier_one_stored(model_dir
     worker.join()
     tokens, stats = found[0]
     assert stats.cached_from == "ram" and tokens == original
+
+
+def test_engines_on_two_threads_at_once_share_one_tier(model_dir, tmp_path):
+    """Two engines of one model serving at once from two threads, each reusing what the
+    main thread stored and what the other stores."""
+    first = engine_over(model_dir, tmp_path / "kv")
+    second = foretell.load(model_dir)
+    second.cache = first.cache
+    expected, _ = run(first)  # stored on this thread
+    got: dict = {}
+
+    def serve(engine):
+        got[engine] = [run(engine) for _ in range(3)]
+
+    workers = [threading.Thread(target=serve, args=(e,)) for e in (first, second)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert len(got) == 2  # a worker that raised left nothing
+    for runs in got.values():
+        assert [tokens for tokens, _ in runs] == [expected] * 3
+        assert all(stats.cached_from == "ram" for _, stats in runs)
 
 
 def test_caches_holding_tokens_the_sequence_does_not_name_are_not_stored(tmp_path, caplog):
