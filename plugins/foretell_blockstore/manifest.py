@@ -390,7 +390,11 @@ def _fill_streams() -> list[Any]:
     if not fmt.parallel_reads():
         return [mx.cpu]
     if not _STREAMS:
-        _STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(FILL_STREAMS))
+        # Thread-local (MLX >= 0.30): a plain stream exists only in the thread that made it,
+        # and a restore on another thread then failed ("There is no Stream(cpu, 5) in
+        # current thread") and fell back to the prefill.
+        make = getattr(mx, "new_thread_local_stream", mx.new_stream)
+        _STREAMS.extend(make(mx.cpu) for _ in range(FILL_STREAMS))
     return _STREAMS
 
 

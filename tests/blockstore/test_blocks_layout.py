@@ -91,6 +91,29 @@ def test_reads_fill_as_the_host_suits_and_serve_the_same(layout, codecs, monkeyp
     assert layout.read(key) is None
 
 
+def test_reads_on_another_thread_fill_on_the_same_streams(layout, codecs, monkeypatch):
+    """The fill streams a many-core host's reads use are made once, by whichever thread
+    reads first; a read on another thread uses them too (MLX streams are per thread unless
+    made thread-local)."""
+    import threading
+
+    from foretell.store import format as fmt
+    from foretell_blockstore import manifest as mf
+
+    monkeypatch.setattr(fmt, "parallel_reads", lambda: True)
+    monkeypatch.setattr(mf, "_STREAMS", [])
+    entry = entry_of(range(600), codecs)
+    assert layout.write(entry) is True
+    key = layout.key_for(entry.tokens)
+    assert_same_entry(layout.read(key), entry)  # this thread makes the streams
+    found = []
+    worker = threading.Thread(target=lambda: found.append(layout.read(key)))
+    worker.start()
+    worker.join()
+    assert found and found[0] is not None
+    assert_same_entry(found[0], entry)
+
+
 def test_a_piece_checksum_is_its_runs_bytes_hashed_as_one():
     """A reader that lands a piece in one staging slot hashes it in one call; one that reads
     it into its tensor hashes the runs there: the same digest, or a staged read would refuse
