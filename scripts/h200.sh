@@ -31,7 +31,7 @@
 #   verify     the GPU's own tests (~3 min): the block store's suite, the device digest's and
 #              the kept kernels' (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then cache4b at
 #              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
-#   digests    the device digests' and kept kernels' tests, scripts/device_digest_probe.py
+#   digests    the device digests', kept kernels' and cross-thread cache tests, scripts/device_digest_probe.py
 #              (8-bit and bf16 4B shapes), scripts/writer_gil_probe.py (8-bit, writes by
 #              DMA, two loop shapes), then cache4b at 8-bit KV (REPEATS, default 7; TAG,
 #              default table) (~6 min)
@@ -111,8 +111,11 @@ verify)
   if [ "${ROW:-0}" = 1 ]; then KV_BITS=8 TAG=defaults bash "$0" cache4b; fi
   ;;
 digests)
+  e=tests/cache/test_engine_cache.py
   TESTS="tests/cache/test_device_digest.py tests/core/test_kept_kernels.py
-    tests/blockstore/test_device_digests.py tests/blockstore/test_blocks_layout.py" ROW=0 \
+    tests/blockstore/test_device_digests.py tests/blockstore/test_blocks_layout.py
+    $e::test_a_request_on_another_thread_reuses_what_an_earlier_one_stored
+    $e::test_engines_on_two_threads_at_once_share_one_tier" ROW=0 \
     bash "$0" verify
   for shape in kv8 bf16; do timeout 120 $PY scripts/device_digest_probe.py 15 $shape; done \
     2>&1 | tee "$OUT/device-digest-probe.log"
