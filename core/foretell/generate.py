@@ -15,6 +15,7 @@ strings and ``max_tokens`` -> streamed text -> final stats.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
@@ -554,6 +555,19 @@ class Engine:
             stats = attrs.evolve(stats, speculation=spec_stats.to_dict())
         yield stats
 
+    @functools.cached_property
+    def compute_dtype(self) -> str:
+        """The floating dtype the model computes in, and so its KV: the widest of its
+        parameters' (a quantized model unpacked on the CPU computes in float32, packed in
+        its scales' bfloat16). Cached entries are namespaced by it: the same model's KV of
+        another precision is not what this engine's own prefill would give."""
+        from mlx.utils import tree_flatten
+
+        floats = {p.dtype for _, p in tree_flatten(self.model.parameters())
+                  if mx.issubdtype(p.dtype, mx.floating)}
+        widest = max((d.size for d in floats), default=0)
+        return "+".join(sorted(str(d).rsplit(".", 1)[-1] for d in floats if d.size == widest))
+
     def make_caches(self) -> list[Any]:
         """Empty caches for one sequence, in the engine's KV scheme."""
         caches = self.model.make_caches()
@@ -573,8 +587,10 @@ class Engine:
         from foretell.cache.request import RequestCache
 
         scheme = kv_scheme(self.kv_bits, self.kv_group_size)
-        # Entries of one drafter method or KV scheme never seed another's requests.
-        namespace = f"{speculator.kind if speculator is not None else 'plain'}/{scheme}"
+        # Entries of one drafter method, KV scheme or compute precision never seed
+        # another's requests.
+        method = speculator.kind if speculator is not None else "plain"
+        namespace = f"{method}/{scheme}/{self.compute_dtype}"
         prefer = None
         if speculator is not None:
             from foretell.spec.attach import draft_settings, preferred_identity

@@ -249,6 +249,24 @@ def test_a_fine_tune_is_never_served_its_base_models_states(tmp_path):
         foretell.load(base).cache = tuned_engine.cache
 
 
+def test_the_same_model_at_another_precision_is_not_served_its_states(tmp_path, monkeypatch):
+    """A quantized model runs unpacked to float32 on the CPU by default and packed in its
+    scales' bfloat16 with FORETELL_CPU_UNPACK=0: the same model, other numerics. A cache
+    directory both use serves each its own precision's states only."""
+    model_dir = make_model_dir(tmp_path / "m", "qwen3", quantize_bits=4, dtype="bfloat16",
+                               overrides={"hidden_size": 128, "intermediate_size": 256})
+    unpacked = engine_over(model_dir, tmp_path / "kv")
+    run(unpacked)
+    assert unpacked.cache.flush(10).durable  # on disk before the other process-like tier opens
+    monkeypatch.setenv("FORETELL_CPU_UNPACK", "0")
+    packed = engine_over(model_dir, tmp_path / "kv")
+    assert (unpacked.compute_dtype, packed.compute_dtype) == ("float32", "bfloat16")
+    tokens, stats = run(packed)
+    assert stats.cached_tokens == 0
+    assert tokens == run(foretell.load(model_dir))[0]
+    assert run(packed)[1].cached_from == "ram"  # its own states it reuses
+
+
 def test_an_engine_refuses_a_tier_of_another_kv_scheme(tmp_path):
     model_dir = make_model_dir(tmp_path / "m", "qwen3")
     tier = CacheTier.for_engine(foretell.load(model_dir), tmp_path / "kv")
