@@ -267,6 +267,25 @@ def test_the_same_model_at_another_precision_is_not_served_its_states(tmp_path, 
     assert run(packed)[1].cached_from == "ram"  # its own states it reuses
 
 
+def test_an_engine_given_a_directory_computes_its_identity_once(tmp_path, monkeypatch):
+    """Opening the tier and assigning it both need the model's identity (the tokenizer
+    hashed, the weights sampled): a start-up pays it once."""
+    from foretell.store.entry import StoreIdentity
+
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    computed = []
+    original = StoreIdentity.for_model_dir.__func__
+
+    def counted(cls, *args, **kwargs):
+        computed.append(args[0])
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(StoreIdentity, "for_model_dir", classmethod(counted))
+    engine = foretell.load(model_dir, cache=tmp_path / "kv")
+    engine.cache = engine.cache
+    assert len(computed) == 1
+
+
 def test_an_engine_refuses_a_tier_of_another_kv_scheme(tmp_path):
     model_dir = make_model_dir(tmp_path / "m", "qwen3")
     tier = CacheTier.for_engine(foretell.load(model_dir), tmp_path / "kv")

@@ -110,13 +110,14 @@ class CacheTier:
         kv_scheme: str = "plain",
         layout: Callable[..., StorageLayout] | None = None,
         layout_config: Any = None,
+        identity: StoreIdentity | None = None,
         **caps: Any,
     ) -> CacheTier:
         """A tier over ``cache_dir`` for the model in ``model_dir`` (its fingerprint, of
-        config and weights, and its tokenizer hash name whose entries are served).
-        ``layout`` is a layout class (:meth:`for_engine` passes the configured default;
-        without one, the single-file layout core ships); ``caps``: ``ram_bytes``,
-        ``ssd_bytes``, ``spill_bytes``.
+        config and weights, and its tokenizer hash name whose entries are served; or
+        ``identity``, computed already). ``layout`` is a layout class (:meth:`for_engine`
+        passes the configured default; without one, the single-file layout core ships);
+        ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes``.
 
         :raises ConfigError: ``cache_dir`` names a file (a missing directory is made on
             first write; an unwritable one warns and generation goes on)."""
@@ -125,10 +126,11 @@ class CacheTier:
         root = Path(cache_dir).expanduser()
         if root.exists() and not root.is_dir():  # as the CLI's --cache-dir refuses it
             raise ConfigError("cache_dir", [f"{cache_dir} is a file, not a directory"])
-        model_dir = Path(model_dir)
-        identity = StoreIdentity.for_model_dir(
-            model_dir, model_id=model_id or model_dir.name, kv_scheme=kv_scheme,
-            codec_providers=[c.provider_id for c in codecs])
+        if identity is None:
+            model_dir = Path(model_dir)
+            identity = StoreIdentity.for_model_dir(
+                model_dir, model_id=model_id or model_dir.name, kv_scheme=kv_scheme,
+                codec_providers=[c.provider_id for c in codecs])
         factory = layout or SingleFileLayout
         store = factory(root, layout_config, identity=identity)
         return cls(codecs, layout=store, **caps)
@@ -141,7 +143,6 @@ class CacheTier:
         ``layout``: a layout class or a registered layout's name (default: ``[cache]
         layout``'s), with ``layout_config`` (default: the layout's defaults)."""
         from foretell.cache.codecs import load_codecs
-        from foretell.cache.quantized import kv_scheme
         from foretell.config import DEFAULT_LAYOUT
         from foretell.plugin.loader import load_plugins
         from foretell.plugin.registry import Kind
@@ -159,8 +160,9 @@ class CacheTier:
             options["layout"] = contribution.load()
             if options.get("layout_config") is None and contribution.config is not None:
                 options["layout_config"] = contribution.config()
+        # The engine's identity, kept with it: assigning the tier compares the same one.
         return cls.open(cache_dir, engine.path, codecs=codecs,
-                        kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size), **options)
+                        identity=engine_identity(engine, codecs), **options)
 
     @classmethod
     def from_section(cls, engine: Any, section: Any) -> CacheTier:
@@ -280,10 +282,19 @@ class CacheTier:
         self._spill.submit(entry)
 
     def for_writer(self, entry: Entry) -> Entry:
-        """``entry`` as this tier hands it to its writer (call where MLX runs): every tensor
-        evaluated, strided bfloat16 made contiguous, device digests attached where the
-        layout records them, so the writer thread runs no MLX op."""
-        return _ready_for_worker(entry, digests=self._digests)
+        """``entry`` as this tier hands it to its writer (call where MLX runs, on the thread
+        that computed it), so the spill worker only reads memory and never runs an MLX op:
+        slices are evaluated views, a strided bfloat16 view (numpy cannot read it without
+        an MLX op) is made contiguous, and where the layout records them the tensors'
+        device digests are computed (foretell.store.digest)."""
+        layers = []
+        for layer in entry.layers:
+            tensors = {name: mx.contiguous(t) if t.dtype == mx.bfloat16 else t
+                       for name, t in layer.tensors.items()}
+            layers.append(attrs.evolve(layer, tensors=tensors))
+        mx.eval([t for layer in layers for t in layer.tensors.values()])
+        ready = attrs.evolve(entry, layers=layers)
+        return digest.attach(ready) if self._digests else ready
 
     def _write(self, entry: Entry) -> bool:
         return self.ssd.write(entry)
@@ -406,15 +417,25 @@ class CacheTier:
 
 def engine_identity(engine: Any, codecs: Sequence[CacheCodec]) -> StoreIdentity | None:
     """The identity of ``engine``'s model and KV scheme as a tier over its directory would
-    have it (None for an engine built without a model directory)."""
+    have it (None for an engine built without a model directory). Computed once per engine
+    and scheme (it hashes the tokenizer and samples the weights): opening a tier for an
+    engine and assigning it both ask."""
     from foretell.cache.quantized import kv_scheme
 
     if engine.path is None:
         return None
-    return StoreIdentity.for_model_dir(
-        engine.path, model_id=Path(engine.path).name,
-        codec_providers=[c.provider_id for c in codecs],
-        kv_scheme=kv_scheme(engine.kv_bits, engine.kv_group_size))
+    scheme = kv_scheme(engine.kv_bits, engine.kv_group_size)
+    providers = tuple(sorted(c.provider_id for c in codecs))
+    known = _ENGINE_IDENTITIES.setdefault(engine, {})
+    if (scheme, providers) not in known:
+        known[(scheme, providers)] = StoreIdentity.for_model_dir(
+            engine.path, model_id=Path(engine.path).name, codec_providers=providers,
+            kv_scheme=scheme)
+    return known[(scheme, providers)]
+
+
+_ENGINE_IDENTITIES: weakref.WeakKeyDictionary[Any, dict[tuple, StoreIdentity]] = (
+    weakref.WeakKeyDictionary())
 
 
 #: Tiers with an SSD tier not yet closed (weakly: a tier let go needs no closing).
@@ -458,22 +479,6 @@ def _close_at_exit() -> None:
             continue
         if not report.durable:
             log.warning("the cache is not durable at exit (%s)", report.shortfall())
-
-
-def _ready_for_worker(entry: Entry, *, digests: bool) -> Entry:
-    """``entry`` with every tensor evaluated here, on the thread that owns MLX, so the spill
-    worker only reads memory and never runs an MLX op: slices are evaluated views, a
-    strided bfloat16 view (numpy cannot read it without an MLX op) is made contiguous, and
-    with ``digests`` (a layout that records them) on a GPU the tensors' device digests are
-    computed (foretell.store.digest)."""
-    layers = []
-    for layer in entry.layers:
-        tensors = {name: mx.contiguous(t) if t.dtype == mx.bfloat16 else t
-                   for name, t in layer.tensors.items()}
-        layers.append(attrs.evolve(layer, tensors=tensors))
-    mx.eval([t for layer in layers for t in layer.tensors.values()])
-    ready = attrs.evolve(entry, layers=layers)
-    return digest.attach(ready) if digests else ready
 
 
 #: Namespaces of in-flight generation checkpoints start with this; they never seed prompts.
