@@ -58,3 +58,19 @@ def test_a_weights_file_that_is_not_safetensors_is_named(model_dir, tmp_path):
     weights_file(copy).write_bytes(b"\xff" * 64)
     with pytest.raises(StoreError, match=str(weights_file(copy))):
         identity(copy)
+
+
+def test_a_drafters_fingerprint_reads_its_config_whole_and_its_weights_sampled(model_dir,
+                                                                             tmp_path):
+    """Draft identities take the same digest as a target's weights: any change to a config
+    (read whole) or to a tensor's sampled bytes is another drafter; a copy is the same."""
+    from foretell.spec import files_fingerprint
+
+    def files(path):
+        return [path / "config.json", weights_file(path)]
+
+    copy = shutil.copytree(model_dir, tmp_path / "draft")
+    assert files_fingerprint(files(copy)) == files_fingerprint(files(model_dir))
+    config = (copy / "config.json").read_text()
+    (copy / "config.json").write_text(config.replace("}", ', "unused": 1}', 1))
+    assert files_fingerprint(files(copy)) != files_fingerprint(files(model_dir))

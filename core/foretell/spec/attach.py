@@ -29,29 +29,23 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-import xxhash
 
 from foretell.cache.attachment import DraftAttachment, attach, feed_hidden, unpack
 from foretell.model import trim_all
 from foretell.spec.contract import CheckpointableProvider, CheckpointableSource
+from foretell.store.entry import files_digest
 
 log = logging.getLogger("foretell.spec")
 
 
 def files_fingerprint(paths: Sequence[str | Path]) -> str:
-    """32 hex digits naming the contents of ``paths`` (draft weights, a head's file): an
-    XXH3-64 of every byte of each file (the store's checksum, 3-15x CRC-32's speed: this
-    runs once per drafter at start-up), with its name and size. It guards against serving
-    one draft model's state for another, not against adversaries (the cache directory is
-    trusted like the model directory)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for path in sorted(Path(p) for p in paths):
-        state = xxhash.xxh3_64()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                state.update(chunk)
-        digest.update(f"{path.name}:{path.stat().st_size}:{state.hexdigest()};".encode())
-    return digest.hexdigest()
+    """32 hex digits naming the contents of ``paths`` (draft weights, a head's file, a
+    config): :func:`foretell.store.files_digest`, the digest a target's cache identity
+    takes of its weights (safetensors sampled per tensor, other files whole), so a
+    drafter's start-up reads a few KiB a tensor instead of every byte. It guards against
+    serving one draft model's state for another, not against adversaries (the cache
+    directory is trusted like the model directory)."""
+    return files_digest(paths)
 
 
 def resumed_keys(keys: Any, state: Any) -> Any:

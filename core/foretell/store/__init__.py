@@ -18,6 +18,7 @@ from foretell.store.entry import (
     LayerState,
     StoreIdentity,
     config_fingerprint,
+    files_digest,
     model_fingerprint,
     weights_digest,
 )
@@ -33,4 +34,4 @@ from foretell.store.reserve import BufferReserve
 __all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
            "RecordsDeviceDigests", "ReportsSkipped",
            "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint",
-           "model_fingerprint", "weights_digest"]
+           "files_digest", "model_fingerprint", "weights_digest"]

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,38 +100,58 @@ WEIGHT_SAMPLE_BYTES = 4096
 
 
 def weights_digest(model_dir: str | Path) -> str:
-    """32 hex digits naming the weights in ``model_dir``: XXH3-128 over each
-    ``*.safetensors`` file's name, size and header (every tensor's name, dtype, shape and
-    offsets) and, of every tensor, its first, middle and last :data:`WEIGHT_SAMPLE_BYTES`
-    bytes. That reads ~12 KiB a tensor (a few MB for a 4B model, from the page cache its
-    loading filled) instead of every byte: training changes every byte of a tensor it
-    touches, so a fine-tune gets another digest; a change confined to bytes no sample
-    covers goes unseen (the digest tells models apart, it does not resist an adversary).
+    """32 hex digits naming the weights in ``model_dir``: :func:`files_digest` of its
+    ``*.safetensors`` files.
 
     :raises StoreError: a file is not safetensors (naming it).
     """
+    return files_digest(Path(model_dir).glob("*.safetensors"))
+
+
+def files_digest(paths: Iterable[str | Path]) -> str:
+    """32 hex digits naming the contents of ``paths`` (in name order): XXH3-128 over each
+    file's name and size and, of a ``*.safetensors`` file, its header (every tensor's name,
+    dtype, shape and offsets) and, of every tensor, its first, middle and last
+    :data:`WEIGHT_SAMPLE_BYTES` bytes; of any other file (a ``config.json``), every byte.
+    Sampled, a weights file costs ~12 KiB a tensor (a few MB for a 4B model) instead of all
+    of it at every start: training changes every byte of a tensor it touches, so a
+    fine-tune gets another digest; a change confined to bytes no sample covers goes unseen
+    (the digest tells models apart, it does not resist an adversary).
+
+    :raises StoreError: a ``.safetensors`` file is not safetensors (naming it).
+    """
     state = xxhash.xxh3_128()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    for path in sorted(Path(p) for p in paths):
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            raw = fh.read(8)
-            length = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-            if not 2 <= length <= size - 8:
-                raise StoreError(f"{path}: not a safetensors file (header length {length})")
-            header = fh.read(length)
-            try:
-                index = json.loads(header)
-                spans = sorted(tuple(t["data_offsets"]) for name, t in index.items()
-                               if name != "__metadata__")
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:
-                raise StoreError(f"{path}: not a safetensors header ({exc})") from None
+            if path.suffix == ".safetensors":
+                _sampled(path, fh, size, state)
+                continue
             state.update(f"{path.name}:{size}:".encode())
-            state.update(header)
-            for begin, end in spans:
-                for at in _samples(8 + length + begin, 8 + length + end):
-                    state.update(os.pread(fh.fileno(), WEIGHT_SAMPLE_BYTES, at)
-                                 [: min(WEIGHT_SAMPLE_BYTES, 8 + length + end - at)])
+            while chunk := fh.read(1 << 22):
+                state.update(chunk)
     return state.hexdigest()
+
+
+def _sampled(path: Path, fh: Any, size: int, state: Any) -> None:
+    """Feed ``state`` a safetensors file's name, size, header and tensor samples."""
+    raw = fh.read(8)
+    length = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+    if not 2 <= length <= size - 8:
+        raise StoreError(f"{path}: not a safetensors file (header length {length})")
+    header = fh.read(length)
+    try:
+        index = json.loads(header)
+        spans = sorted(tuple(t["data_offsets"]) for name, t in index.items()
+                       if name != "__metadata__")
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise StoreError(f"{path}: not a safetensors header ({exc})") from None
+    state.update(f"{path.name}:{size}:".encode())
+    state.update(header)
+    for begin, end in spans:
+        for at in _samples(8 + length + begin, 8 + length + end):
+            state.update(os.pread(fh.fileno(), WEIGHT_SAMPLE_BYTES, at)
+                         [: min(WEIGHT_SAMPLE_BYTES, 8 + length + end - at)])
 
 
 def _samples(begin: int, end: int) -> list[int]:
