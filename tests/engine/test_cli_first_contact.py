@@ -85,15 +85,17 @@ def test_non_utf8_bytes_on_stdin_are_one_error_naming_stdin(model_dir, capsys, m
     )
 
 
-def test_non_utf8_bytes_in_the_prompt_flag_are_one_error_naming_it(model_dir):
+@pytest.mark.parametrize("given, name", [(["--prompt"], "--prompt"),
+                                         ([], "the PROMPT argument")])
+def test_non_utf8_bytes_in_the_prompt_are_one_error_naming_where(given, name, model_dir):
     done = subprocess.run(
-        [sys.executable, "-m", "foretell", "run", "--model", str(model_dir), "--prompt",
+        [sys.executable, "-m", "foretell", "run", "--model", str(model_dir), *given,
          b"a\xfeb"],
         capture_output=True, timeout=120,
     )
     assert done.returncode == 1
     assert one_line_error(done.stderr.decode()) == (
-        "foretell: error: --prompt: not UTF-8 text (byte 0xfe at character 1)"
+        f"foretell: error: {name}: not UTF-8 text (byte 0xfe at character 1)"
     )
 
 

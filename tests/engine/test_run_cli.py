@@ -65,6 +65,19 @@ def test_run_streams_the_same_text_as_the_api_and_reports_speed_on_stderr(model_
         assert label in captured.err
 
 
+def test_the_prompt_may_be_the_argument(model_dir, capsys):
+    assert main(["run", "--model", str(model_dir), "def f(x):", "--max-tokens", "6"]) == 0
+    expected = foretell.load(model_dir).generate_text("def f(x):", max_tokens=6, chat=False)
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_a_prompt_given_twice_is_refused_naming_both(model_dir, capsys):
+    assert main(["run", "--model", str(model_dir), "one", "--prompt", "two"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "prompt: given twice" in err and "'one'" in err and "'two'" in err
+
+
 def test_prompt_dash_reads_stdin(model_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("class Cache:"))
     assert (

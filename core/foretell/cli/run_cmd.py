@@ -30,6 +30,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("run", help="generate a completion for one prompt")
     add_run_flags(p)
     p.add_argument(
+        "text",
+        nargs="?",
+        default=None,
+        metavar="PROMPT",
+        help="the prompt, as --prompt takes it (give it one way or the other)",
+    )
+    p.add_argument(
         "--prompt",
         "-p",
         default=None,
@@ -269,18 +276,32 @@ def model_path(model: str | None, flag: str = "--model"):
         raise ModelNotFound(exc.name, exc.reason, flag=flag) from None
 
 
-def read_prompt(value: str) -> str:
+def read_prompt(value: str, source: str = "--prompt") -> str:
+    """The prompt ``value`` says (``-``: stdin), unescaped; errors name ``source``."""
     from foretell.cli import text
 
     if value == "-":
-        return text.read_stdin("--prompt -")
-    return text.unescape(text.checked(value, "--prompt"))
+        return text.read_stdin(f"{source} -")
+    return text.unescape(text.checked(value, source))
+
+
+def given_prompt(args: argparse.Namespace) -> str:
+    """The prompt as typed: the argument or ``--prompt`` (the demo's snippet without either).
+
+    :raises ConfigError: both were given.
+    """
+    if args.text is not None and args.prompt is not None:
+        raise ConfigError("prompt", [f"given twice: as an argument ({args.text!r}) and with "
+                                     f"--prompt ({args.prompt!r}); give one"])
+    if args.text is not None:
+        return read_prompt(args.text, "the PROMPT argument")
+    return read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
 
 
 def run(args: argparse.Namespace) -> int:
     from foretell.cli import text
 
-    prompt = read_prompt(DEFAULT_PROMPT if args.prompt is None else args.prompt)
+    prompt = given_prompt(args)
     stops = [text.unescape(text.checked(s, "--stop")) for s in args.stop]
     registry, config = run_config(args)
     engine = open_engine(config.model, registry, quiet=args.json, cache=config.cache)
