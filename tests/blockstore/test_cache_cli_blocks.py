@@ -167,3 +167,38 @@ def test_an_engines_tier_uses_the_default_layout_unless_told(model_dir, tmp_path
     told = CacheTier.for_engine(engine, tmp_path / "told", layout=SingleFileLayout)
     assert type(told.ssd.layout) is SingleFileLayout
     told.close(5)
+
+
+def test_gc_older_than_deletes_entries_unused_since_of_every_model(model_dir, tmp_path,
+                                                                   capsys):
+    """Entries last used more than --older-than days ago go, whichever model (or KV scheme)
+    they belong to (such as those no run will use again: weights since changed), with the
+    blocks only they listed; the rest stay and still verify."""
+    import os
+    import time
+
+    other = make_model_dir(tmp_path / "models" / "other", "qwen3",
+                           overrides={"tie_word_embeddings": False})
+    cache = tmp_path / "cache"
+    base = ["--max-tokens", "3", "--cache-dir", str(cache)]
+    run_json(capsys, *base, "--model", str(other), "--prompt", "import numpy as np")
+    aged_dirs = {p.name for p in cache.iterdir()}
+    old = time.time() - 10 * 86400
+    for manifest in cache.glob("*/blocks-v4/entries/*"):
+        os.utime(manifest, (old, old))
+    run_json(capsys, *base, "--model", str(model_dir), "--prompt", "class Tree:")
+    _, listed = cache_json(capsys, "ls", "--cache-dir", str(cache))
+    aged = [e for e in listed["entries"] if e["directory"] in aged_dirs]
+    kept = [e for e in listed["entries"] if e["directory"] not in aged_dirs]
+    assert aged and kept
+    assert cache_json(capsys, "gc", "--cache-dir", str(cache), "--older-than", "11") == (
+        0, {"freed_bytes": 0, "evicted": 0})
+
+    code, gc = cache_json(capsys, "gc", "--cache-dir", str(cache), "--older-than", "9")
+    assert code == 0 and gc["evicted"] == len(aged) and gc["freed_bytes"] > 0
+    _, listed = cache_json(capsys, "ls", "--cache-dir", str(cache))
+    assert sorted(e["key"] for e in listed["entries"]) == sorted(e["key"] for e in kept)
+    for directory in aged_dirs:
+        assert not list((cache / directory).glob("blocks-v4/data/*.blk"))
+    code, verified = cache_json(capsys, "verify", "--cache-dir", str(cache))
+    assert code == 0 and verified["verified"] == len(kept)

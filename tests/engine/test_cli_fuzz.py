@@ -155,7 +155,8 @@ def test_plugins_never_shows_a_traceback(argv, capsys):
     assert_clean(code, err)
 
 
-CACHE_FLAGS = {"--model": "text", "--kv-bits": "int", "--layout": "text", "--max-gb": "float"}
+CACHE_FLAGS = {"--model": "text", "--kv-bits": "int", "--layout": "text", "--max-gb": "float",
+               "--older-than": "float"}
 
 
 @pytest.fixture(scope="module")
@@ -190,14 +191,16 @@ def test_cache_never_shows_a_traceback(action, flags, values, as_json, stored_ca
     assert_clean(*outcome(argv + ["--json"] * as_json, b"", capsys))
 
 
+@pytest.mark.parametrize("flag", ["--max-gb", "--older-than"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "x"])
-def test_cache_gc_refuses_a_cap_that_is_not_a_size(value, stored_cache, tmp_path, capsys):
+def test_cache_gc_refuses_a_limit_that_is_not_a_number(flag, value, stored_cache, tmp_path,
+                                                       capsys):
     import shutil
 
     cache = shutil.copytree(stored_cache, tmp_path / "cache")
-    code, err = outcome(["cache", "gc", "--cache-dir", str(cache), "--max-gb", value], b"", capsys)
-    assert code == 2 and "argument --max-gb: expected a" in err and "Traceback" not in err
-    assert any(cache.rglob("*.safetensors")), "a refused cap evicts nothing"
+    code, err = outcome(["cache", "gc", "--cache-dir", str(cache), flag, value], b"", capsys)
+    assert code == 2 and f"argument {flag}: expected a" in err and "Traceback" not in err
+    assert any(cache.rglob("*.safetensors")), "a refused limit evicts nothing"
 
 
 def test_cache_with_a_model_directory_that_has_no_config_names_the_file(stored_cache, tmp_path,

@@ -34,7 +34,8 @@ def add_parser(sub: Any) -> None:
         ("ls", "list stored entries"),
         ("stats", "entries and bytes per model and KV scheme"),
         ("verify", "read every entry with every checksum; report (and delete) bad ones"),
-        ("gc", "delete interrupted writes and evict to --max-gb"),
+        ("gc", "delete interrupted writes, entries unused for --older-than days, and "
+               "evict to --max-gb"),
         ("clear", "delete every entry and the storage it used"),
     ):
         a = actions.add_parser(name, help=summary)
@@ -51,6 +52,10 @@ def add_parser(sub: Any) -> None:
             a.add_argument("--max-gb", type=gigabytes, default=None,
                            help="evict least recently used entries down to this many GiB "
                                 "(per model and KV scheme, as --cache-max-gb caps them)")
+            a.add_argument("--older-than", type=days, default=None, metavar="DAYS",
+                           help="delete entries last used more than DAYS days ago, of every "
+                                "model and scheme (entries of weights since changed, or of "
+                                "a model no longer run, are never used again)")
         a.set_defaults(handler=globals()[f"cmd_{name}"])
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 
@@ -58,12 +63,21 @@ def add_parser(sub: Any) -> None:
 def gigabytes(text: str) -> float:
     """``--max-gb``: a finite size >= 0 (nan or inf cannot be a cap; a negative one would
     evict everything)."""
+    return _finite_at_least_zero(text, "GiB")
+
+
+def days(text: str) -> float:
+    """``--older-than``: a finite number of days >= 0."""
+    return _finite_at_least_zero(text, "days")
+
+
+def _finite_at_least_zero(text: str, unit: str) -> float:
     import math
 
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
@@ -333,6 +347,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
     freed = evicted = 0
     for layout in layouts(args):
         freed += layout.collect()
+        if args.older_than is not None:
+            before_s = time.time() - args.older_than * 86400
+            keys, before = _on_disk(layout)
+            for header in layout.scan():
+                if header.last_used < before_s:
+                    layout.remove(header.key)
+            layout.collect()  # the blocks only those entries listed
+            left, after = _on_disk(layout)
+            evicted += len(keys - left)
+            freed += before - after
         if args.max_gb is not None:
             keys, before = _on_disk(layout)
             SsdIndex(layout, codecs, int(args.max_gb * (1 << 30))).scan()
