@@ -1,5 +1,6 @@
-"""The verifier's CUDA attention path (matmuls + mask + softmax) computes what the fused
-kernel does, for every mask kind the caches hand out, with grouped KV heads."""
+"""The matmul attention path (matmuls + mask + softmax: the verifier's on CUDA, every
+float32 query's on the CPU) computes what the fused kernel does, for every mask kind the
+caches hand out, with grouped KV heads; on the CPU large scores take numpy's softmax."""
 
 from __future__ import annotations
 
@@ -106,3 +107,39 @@ def test_prefill_chunks_under_the_cuda_rule_compute_what_the_fused_kernel_does(
     for a, b in zip(out["fused"][0], out["matmul"][0]):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
     assert set(taken) == {40, 25}
+
+
+def test_on_the_cpu_float32_queries_take_matmuls_and_others_the_fused_kernel(monkeypatch):
+    """The CPU's rule (``matmul-float32``): its own float32 precision through matmuls and
+    numpy's softmax, a bfloat16 model through the fallback whose rounding is mlx-lm's."""
+    from foretell.platform import device
+
+    monkeypatch.setattr(attention, "_MATMUL_MODE", None)
+    monkeypatch.delenv("FORETELL_ATTENTION", raising=False)
+    monkeypatch.setattr(device, "on_cpu", lambda: True)
+    for n in (1, 4, 2048):
+        assert attention.use_matmul_attention(n, 4096, 8, mx.float32)
+        assert not attention.use_matmul_attention(n, 4096, 8, mx.bfloat16)
+    assert attention._MATMUL_MODE == "matmul-float32"
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="numpy's softmax is the CPU's")
+def test_large_scores_are_softmaxed_by_numpy_in_their_own_buffer(monkeypatch):
+    """Past NUMPY_SOFTMAX_MIN elements the CPU's softmax is numpy's, written over the
+    scores (MLX's would take ~10x as long), and equals MLX's to float32 rounding; smaller
+    ones stay MLX's."""
+    rows = attention.NUMPY_SOFTMAX_MIN // 512
+    scores = mx.random.normal((1, 2, rows, 512), key=mx.random.key(3)) * 4
+    scores = mx.where(mx.arange(512) < 500, scores, -mx.inf)  # a masked tail, as causal
+    expected = mx.softmax(scores, axis=-1)
+    mx.eval(scores, expected)
+    calls = []
+    real = mx.softmax
+    monkeypatch.setattr(mx, "softmax", lambda *a, **k: calls.append(a[0].size) or real(*a, **k))
+    got = attention.softmax_rows(scores)
+    assert calls == [] and got is scores  # numpy's, in place
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-7)
+    assert float(mx.abs(got[..., 500:]).max()) == 0.0
+    small = mx.random.normal((1, 2, 4, 512), key=mx.random.key(4))
+    attention.softmax_rows(small)
+    assert calls == [small.size]

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from foretell.errors import CodecError, GenerationError
-from foretell.model.attention import Mask
+from foretell.model.attention import Mask, softmax_rows
 from foretell.model.kvcache import KVCache
 from foretell.platform.device import device_mode
 
@@ -179,7 +179,10 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    scores = mx.softmax(scores, axis=-1, precise=True)
+    # precise: a bfloat16 model's scores softmaxed in float32, as mlx-lm does; float32
+    # ones (the CPU's) may take numpy's faster softmax (attention.softmax_rows).
+    scores = (softmax_rows(scores) if scores.dtype == mx.float32
+              else mx.softmax(scores, axis=-1, precise=True))
     if dequantized:
         out = scores @ values
     else:

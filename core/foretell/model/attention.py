@@ -61,12 +61,13 @@ def attend(
     queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Mask
 ) -> mx.array:
     """Attention over ``[B, heads, L, dim]`` arrays (grouped KV heads allowed): the fused
-    kernel, except for multi-token queries on CUDA (see :func:`use_matmul_attention`)."""
+    kernel, except for multi-token queries on CUDA and every query on the CPU (see
+    :func:`use_matmul_attention`)."""
     if isinstance(keys, tuple):  # affine-quantized KV: (packed, scales, biases)
         from foretell.cache.quantized import quantized_attend
 
         return quantized_attend(queries, keys, values, scale=scale, mask=mask)
-    if use_matmul_attention(queries.shape[2], keys.shape[2], queries.shape[1]):
+    if use_matmul_attention(queries.shape[2], keys.shape[2], queries.shape[1], queries.dtype):
         return matmul_attention(queries, keys, values, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
@@ -91,29 +92,36 @@ MATMUL_MAX_SCORES = 128 * 2**20
 _MATMUL_MODE: str | None = None
 
 
-def use_matmul_attention(n_queries: int, n_keys: int, heads: int) -> bool:
-    """Whether ``n_queries`` new tokens of ``heads`` query heads attend to ``n_keys`` keys
-    through plain matmuls instead of the fused kernel (see ``FULL_CHUNK``).
+def use_matmul_attention(n_queries: int, n_keys: int, heads: int,
+                         dtype: mx.Dtype | None = None) -> bool:
+    """Whether ``n_queries`` new tokens of ``heads`` query heads (of ``dtype``) attend to
+    ``n_keys`` keys through plain matmuls instead of the fused kernel (see ``FULL_CHUNK``).
 
     Measured on an H200 (mlx-cuda 0.32.4, ``docs/speculation.md``, "Pipelining and the
     GPU"): the fused kernel is re-planned whenever the shape changes and the query has more
     than one token, 38-72 ms per forward, which made a speculative round cost ~100 ms
     whatever its length and a two-model drafter's catch-up after plain steps ~40 ms; matmul +
     mask + softmax costs 1.6 ms for a 3-token demo forward, 2.5-7 ms for one of 33-2,048
-    tokens. Metal and the CPU keep the fused kernel. ``FORETELL_ATTENTION=fused|matmul``
-    forces either rule (``matmul-all`` takes matmuls also for single-token decode and any
-    size), for measuring.
+    tokens. The CPU takes matmuls for every float32 query (``matmul-float32``, the CPU's
+    own precision): MLX has no CPU kernel for it, and its fallback is the same matmuls
+    around a softmax much slower than :func:`softmax_rows` (docs/blas.md, "Softmax"). A
+    bfloat16 model there keeps the fallback, whose rounding is mlx-lm's. Metal keeps the
+    fused kernel. ``FORETELL_ATTENTION=fused|matmul|matmul-float32|matmul-all`` forces a
+    rule (``matmul-all``: every query), for measuring.
     """
     global _MATMUL_MODE
     if _MATMUL_MODE is None:
         from foretell.platform.device import device_mode
 
-        _MATMUL_MODE = device_mode("FORETELL_ATTENTION", cuda="matmul", elsewhere="fused",
-                                   choices=("fused", "matmul", "matmul-all"))
+        _MATMUL_MODE = device_mode(
+            "FORETELL_ATTENTION", cuda="matmul", cpu="matmul-float32", elsewhere="fused",
+            choices=("fused", "matmul", "matmul-float32", "matmul-all"))
     if _MATMUL_MODE == "fused":
         return False
     if _MATMUL_MODE == "matmul-all":
         return True
+    if _MATMUL_MODE == "matmul-float32":
+        return dtype == mx.float32
     return 1 < n_queries < FULL_CHUNK and heads * n_queries * n_keys <= MATMUL_MAX_SCORES
 
 
@@ -142,9 +150,40 @@ def matmul_attention(
         scores = q @ keys_t  # [B, kv, group * L, S]
     else:  # the mask as 0 / -inf, added by the matmul itself: exactly where() on the scores
         scores = mx.addmm(_additive(mask, group), q, keys_t)
-    weights = mx.softmax(scores, axis=-1)
+    weights = softmax_rows(scores)
     out = weights @ values.astype(f32)  # [B, kv, group * L, dim]
     return out.reshape(B, heads, L, dim).astype(queries.dtype)
+
+
+#: Score matrices of at least this many elements take numpy's softmax on the CPU; below it
+#: the evaluation it needs costs more than MLX's slower exp saves (a decode step's scores).
+NUMPY_SOFTMAX_MIN = 1 << 18
+
+
+def softmax_rows(scores: mx.array) -> mx.array:
+    """``mx.softmax(scores, axis=-1)`` for float32 ``scores``; on the CPU, for at least
+    :data:`NUMPY_SOFTMAX_MIN` elements, computed by numpy in ``scores``' own buffer.
+
+    MLX's CPU build for x86 computes ``exp`` one element at a time, ~13 ns each on the
+    2-core EPYC against numpy's ~1 ns (vectorized): the softmax over a 4,096-token prefill
+    chunk's scores took 0.92 s in MLX and 0.09 s this way, and the demo's 4,096-token
+    prefill went from 10.5 to 5.8 s (docs/blas.md, "Softmax"). The scores are evaluated
+    here (one more evaluation per layer, which a prefill chunk does not notice) and then
+    overwritten in place: a fresh matmul's output, which nothing else reads."""
+    if (scores.size < NUMPY_SOFTMAX_MIN or scores.dtype != mx.float32
+            or mx.default_device() != mx.cpu):
+        return mx.softmax(scores, axis=-1)
+    import numpy as np
+
+    mx.eval(scores)
+    buffer = memoryview(scores)
+    if buffer.readonly or not buffer.c_contiguous:
+        return mx.softmax(scores, axis=-1)
+    rows = np.frombuffer(buffer, dtype=np.float32).reshape(scores.shape)
+    rows -= rows.max(axis=-1, keepdims=True)
+    np.exp(rows, out=rows)
+    rows /= rows.sum(axis=-1, keepdims=True)
+    return scores
 
 
 _LAST_ADDITIVE: tuple[mx.array | None, mx.array | None] = (None, None)

@@ -27,10 +27,18 @@ def cold_cuda_note() -> str | None:
             "run compiles them (about 75 s on an H200, once; later runs reuse them)")
 
 
-def device_mode(variable: str, *, cuda: str, elsewhere: str, choices: tuple[str, ...]) -> str:
-    """A behaviour that differs on CUDA, read once by its caller: ``cuda`` there,
-    ``elsewhere`` otherwise, unless the environment variable ``variable`` forces one of
-    ``choices`` (``auto`` or unset: the device decides).
+def on_cpu() -> bool:
+    """Whether MLX computes on the CPU now (its default device)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def device_mode(variable: str, *, cuda: str, elsewhere: str, choices: tuple[str, ...],
+                cpu: str | None = None) -> str:
+    """A behaviour that differs by device, read once by its caller: ``cuda`` on a CUDA GPU,
+    ``cpu`` (when given) on the CPU, ``elsewhere`` otherwise, unless the environment variable
+    ``variable`` forces one of ``choices`` (``auto`` or unset: the device decides).
 
     :raises ConfigError: naming ``variable`` when it holds anything else.
     """
@@ -40,6 +48,8 @@ def device_mode(variable: str, *, cuda: str, elsewhere: str, choices: tuple[str,
 
     forced = os.environ.get(variable, "").strip() or "auto"
     if forced == "auto":
+        if cpu is not None and on_cpu():
+            return cpu
         return cuda if on_cuda() else elsewhere
     if forced not in choices:
         raise ConfigError(variable, [f"{forced!r} is not one of auto, {', '.join(choices)}"])
