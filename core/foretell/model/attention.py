@@ -167,11 +167,13 @@ def softmax_rows(scores: mx.array) -> mx.array:
     MLX's CPU build for x86 computes ``exp`` one element at a time, ~13 ns each on the
     2-core EPYC against numpy's ~1 ns (vectorized): the softmax over a 4,096-token prefill
     chunk's scores took 0.92 s in MLX and 0.09 s this way, and the demo's 4,096-token
-    prefill went from 10.5 to 5.8 s (docs/blas.md, "Softmax"). The scores are evaluated
+    prefill went from 10.7 to 6.0 s (docs/blas.md, "Softmax"). The scores are evaluated
     here (one more evaluation per layer, which a prefill chunk does not notice) and then
-    overwritten in place: a fresh matmul's output, which nothing else reads."""
-    if (scores.size < NUMPY_SOFTMAX_MIN or scores.dtype != mx.float32
-            or mx.default_device() != mx.cpu):
+    overwritten in place: the callers pass a fresh product's output, which nothing else
+    reads."""
+    from foretell.platform.device import on_cpu
+
+    if scores.size < NUMPY_SOFTMAX_MIN or scores.dtype != mx.float32 or not on_cpu():
         return mx.softmax(scores, axis=-1)
     import numpy as np
 
