@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -338,32 +339,48 @@ def _on_disk(layout: Any) -> tuple[set[str], int]:
     return {h.key for h in layout.scan()}, layout.bytes()
 
 
+def _left_the_disk(layout: Any, change: Callable[[Any], Any]) -> tuple[int, int, int]:
+    """Run ``change(layout)``; the entries that left the disk, those still on it, and the
+    bytes freed: what did leave, not what was asked to (a read-only directory keeps all)."""
+    keys, before = _on_disk(layout)
+    change(layout)
+    left, after = _on_disk(layout)
+    return len(keys - left), len(left), before - after
+
+
+def _remove_unused(layout: Any, unused_since: float) -> None:
+    """Remove the entries last used before ``unused_since``, and the blocks only they listed."""
+    for header in layout.scan():
+        if header.last_used < unused_since:
+            layout.remove(header.key)
+    layout.collect()
+
+
+def _remove_all(layout: Any) -> None:
+    for header in layout.scan():
+        layout.remove(header.key)
+    layout.collect()  # the blocks no entry lists any more
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from foretell.cache.codecs import load_codecs
     from foretell.cache.ssd import SsdIndex
     from foretell.plugin.loader import load_plugins
 
     codecs = load_codecs(load_plugins().registry)
+    changes: list[Callable[[Any], Any]] = []
+    if args.older_than is not None:
+        changes.append(functools.partial(
+            _remove_unused, unused_since=time.time() - args.older_than * 86400))
+    if args.max_gb is not None:
+        cap = int(args.max_gb * (1 << 30))
+        changes.append(lambda layout: SsdIndex(layout, codecs, cap).scan())
     freed = evicted = 0
     for layout in layouts(args):
         freed += layout.collect()
-        if args.older_than is not None:
-            before_s = time.time() - args.older_than * 86400
-            keys, before = _on_disk(layout)
-            for header in layout.scan():
-                if header.last_used < before_s:
-                    layout.remove(header.key)
-            layout.collect()  # the blocks only those entries listed
-            left, after = _on_disk(layout)
-            evicted += len(keys - left)
-            freed += before - after
-        if args.max_gb is not None:
-            keys, before = _on_disk(layout)
-            SsdIndex(layout, codecs, int(args.max_gb * (1 << 30))).scan()
-            # What left the disk, not what was asked to (a read-only directory keeps all).
-            left, after = _on_disk(layout)
-            evicted += len(keys - left)
-            freed += before - after
+        for change in changes:
+            gone, _, gone_bytes = _left_the_disk(layout, change)
+            evicted, freed = evicted + gone, freed + gone_bytes
     report = {"freed_bytes": freed, "evicted": evicted}
     print(json.dumps(report) if args.json else
           f"freed {_size(freed)}; evicted {evicted} entries")
@@ -375,12 +392,8 @@ def cmd_clear(args: argparse.Namespace) -> int:
     found = layouts(args)
     for layout in found:
         freed += layout.collect()  # what no entry used already
-        keys, before = _on_disk(layout)
-        for key in keys:
-            layout.remove(key)
-        layout.collect()  # the blocks no entry lists any more: counted in before - after
-        left, after = _on_disk(layout)
-        removed, kept, freed = removed + len(keys - left), kept + len(left), freed + before - after
+        gone, still, gone_bytes = _left_the_disk(layout, _remove_all)
+        removed, kept, freed = removed + gone, kept + still, freed + gone_bytes
     root = Path(args.cache_dir).expanduser()
     if args.model is None:
         for orphan in _orphans(root):
