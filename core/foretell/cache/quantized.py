@@ -179,10 +179,7 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    # precise: a bfloat16 model's scores softmaxed in float32, as mlx-lm does; float32
-    # ones (the CPU's) may take numpy's faster softmax (attention.softmax_rows).
-    scores = (softmax_rows(scores) if scores.dtype == mx.float32
-              else mx.softmax(scores, axis=-1, precise=True))
+    scores = softmax_rows(scores, precise=True)  # as mlx-lm: bfloat16 scores in float32
     if dequantized:
         out = scores @ values
     else:

@@ -13,6 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from foretell.platform.device import on_cpu
+
 Mask = mx.array | str | None
 
 
@@ -160,9 +162,9 @@ def matmul_attention(
 NUMPY_SOFTMAX_MIN = 1 << 18
 
 
-def softmax_rows(scores: mx.array) -> mx.array:
-    """``mx.softmax(scores, axis=-1)`` for float32 ``scores``; on the CPU, for at least
-    :data:`NUMPY_SOFTMAX_MIN` elements, computed by numpy in ``scores``' own buffer.
+def softmax_rows(scores: mx.array, *, precise: bool = False) -> mx.array:
+    """``mx.softmax(scores, axis=-1, precise=precise)``; for float32 ``scores`` of at least
+    :data:`NUMPY_SOFTMAX_MIN` elements on the CPU, computed by numpy in their own buffer.
 
     MLX's CPU build for x86 computes ``exp`` one element at a time, ~13 ns each on the
     2-core EPYC against numpy's ~1 ns (vectorized): the softmax over a 4,096-token prefill
@@ -171,16 +173,14 @@ def softmax_rows(scores: mx.array) -> mx.array:
     here (one more evaluation per layer, which a prefill chunk does not notice) and then
     overwritten in place: the callers pass a fresh product's output, which nothing else
     reads."""
-    from foretell.platform.device import on_cpu
-
     if scores.size < NUMPY_SOFTMAX_MIN or scores.dtype != mx.float32 or not on_cpu():
-        return mx.softmax(scores, axis=-1)
+        return mx.softmax(scores, axis=-1, precise=precise)
     import numpy as np
 
     mx.eval(scores)
     buffer = memoryview(scores)
     if buffer.readonly or not buffer.c_contiguous:
-        return mx.softmax(scores, axis=-1)
+        return mx.softmax(scores, axis=-1, precise=precise)
     rows = np.frombuffer(buffer, dtype=np.float32).reshape(scores.shape)
     rows -= rows.max(axis=-1, keepdims=True)
     np.exp(rows, out=rows)
