@@ -1,0 +1,132 @@
+"""Where a decode's slow steps fall while the spill worker writes beside it: the cache
+benchmark's interleaved row (``foretell.cache.bench``: write, rest as long, again) with each
+write's parts timed (opening the layout, gathering the entry's bytes, storing its blocks,
+the manifest, deleting the copy). Prints every step slower than SLOW times the median step,
+with the parts that overlapped it, and the median step inside each part.
+
+On the H100 host (2026-12-05) the benchmark's bf16 4B row saw 11 "edge" steps (a write began
+or ended in them) at 0.04x and 0.50x idle speed in two runs where the steps a write ran
+through were 0.95x / 1.00x: this says which part of a write those steps waited on.
+
+    python scripts/edge_probe.py [SHAPE] [--kv-bits N] [--tokens N] [--slow X]
+"""
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from foretell.platform import blas
+
+blas.preload()
+
+import foretell  # noqa: E402
+from foretell.cache import bench as cb  # noqa: E402
+from foretell.cache.codecs import snapshot_entry  # noqa: E402
+from foretell.cache.spill import SpillQueue  # noqa: E402
+from foretell.tools.bench import synthetic_model  # noqa: E402
+
+
+def timed_parts(layout_type: type, events: list[tuple[str, float, float]]) -> None:
+    """Wrap the block store's write parts so each appends (part, start, end) to ``events``."""
+    def wrap(name: str, part: str) -> None:
+        original = getattr(layout_type, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                events.append((part, start, time.perf_counter()))
+        setattr(layout_type, name, timed)
+
+    for name, part in (("__init__", "open"), ("_gather_by_dma", "dma plan"),
+                       ("_store_block", "block"), ("write", "write")):
+        if hasattr(layout_type, name):
+            wrap(name, part)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shape", nargs="?", default="4b")
+    parser.add_argument("--kv-bits", type=int, default=None)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--slow", type=float, default=3.0)
+    args = parser.parse_args()
+
+    model = synthetic_model(args.shape, "bfloat16")
+    engine = foretell.load(model, kv_bits=args.kv_bits)
+    prompt = [(7 * i + 3) % 1000 + 10 for i in range(4096)]
+    cb._generate(engine, prompt[:64], 4)
+    cb._generate(engine, prompt)
+    scratch = Path(tempfile.mkdtemp(prefix="foretell-edge-probe-"))
+    try:
+        tier, factory = cb._open_tier(engine, scratch / "tier", "blocks")
+        engine.cache = tier
+        cb._generate(engine, prompt)
+        tier.flush(600)
+        cb._generate(engine, prompt)
+        tier.flush(600)
+        engine.cache = None
+        donor = max(tier.ram.entries(), key=lambda e: len(e.tokens))
+        entry = tier.for_writer(snapshot_entry(donor.tokens, donor.caches, tier.codecs))
+        events: list[tuple[str, float, float]] = []
+        timed_parts(type(tier.ssd.layout), events)
+        short = list(donor.tokens[:32])
+        stop, count, took = threading.Event(), [0], [0.0]
+
+        def write(stored) -> bool:
+            root, start = scratch / f"write-{count[0]}", time.perf_counter()
+            try:
+                return factory(root).write(stored)
+            finally:
+                end = time.perf_counter()
+                took[0] = end - start
+                shutil.rmtree(root, ignore_errors=True)
+                events.append(("delete", end, time.perf_counter()))
+                count[0] += 1
+
+        def again(stored, _outcome: str) -> None:
+            if not stop.wait(took[0]):
+                queue.submit(stored)
+
+        queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
+        queue.submit(entry)
+        steps, last = [], time.perf_counter()
+        for event in engine.generate(short, max_tokens=args.tokens, ignore_eos=True):
+            now = time.perf_counter()
+            if event.type == "text" and event.tokens:
+                steps.append((last, now))
+            last = now
+        stop.set()
+        queue.close()
+        tier.close(60)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    steps = steps[1:]
+    durations = [b - a for a, b in steps]
+    median = statistics.median(durations)
+    t0 = steps[0][0]
+    print(f"{args.shape} kv_bits={args.kv_bits}: {len(steps)} steps, median "
+          f"{median * 1e3:.2f} ms, {count[0]} writes, entry {entry.tensor_bytes / 1e6:.0f} MB")
+    for part in ("open", "dma plan", "block", "write", "delete"):
+        spans = [(a, b) for p, a, b in events if p == part]
+        inside = [b - a for a, b in steps if any(s <= a and b <= e for s, e in spans)]
+        took_ms = [(e - s) * 1e3 for s, e in spans]
+        print(f"  {part:9s} x{len(spans):3d}: median {statistics.median(took_ms) if took_ms else 0:8.1f} ms"
+              f" each; steps wholly inside {len(inside):4d}, median "
+              f"{statistics.median(inside) * 1e3 if inside else float('nan'):.2f} ms")
+    print(f"slow steps (> {args.slow}x median):")
+    for (a, b), d in zip(steps, durations):
+        if d > args.slow * median:
+            near = sorted({f"{p}{'[' if a <= s <= b else ''}{']' if a <= e <= b else ''}"
+                           for p, s, e in events if s < b and a < e})
+            print(f"  t={(a - t0) * 1e3:8.1f} ms  {d * 1e3:8.1f} ms  {' '.join(near) or '-'}")
+
+
+if __name__ == "__main__":
+    main()
