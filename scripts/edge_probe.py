@@ -2,13 +2,14 @@
 benchmark's interleaved row (``foretell.cache.bench``: write, rest as long, again) with each
 write's parts timed (opening the layout, gathering the entry's bytes, storing its blocks,
 the manifest, deleting the copy). Prints every step slower than SLOW times the median step,
-with the parts that overlapped it, and the median step inside each part.
+with the parts that overlapped it, and the median step inside each part; PASSES decodes in
+turn, so a step that only a first decode pays (a kernel built for a new shape) shows apart.
 
 On the H100 host (2026-12-05) the benchmark's bf16 4B row saw 11 "edge" steps (a write began
 or ended in them) at 0.04x and 0.50x idle speed in two runs where the steps a write ran
 through were 0.95x / 1.00x: this says which part of a write those steps waited on.
 
-    python scripts/edge_probe.py [SHAPE] [--kv-bits N] [--tokens N] [--slow X]
+    python scripts/edge_probe.py [SHAPE] [--kv-bits N] [--tokens N] [--slow X] [--passes N]
 """
 
 import argparse
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--kv-bits", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--slow", type=float, default=3.0)
+    parser.add_argument("--passes", type=int, default=2)
     args = parser.parse_args()
 
     model = synthetic_model(args.shape, "bfloat16")
@@ -93,40 +95,51 @@ def main() -> None:
             if not stop.wait(took[0]):
                 queue.submit(stored)
 
-        queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
-        queue.submit(entry)
-        steps, last = [], time.perf_counter()
-        for event in engine.generate(short, max_tokens=args.tokens, ignore_eos=True):
-            now = time.perf_counter()
-            if event.type == "text" and event.tokens:
-                steps.append((last, now))
-            last = now
-        stop.set()
-        queue.close()
+        passes = []
+        for _ in range(args.passes):
+            stop.clear()
+            queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
+            queue.submit(entry)
+            steps, last = [], time.perf_counter()
+            for event in engine.generate(short, max_tokens=args.tokens, ignore_eos=True):
+                now = time.perf_counter()
+                if event.type == "text" and event.tokens:
+                    steps.append((last, now))
+                last = now
+            stop.set()
+            queue.close()
+            passes.append(steps[1:])  # 1: the prefill
         tier.close(60)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    steps = steps[1:]
+    print(f"{args.shape} kv_bits={args.kv_bits}: entry {entry.tensor_bytes / 1e6:.0f} MB, "
+          f"{count[0]} writes in {args.passes} decodes of {args.tokens} tokens")
+    for number, steps in enumerate(passes, 1):
+        report(number, steps, events, args.slow)
+
+
+def report(number: int, steps: list[tuple[float, float]],
+           events: list[tuple[str, float, float]], slow: float) -> None:
     durations = [b - a for a, b in steps]
     median = statistics.median(durations)
-    t0 = steps[0][0]
-    print(f"{args.shape} kv_bits={args.kv_bits}: {len(steps)} steps, median "
-          f"{median * 1e3:.2f} ms, {count[0]} writes, entry {entry.tensor_bytes / 1e6:.0f} MB")
+    t0, t1 = steps[0][0], steps[-1][1]
+    print(f"decode {number}: {len(steps)} steps, median {median * 1e3:.2f} ms")
     for part in ("open", "dma plan", "block", "write", "delete"):
-        spans = [(a, b) for p, a, b in events if p == part]
+        spans = [(a, b) for p, a, b in events if p == part and t0 <= a <= t1]
         inside = [b - a for a, b in steps if any(s <= a and b <= e for s, e in spans)]
         took_ms = [(e - s) * 1e3 for s, e in spans]
-        print(f"  {part:9s} x{len(spans):3d}: median {statistics.median(took_ms) if took_ms else 0:8.1f} ms"
-              f" each; steps wholly inside {len(inside):4d}, median "
+        print(f"  {part:9s} x{len(spans):3d}: median "
+              f"{statistics.median(took_ms) if took_ms else 0:8.1f} ms each; steps wholly "
+              f"inside {len(inside):4d}, median "
               f"{statistics.median(inside) * 1e3 if inside else float('nan'):.2f} ms")
-    print(f"slow steps (> {args.slow}x median):")
+    print(f"  slow steps (> {slow}x median; [ a part began in it, ] one ended):")
     for (a, b), d in zip(steps, durations):
-        if d > args.slow * median:
+        if d > slow * median:
             near = sorted({f"{p}{'[' if a <= s <= b else ''}{']' if a <= e <= b else ''}"
                            for p, s, e in events if s < b and a < e})
-            print(f"  t={(a - t0) * 1e3:8.1f} ms  {d * 1e3:8.1f} ms  {' '.join(near) or '-'}")
-
+            print(f"    step {steps.index((a, b)):4d} t={(a - t0) * 1e3:8.1f} ms "
+                  f"{d * 1e3:8.1f} ms  {' '.join(near) or '-'}")
 
 if __name__ == "__main__":
     main()
