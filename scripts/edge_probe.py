@@ -16,7 +16,6 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ blas.preload()
 import foretell  # noqa: E402
 from foretell.cache import bench as cb  # noqa: E402
 from foretell.cache.codecs import snapshot_entry  # noqa: E402
-from foretell.cache.spill import SpillQueue  # noqa: E402
 from foretell.tools.bench import synthetic_model  # noqa: E402
 
 
@@ -78,43 +76,19 @@ def main() -> None:
         events: list[tuple[str, float, float]] = []
         timed_parts(type(tier.ssd.layout), events)
         short = list(donor.tokens[:32])
-        stop, count, took = threading.Event(), [0], [0.0]
-
-        def write(stored) -> bool:
-            root, start = scratch / f"write-{count[0]}", time.perf_counter()
-            try:
-                return factory(root).write(stored)
-            finally:
-                end = time.perf_counter()
-                took[0] = end - start
-                shutil.rmtree(root, ignore_errors=True)
-                events.append(("delete", end, time.perf_counter()))
-                count[0] += 1
-
-        def again(stored, _outcome: str) -> None:
-            if not stop.wait(took[0]):
-                queue.submit(stored)
-
-        passes = []
+        passes, writes = [], 0
         for _ in range(args.passes):
-            stop.clear()
-            queue = SpillQueue(write, max_bytes=entry.tensor_bytes, on_done=again)
-            queue.submit(entry)
-            steps, last = [], time.perf_counter()
-            for event in engine.generate(short, max_tokens=args.tokens, ignore_eos=True):
-                now = time.perf_counter()
-                if event.type == "text" and event.tokens:
-                    steps.append((last, now))
-                last = now
-            stop.set()
-            queue.close()
-            passes.append(steps[1:])  # 1: the prefill
+            steps, spans = cb.interleaved_steps(engine, factory, entry, short, scratch,
+                                                args.tokens)
+            events.extend(("delete", a, b) for a, b in spans["removing"])
+            passes.append([(a, b) for a, b, _n in steps])
+            writes += len(spans["writing"])
         tier.close(60)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
     print(f"{args.shape} kv_bits={args.kv_bits}: entry {entry.tensor_bytes / 1e6:.0f} MB, "
-          f"{count[0]} writes in {args.passes} decodes of {args.tokens} tokens")
+          f"{writes} writes in {args.passes} decodes of {args.tokens} tokens")
     for number, steps in enumerate(passes, 1):
         report(number, steps, events, args.slow)
 

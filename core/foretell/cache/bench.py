@@ -337,6 +337,16 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
     decode, so a host whose own speed drifts between rounds minutes apart (the H200's idle
     decode swung 139-221 tok/s) weighs on all alike; the edges show what starting and
     finishing a write costs (a paired round beside a never-dry writer runs through all)."""
+    steps, spans = interleaved_steps(engine, factory, entry, prompt, scratch, tokens)
+    return {**steady_speeds(steps, spans), "writes": len(spans["writing"])}
+
+
+def interleaved_steps(engine: Any, factory: Callable, entry: Any, prompt: list[int],
+                      scratch: Path, tokens: int
+                      ) -> tuple[list[tuple[float, float, int]], dict[str, list[tuple[float, float]]]]:
+    """The decode of :func:`_decode_beside_interleaved_writes`: its steps after the prefill
+    as ``(start, end, tokens)`` and the writer's spans by phase (``writing``, ``removing``);
+    ``scripts/edge_probe.py`` lays a write's parts over them."""
     spans: dict[str, list[tuple[float, float]]] = {"writing": [], "removing": []}
     stop = threading.Event()
     writer = threading.Thread(target=_write_until, args=(factory, scratch, entry, stop, [0]),
@@ -350,7 +360,7 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
         last = now
     stop.set()
     writer.join()
-    return {**steady_speeds(steps[1:], spans), "writes": len(spans["writing"])}  # 1: prefill
+    return steps[1:], spans  # 1: the prefill
 
 
 def steady_speeds(steps: Sequence[tuple[float, float, int]],
