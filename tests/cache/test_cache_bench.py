@@ -117,6 +117,33 @@ def test_steps_count_as_writing_only_when_a_write_ran_all_through_them():
     assert speeds["ratio"] == speeds["writing_ratio"] == pytest.approx((5 / 1.1) / 2.0)
     assert speeds["removing_ratio"] == pytest.approx((1 / 0.3) / 2.0)
     assert speeds["edge_ratio"] == pytest.approx((5 / 1.4) / 2.0)
+    # Each phase's slowest step: a one-off stall shows apart from a steady cost.
+    assert [speeds[f"{s}_slowest_s"] for s in ("writing", "removing", "idle", "edge")
+            ] == pytest.approx([0.5, 0.3, 0.5, 1.0])
+
+
+def test_the_interleaved_decode_first_runs_as_long_without_a_writer(tmp_path, monkeypatch):
+    """A step only the first decode of a length pays (a GPU's kernel for a longer cache)
+    must not land in a phase: a decode of the same length runs before the writer starts."""
+    calls = []
+
+    class Engine:
+        def generate(self, prompt, max_tokens, ignore_eos):
+            calls.append((max_tokens, writer_started[0]))
+            yield from ()
+
+    writer_started = [False]
+
+    def interleaved_steps(engine, factory, entry, prompt, scratch, tokens):
+        writer_started[0] = True
+        return [(0.0, 0.1, 1)], {"writing": [], "removing": []}
+
+    monkeypatch.setattr(bench, "_generate", lambda engine, prompt, max_tokens=1: list(
+        engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True)))
+    monkeypatch.setattr(bench, "interleaved_steps", interleaved_steps)
+    out = bench._decode_beside_interleaved_writes(Engine(), None, None, [1, 2], tmp_path, 96)
+    assert calls == [(96, False)] and writer_started[0]
+    assert out["idle_steps"] == 1 and out["writes"] == 0
 
 
 def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):

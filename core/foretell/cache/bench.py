@@ -336,7 +336,14 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
     deletion began or ended in it). The phases alternate every write's length within one
     decode, so a host whose own speed drifts between rounds minutes apart (the H200's idle
     decode swung 139-221 tok/s) weighs on all alike; the edges show what starting and
-    finishing a write costs (a paired round beside a never-dry writer runs through all)."""
+    finishing a write costs (a paired round beside a never-dry writer runs through all).
+
+    A decode of the same length runs first with no writer: a step that only the first decode
+    this long pays (on a GPU a kernel built or a forward traced for a longer cache) would
+    otherwise land in whatever phase it fell in, and one longer than a write and its rest
+    always overlaps a write's start or end, so it counted as an edge (the H100's bf16 4B
+    row, 2026-12-05: edges at 0.04x idle in a host's first bf16 run, 0.50x in its second)."""
+    _generate(engine, prompt, tokens)
     steps, spans = interleaved_steps(engine, factory, entry, prompt, scratch, tokens)
     return {**steady_speeds(steps, spans), "writes": len(spans["writing"])}
 
@@ -368,9 +375,10 @@ def steady_speeds(steps: Sequence[tuple[float, float, int]],
     """Tokens per second of the ``(start, end, tokens)`` steps each phase's spans covered
     whole (``spans``: phase name -> its spans), of those no span touched ("idle") and of the
     rest ("edge"); each over idle as ``<phase>_ratio`` (the writing phase's as ``ratio``),
-    and how many steps of each."""
+    how many steps of each, and each one's slowest step in seconds (``<phase>_slowest_s``:
+    one stall apart from a steady cost)."""
     states = [*spans, "idle", "edge"]
-    totals = {state: [0.0, 0, 0] for state in states}  # seconds, tokens, steps
+    totals = {state: [0.0, 0, 0, 0.0] for state in states}  # seconds, tokens, steps, slowest
     for begin, end, n in steps:
         inside = [phase for phase, found in spans.items()
                   if any(a <= begin and end <= b for a, b in found)]
@@ -383,11 +391,13 @@ def steady_speeds(steps: Sequence[tuple[float, float, int]],
         totals[state][0] += end - begin
         totals[state][1] += n
         totals[state][2] += 1
-    tps = {state: n / t if t > 0 else float("nan") for state, (t, n, _k) in totals.items()}
+        totals[state][3] = max(totals[state][3], end - begin)
+    tps = {state: n / t if t > 0 else float("nan") for state, (t, n, _k, _s) in totals.items()}
     out: dict[str, Any] = {}
     for state in states:
         out[f"{state}_tps"] = tps[state]
         out[f"{state}_steps"] = totals[state][2]
+        out[f"{state}_slowest_s"] = totals[state][3]
         if state != "idle":
             out[f"{state}_ratio"] = tps[state] / tps["idle"] if tps["idle"] > 0 else float("nan")
     out["ratio"] = out.get("writing_ratio", float("nan"))
@@ -734,7 +744,8 @@ def _interleaved_cell(decode: dict[str, Any]) -> str:
             f"writing, {found['idle_steps']} idle)")
     for phase, label in (("removing", "deleting"), ("edge", "at a write's ends")):
         if found.get(f"{phase}_steps"):
-            cell += f", {label} {found[f'{phase}_ratio']:.2f}× ({found[f'{phase}_steps']})"
+            cell += (f", {label} {found[f'{phase}_ratio']:.2f}× ({found[f'{phase}_steps']}"
+                     f"; slowest {found[f'{phase}_slowest_s'] * 1e3:.0f} ms)")
     return cell
 
 
