@@ -1,13 +1,16 @@
 """Where a decode's slow steps fall while the spill worker writes beside it: the cache
-benchmark's interleaved row (``foretell.cache.bench``: write, rest as long, again) with each
-write's parts timed (opening the layout, gathering the entry's bytes, storing its blocks,
-the manifest, deleting the copy). Prints every step slower than SLOW times the median step,
-with the parts that overlapped it, and the median step inside each part; PASSES decodes in
-turn, so a step that only a first decode pays (a kernel built for a new shape) shows apart.
+benchmark's interleaved decode (``foretell.cache.bench.interleaved_steps``: the spill worker
+writing, resting as long, again) with each write's parts timed: opening the layout, planning
+the gather (``dma plan``; the DMA itself runs in each block's job), each block's job
+(gather, hash, write), the whole write (blocks, manifest, fsyncs) and deleting the copy.
+Prints every step slower than SLOW times the median step with the parts that overlapped it,
+and the median step wholly inside each part; PASSES decodes in turn, so a step that only a
+first decode pays (a kernel built for a new shape) shows apart from one a write causes.
 
 On the H100 host (2026-12-05) the benchmark's bf16 4B row saw 11 "edge" steps (a write began
-or ended in them) at 0.04x and 0.50x idle speed in two runs where the steps a write ran
-through were 0.95x / 1.00x: this says which part of a write those steps waited on.
+or ended in them) at 0.04x and 0.50x idle speed in two runs, where the steps a write ran
+through were 0.95x / 1.00x; the paired rounds of the same runs rule out a stall of that size
+at every write (docs/benchmarks.md, "H100"). Not yet run on a GPU.
 
     python scripts/edge_probe.py [SHAPE] [--kv-bits N] [--tokens N] [--slow X] [--passes N]
 """
@@ -108,12 +111,13 @@ def report(number: int, steps: list[tuple[float, float]],
               f"inside {len(inside):4d}, median "
               f"{statistics.median(inside) * 1e3 if inside else float('nan'):.2f} ms")
     print(f"  slow steps (> {slow}x median; [ a part began in it, ] one ended):")
-    for (a, b), d in zip(steps, durations):
+    for index, ((a, b), d) in enumerate(zip(steps, durations)):
         if d > slow * median:
             near = sorted({f"{p}{'[' if a <= s <= b else ''}{']' if a <= e <= b else ''}"
                            for p, s, e in events if s < b and a < e})
-            print(f"    step {steps.index((a, b)):4d} t={(a - t0) * 1e3:8.1f} ms "
+            print(f"    step {index:4d} t={(a - t0) * 1e3:8.1f} ms "
                   f"{d * 1e3:8.1f} ms  {' '.join(near) or '-'}")
+
 
 if __name__ == "__main__":
     main()
