@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import signal
 import sys
 import time
@@ -73,7 +74,6 @@ def days(text: str) -> float:
 
 
 def _finite_at_least_zero(text: str, unit: str) -> float:
-    import math
 
     try:
         value = float(text)
@@ -348,18 +348,13 @@ def _left_the_disk(layout: Any, change: Callable[[Any], Any]) -> tuple[int, int,
     return len(keys - left), len(left), before - after
 
 
-def _remove_unused(layout: Any, unused_since: float) -> None:
-    """Remove the entries last used before ``unused_since``, and the blocks only they listed."""
+def _remove_unused(layout: Any, unused_since: float = math.inf) -> None:
+    """Remove the entries last used before ``unused_since`` (by default every one), and the
+    blocks only they listed."""
     for header in layout.scan():
         if header.last_used < unused_since:
             layout.remove(header.key)
     layout.collect()
-
-
-def _remove_all(layout: Any) -> None:
-    for header in layout.scan():
-        layout.remove(header.key)
-    layout.collect()  # the blocks no entry lists any more
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -392,7 +387,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
     found = layouts(args)
     for layout in found:
         freed += layout.collect()  # what no entry used already
-        gone, still, gone_bytes = _left_the_disk(layout, _remove_all)
+        gone, still, gone_bytes = _left_the_disk(layout, _remove_unused)
         removed, kept, freed = removed + gone, kept + still, freed + gone_bytes
     root = Path(args.cache_dir).expanduser()
     if args.model is None:
