@@ -74,7 +74,6 @@ def days(text: str) -> float:
 
 
 def _finite_at_least_zero(text: str, unit: str) -> float:
-
     try:
         value = float(text)
     except ValueError:
