@@ -62,7 +62,7 @@ def test_bench_compares_both_sides_on_the_same_request(tiny_model, tmp_path, cap
 
 
 def test_without_a_model_it_measures_the_shipped_default(monkeypatch, capsys):
-    from foretell.generate import DEFAULT_MODEL, resolve_model_path
+    from foretell.engine import DEFAULT_MODEL, resolve_model_path
 
     class Measured(Exception):
         pass

@@ -171,7 +171,7 @@ def test_not_linux_is_a_no_op(monkeypatch):
 
 @linux_only
 def test_reaching_the_engine_module_directly_still_binds_openblas_or_warns():
-    # `from foretell.generate import load` imports mlx before foretell.load() could preload;
+    # `from foretell.engine import load` imports mlx before foretell.load() could preload;
     # load() then says so rather than running several times slower in silence.
-    caught = run_python(WARNINGS_FROM_TWO_LOADS.format(first="from foretell.generate import load"))
+    caught = run_python(WARNINGS_FROM_TWO_LOADS.format(first="from foretell.engine import load"))
     assert [c[0] for c in caught] == ["SlowBlasWarning"]

@@ -28,8 +28,8 @@ def __getattr__(name: str):
         from foretell.platform import blas
 
         blas.preload()
-        from foretell import generate
+        from foretell import engine
 
-        value = globals()[name] = getattr(generate, name)
+        value = globals()[name] = getattr(engine, name)
         return value
     raise AttributeError(f"module 'foretell' has no attribute {name!r}")

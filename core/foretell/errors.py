@@ -1,7 +1,7 @@
 """Every error foretell reports to a user, in one hierarchy under :class:`ForetellError`.
 
 Each says what was wrong, where (file, field, flag or plugin), and what to do. The modules
-that raise them re-export them where they are used (``foretell.generate.GenerationError``
+that raise them re-export them where they are used (``foretell.engine.GenerationError``
 is this ``GenerationError``), so either import works; this page is where they are defined.
 The CLI prints a ``ForetellError`` as one line and exits 1; anything else is a bug.
 """

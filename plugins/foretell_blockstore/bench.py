@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from foretell.cache.codecs import RotatingKVCodec, StandardKVCodec
-    from foretell.generate import resolve_model_path
+    from foretell.engine import resolve_model_path
     from foretell.model.loading import load
     from foretell.store.entry import StoreIdentity
     from foretell.store.single_file import SingleFileLayout

@@ -17,8 +17,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from foretell.generate import prefill, resolve_model_path
+from foretell.engine import resolve_model_path
 from foretell.model import add_rollback_reserve, stay_trimmable, trim_all
+from foretell.request import prefill
 from foretell.spec import (
     CATCH_UP_MAX,
     Draft,

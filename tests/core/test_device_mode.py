@@ -60,7 +60,7 @@ def test_foretell_run_prints_the_note_before_loading_and_not_with_json(monkeypat
         loaded.append(capsys.readouterr().err)
         raise SystemExit(0)
 
-    monkeypatch.setattr("foretell.generate.load", load)
+    monkeypatch.setattr("foretell.engine.load", load)
     for quiet in (False, True):
         with pytest.raises(SystemExit):
             run_cmd.open_engine("demo", registry=None, quiet=quiet)

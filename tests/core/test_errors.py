@@ -58,8 +58,8 @@ def test_every_core_exception_is_a_foretell_error_defined_in_errors():
 @pytest.mark.parametrize(
     ("where", "name"),
     [
-        ("foretell.generate", "GenerationError"),
-        ("foretell.generate", "ModelNotFound"),
+        ("foretell.engine", "GenerationError"),
+        ("foretell.engine", "ModelNotFound"),
         ("foretell.cache.codecs", "CodecError"),
         ("foretell.cli.bench_cmd", "BenchError"),
         ("foretell.store", "StoreError"),

@@ -162,7 +162,7 @@ def test_merging_lands_whole_files_and_overwrites_nothing(tmp_path):
 def test_load_starts_the_workers_and_the_first_request_waits_for_them(forced, monkeypatch):
     """The engine's own path: ``load`` starts the target's workers, ``generate`` lands them
     before its first forward."""
-    from foretell.generate import load
+    from foretell.engine import load
 
     monkeypatch.setenv("FORETELL_CPU_UNPACK", "0")  # keep the demo's matmuls quantized
     engine = load("demo")

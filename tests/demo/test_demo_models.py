@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from safetensors import safe_open
 
 from foretell.cli.run_cmd import DEFAULT_PROMPT
-from foretell.generate import DEMO_DIR, Engine, resolve_model_path, shipped_models
+from foretell.engine import DEMO_DIR, Engine, resolve_model_path, shipped_models
 from foretell.loading import load_model
 from foretell.plugins import load_plugins
 from foretell.tokenizer import Tokenizer

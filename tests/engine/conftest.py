@@ -38,7 +38,7 @@ def chat_dir(tmp_path_factory, byte_level_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(chat_dir):
-    from foretell.generate import Engine
+    from foretell import Engine
     from foretell.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(chat_dir)

@@ -1,12 +1,15 @@
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 import foretell
-from foretell import generate as gen
+from foretell import engine as engine_module
+from foretell import request as request_module
 from foretell.config import SamplingConfig
-from foretell.generate import GenerationError, ModelNotFound, StopMatcher, resolve_model_path
+from foretell.engine import GenerationError, ModelNotFound, resolve_model_path
+from foretell.stream import StopMatcher
 
 PROMPT = "the quick brown fox"
 
@@ -29,7 +32,7 @@ def mlx_lm_tokens(lm, ids, n, **kwargs):
 
 
 def test_greedy_is_token_identical_to_mlx_lm_across_prefill_chunks(engine, monkeypatch):
-    monkeypatch.setattr(gen, "PREFILL_CHUNK", 7)  # a 30-token prompt then takes 5 chunks
+    monkeypatch.setattr(request_module, "PREFILL_CHUNK", 7)  # a 30-token prompt then takes 5 chunks
     prompt = list(range(3, 33))
     _, ours, _ = run(engine, prompt, max_tokens=24)
     assert ours == mlx_lm_tokens(engine.model.lm, prompt, 24)
@@ -180,7 +183,7 @@ def test_speeds_are_the_prompt_over_ttft_and_the_rest_over_the_time_after_it(eng
     def clock():
         return ticks.pop(0) if len(ticks) > 1 else ticks[0]
 
-    monkeypatch.setattr(gen.time, "perf_counter", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
     _, _, stats = run(engine, max_tokens=6)
     assert stats.ttft_s == 2.0
     assert stats.prompt_tps == (stats.prompt_tokens - stats.cached_tokens) / 2.0
@@ -207,7 +210,7 @@ def test_stats_describe_the_request(engine):
 
 
 def test_prefill_progress_reports_chunks(engine, monkeypatch):
-    monkeypatch.setattr(gen, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(request_module, "PREFILL_CHUNK", 4)
     seen = []
     run(engine, list(range(3, 13)), max_tokens=2, prefill_progress=lambda d, t: seen.append((d, t)))
     assert seen == [(4, 9), (8, 9), (9, 9)]  # the last prompt token heads decoding
@@ -255,7 +258,7 @@ def test_a_directory_is_used_as_given(tmp_path):
 def test_a_name_resolves_to_a_shipped_model(tmp_path, monkeypatch):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text("{}")
-    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
+    monkeypatch.setattr(engine_module, "DEMO_DIR", tmp_path)
     monkeypatch.chdir(tmp_path.parent)
     assert resolve_model_path("tiny") == tmp_path / "tiny"
 
@@ -264,7 +267,7 @@ def test_a_model_directory_of_a_shipped_name_is_used_as_given(tmp_path, monkeypa
     for root in (tmp_path / "shipped", tmp_path / "here"):
         (root / "tiny").mkdir(parents=True)
         (root / "tiny" / "config.json").write_text("{}")
-    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(engine_module, "DEMO_DIR", tmp_path / "shipped")
     monkeypatch.chdir(tmp_path / "here")
     assert resolve_model_path("tiny") == Path("tiny")
 
@@ -278,7 +281,7 @@ def test_a_folder_that_is_no_model_does_not_shadow_the_shipped_model_of_its_name
     (tmp_path / "here" / "small").write_text("notes")
     (tmp_path / "shipped" / "small").mkdir()
     (tmp_path / "shipped" / "small" / "config.json").write_text("{}")
-    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(engine_module, "DEMO_DIR", tmp_path / "shipped")
     monkeypatch.chdir(tmp_path / "here")
     assert resolve_model_path("tiny") == tmp_path / "shipped" / "tiny"
     assert resolve_model_path("small") == tmp_path / "shipped" / "small"
@@ -293,7 +296,7 @@ def test_a_file_given_for_a_model_is_one_error_naming_it(tmp_path):
 def test_an_unknown_name_lists_the_shipped_models(tmp_path, monkeypatch):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text("{}")
-    monkeypatch.setattr(gen, "DEMO_DIR", tmp_path)
+    monkeypatch.setattr(engine_module, "DEMO_DIR", tmp_path)
     with pytest.raises(ModelNotFound, match=r"^model .nope.: .*shipped models: tiny"):
         resolve_model_path("nope")
 
@@ -310,7 +313,7 @@ def test_every_architecture_decodes_like_mlx_lm_through_chunked_prefill(
         tmp_path / model_type, model_type, overrides={"tie_word_embeddings": False}
     )
     chunk = 16
-    monkeypatch.setattr(gen, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(request_module, "PREFILL_CHUNK", chunk)
     engine = foretell.load(path)
     lm, tokenizer = mlx_lm.load(str(path))
     ids = engine.encode_prompt("def fibonacci(n):\n" * 5, chat=False)

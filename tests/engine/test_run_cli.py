@@ -227,7 +227,7 @@ def test_the_report_gives_the_prompt_speed_of_the_tokens_computed(capsys):
     """A resumed run's checkpoint covers its whole prompt: no prompt speed to report; a
     partly cached prompt's speed names the tokens it is over."""
     from foretell.cli.run_cmd import report
-    from foretell.generate import Stats
+    from foretell.stream import Stats
 
     common = dict(generated_tokens=9, ttft_s=0.01, generation_tps=90.0, peak_memory_gb=0.1,
                   finish_reason="length")

@@ -79,7 +79,7 @@ def test_none_turns_speculation_off_and_auto_follows_the_measured_file(
 
 
 def test_the_shipped_demo_names_a_measured_drafter_for_each_machine_kind():
-    from foretell.generate import DEMO_DIR
+    from foretell.engine import DEMO_DIR
 
     best = json.loads((DEMO_DIR / "demo" / "speculation.json").read_text())["best"]
     assert set(best) == {"cpu", "gpu"} and best["cpu"]["kind"] == "two-model"

@@ -32,7 +32,7 @@ def test_matmul_attention_matches_the_fused_kernel(L, prior, window, mask_kind):
 
 
 def test_multi_token_queries_under_a_full_chunk_take_the_matmul_path_when_on(monkeypatch):
-    from foretell.generate import PREFILL_CHUNK
+    from foretell.request import PREFILL_CHUNK
 
     assert attention.FULL_CHUNK == PREFILL_CHUNK  # full chunks repeat their shapes
     monkeypatch.setattr(attention, "_MATMUL_MODE", "matmul")

@@ -44,8 +44,8 @@ def test_gaps_are_the_waits_between_tokens_by_the_position_the_later_one_reached
     carries tokens to the next, and placed at the position the later one reached (a round's
     burst counts all its tokens), marked when a fixed-shape forward traced meanwhile; waits
     under the threshold and the final flush are not."""
-    from foretell.generate import TextEvent
     from foretell.model import fixed
+    from foretell.stream import TextEvent
 
     clock = iter([0.0, 0.050, 0.051, 0.052])
     monkeypatch.setattr(round_probe.time, "perf_counter", lambda: next(clock))

@@ -137,7 +137,7 @@ def test_a_target_without_a_head_skips_the_mtp_rows(tmp_path):
     import json
     import shutil
 
-    from foretell.generate import resolve_model_path
+    from foretell.engine import resolve_model_path
     from foretell.spec import bench
 
     target = tmp_path / "no-head"

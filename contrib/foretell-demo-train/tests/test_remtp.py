@@ -94,7 +94,7 @@ def test_remtp_writes_a_head_the_engine_drafts_with(produced, stdlib, tmp_path):
     config = json.loads((out / "demo" / "config.json").read_text())
     assert "3 steps deep" in config["mtp_config"]["hidden_for_next_step"]
 
-    from foretell.generate import load
+    from foretell import load
     from foretell.plugin.registry import Kind
 
     engine = load(str(out / "demo"))

@@ -128,7 +128,7 @@ def run(args) -> int:
         with naming_the_file("--cache-dir", cache_dir):
             models.append((name, bench.synthetic_model(preset, args.dtype, cache_dir)))
     if not models:  # as `foretell run`: the shipped default
-        from foretell.generate import DEFAULT_MODEL
+        from foretell.engine import DEFAULT_MODEL
 
         print(f"no --model or --synthetic: the shipped {DEFAULT_MODEL!r}", file=sys.stderr)
         models = [(DEFAULT_MODEL, model_path(None))]

@@ -246,7 +246,7 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = N
 
     blas.preload()  # before anything below imports mlx (docs/blas.md)
     from foretell.cli.progress import ProgressLine
-    from foretell.generate import load
+    from foretell.engine import load
 
     path = model_path(model)  # a bad name fails before anything heavy
     if not quiet:
@@ -267,8 +267,8 @@ def open_engine(model: str | None, registry: Any, *, quiet: bool, cache: Any = N
 
 def model_path(model: str | None, flag: str = "--model"):
     """The model directory ``--model`` names; a bad name is an error naming the flag."""
+    from foretell.engine import resolve_model_path
     from foretell.errors import ModelNotFound
-    from foretell.generate import resolve_model_path
 
     try:
         return resolve_model_path(model)
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     apply_draft(engine, config.draft, registry, quiet=args.json)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
     from foretell.cli.progress import ProgressLine
-    from foretell.generate import PREFILL_CHUNK
+    from foretell.request import PREFILL_CHUNK
 
     bar = ProgressLine.for_terminal("prefill", quiet=args.json)
 

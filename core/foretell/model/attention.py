@@ -84,7 +84,7 @@ def attend(
 #: it missed, a prompt's suffix after a cache hit, a prompt's last, ragged chunk. Past the
 #: cap a forward of ~36 layers spends more on matmuls than on one plan (a 4B model's
 #: 2,047-token chunk after 2,048 tokens: ~80 ms through matmuls, ~77 ms fused and planned
-#: afresh, 17 ms with the plan kept). A prefill's full chunks (``generate.PREFILL_CHUNK``
+#: afresh, 17 ms with the plan kept). A prefill's full chunks (``request.PREFILL_CHUNK``
 #: tokens) repeat their shapes from prompt to prompt, so their plans are reused: its first
 #: chunk through matmuls, the 4B shape's 4,096-token prefill took 148 ms against 98. The choice
 #: depends on the shape alone, so a request runs the same arithmetic whatever ran before it

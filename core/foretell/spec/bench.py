@@ -206,7 +206,7 @@ def _mlx_draft(path: str) -> Any:
     if path not in _MLX_DRAFTS:
         from mlx_lm import load
 
-        from foretell.generate import resolve_model_path
+        from foretell.engine import resolve_model_path
 
         _MLX_DRAFTS[path] = load(str(resolve_model_path(path)))[0]
     return _MLX_DRAFTS[path]
@@ -276,7 +276,7 @@ def foretell_only(model: str, rows: list[str], *, prompt_tokens: int, max_tokens
     import contextlib
     import statistics
 
-    from foretell.generate import load, resolve_model_path
+    from foretell.engine import load, resolve_model_path
     from foretell.model import fixed
     from foretell.tools.bench import machine_info, prompt_drop, runtime_info, time_run
 

@@ -74,8 +74,9 @@ def raw_kernel(dtype: str = "bfloat16", reps: int = 60) -> dict[str, object]:
 def _forward_probe(model_dir: str, mode: str, reps: int) -> dict[str, object]:
     import mlx.core as mx
 
-    from foretell.generate import load, prefill
+    from foretell.engine import load
     from foretell.model import attention
+    from foretell.request import prefill
 
     attention._MATMUL_MODE = mode
     engine = load(model_dir)
@@ -108,7 +109,7 @@ def _new_shapes(model: Any, repeats: int = 3) -> dict[int, list[float]]:
     before, per ``L``: what a shape the attention kernel has not seen costs."""
     import mlx.core as mx
 
-    from foretell.generate import prefill
+    from foretell.request import prefill
 
     out: dict[int, list[float]] = {}
     for i, length in enumerate((8, 64, 512, 2048)):
@@ -131,7 +132,7 @@ def _margins(engine: Any, context: list[int], window: int = 4) -> dict[str, obje
     near-tie under kernel rounding or a real disagreement."""
     import mlx.core as mx
 
-    from foretell.generate import prefill
+    from foretell.request import prefill
 
     def last_logits(split: int) -> mx.array:
         caches = engine.model.make_caches()
@@ -154,7 +155,7 @@ def identity(model_dir: str, tokens: int = 256, kinds: tuple[str, ...] = ("two-m
              "ngram")) -> dict[str, object]:
     """Greedy output of each drafter against plain decoding on this device: the first
     difference (or None) and, there, both forward shapes' top-2 logit gaps."""
-    from foretell.generate import load
+    from foretell.engine import load
     from foretell.spec.bench import code_prompts
 
     engine = load(model_dir)

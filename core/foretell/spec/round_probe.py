@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     blas.preload()
     from foretell.config import SamplingConfig
-    from foretell.generate import load
+    from foretell.engine import load
     from foretell.plugin.registry import Kind
     from foretell.spec.bench import code_prompts
 

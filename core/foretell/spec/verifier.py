@@ -39,7 +39,7 @@ from foretell.spec.contract import CATCH_UP_MAX, PORT_HIDDEN, Draft, DraftError,
 from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
 
 if TYPE_CHECKING:
-    from foretell.generate import Progress, RequestState
+    from foretell.request import Progress, RequestState
 
 ACCEPTANCE_RULES = ("rejection", "token-match")
 #: One-position hidden states a plain stretch keeps apart before joining them

@@ -7,9 +7,10 @@
     print(event.to_dict())  # the final event carries the stats
 
 One request flows: encode (chat template) -> open caches (the prefix cache slots in here)
--> prefill all but the last prompt token in 2048-token chunks -> decode steps, each handing
-back one or more token ids (a speculative verifier is another step source) -> EOS, stop
-strings and ``max_tokens`` -> streamed text -> final stats.
+-> prefill all but the last prompt token in 2048-token chunks (:mod:`foretell.request`) ->
+decode steps, each handing back one or more token ids (a speculative verifier is another
+step source) -> EOS, stop strings and ``max_tokens`` -> streamed text -> final stats
+(:mod:`foretell.stream`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,9 @@ import mlx.core as mx
 
 from foretell.errors import ConfigError, GenerationError, ModelNotFound
 from foretell.platform import kernels
-from foretell.sampling import Sampler, decode_step
+from foretell.request import Progress, RequestState, plain_steps, prefill, resumed_steps
+from foretell.sampling import Sampler
+from foretell.stream import Event, Stats, StopMatcher, stream_events
 from foretell.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -38,14 +41,11 @@ if TYPE_CHECKING:
     from foretell.plugin.registry import Registry
     from foretell.spec import Speculator, Target
 
-#: Prompt tokens per prefill forward pass; bounds activation memory on long prompts.
-PREFILL_CHUNK = 2048
 #: The shipped model ``--model`` means when none is named.
 DEFAULT_MODEL = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
-Progress = Callable[[int, int], None]
 
 
 # -- which model --------------------------------------------------------------------------
@@ -77,242 +77,6 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     )
 
 
-# -- what a request streams -----------------------------------------------------------------
-
-
-@attrs.frozen
-class TextEvent:
-    """Text that became final, and the token ids this step produced.
-
-    ``text`` may be ``""`` (a character still arriving, or text held back because it could
-    start a stop string); ``tokens`` is empty for the flush at the end. EOS is never here.
-    """
-
-    text: str
-    tokens: tuple[int, ...]
-    type: str = "text"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "text": self.text, "tokens": list(self.tokens)}
-
-
-@attrs.frozen(kw_only=True)
-class Stats:
-    """The last event of every request.
-
-    ``finish_reason``: ``"eos"`` (the model ended), ``"stop"`` (a stop string), or
-    ``"length"`` (``max_tokens``). ``generated_tokens`` counts every token the model chose,
-    EOS included. ``prompt_tps`` counts prompt tokens actually computed (not reused from a
-    cache) over the time to the first token; ``generation_tps`` counts generated tokens over
-    the time after the first one, as mlx-lm does.
-    """
-
-    prompt_tokens: int
-    generated_tokens: int
-    cached_tokens: int
-    ttft_s: float
-    prompt_tps: float
-    generation_tps: float
-    peak_memory_gb: float
-    finish_reason: str
-    #: Drafting figures (drafter, drafted, accepted, ...) when the request speculated.
-    speculation: dict[str, Any] | None = None
-    #: Where the ``cached_tokens`` came from: "ram", "ssd", "checkpoint" (None: computed).
-    cached_from: str | None = None
-    #: Generated tokens a resumed request restored from its checkpoint (counted in
-    #: ``generated_tokens``, streamed again, not computed, so not in ``generation_tps``).
-    resumed_tokens: int = 0
-    type: str = "stats"
-
-    def to_dict(self) -> dict[str, Any]:
-        fields = attrs.asdict(self)
-        return {"type": fields.pop("type"), **fields}
-
-
-Event = TextEvent | Stats
-
-
-class StopMatcher:
-    """Cuts the text stream at the first stop string, which may span tokens.
-
-    Text that could still grow into a stop string is held back until it cannot, so a stop
-    string is never emitted, even in part.
-    """
-
-    def __init__(self, stops: Iterable[str]):
-        # A lone string is one stop string, not a set of one-character stops.
-        stops = (stops,) if isinstance(stops, str) else stops
-        self.stops = tuple(s for s in stops if s)
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """``(text safe to emit, whether a stop string was hit)``."""
-        if not self.stops:
-            return text, False
-        pending = self._held + text
-        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return pending[: min(hits)], True
-        keep = self._partial_suffix(pending)
-        self._held = pending[len(pending) - keep :] if keep else ""
-        return pending[: len(pending) - keep], False
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
-
-
-# -- one request's state ----------------------------------------------------------------------
-
-
-@attrs.define(eq=False)
-class RequestState:
-    """One request's sequence, and the one owner of its caches.
-
-    ``caches`` hold the KV of a prefix of ``prompt + generated``: step sources feed tokens
-    into them, trim them on rollback and append what they produce to ``generated``. The
-    stream decides where the request ended (EOS, a stop string, ``max_tokens``) and records
-    it in ``consumed`` and ``finish_reason``; tokens a step produced past that point (the rest
-    of a speculative burst, a step already in flight) stay in ``generated`` and may be in the
-    caches, so whoever persists the caches knows exactly what they hold (:meth:`held_tokens`).
-    """
-
-    prompt: list[int]
-    caches: list[Any]
-    #: Leading prompt tokens the caches held when the request started (a prefix-cache hit).
-    cached: int = 0
-    generated: list[int] = attrs.Factory(list)
-    #: How many of ``generated`` the stream took (emitted text, plus EOS when it ended there).
-    consumed: int = 0
-    finish_reason: str | None = None
-    #: The cache tier the prefix came from ("ram", "ssd", "checkpoint"), None if computed.
-    cached_from: str | None = None
-    #: The request's random stream (None when greedy); a resumed request continues its own.
-    keys: Any = None
-    #: Leading ``generated`` tokens restored from the request's checkpoint, not computed.
-    resumed: int = 0
-
-    @property
-    def held(self) -> int:
-        """Tokens of the sequence the caches hold (every layer holds the same number)."""
-        return self.caches[0].offset if self.caches else 0
-
-    def held_tokens(self) -> list[int]:
-        """The token ids whose KV the caches hold, in order."""
-        return (self.prompt + self.generated)[: self.held]
-
-    def ended_sequence(self) -> list[int]:
-        """``prompt`` plus the generated tokens the stream took: what the request produced."""
-        return self.prompt + self.generated[: self.consumed]
-
-    # The two step pieces a step source beside the loop needs (the verifier in spec/), as
-    # methods of the state they advance, so spec/ never imports the loop above it.
-
-    def prefill(self, model: Model, tokens: list[int], progress: Progress | None = None, *,
-                keep_hidden: bool = False) -> mx.array | None:
-        """:func:`prefill` of ``tokens`` into this request's caches."""
-        return prefill(model, tokens, self.caches, progress, keep_hidden=keep_hidden)
-
-    def plain_steps(self, model: Model, sampler: Sampler, limit: int) -> Iterator[list[int]]:
-        """:func:`plain_steps` over this request."""
-        return plain_steps(model, self, sampler, limit)
-
-
-def prefill(
-    model: Model,
-    tokens: Sequence[int] | mx.array,
-    caches: list[Any],
-    progress: Progress | None = None,
-    *,
-    keep_hidden: bool = False,
-) -> mx.array | None:
-    """Feed ``tokens`` (one sequence) through ``model`` into ``caches``, in chunks.
-
-    Returns the final-normed hidden states ``[1, len(tokens), H]`` when ``keep_hidden``
-    (drafters that read the target's hidden states need them), else None.
-    """
-    tokens = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
-    total = tokens.size
-    hiddens = []
-    done = 0
-    while done < total:
-        n = min(PREFILL_CHUNK, total - done)
-        hidden, _ = model.forward(tokens[None, done : done + n], caches)
-        if keep_hidden:
-            hiddens.append(hidden)
-            mx.eval([cache.state for cache in caches], hidden)
-        else:
-            # Evaluate only the caches: MLX then skips what nothing reads (the last layer's
-            # attention output and MLP for these positions), measured 1.5-2x faster here.
-            mx.eval([cache.state for cache in caches])
-        # Chunk-sized buffers would otherwise pile up in MLX's allocator cache.
-        mx.clear_cache()
-        done += n
-        if progress is not None:
-            progress(done, total)
-    if not keep_hidden:
-        return None
-    if not hiddens:
-        return mx.zeros((1, 0, 0))
-    return hiddens[0] if len(hiddens) == 1 else mx.concatenate(hiddens, axis=1)
-
-
-def plain_steps(
-    model: Model, state: RequestState, sampler: Sampler, limit: int
-) -> Iterator[list[int]]:
-    """Plain decoding as a step source: each step yields the one token it produced.
-
-    Expects the caches to hold all of the sequence but its last token, which heads the first
-    step. Step t+1 is queued on the device (``async_eval``) before token t is handed out, so
-    the caller's detokenizing overlaps the model's compute.
-    """
-    if state.keys is None:
-        state.keys = sampler.keys()
-    sequence = state.prompt + state.generated
-    step = decode_step(model, state.caches, sampler, state.keys, sequence)
-
-    token, _ = step(mx.array([sequence[-1:]], dtype=mx.int32))
-    mx.async_eval(token)
-    produced = 0
-    while True:
-        produced += 1
-        if produced < limit:
-            following, _ = step(token[:, None])
-            mx.async_eval(following)
-        value = token.item()
-        state.generated.append(value)
-        yield [value]
-        if produced >= limit:
-            return
-        if produced % 256 == 0:
-            mx.clear_cache()
-        token = following
-
-
-def resumed_steps(
-    model: Model, state: RequestState, sampler: Sampler, limit: int
-) -> Iterator[list[int]]:
-    """A request resumed from a checkpoint: its generated tokens again (the caches hold all
-    but the last), then plain decoding from there, on the checkpoint's random stream."""
-    yield list(state.generated)
-    if limit > len(state.generated):
-        yield from plain_steps(model, state, sampler, limit - len(state.generated))
-
-
-# -- the engine -----------------------------------------------------------------------------
-
-
 _STREAM: Any = None
 
 
@@ -324,9 +88,6 @@ def generation_stream() -> Any:
         make = getattr(mx, "new_thread_local_stream", mx.new_stream)
         _STREAM = make(mx.default_device())
     return _STREAM
-
-
-StepSource = Callable[[RequestState, Sampler, int], Iterator[list[int]]]
 
 
 class Engine:
@@ -546,8 +307,9 @@ class Engine:
                 )
             if request is not None:
                 steps = request.steps(steps, state)
-            events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
-            first_at = yield from events
+            with _wired_memory():
+                events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
+                first_at = yield from events
             stats = self._stats(state, started, first_at)
             if request is not None:
                 request.finish(state.held_tokens(), state.caches, completed=True)
@@ -630,60 +392,6 @@ class Engine:
             cached_from=state.cached_from,
             resumed_tokens=state.resumed,
         )
-
-
-def stream_events(
-    state: RequestState,
-    steps: Iterator[list[int]],
-    tokenizer: Tokenizer,
-    stops: StopMatcher,
-    eos: frozenset[int],
-    max_tokens: int,
-) -> Generator[TextEvent, None, float | None]:
-    """The one streaming loop over any step source: EOS, stop strings, ``max_tokens``.
-
-    A step may hand back several tokens (a speculative burst); the burst is cut exactly
-    where plain decoding would have stopped. Records the end in ``state`` and returns when
-    the first token arrived (None if none did).
-    """
-    detok = tokenizer.detokenizer()
-    first_at = None
-    finish = None
-    with _wired_memory():
-        for step_tokens in steps:
-            if first_at is None:
-                first_at = time.perf_counter()
-            emitted: list[int] = []
-            text = ""
-            for token in step_tokens:
-                state.consumed += 1
-                if token in eos:
-                    finish = "eos"
-                    break
-                emitted.append(token)
-                piece, hit = stops.feed(detok.add(token))
-                text += piece
-                if hit:
-                    finish = "stop"
-                    break
-                if state.consumed >= max_tokens:
-                    break
-            if emitted:
-                yield TextEvent(text, tuple(emitted))
-            if finish is not None or state.consumed >= max_tokens:
-                break
-        steps.close()  # an early stop abandons the step already in flight
-
-    if finish != "stop":
-        tail, hit = stops.feed(detok.flush())
-        if hit:
-            finish = "stop"
-        else:
-            tail += stops.flush()
-        if tail:
-            yield TextEvent(tail, ())
-    state.finish_reason = finish or "length"
-    return first_at
 
 
 @contextlib.contextmanager

@@ -1,0 +1,165 @@
+"""What a request streams: text events, the final stats, and the one streaming loop.
+
+:func:`stream_events` turns any step source (plain decoding, a resumed checkpoint, the
+speculative verifier) into text: it cuts a step's tokens at EOS, a stop string or
+``max_tokens``, detokenizes them, and records where the request ended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from foretell.request import RequestState
+    from foretell.tokenizer import Tokenizer
+
+
+@attrs.frozen
+class TextEvent:
+    """Text that became final, and the token ids this step produced.
+
+    ``text`` may be ``""`` (a character still arriving, or text held back because it could
+    start a stop string); ``tokens`` is empty for the flush at the end. EOS is never here.
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    type: str = "text"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "text": self.text, "tokens": list(self.tokens)}
+
+
+@attrs.frozen(kw_only=True)
+class Stats:
+    """The last event of every request.
+
+    ``finish_reason``: ``"eos"`` (the model ended), ``"stop"`` (a stop string), or
+    ``"length"`` (``max_tokens``). ``generated_tokens`` counts every token the model chose,
+    EOS included. ``prompt_tps`` counts prompt tokens actually computed (not reused from a
+    cache) over the time to the first token; ``generation_tps`` counts generated tokens over
+    the time after the first one, as mlx-lm does.
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    finish_reason: str
+    #: Drafting figures (drafter, drafted, accepted, ...) when the request speculated.
+    speculation: dict[str, Any] | None = None
+    #: Where the ``cached_tokens`` came from: "ram", "ssd", "checkpoint" (None: computed).
+    cached_from: str | None = None
+    #: Generated tokens a resumed request restored from its checkpoint (counted in
+    #: ``generated_tokens``, streamed again, not computed, so not in ``generation_tps``).
+    resumed_tokens: int = 0
+    type: str = "stats"
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = attrs.asdict(self)
+        return {"type": fields.pop("type"), **fields}
+
+
+Event = TextEvent | Stats
+
+
+class StopMatcher:
+    """Cuts the text stream at the first stop string, which may span tokens.
+
+    Text that could still grow into a stop string is held back until it cannot, so a stop
+    string is never emitted, even in part.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        # A lone string is one stop string, not a set of one-character stops.
+        stops = (stops,) if isinstance(stops, str) else stops
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """``(text safe to emit, whether a stop string was hit)``."""
+        if not self.stops:
+            return text, False
+        pending = self._held + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return pending[: min(hits)], True
+        keep = self._partial_suffix(pending)
+        self._held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+def stream_events(
+    state: RequestState,
+    steps: Iterator[list[int]],
+    tokenizer: Tokenizer,
+    stops: StopMatcher,
+    eos: frozenset[int],
+    max_tokens: int,
+) -> Generator[TextEvent, None, float | None]:
+    """The one streaming loop over any step source: EOS, stop strings, ``max_tokens``.
+
+    A step may hand back several tokens (a speculative burst); the burst is cut exactly
+    where plain decoding would have stopped. Records the end in ``state`` and returns when
+    the first token arrived (None if none did).
+    """
+    detok = tokenizer.detokenizer()
+    first_at = None
+    finish = None
+    for step_tokens in steps:
+        if first_at is None:
+            first_at = time.perf_counter()
+        emitted: list[int] = []
+        text = ""
+        for token in step_tokens:
+            state.consumed += 1
+            if token in eos:
+                finish = "eos"
+                break
+            emitted.append(token)
+            piece, hit = stops.feed(detok.add(token))
+            text += piece
+            if hit:
+                finish = "stop"
+                break
+            if state.consumed >= max_tokens:
+                break
+        if emitted:
+            yield TextEvent(text, tuple(emitted))
+        if finish is not None or state.consumed >= max_tokens:
+            break
+    steps.close()  # an early stop abandons the step already in flight
+
+    if finish != "stop":
+        tail, hit = stops.feed(detok.flush())
+        if hit:
+            finish = "stop"
+        else:
+            tail += stops.flush()
+        if tail:
+            yield TextEvent(tail, ())
+    state.finish_reason = finish or "length"
+    return first_at
+
