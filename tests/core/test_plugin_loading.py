@@ -7,8 +7,7 @@ import pytest
 from foretell.cli import main
 from foretell.config import load_run_config
 from foretell.errors import ConfigError, ContributionConflict, PluginError
-from foretell.plugins import PluginSwitches, load_plugins
-from foretell.registry import Kind
+from foretell.plugin import Kind, PluginSwitches, load_plugins
 
 GOOD = """
 import attrs
