@@ -39,7 +39,7 @@ def writer(root: str, who: int, cap: int, rescan_s: float) -> None:
 
     from foretell.cache.codecs import StandardKVCodec
     from foretell.cache.tier import CacheTier
-    from foretell.kvcache import KVCache
+    from foretell.model import KVCache
     from foretell.store.entry import StoreIdentity
     from foretell_blockstore.layout import BlockStoreLayout
 

@@ -1,6 +1,6 @@
 import pytest
 
-from foretell import blas
+from foretell.platform import blas
 
 # This suite runs the engine on the CPU throughout; bind the optimized BLAS before any test
 # module imports mlx, as `foretell.load()` would (importing foretell alone no longer does).

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from foretell import bench
 from foretell.cli import main as cli_main
-from foretell.synthetic import make_model_dir
+from foretell.tools import bench, make_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from foretell import blas
+from foretell.platform import blas
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the preload exists for MLX's Linux CPU wheel"
@@ -26,7 +26,7 @@ import foretell
 foretell.load  # where the engine starts: the BLAS is bound here, before mlx is imported
 import mlx.core as mx
 import numpy as np
-from foretell import blas
+from foretell.platform import blas
 
 rng = np.random.default_rng(0)
 errors = []
@@ -83,7 +83,7 @@ def test_mlx_imported_first_is_reported_not_patched():
         "import mlx.core, json\n"
         "import foretell\n"
         "foretell.load\n"
-        "from foretell import blas\n"
+        "from foretell.platform import blas\n"
         "print(json.dumps(blas.STATUS.to_dict()))"
     )
     assert result["loaded"] is None
@@ -108,7 +108,7 @@ def test_loading_on_the_cpu_after_mlx_was_imported_first_warns_once_at_the_calle
     assert len(caught) == 1
     category, message, line = caught[0]
     assert category == "SlowBlasWarning"
-    assert "Call foretell.load() (or foretell.blas.preload()) before importing mlx" in message
+    assert "Call foretell.load() (or foretell.platform.blas.preload()) before importing mlx" in message
     assert line == 7  # the first foretell.load(...) line of the script
 
 
@@ -121,7 +121,7 @@ def test_no_warning_when_foretell_loads_before_mlx_is_imported():
 def test_override_naming_a_missing_file_says_so(tmp_path):
     missing = tmp_path / "libnothing.so"
     result = run_python(
-        "import json, foretell\nfrom foretell import blas\nblas.preload()\n"
+        "import json, foretell\nfrom foretell.platform import blas\nblas.preload()\n"
         "print(json.dumps(blas.STATUS.to_dict()))",
         FORETELL_BLAS=str(missing),
     )
@@ -134,7 +134,7 @@ def test_vendored_gfortran_is_loadable_under_its_standard_soname():
     result = run_python(
         """
         import ctypes, json
-        from foretell import blas
+        from foretell.platform import blas
         ok = blas._load_vendored_gfortran()
         lib = ctypes.CDLL("libgfortran.so.5")  # resolved by soname among loaded objects
         maps = open("/proc/self/maps").read()

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from foretell.cache.codecs import snapshot_entry
-from foretell.kvcache import KVCache, RotatingKVCache
+from foretell.model import KVCache, RotatingKVCache
 
 HEADS, DIM = 2, 8
 

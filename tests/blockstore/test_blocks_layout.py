@@ -33,7 +33,7 @@ from blockfill import (
 from foretell.cache.codecs import snapshot_entry
 from foretell.cache.quantized import QuantizedKVCache
 from foretell.config import FieldError
-from foretell.kvcache import KVCache
+from foretell.model import KVCache
 from foretell.store.entry import StoreIdentity
 from foretell.store.layout import CorruptEntry, StorageLayout
 from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
@@ -42,8 +42,7 @@ from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
 
 def test_blocks_layout_is_registered_through_its_entry_point():
-    from foretell.plugins import load_plugins
-    from foretell.registry import Kind
+    from foretell.plugin import Kind, load_plugins
 
     registry = load_plugins().registry
     found = registry.get(Kind.LAYOUT, "blocks")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from foretell.cli import main
-from foretell.synthetic import make_model_dir
+from foretell.tools import make_model_dir
 
 # Long enough (well over 2 blocks of 256 tokens) that its continuation shares whole blocks.
 PROMPT = "".join(f"def f{i}(n):\n    return n * {i} + f{i - 1}(n - 1)\n" for i in range(60))

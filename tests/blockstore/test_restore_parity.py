@@ -11,7 +11,7 @@ import pytest
 
 from foretell.cache.codecs import entry_trimmable, restore_caches, snapshot_entry
 from foretell.cache.quantized import quantize_caches
-from foretell.kvcache import RotatingKVCache
+from foretell.model import RotatingKVCache
 from foretell.store.single_file import SingleFileLayout
 from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 
@@ -24,8 +24,8 @@ PROMPT = [5, 17, 99, 3, 250, 42, 8, 8, 301, 77, 12]
     ("qwen3", None), ("gemma3_text", None), ("gemma4_text", None), ("qwen3", 8), ("qwen3", 4)],
     ids=lambda p: p[0] + (f"-kv{p[1]}" if p[1] else ""))
 def tiny(request, tmp_path_factory):
-    from foretell.loading import load
-    from foretell.synthetic import make_model_dir
+    from foretell.model.loading import load
+    from foretell.tools import make_model_dir
 
     model_type, kv_bits = request.param
     # Quantized KV groups run along head_dim, in groups of at least 32.

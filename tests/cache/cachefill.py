@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from foretell.kvcache import KVCache, RotatingKVCache
+from foretell.model import KVCache, RotatingKVCache
 
 HEADS, DIM = 2, 8
 

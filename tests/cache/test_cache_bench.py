@@ -9,7 +9,7 @@ import pytest
 
 from foretell.cache import bench
 from foretell.errors import BenchError
-from foretell.synthetic import make_model_dir
+from foretell.tools import make_model_dir
 
 
 @pytest.mark.parametrize("layout", [None, "single-file"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from foretell.cli import main
-from foretell.synthetic import make_model_dir
+from foretell.tools import make_model_dir
 
 
 @pytest.fixture(scope="module")

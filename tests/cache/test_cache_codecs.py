@@ -20,9 +20,9 @@ from foretell.cache.codecs import (
     restore_caches,
     snapshot_entry,
 )
-from foretell.kvcache import KVCache, RotatingKVCache
+from foretell.model import KVCache, RotatingKVCache
+from foretell.plugin.testing import fresh_plugins
 from foretell.store.single_file import SingleFileLayout
-from foretell.testing import fresh_plugins
 
 
 def same(a: mx.array, b: mx.array) -> bool:
@@ -202,8 +202,8 @@ def test_empty_cache_round_trips(codecs):
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3_text", "gemma4_text"])
 def tiny_model(request, tmp_path_factory):
-    from foretell.loading import load
-    from foretell.synthetic import make_model_dir
+    from foretell.model.loading import load
+    from foretell.tools import make_model_dir
 
     return load(make_model_dir(tmp_path_factory.mktemp(request.param), request.param))
 

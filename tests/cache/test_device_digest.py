@@ -66,7 +66,7 @@ def test_words_swapped_between_places_change_it():
 
 def test_attach_digests_every_tensor_where_enabled(monkeypatch):
     from foretell.cache.codecs import StandardKVCodec, snapshot_entry
-    from foretell.kvcache import KVCache
+    from foretell.model import KVCache
 
     caches = [KVCache(), KVCache()]
     for cache in caches:

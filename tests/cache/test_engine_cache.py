@@ -16,7 +16,7 @@ import foretell
 from foretell.cache.tier import CacheTier
 from foretell.config import SamplingConfig
 from foretell.errors import ConfigError
-from foretell.synthetic import make_model_dir
+from foretell.tools import make_model_dir
 
 PROMPT = list(range(5, 45))  # 40 tokens: wraps Gemma's 8-token window
 MAX_TOKENS = 12
@@ -334,8 +334,8 @@ def test_caches_holding_tokens_the_sequence_does_not_name_are_not_stored(tmp_pat
 
     from foretell.cache.codecs import load_codecs
     from foretell.cache.request import RequestCache
-    from foretell.kvcache import KVCache
-    from foretell.plugins import load_plugins
+    from foretell.model import KVCache
+    from foretell.plugin import load_plugins
 
     tier = CacheTier(load_codecs(load_plugins().registry))
     request = RequestCache(tier, "plain/plain")

@@ -8,7 +8,7 @@ import pytest
 
 from foretell.errors import StoreError
 from foretell.store.entry import WEIGHT_SAMPLE_BYTES, StoreIdentity, weights_digest
-from foretell.synthetic import make_model_dir
+from foretell.tools import make_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from foretell.cache.quantized import (
     quantize_caches,
     quantized_attend,
 )
-from foretell.kvcache import KVCache, RotatingKVCache
+from foretell.model import KVCache, RotatingKVCache
 from foretell.store.entry import StoreIdentity
 from foretell.store.single_file import SingleFileLayout
 

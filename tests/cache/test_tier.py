@@ -367,8 +367,7 @@ def test_foreign_entries_in_the_directory_are_never_served(layout, codecs, ident
 
 
 def registered_layouts():
-    from foretell.plugins import load_plugins
-    from foretell.registry import Kind
+    from foretell.plugin import Kind, load_plugins
 
     registry = load_plugins().registry
     return [registry.get(Kind.LAYOUT, name) for name in registry.names(Kind.LAYOUT)]

@@ -9,8 +9,7 @@ import pytest
 from foretell import hookimpl
 from foretell.config import load_run_config
 from foretell.errors import ConfigError, UnknownContribution
-from foretell.plugins import PluginSwitches, load_plugins
-from foretell.registry import Kind
+from foretell.plugin import Kind, PluginSwitches, load_plugins
 
 
 @attrs.frozen(kw_only=True)

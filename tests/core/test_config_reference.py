@@ -8,14 +8,14 @@ from pathlib import Path
 import attrs
 
 from foretell import config, hookimpl
-from foretell.docgen import render_config
+from foretell.plugin.docgen import render_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_committed_config_reference_is_current():
     committed = (ROOT / "docs" / "reference" / "config.md").read_text(encoding="utf-8")
-    assert committed == render_config(), "run `python -m foretell.docgen` and commit the result"
+    assert committed == render_config(), "run `python -m foretell.plugin.docgen` and commit the result"
 
 
 def test_every_key_of_every_section_is_documented_with_its_help():
@@ -73,7 +73,7 @@ def documented_sections(page: str) -> dict[tuple[str, str | None], dict[str, str
 
 
 def test_every_documented_key_is_accepted_where_the_page_puts_it(tmp_path):
-    from foretell.plugins import PluginSwitches, load_plugins
+    from foretell.plugin import PluginSwitches, load_plugins
 
     registry = load_plugins(switches=PluginSwitches()).registry
     sections = documented_sections(render_config())

@@ -6,10 +6,10 @@ from pathlib import Path
 import attrs
 import pytest
 
-from foretell import hookimpl, hookspecs
-from foretell.docgen import hook_specs, render
+from foretell import hookimpl
 from foretell.errors import PluginError
-from foretell.registry import Kind
+from foretell.plugin import Kind, hookspecs
+from foretell.plugin.docgen import hook_specs, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_every_spec_is_documented(spec):
 
 def test_hook_reference_is_generated_from_the_specs():
     committed = (ROOT / "docs" / "reference" / "hooks.md").read_text(encoding="utf-8")
-    assert committed == render(), "run `python -m foretell.docgen` and commit the result"
+    assert committed == render(), "run `python -m foretell.plugin.docgen` and commit the result"
 
 
 def test_every_spec_has_a_test():

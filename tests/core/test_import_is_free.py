@@ -21,7 +21,7 @@ maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() e
 print(json.dumps({{
     "modules": sorted(sys.modules),
     "openblas_mapped": "openblas" in maps.lower(),
-    "blas": __import__("foretell.blas").blas.STATUS.reason if {report_blas} else None,
+    "blas": __import__("foretell.platform.blas").platform.blas.STATUS.reason if {report_blas} else None,
 }}))
 """
 
@@ -46,14 +46,14 @@ def bare() -> set[str]:
     return set(python("import pytest\n" + REPORT.format(report_blas=False))["modules"])
 
 
-@pytest.mark.parametrize("module", ["foretell", "foretell.pytest_plugin"])
+@pytest.mark.parametrize("module", ["foretell", "foretell.plugin.pytest_plugin"])
 def test_importing_foretell_loads_no_blas_mlx_or_plugin_machinery(module, bare):
     code = f"import pytest\nimport {module}\n" + REPORT.format(report_blas=False)
     after = python(code)
     assert not after["openblas_mapped"]
     imported = third_party(after["modules"], bare)
     assert imported == set(), f"import {module} pulled in {sorted(imported)}"
-    assert not {"foretell.plugins", "foretell.blas", "mlx", "mlx.core"} & set(after["modules"])
+    assert not {"foretell.plugin.loader", "foretell.platform.blas", "mlx", "mlx.core"} & set(after["modules"])
 
 
 def test_a_pytest_session_in_an_env_with_foretell_keeps_its_process_untouched(tmp_path):
@@ -66,7 +66,7 @@ def test_a_pytest_session_in_an_env_with_foretell_keeps_its_process_untouched(tm
             def test_nothing_of_foretell_is_loaded(request):
                 assert request.config.pluginmanager.has_plugin("foretell")
                 assert "openblas" not in Path("/proc/self/maps").read_text().lower()
-                assert "mlx.core" not in sys.modules and "foretell.plugins" not in sys.modules
+                assert "mlx.core" not in sys.modules and "foretell.plugin.loader" not in sys.modules
 
             def test_fixtures_still_work(foretell_plugins):
                 assert [r.name for r in foretell_plugins.records] == ["baseline"]

@@ -1,15 +1,15 @@
 """docs/layout.md holds: every name its public-surface table lists resolves from that package,
-importing those packages loads no MLX, every old module path is the moved module itself,
-and the architecture plugins import foretell only through the documented surface.
+importing those packages loads no MLX, the architecture plugins import foretell only through
+the documented surface, and every foretell module or name any source imports exists.
 
-The tables are read from the page, so a name added to the page without the code (or an old
-path dropped from the code while the page still lists it) fails here.
+The tables are read from the page, so a name added to the page without the code fails here.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import re
 import subprocess
@@ -49,26 +49,9 @@ def surface_modules() -> set[str]:
     return set(surface()) | set(MODULE.findall(listed))
 
 
-def old_paths() -> list[tuple[str, str]]:
-    """``(old, now)`` module pairs from the "Old path | Now" table; ``<same name>`` expanded.
-    The row for the old ``foretell.model`` module (now a package) is the table's only
-    non-alias row and is skipped."""
-    pairs = []
-    for old, now in table("| Old path | Now |"):
-        (target,) = re.findall(r"`([^`]+)`", now)[:1]
-        for module in MODULE.findall(old):
-            if module == "foretell.model":
-                continue
-            same = module.rsplit(".", 1)[1]
-            pairs.append((module, target.replace("<same name>", same)))
-    return pairs
-
-
 def test_the_tables_are_read_from_the_page():
     assert {"foretell", "foretell.model", "foretell.plugin", "foretell.tools"} <= set(surface())
     assert "make_rope" in surface()["foretell.model"]
-    assert ("foretell.plugins", "foretell.plugin.loader") in old_paths()
-    assert ("foretell.kvcache", "foretell.model.kvcache") in old_paths()
 
 
 @pytest.mark.parametrize("package", sorted(surface()))
@@ -89,22 +72,6 @@ def test_importing_the_public_packages_loads_no_mlx():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
-
-
-@pytest.mark.parametrize(("old", "now"), old_paths(), ids=lambda p: p)
-def test_an_old_module_path_is_the_moved_module_itself(old, now):
-    assert importlib.import_module(old) is importlib.import_module(now)
-
-
-def foretell_imports(path: Path) -> set[str]:
-    """The foretell modules a source file imports (at any depth: lazy imports count)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {m for m in found if m == "foretell" or m.startswith("foretell.")}
 
 
 PLUGIN_DIRS = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "__init__.py").exists())
@@ -158,39 +125,60 @@ def tree_entries() -> set[str]:
     return names
 
 
-def test_core_holds_what_the_tree_names_plus_the_old_path_shims():
+def test_core_holds_what_the_tree_names():
     core = ROOT / "core" / "foretell"
-    shims = {old.removeprefix("foretell.") + ".py" for old, _ in old_paths()}
     present = {
         p.name + ("/" if p.is_dir() else "")
         for p in core.iterdir()
         if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"
     } - {"__init__.py", "__main__.py"}
-    assert present - shims == tree_entries()
-    for shim in present & shims:
-        assert "sys.modules[__name__] =" in (core / shim).read_text(), f"{shim} is not a shim"
+    assert present == tree_entries()
 
 
-def test_no_shipped_code_imports_an_old_module_path():
-    old = {module for module, _ in old_paths()}
-    shims = {ROOT / "core" / "foretell" / (m.removeprefix("foretell.") + ".py") for m in old}
-    sources = [p for top in ("core", "plugins", "contrib") for p in (ROOT / top).rglob("*.py")
-               if p not in shims and "build" not in p.parts]
-    assert len(sources) > 50
-    used = {f"{p.relative_to(ROOT)}: {m}" for p in sources for m in imported_names(p) & old}
-    assert used == set(), "import the new path (docs/layout.md)"
+SOURCES = [
+    p
+    for top in ("core", "plugins", "contrib", "tests", "benchmarks")
+    for p in (ROOT / top).rglob("*.py")
+    if "build" not in p.parts
+]
 
 
-def imported_names(path: Path) -> set[str]:
-    """Modules a file imports, and ``package.name`` for each ``from package import name``
-    (which may be a module: ``from foretell import synthetic``)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-    return found
+def _exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def _defines(module: str, name: str) -> bool:
+    """Whether ``from module import name`` finds something: a submodule or an attribute."""
+    if not _exists(module):
+        return False
+    return _exists(f"{module}.{name}") or hasattr(importlib.import_module(module), name)
+
+
+def test_every_foretell_module_and_name_a_source_imports_exists():
+    """Imports inside functions run late: one of a module that moved or went (an old alias
+    path) fails here instead of when that function first runs."""
+    assert len(SOURCES) > 100
+    missing = set()
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] == "foretell":
+                    missing |= {
+                        f"{path.relative_to(ROOT)}: from {node.module} import {alias.name}"
+                        for alias in node.names
+                        if not _defines(node.module, alias.name)
+                    }
+            elif isinstance(node, ast.Import):
+                missing |= {
+                    f"{path.relative_to(ROOT)}: import {alias.name}"
+                    for alias in node.names
+                    if alias.name.split(".")[0] == "foretell"
+                    and not _exists(alias.name)
+                }
+    assert missing == set()
 
 
 #: Measuring tools kept beside what they measure; they drive the engine from the top.

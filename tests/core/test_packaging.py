@@ -52,7 +52,7 @@ def test_wheel_declares_builtins_and_the_pytest_plugin_as_entry_points(wheel):
 
 
 def test_every_builtin_in_pyproject_registers_a_contribution():
-    from foretell.plugins import load_plugins
+    from foretell.plugin import load_plugins
 
     records = {r.name: r for r in load_plugins().records}
     for name in BUILTINS:

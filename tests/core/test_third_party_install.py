@@ -27,7 +27,7 @@ def _contributions():
 
 def _selected_kind():
     script = (
-        "from foretell.plugins import load_plugins;"
+        "from foretell.plugin import load_plugins;"
         "from foretell.config import load_run_config;"
         "cfg = load_run_config(load_plugins().registry, overrides={'draft': ({'kind': 'ngram', 'max_ngram': 4}, '--draft')});"
         "from foretell.spec import Feed;"

@@ -15,8 +15,8 @@ from safetensors import safe_open
 
 from foretell.cli.run_cmd import DEFAULT_PROMPT
 from foretell.engine import DEMO_DIR, Engine, resolve_model_path, shipped_models
-from foretell.loading import load_model
-from foretell.plugins import load_plugins
+from foretell.model import load_model
+from foretell.plugin import load_plugins
 from foretell.tokenizer import Tokenizer
 
 SNIPPET = "import os\n\n\ndef read_lines(path):\n    with open(path) as fh:\n        return "

@@ -19,7 +19,7 @@ from foretell.cli.run_cmd import DIM, UNDIM
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from foretell.synthetic import make_model_dir
+    from foretell.tools import make_model_dir
 
     return make_model_dir(
         tmp_path_factory.mktemp("first-contact") / "qwen3",

@@ -75,7 +75,7 @@ def run_argv(draw) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from foretell.synthetic import make_model_dir
+    from foretell.tools import make_model_dir
 
     path = make_model_dir(tmp_path_factory.mktemp("fuzz") / "qwen3", "qwen3")
     return path, foretell.load(path)

@@ -74,7 +74,7 @@ def test_repetition_penalty_is_token_identical_to_mlx_lm(engine):
 
 @pytest.fixture(scope="module")
 def synthetic_dir(tmp_path_factory):
-    from foretell.synthetic import make_model_dir
+    from foretell.tools import make_model_dir
 
     path = tmp_path_factory.mktemp("synthetic") / "qwen3"
     return make_model_dir(path, "qwen3", overrides={"tie_word_embeddings": False})
@@ -307,7 +307,7 @@ def test_every_architecture_decodes_like_mlx_lm_through_chunked_prefill(
 ):
     import mlx_lm
 
-    from foretell.synthetic import make_model_dir
+    from foretell.tools import make_model_dir
 
     path = make_model_dir(
         tmp_path / model_type, model_type, overrides={"tie_word_embeddings": False}

@@ -19,7 +19,7 @@ STATS_KEYS = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from foretell.synthetic import make_model_dir
+    from foretell.tools import make_model_dir
 
     return make_model_dir(
         tmp_path_factory.mktemp("cli") / "qwen3", "qwen3", overrides={"tie_word_embeddings": False}

@@ -4,8 +4,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from foretell.attention import attend, attention_mask, causal_mask
-from foretell.kvcache import KVCache, RotatingKVCache, stay_trimmable, trim_all
+from foretell.model import (
+    KVCache,
+    RotatingKVCache,
+    attend,
+    attention_mask,
+    causal_mask,
+    stay_trimmable,
+    trim_all,
+)
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

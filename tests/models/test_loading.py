@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from foretell.errors import ModelLoadError, UnknownContribution
-from foretell.loading import load_model
-from foretell.plugins import load_plugins
-from foretell.synthetic import make_model_dir, make_preset_dir, model_config
+from foretell.model import load_model
+from foretell.plugin import load_plugins
+from foretell.tools.synthetic import make_model_dir, make_preset_dir, model_config
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 
 """Architectures against mlx-lm (the numerical oracle) on the same random checkpoints.
 
-For each case: a tiny model directory from :mod:`foretell.synthetic`, loaded by foretell
+For each case: a tiny model directory from :mod:`foretell.tools.synthetic`, loaded by foretell
 and by mlx-lm; prompt logits must agree to 1e-4 relative (float32) and a 32-token greedy
 continuation, each side driving its own caches token by token, must be identical.
 """
@@ -15,10 +15,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from foretell.loading import load_model
-from foretell.plugins import load_plugins
-from foretell.rope import DynamicNTKRoPE
-from foretell.synthetic import make_model_dir
+from foretell.model import load_model
+from foretell.model.rope import DynamicNTKRoPE
+from foretell.plugin import load_plugins
+from foretell.tools import make_model_dir
 
 GENERATED = 32
 PROMPT = [11, 57, 300, 4, 89, 120, 7, 250, 33, 64, 2, 199]  # longer than the 8-token windows

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.rope_utils import initialize_rope
 
-from foretell.rope import make_rope
+from foretell.model import make_rope
 
 DIMS = 16
 BASE = 1_000_000.0

@@ -10,17 +10,17 @@ import pytest
 from safetensors.numpy import load_file
 
 import foretell
-from foretell import hookimpl, synthetic
+from foretell import hookimpl
 from foretell.cli import main
 from foretell.errors import PluginError
-from foretell.plugins import load_plugins
-from foretell.registry import Kind
+from foretell.plugin import Kind, load_plugins
+from foretell.tools import synthetic
 
 CORE = Path(foretell.__file__).parent
 
 TOY = """
 from foretell import hookimpl
-from foretell.synthetic import TOKENIZER_VOCAB, SyntheticSpec
+from foretell.tools import TOKENIZER_VOCAB, SyntheticSpec
 
 SPEC = SyntheticSpec(
     config={

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from foretell.synthetic import make_model_dir
+from foretell.tools import make_model_dir
 
 QWEN = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
 # A window of 8 wraps many times over a 100-token generation.
@@ -29,8 +29,7 @@ def registry():
     """Every installed plugin, plus contrib's n-gram drafter when it is not installed (it
     is importable from the checkout, see pyproject's pythonpath)."""
     import foretell_ngram
-    from foretell.plugins import load_plugins
-    from foretell.registry import Kind
+    from foretell.plugin import Kind, load_plugins
 
     plugins = load_plugins()
     if "ngram" not in plugins.registry.names(Kind.DRAFT):

@@ -14,7 +14,7 @@ import pytest
 import foretell
 from foretell.cache.tier import CacheTier
 from foretell.config import SamplingConfig
-from foretell.registry import Kind
+from foretell.plugin import Kind
 
 PROMPT = [random.Random(3).randrange(1, 500) for _ in range(40)]
 # Repetitive, so prompt lookup and the draft models find something to propose.

@@ -66,7 +66,7 @@ def test_a_fixed_forward_matches_the_ordinary_one_across_capacity_steps(
 def test_greedy_speculation_over_fixed_shapes_reproduces_plain_decoding(
     engines, model_dirs, registry, forced_on, name
 ):
-    from foretell.registry import Kind
+    from foretell.plugin import Kind
 
     engine = engines[name]
     config = registry.get(Kind.DRAFT, "two-model").config

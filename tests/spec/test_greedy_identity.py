@@ -28,7 +28,7 @@ def _drafters(engine, name, model_dirs):
 
 
 def _use(engine, kind, options, registry, k, adaptive=False):
-    from foretell.registry import Kind
+    from foretell.plugin import Kind
 
     config = registry.get(Kind.DRAFT, kind).config
     return engine.use_draft(kind, config(**options), max_tokens=k, adaptive=adaptive)

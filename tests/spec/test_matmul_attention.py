@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from foretell import attention
-from foretell.attention import causal_mask, matmul_attention
+from foretell.model import attention
+from foretell.model.attention import causal_mask, matmul_attention
 
 
 @pytest.mark.parametrize("L, prior, window", [(1, 20, None), (3, 40, None), (5, 0, None),

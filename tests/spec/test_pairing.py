@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 
+from foretell.plugin.testing import fresh_plugins
 from foretell.spec import DraftError, PairingError
-from foretell.synthetic import make_model_dir
-from foretell.testing import fresh_plugins
+from foretell.tools import make_model_dir
 
 
 def _two_model(engine, registry, path, k=3):
-    from foretell.registry import Kind
+    from foretell.plugin import Kind
 
     config = registry.get(Kind.DRAFT, "two-model").config
     return engine.use_draft("two-model", config(model=str(path)), max_tokens=k)

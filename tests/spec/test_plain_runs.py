@@ -10,7 +10,7 @@ from foretell.spec.verifier import PLAIN_STRETCH
 
 
 def _use_other_draft(engine, model_dirs, registry):
-    from foretell.registry import Kind
+    from foretell.plugin import Kind
 
     config = registry.get(Kind.DRAFT, "two-model").config
     return engine.use_draft("two-model", config(model=str(model_dirs["qwen3-other"])),

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from foretell.cache.codecs import SlidingKVCodec
-from foretell.kvcache import (
+from foretell.model import (
     RotatingKVCache,
     SlidingKVCache,
     add_rollback_reserve,
+    kvcache,
     stay_trimmable,
     trim_all,
 )
-from foretell.model import kvcache
 from foretell.spec import probe
 
 

@@ -76,7 +76,7 @@ def test_the_chain_loss_trains_the_head_alone():
 
 @pytest.mark.slow
 def test_remtp_writes_a_head_the_engine_drafts_with(produced, stdlib, tmp_path):
-    blas = pytest.importorskip("foretell.blas")
+    blas = pytest.importorskip("foretell.platform.blas")
     blas.preload()  # before MLX loads, as the engine does
     from foretell_demo_train.cli import main
 

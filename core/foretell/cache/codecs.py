@@ -64,7 +64,7 @@ def _pair(codec: str, tensors: Mapping[str, mx.array]) -> tuple[mx.array, ...]:
 
 
 class StandardKVCodec:
-    """:class:`~foretell.kvcache.KVCache`: keys/values up to ``offset``; always trimmable."""
+    """:class:`~foretell.model.kvcache.KVCache`: keys/values up to ``offset``; always trimmable."""
 
     name = "kv"
     provider_id = "foretell.baseline/kv@1"
@@ -92,7 +92,7 @@ class StandardKVCodec:
 
 
 class RotatingKVCodec:
-    """:class:`~foretell.kvcache.RotatingKVCache`: the stored slots as laid out, plus the
+    """:class:`~foretell.model.kvcache.RotatingKVCache`: the stored slots as laid out, plus the
     ring's write index; trimmable only until a token has been evicted."""
 
     name = "rotating-kv"
@@ -123,7 +123,7 @@ class RotatingKVCodec:
 
 
 class SlidingKVCodec:
-    """:class:`~foretell.kvcache.SlidingKVCache` (a sliding window with a rollback reserve,
+    """:class:`~foretell.model.kvcache.SlidingKVCache` (a sliding window with a rollback reserve,
     what speculation runs sliding-window layers on): the held tokens in time order."""
 
     name = "sliding-kv"

@@ -65,7 +65,7 @@ class BlasStatus:
 
 
 NOT_ATTEMPTED = BlasStatus(
-    loaded=None, reason="not attempted (foretell.blas.preload() not called)"
+    loaded=None, reason="not attempted (foretell.platform.blas.preload() not called)"
 )
 STATUS = NOT_ATTEMPTED
 
@@ -85,7 +85,7 @@ class SlowBlasWarning(RuntimeWarning):
 
 IMPORTED_TOO_LATE = (
     "mlx was imported before foretell started its engine, so its BLAS was already bound "
-    "(call foretell.load() or foretell.blas.preload() before importing mlx)"
+    "(call foretell.load() or foretell.platform.blas.preload() before importing mlx)"
 )
 
 
@@ -100,7 +100,7 @@ def warn_if_bound_too_late(device_is_cpu: bool) -> None:
         warnings.warn(
             "foretell: MLX was imported before foretell started its engine, so it runs on "
             "the CPU with its reference BLAS (prefill several times slower, docs/blas.md). "
-            "Call foretell.load() (or foretell.blas.preload()) before importing mlx or mlx_lm.",
+            "Call foretell.load() (or foretell.platform.blas.preload()) before importing mlx or mlx_lm.",
             SlowBlasWarning,
             stacklevel=3,
         )
