@@ -6,7 +6,7 @@ import pytest
 
 from foretell.cli import main
 from foretell.config import load_run_config
-from foretell.errors import ConfigError, ContributionConflict, PluginError
+from foretell.errors import ConfigError, PluginError, UnknownContribution
 from foretell.plugin import Kind, PluginSwitches, load_plugins
 
 GOOD = """
@@ -117,27 +117,94 @@ def test_strict_mode_from_the_environment(fake_distribution, monkeypatch, capsys
     assert err.startswith("foretell: error: strict plugin loading failed")
 
 
-def test_duplicate_contribution_names_are_an_error_naming_both_plugins(fake_distribution, capsys):
+def test_a_name_claimed_twice_stays_with_the_first_and_disables_the_newcomer(
+    fake_distribution, capsys, caplog
+):
     _plugin(fake_distribution, "foretell-echo-a", "echo-a", "foretell_echo_a", GOOD)
     _plugin(fake_distribution, "foretell-echo-b", "echo-b", "foretell_echo_b", GOOD)
     registry = load_plugins().registry
-    with pytest.raises(ContributionConflict) as info:
-        registry.get(Kind.DRAFT, "echo")
-    assert str(info.value) == (
+    assert registry.get(Kind.DRAFT, "echo").origin.plugin == "echo-a"
+    message = (
         "draft:echo is contributed by both plugin 'echo-a' (foretell-echo-a 1.0) and plugin "
-        "'echo-b' (foretell-echo-b 1.0). Uninstall one, disable one with "
-        "FORETELL_DISABLE_PLUGINS=echo-b, or, if 'echo-b' is meant to replace a built-in, "
-        "register it with replaces=True."
+        "'echo-b' (foretell-echo-b 1.0); plugin 'echo-b', loaded later, is disabled and "
+        "'echo-a' keeps the name. To use 'echo-b' instead, disable 'echo-a' with "
+        "FORETELL_DISABLE_PLUGINS=echo-a; FORETELL_DISABLE_PLUGINS=echo-b silences this."
     )
-    _, _, listing = _listing(capsys)
-    assert listing["conflicts"] == [str(info.value)]
+    assert [r.getMessage() for r in caplog.records if r.name == "foretell.plugin"] == [
+        f"plugin 'echo-b' is disabled: {message}"
+    ]
+    code, rows, listing = _listing(capsys)
+    assert code == 0 and listing["conflicts"] == [message]
+    assert rows["echo-a"]["status"] == "loaded"
+    assert rows["echo-b"]["status"] == "disabled" and rows["echo-b"]["error"] == message
+    assert rows["echo-b"]["contributes"] == []
+    main(["plugins"])
+    assert "echo-b  [third-party]  foretell-echo-b 1.0  DISABLED" in capsys.readouterr().out
+
+
+def test_a_plugin_disabled_by_a_clash_takes_none_of_its_names(fake_distribution):
+    # Half a plugin could pair its drafter with an architecture that is not its own.
+    two_names = GOOD + """
+@hookimpl
+def foretell_register_cache_codecs(register):
+    register("kv", "x.y:Codec")
+"""
+    _plugin(fake_distribution, "foretell-twice", "twice", "foretell_twice", two_names)
+    plugins = load_plugins()
+    assert plugins.registry.get(Kind.CODEC, "kv").origin.plugin == "baseline"
+    assert "echo" not in plugins.registry.names(Kind.DRAFT)
+    assert not plugins.pm.has_plugin("twice")
+    with pytest.raises(UnknownContribution, match=r"disabled plugins, which may provide it: twice"):
+        plugins.registry.get(Kind.DRAFT, "echo")
+
+
+def test_a_plugin_reregistering_qwen3_leaves_the_demo_running(fake_distribution, capsys, caplog):
+    # The newcomer's factory does not exist: were it chosen, the run would fail to load.
+    shadow = """
+from foretell import hookimpl
+
+@hookimpl
+def foretell_register_architectures(register):
+    register("qwen3", "no_such_module:Model")
+"""
+    _plugin(fake_distribution, "foretell-shadow", "shadow", "foretell_shadow", shadow)
+    argv = ["run", "--prompt", "def f(x):", "--max-tokens", "2", "--draft", "none", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["generated_tokens"] == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "foretell.plugin"]
+    assert len(warned) == 1 and warned[0].startswith("plugin 'shadow' is disabled: ")
+    assert "architecture:qwen3" in warned[0] and "plugin 'qwen' (foretell " in warned[0]
+    assert "registers with replaces=True" in warned[0]
+
+
+def test_strict_mode_fails_on_a_clash(fake_distribution):
+    _plugin(fake_distribution, "foretell-echo-a", "echo-a", "foretell_echo_a", GOOD)
+    _plugin(fake_distribution, "foretell-echo-b", "echo-b", "foretell_echo_b", GOOD)
+    with pytest.raises(PluginError, match=r"(?s)strict plugin loading failed:.*draft:echo .*'echo-b'"):
+        load_plugins(switches=PluginSwitches(strict=True))
+
+
+def test_a_plugin_registering_one_name_twice_fails(foretell_plugins):
+    from foretell import hookimpl
+
+    class Twice:
+        @hookimpl
+        def foretell_register_draft_providers(self, register):
+            register("echo", "x.y:A")
+            register("echo", "x.y:B")
+
+    record = foretell_plugins.register(Twice(), "twice")
+    assert record.status == "failed" and "registers draft:echo more than once" in record.error
+    assert "echo" not in foretell_plugins.registry.names(Kind.DRAFT)
 
 
 def test_disabling_one_side_resolves_a_conflict(fake_distribution, monkeypatch):
     _plugin(fake_distribution, "foretell-echo-a", "echo-a", "foretell_echo_a", GOOD)
     _plugin(fake_distribution, "foretell-echo-b", "echo-b", "foretell_echo_b", GOOD)
-    monkeypatch.setenv("FORETELL_DISABLE_PLUGINS", "echo-b")
-    assert load_plugins().registry.get(Kind.DRAFT, "echo").origin.plugin == "echo-a"
+    monkeypatch.setenv("FORETELL_DISABLE_PLUGINS", "echo-a")  # the way to choose the newcomer
+    plugins = load_plugins()
+    assert plugins.registry.get(Kind.DRAFT, "echo").origin.plugin == "echo-b"
+    assert not plugins.registry.conflicts
 
 
 def test_a_third_party_may_replace_a_built_in_only_when_it_says_so(fake_distribution, capsys):
@@ -155,7 +222,7 @@ def foretell_register_cache_codecs(register):
     assert any(c.get("replaced_by") == "mykv" for c in rows["baseline"]["contributes"])
 
 
-def test_replacing_without_saying_so_is_a_conflict(fake_distribution):
+def test_replacing_without_saying_so_leaves_the_built_in_in_place(fake_distribution):
     silent = """
 from foretell import hookimpl
 
@@ -164,8 +231,13 @@ def foretell_register_cache_codecs(register):
     register("kv", "my_kv:Codec")
 """
     _plugin(fake_distribution, "foretell-mykv", "mykv", "foretell_mykv", silent)
-    with pytest.raises(ContributionConflict, match="plugin 'baseline'.*plugin 'mykv'"):
-        load_plugins().registry.get(Kind.CODEC, "kv")
+    plugins = load_plugins()
+    assert plugins.registry.get(Kind.CODEC, "kv").origin.plugin == "baseline"
+    (conflict,) = plugins.registry.conflicts.values()
+    assert conflict.message().startswith(
+        "codec:kv is contributed by both plugin 'baseline' (foretell "
+    )
+    assert "plugin 'mykv', loaded later, is disabled" in conflict.message()
 
 
 def test_block_list_disables_by_entry_point_name(fake_distribution, monkeypatch, capsys):
@@ -225,3 +297,31 @@ def test_plugin_hook_with_unknown_arguments_fails_validation(foretell_plugins):
 
     record = foretell_plugins.register(Wrong(), "wrong")
     assert record.status == "failed" and "invalid hook implementations" in record.error
+
+
+def _blocking_from(name, monkeypatch):
+    """Disable ``name`` and every entry point loaded after it, so ``name`` is the last plugin
+    the loader records, whatever else this environment has installed."""
+    from foretell.plugin.loader import _entry_points
+
+    names = [ep.name for ep in _entry_points()]
+    monkeypatch.setenv("FORETELL_DISABLE_PLUGINS", ",".join(names[names.index(name):]))
+
+
+def test_the_last_plugin_loaded_being_disabled_is_reported_as_disabled(monkeypatch, capsys):
+    _blocking_from("two-model", monkeypatch)
+    assert main(["run", "x", "--draft", "two-model"]) == 1
+    err = capsys.readouterr().err
+    assert "draft 'two-model': plugin 'two-model' is installed but disabled: " in err
+    assert "FORETELL_DISABLE_PLUGINS names it" in err and "not installed" not in err
+
+
+def test_a_plugin_left_out_of_the_allow_list_says_so(fake_distribution, monkeypatch):
+    _plugin(fake_distribution, "foretell-good", "good", "foretell_good", GOOD)
+    monkeypatch.setenv("FORETELL_LOAD_PLUGINS", "")
+    with pytest.raises(UnknownContribution) as info:
+        load_plugins().registry.get(Kind.DRAFT, "good")
+    assert str(info.value) == (
+        "draft 'good': plugin 'good' is installed but disabled: FORETELL_LOAD_PLUGINS does not "
+        "name it; add it to that list to use it"
+    )

@@ -10,11 +10,16 @@ Environment switches (comma-separated entry-point names):
 
 - ``FORETELL_LOAD_PLUGINS``: if set, load only these entry points ("" loads none).
 - ``FORETELL_DISABLE_PLUGINS``: never load these.
+
+A plugin contributing a name an earlier one holds (without a declared ``replaces=True`` of a
+built-in) is disabled, named in a warning and in ``foretell plugins``; the earlier holder
+keeps the name, so installing a clashing plugin never breaks what worked before.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import traceback
@@ -24,9 +29,9 @@ from typing import Any
 import attrs
 
 from foretell import PLUGIN_API
-from foretell.errors import PluginError
+from foretell.errors import ContributionConflict, PluginError
 from foretell.plugin.hooks import Hooks, new_plugin_manager
-from foretell.plugin.registry import Contribution, Origin, Registrar, Registry
+from foretell.plugin.registry import Conflict, Contribution, Origin, Registrar, Registry
 
 if sys.version_info >= (3, 12):
     from importlib import metadata as importlib_metadata
@@ -39,6 +44,8 @@ DISTRIBUTION = "foretell"
 CORE_PLUGINS: tuple[str, ...] = ("foretell.plugin.baseline",)
 
 LOADED, DISABLED, FAILED = "loaded", "disabled", "failed"
+
+log = logging.getLogger("foretell.plugin")
 
 
 @attrs.define
@@ -54,6 +61,8 @@ class PluginRecord:
     exception: BaseException | None = attrs.field(default=None, repr=False, eq=False)
     contributions: list[Contribution] = attrs.Factory(list)
     source: str | None = None  # the entry point's value, e.g. "foretell_qwen"
+    #: Why a disabled plugin is not loaded: an environment switch, or these conflicts.
+    conflicts: list[Conflict] = attrs.Factory(list)
 
     @property
     def origin(self) -> Origin:
@@ -69,6 +78,14 @@ class PluginRecord:
         self.exception = error
         self.error = f"{what}: {type(error).__name__}: {error}"
         self.contributions = []
+
+    def disable(self, reason: str, conflicts: list[Conflict] = ()) -> None:
+        self.status = DISABLED
+        self.error = reason
+        self.conflicts = list(conflicts)
+        self.contributions = []
+        if conflicts:
+            self.exception = ContributionConflict(reason)
 
 
 @attrs.define(kw_only=True)
@@ -88,9 +105,15 @@ class PluginSwitches:
         )
 
     def permits(self, name: str) -> bool:
+        return self.refusal(name) is None
+
+    def refusal(self, name: str) -> str | None:
+        """Why the switches keep entry point ``name`` unloaded, or None when they do not."""
         if name in self.block:
-            return False
-        return self.allow is None or name in self.allow
+            return "FORETELL_DISABLE_PLUGINS names it; take it out of that list to use it"
+        if self.allow is not None and name not in self.allow:
+            return "FORETELL_LOAD_PLUGINS does not name it; add it to that list to use it"
+        return None
 
 
 def _names(value: str) -> frozenset[str]:
@@ -146,11 +169,15 @@ class PluginSet:
                 self.records.append(record)
                 continue
             seen[ep.name] = record
-            if not self.switches.permits(ep.name):
-                record.status = DISABLED
+            refusal = self.switches.refusal(ep.name)
+            if refusal is not None:
+                record.disable(refusal)
                 self.records.append(record)
                 continue
             self._admit(record, ep.load)
+        # The registry lists disabled and failed plugins too: rebuilt here as well, since a
+        # plugin recorded after the last admitted one would otherwise be missing from it.
+        self._rebuild_registry()
         self.check_strict()
 
     def register(self, plugin: Any, name: str, *, kind: str = "third-party",
@@ -206,6 +233,22 @@ class PluginSet:
             self.pm.unregister(name=record.name)
             record.fail(exc, "a registration hook raised")
             record.error += _where(exc)
+            self._rebuild_registry()
+            return
+        labels = [item.label for item in collected]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            self.pm.unregister(name=record.name)
+            record.fail(PluginError(f"registers {', '.join(twice)} more than once"), "refused")
+            self._rebuild_registry()
+            return
+        clashes = [c for c in map(self.registry.clash, collected) if c is not None]
+        if clashes:
+            # The earlier holder keeps its names: a newly installed plugin must not break
+            # what ran before it came (a demo run selecting the built-in qwen3, say).
+            self.pm.unregister(name=record.name)
+            record.disable(" ".join(c.message() for c in clashes), clashes)
+            log.warning("plugin '%s' is disabled: %s", record.name, record.error)
         else:
             record.contributions = collected
         self._rebuild_registry()
@@ -215,8 +258,12 @@ class PluginSet:
         for record in self.records:
             for item in record.contributions:
                 registry.add(item)
+            for conflict in record.conflicts:
+                registry.conflicts[(conflict.second.kind, conflict.second.name, record.name)] = (
+                    conflict
+                )
         registry.failures = [r for r in self.records if r.status == FAILED]
-        registry.disabled = [r.name for r in self.records if r.status == DISABLED]
+        registry.disabled = {r.name: r.error for r in self.records if r.status == DISABLED}
         self.registry = registry
 
 

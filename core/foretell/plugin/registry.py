@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from foretell import PLUGIN_API
-from foretell.errors import ContributionConflict, PluginError, UnknownContribution
+from foretell.errors import PluginError, UnknownContribution
 
 
 class Kind(str, enum.Enum):
@@ -150,18 +150,27 @@ class Registrar:
 
 @attrs.define
 class Conflict:
+    """Two plugins contribute one name: ``first`` (loaded earlier) keeps it, the plugin of
+    ``second`` is disabled."""
+
     first: Contribution
     second: Contribution
 
     def message(self) -> str:
-        label = self.first.label
-        return (
-            f"{label} is contributed by both {self.first.origin.describe()} and "
-            f"{self.second.origin.describe()}. Uninstall one, disable one with "
-            f"FORETELL_DISABLE_PLUGINS={self.second.origin.plugin}, or, if "
-            f"'{self.second.origin.plugin}' is meant to replace a built-in, register it "
-            "with replaces=True."
+        holder, newcomer = self.first.origin, self.second.origin.plugin
+        head = (
+            f"{self.first.label} is contributed by both {holder.describe()} and "
+            f"{self.second.origin.describe()}; plugin '{newcomer}', loaded later, is disabled "
+            f"and '{holder.plugin}' keeps the name."
         )
+        if holder.builtin:
+            fix = "A plugin meant to replace a built-in registers with replaces=True"
+        else:
+            fix = (
+                f"To use '{newcomer}' instead, disable '{holder.plugin}' with "
+                f"FORETELL_DISABLE_PLUGINS={holder.plugin}"
+            )
+        return f"{head} {fix}; FORETELL_DISABLE_PLUGINS={newcomer} silences this."
 
 
 @attrs.define
@@ -175,31 +184,39 @@ class Registry:
 
     def __init__(self) -> None:
         self._items: dict[tuple[Kind, str], Contribution] = {}
-        self.conflicts: dict[tuple[Kind, str], Conflict] = {}
+        #: Names a later plugin also claimed, keyed by (kind, name, that plugin): the
+        #: earlier holder keeps the name and the later plugin is disabled.
+        self.conflicts: dict[tuple[Kind, str, str], Conflict] = {}
         self.replacements: list[Replacement] = []
         #: Filled by the loader: plugins that failed, consulted when a lookup misses.
         self.failures: list[Any] = []
-        #: Filled by the loader: installed plugins the environment switches kept unloaded.
-        self.disabled: list[str] = []
+        #: Filled by the loader: installed plugins that are not loaded, with why.
+        self.disabled: dict[str, str] = {}
 
     def add(self, item: Contribution) -> None:
+        """Add ``item``. A name already held stays with its holder and the clash is recorded
+        (the loader disables a clashing plugin before it gets here)."""
         key = (item.kind, item.name)
-        if key in self.conflicts:
+        conflict = self.clash(item)
+        if conflict is not None:
+            self.conflicts[(*key, item.origin.plugin)] = conflict
             return
         current = self._items.get(key)
         if current is None:
             self._items[key] = item
-            return
-        # A third party may replace a built-in only by saying so; anything else is an error.
-        if item.replaces and current.origin.builtin and not item.origin.builtin:
+        elif _replaces(item, current):
             self._items[key] = item
             self.replacements.append(Replacement(winner=item, replaced=current))
-            return
-        if current.replaces and item.origin.builtin and not current.origin.builtin:
+        else:  # ``current`` replaced ``item`` before ``item`` arrived
             self.replacements.append(Replacement(winner=current, replaced=item))
-            return
-        self.conflicts[key] = Conflict(first=current, second=item)
-        del self._items[key]
+
+    def clash(self, item: Contribution) -> Conflict | None:
+        """The conflict adding ``item`` would make, or None when its name is free or the
+        two are a declared replacement of a built-in."""
+        current = self._items.get((item.kind, item.name))
+        if current is None or _replaces(item, current) or _replaces(current, item):
+            return None
+        return Conflict(first=current, second=item)
 
     def __iter__(self) -> Iterator[Contribution]:
         return iter(self._items.values())
@@ -209,17 +226,14 @@ class Registry:
 
     def get(self, kind: Kind, name: str) -> Contribution:
         """The contribution selected by ``name``; errors explain why it is not available."""
-        key = (kind, name)
-        if key in self.conflicts:
-            raise ContributionConflict(self.conflicts[key].message())
-        found = self._items.get(key)
+        found = self._items.get((kind, name))
         if found is not None:
             return found
         installed = ", ".join(self.names(kind)) or "none"
         if name in self.disabled:
             raise UnknownContribution(
-                f"{kind.value} '{name}': plugin '{name}' is installed but disabled "
-                "(FORETELL_DISABLE_PLUGINS / FORETELL_LOAD_PLUGINS); enable it to use it"
+                f"{kind.value} '{name}': plugin '{name}' is installed but disabled: "
+                f"{self.disabled[name]}"
             )
         message = f"no {kind.value} named '{name}' is installed (installed: {installed})"
         if self.disabled:
@@ -240,3 +254,8 @@ class Registry:
             Kind.LAYOUT: "install a plugin that provides this storage layout",
         }[kind]
         raise UnknownContribution(f"{message}; {hint} (see `foretell plugins`)")
+
+
+def _replaces(new: Contribution, old: Contribution) -> bool:
+    """A third party may take a built-in's name only by saying so (``replaces=True``)."""
+    return new.replaces and old.origin.builtin and not new.origin.builtin
