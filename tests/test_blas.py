@@ -118,15 +118,32 @@ def test_no_warning_when_foretell_loads_before_mlx_is_imported():
 
 
 @linux_only
-def test_override_naming_a_missing_file_says_so(tmp_path):
-    missing = tmp_path / "libnothing.so"
-    result = run_python(
-        "import json, foretell\nfrom foretell.platform import blas\nblas.preload()\n"
-        "print(json.dumps(blas.STATUS.to_dict()))",
-        FORETELL_BLAS=str(missing),
+@pytest.mark.parametrize("what", ["missing", "not a library"])
+def test_a_named_library_that_cannot_be_used_is_an_error_naming_the_variable_and_path(
+    tmp_path, what
+):
+    named = tmp_path / "libnothing.so"
+    if what == "not a library":
+        named.write_text("not an ELF file")
+    env = {k: v for k, v in os.environ.items() if k != blas.ENV} | {blas.ENV: str(named)}
+    api = subprocess.run(
+        [sys.executable, "-c", "import foretell; foretell.load('demo-draft')"],
+        capture_output=True, text=True, env=env, timeout=120,
     )
-    assert result["loaded"] is None
-    assert result["reason"] == f"FORETELL_BLAS={missing}: no such file"
+    assert api.returncode == 1
+    assert "foretell.errors.ConfigError: FORETELL_BLAS: " in api.stderr
+    cli = subprocess.run(
+        [sys.executable, "-m", "foretell", "run", "--max-tokens", "1"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert cli.returncode == 1 and cli.stdout == ""
+    (line,) = cli.stderr.splitlines()
+    assert line.startswith("foretell: error: FORETELL_BLAS: ")
+    assert str(named) in line and "unset FORETELL_BLAS" in line
+    if what == "missing":
+        assert f"{named}: no such file" in line
+    else:
+        assert f"could not load {named}" in line
 
 
 @linux_only

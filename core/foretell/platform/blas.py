@@ -9,8 +9,10 @@ of ``foretell.load`` / ``foretell.Engine``, the CLI's model commands, the bench'
 never on ``import foretell``, and records what happened in :data:`STATUS`.
 
 ``FORETELL_BLAS=reference`` keeps MLX's own BLAS; ``FORETELL_BLAS=/path/libblas.so`` loads
-that library instead of the ``cmeel-openblas`` wheel. On macOS MLX uses Accelerate and on
-CUDA matmuls run on the GPU, so this is a no-op there and harmless respectively.
+that library instead of the ``cmeel-openblas`` wheel, and a named library that cannot be
+used is a :class:`~foretell.errors.ConfigError`, not a silent fallback. On macOS MLX uses
+Accelerate and on CUDA matmuls run on the GPU, so this is a no-op there and harmless
+respectively.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 
 import attrs
+
+from foretell.errors import ConfigError
 
 ENV = "FORETELL_BLAS"
 
@@ -71,7 +75,10 @@ STATUS = NOT_ATTEMPTED
 
 
 def preload() -> BlasStatus:
-    """Load an optimized BLAS globally if this is Linux and MLX is not imported yet."""
+    """Load an optimized BLAS globally if this is Linux and MLX is not imported yet.
+
+    :raises ConfigError: ``FORETELL_BLAS`` names a library that is missing or unusable.
+    """
     global STATUS
     if STATUS.loaded is not None:
         return STATUS
@@ -116,12 +123,28 @@ def _preload(choice: str) -> BlasStatus:
         return BlasStatus(loaded=None, reason=f"{ENV}=reference")
     if "mlx.core" in sys.modules:
         return BlasStatus(loaded=None, reason=IMPORTED_TOO_LATE)
-    path = Path(choice) if choice else _cmeel_openblas()
+    if choice:
+        return _load_named(Path(choice))
+    path = _cmeel_openblas()
     if path is None:
         return BlasStatus(loaded=None, reason="the cmeel-openblas wheel is not installed")
-    if not path.is_file():
-        return BlasStatus(loaded=None, reason=f"{ENV}={choice}: no such file")
-    return _load(path, explicit=bool(choice))
+    return _load(path, explicit=False)
+
+
+def _load_named(path: Path) -> BlasStatus:
+    """The library the user named, or an error: they asked for it, so running on another
+    BLAS in silence would hide that their setting does nothing."""
+    status = (
+        _load(path, explicit=True)
+        if path.is_file()
+        else BlasStatus(loaded=None, reason=f"{path}: no such file")
+    )
+    if status.loaded is None:
+        raise ConfigError(ENV, [
+            f"{status.reason}; unset {ENV} to use the OpenBLAS foretell ships, or set "
+            f"{ENV}=reference for MLX's own BLAS"
+        ])
+    return status
 
 
 def _cmeel_openblas() -> Path | None:
