@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def produced(tmp_path_factory):
     """The tiny family, trained end to end on the stdlib alone (fast); shared by the smoke
     and redraft tests. Skips where torch is not installed."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="the demo trainer needs PyTorch, which the [test] extra leaves out")
     pytest.importorskip("tokenizers")
     from foretell_demo_train.cli import main
 

@@ -3,7 +3,7 @@ ce_weight 0, and its gradient pulls the student towards the teacher's distributi
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the demo trainer needs PyTorch, which the [test] extra leaves out")
 
 from foretell_demo_train.models import distill_loss, lm_loss  # noqa: E402
 

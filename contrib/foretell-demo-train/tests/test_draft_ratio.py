@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-pytest.importorskip("torch")
+pytest.importorskip("torch", reason="the demo trainer needs PyTorch, which the [test] extra leaves out")
 
 from foretell_demo_train.pipeline import require_draft_ratio  # noqa: E402
 from foretell_demo_train.presets import FULL  # noqa: E402

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the demo trainer needs PyTorch, which the [test] extra leaves out")
 
 from foretell_demo_train.models import CausalLM, ModelSpec  # noqa: E402
 from foretell_demo_train.mtp import MTPHead, chain_loss, chain_outputs  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the demo trainer needs PyTorch, which the [test] extra leaves out")
 pytest.importorskip("tokenizers")
 st = pytest.importorskip("safetensors.torch")
 
