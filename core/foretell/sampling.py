@@ -6,10 +6,12 @@ from, and ``sample`` draws from it. The verifier reads ``probabilities(scores)``
 acceptance test, so the distribution it checks drafts against is exactly the one plain
 decoding samples.
 
-The distribution matches mlx-lm's (our oracle): the top-k, top-p and min-p masks are each
-computed on the untempered distribution, their intersection is kept, and temperature is
-applied to what survives. Randomness comes from a per-request :class:`RandomKeys`, so a
-seed reproduces a run no matter what else the process has drawn.
+The distribution matches mlx-lm's (our oracle), rounding included: like mlx-lm, the
+sampler works on log-probabilities in the logits' own dtype (``logits - logsumexp``), where
+a bfloat16 model's rounding makes ties that mlx-lm's ``argpartition`` breaks (on the CPU
+the lower id wins); top-p and min-p mask them, then top-k keeps k of what survives, and
+temperature scales the rest in that dtype. Randomness comes from a per-request
+:class:`RandomKeys`, so a seed reproduces a run no matter what else the process has drawn.
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ class Sampler:
     """Logits to a processed distribution, and draws from it.
 
     ``scores(logits, windows)`` returns ``[N, V]`` scores whose softmax is the distribution
-    tokens are drawn from: for sampling, the masked logits over the temperature (log-probs
-    up to a per-row constant, since normalizing costs a pass over the vocabulary that a
-    draw does not need); for greedy (``temp == 0``), the penalized logits.
+    tokens are drawn from: for sampling, the masked log-probabilities over the temperature
+    (float32); for greedy (``temp == 0``), the penalized log-probabilities in the logits'
+    dtype, whose argmax is mlx-lm's greedy token even where bfloat16 rounding ties two.
     ``probabilities(scores)`` is that distribution, ``[N, V]`` summing to 1 per row; for
     greedy, the point mass at the argmax, so one rejection-sampling verifier serves both.
     ``sample(scores, key)`` returns ``[N]`` int32 ids: exactly the argmax when greedy.
@@ -84,13 +86,12 @@ class Sampler:
         """``[N, V]`` logits (and ``[N, W]`` recent tokens per row) to the distribution."""
         if self.penalty is not None and windows is not None and windows.size:
             logits = apply_repetition_penalty(logits, windows, self.penalty)
+        # mlx-lm ranks these, rounded to the model's dtype; float32 logits ranked a bfloat16
+        # model's tokens differently where rounding ties two (docs/generation.md).
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.greedy:
-            return logits
-        logits = logits.astype(mx.float32)
-        drop = self._mask(logits)
-        if drop is not None:
-            logits = mx.where(drop, -mx.inf, logits)
-        return logits * self._inv_temp
+            return logprobs
+        return (self._masked(logprobs) * self._inv_temp).astype(mx.float32)
 
     def probabilities(self, scores: mx.array) -> mx.array:
         if self.greedy:
@@ -108,57 +109,70 @@ class Sampler:
     ) -> mx.array:
         return self.sample(self.scores(logits, windows), key)
 
-    def _mask(self, logits: mx.array) -> mx.array | None:
-        """True where top-k, top-p or min-p drops a token, each judged on the untempered
-        distribution; the kept set is the intersection."""
+    def _masked(self, logprobs: mx.array) -> mx.array:
+        """``logprobs`` with what top-p, min-p and top-k drop set to -inf, in mlx-lm's order:
+        top-p and min-p judge the untempered distribution, then top-k keeps ``k`` of what
+        survives (so its ties break on the same array as mlx-lm's do)."""
         drop = None
-        candidates = logits
-        vocab = logits.shape[-1]
-        if 0 < self._top_k < vocab:
-            drop, candidates = top_k_drop(logits, self._top_k)
+        vocab = logprobs.shape[-1]
+        top_k = self._top_k if 0 < self._top_k < vocab else 0
         if self._top_p is not None:
-            drop = _or(drop, top_p_drop(logits, candidates, self._top_p))
+            # Only the top-k can be kept, so only they are sorted (docs/generation.md says
+            # where that can differ from mlx-lm's full sort).
+            candidates = top_k_values(logprobs, top_k) if top_k else logprobs
+            drop = top_p_drop(logprobs, candidates, self._top_p)
         if self._log_min_p is not None:
-            best = mx.max(logits, axis=-1, keepdims=True)
-            drop = _or(drop, logits < best + self._log_min_p)
-        return drop
+            best = mx.max(logprobs, axis=-1, keepdims=True)
+            drop = _or(drop, logprobs < best + self._log_min_p)
+        if drop is not None:
+            logprobs = mx.where(drop, mx.array(-mx.inf, logprobs.dtype), logprobs)
+        if top_k:
+            logprobs = mx.where(top_k_drop(logprobs, top_k), mx.array(-mx.inf, logprobs.dtype),
+                                logprobs)
+        return logprobs
 
 
 def _or(a: mx.array | None, b: mx.array) -> mx.array:
     return b if a is None else mx.logical_or(a, b)
 
 
-def top_k_drop(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """True for all but exactly ``k`` tokens per row, and the ``k`` kept values.
+def top_k_drop(logprobs: mx.array, k: int) -> mx.array:
+    """True for all but exactly ``k`` tokens per row.
 
-    Ties at the cut keep only as many tokens as fit, chosen as mlx-lm chooses them: by
-    the same ``argpartition`` (on MLX's CPU backend, the lower token ids win), so
-    ``top_k = 1`` keeps the argmax. Partition, not sort: linear in the vocabulary.
+    Ties at the cut keep only as many tokens as fit, chosen as mlx-lm chooses them: by the
+    same ``argpartition`` on the same values (on MLX's CPU backend, the lower token ids
+    win), so ``top_k = 1`` keeps the argmax. Partition, not sort: linear in the vocabulary.
     """
-    kept = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-    keep = mx.put_along_axis(mx.zeros(logits.shape, mx.bool_), kept, mx.array(True), axis=-1)
-    return mx.logical_not(keep), mx.take_along_axis(logits, kept, axis=-1)
+    dropped = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., k:]
+    return mx.put_along_axis(mx.zeros(logprobs.shape, mx.bool_), dropped, mx.array(True),
+                             axis=-1)
 
 
-def top_p_drop(logits: mx.array, candidates: mx.array, top_p: float) -> mx.array:
-    """True for tokens outside the smallest set whose probability reaches ``top_p``.
+def top_k_values(logprobs: mx.array, k: int) -> mx.array:
+    """The ``k`` largest values of each row, unordered."""
+    return mx.take_along_axis(logprobs, mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k],
+                              axis=-1)
 
-    ``candidates`` holds every value that could be kept (all logits, or the top-k): only
-    they are sorted, which on CPU is most of the cost (25 ms for 152k logits); the total
-    mass is still the full vocabulary's. Ties with the last kept token are kept too, so the
-    result does not depend on sort order.
+
+def top_p_drop(logprobs: mx.array, candidates: mx.array, top_p: float) -> mx.array:
+    """True for tokens outside the smallest set whose probability reaches ``top_p``,
+    computed as mlx-lm computes it (float32 probabilities of the given log-probabilities).
+
+    ``candidates`` holds every value that could be kept (all of ``logprobs``, or the
+    top-k): only they are sorted, which on CPU is most of the cost (25 ms for 152k logits);
+    the total mass is still the full vocabulary's. Ties with the last kept token are kept
+    too, so the result does not depend on sort order.
     """
     ordered = mx.sort(candidates, axis=-1)  # ascending: the best is last
-    best = ordered[..., -1:]
-    probs = mx.exp(ordered - best)
-    if candidates is logits:
-        total = mx.sum(probs, axis=-1, keepdims=True)
-    else:
-        total = mx.sum(mx.exp(logits - best), axis=-1, keepdims=True)
+    probs = mx.exp(ordered.astype(mx.float32))
     above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)  # mass strictly ahead
+    if candidates is logprobs:
+        total = above[..., :1] + probs[..., :1]
+    else:
+        total = mx.sum(mx.exp(logprobs.astype(mx.float32)), axis=-1, keepdims=True)
     dropped = mx.sum(above >= top_p * total, axis=-1, keepdims=True)  # the best never is
     threshold = mx.take_along_axis(ordered, dropped, axis=-1)
-    return logits < threshold
+    return logprobs < threshold
 
 
 def apply_repetition_penalty(logits: mx.array, windows: mx.array, penalty: float) -> mx.array:

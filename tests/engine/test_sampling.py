@@ -237,3 +237,74 @@ def test_top_k_samples_are_distributed_as_mlx_lm_samples_on_tied_logits(temp):
     expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
     statistic = float(((table - expected) ** 2 / expected).sum())
     assert chi_square_p_value(statistic, len(tokens) - 1) > 1e-3
+
+
+# -- ranking as mlx-lm ranks: log-probabilities in the model's dtype -----------------------
+
+
+def rounding_tie_logits(vocab: int = 512) -> tuple[mx.array, int, int]:
+    """bf16 logits where ids 336 and 231 differ (2.640625 and 2.609375, so 336 ranks first
+    in float32) but their bf16 log-probabilities round to one value: the case outside
+    testing found (mlx-lm keeps 231, the lower id). Returns the logits and the k whose cut
+    falls between the two."""
+    noise = np.clip(np.random.RandomState(0).normal(size=(1, vocab)), -4.0, 1.5)
+    logits = mx.array(noise).astype(mx.bfloat16)
+    logits[0, 10], logits[0, 20] = 3.5, 3.0  # two ranked above the pair
+    logits[0, 336] = 2.640625
+    logits[0, 231] = 2.609375
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tied = np.flatnonzero(np.array(logprobs[0] == logprobs[0, 336]))
+    assert tied.tolist() == [231, 336]  # the construction's point: only these two tie
+    k = int(mx.sum(logprobs > logprobs[0, 336]).item()) + 1
+    return logits, k, 231
+
+
+def mlx_lm_processed(logits: mx.array, temp: float, **options) -> mx.array:
+    """What mlx-lm's sampler draws from: its log-probabilities through its masks, over the
+    temperature (``categorical_sampling``), for one row."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    if 0 < options.get("top_p", 1.0) < 1.0:
+        logprobs = apply_top_p(logprobs, options["top_p"])
+    if options.get("min_p", 0.0):
+        logprobs = apply_min_p(logprobs, options["min_p"])
+    if options.get("top_k", 0):
+        logprobs = apply_top_k(logprobs, options["top_k"])
+    return logprobs * (1.0 / temp)
+
+
+def test_top_k_on_bf16_keeps_the_set_mlx_lm_keeps_where_rounding_ties_two_ids():
+    from mlx_lm.sample_utils import apply_top_k
+
+    logits, k, lower = rounding_tie_logits()
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    theirs = kept(apply_top_k(logprobs, k))
+    ours = kept(Sampler(SamplingConfig(temp=1.0, top_k=k)).scores(logits))
+    assert ours == theirs
+    assert lower in ours and 336 not in ours
+
+
+def test_greedy_on_bf16_picks_mlx_lm_s_token_where_rounding_ties_the_best_two():
+    from mlx_lm.sample_utils import make_sampler
+
+    noise = np.clip(np.random.RandomState(0).normal(size=(1, 512)), -4.0, 1.5)
+    logits = mx.array(noise).astype(mx.bfloat16)
+    logits[0, 336], logits[0, 231] = 2.578125, 2.546875  # 336 is the argmax of the logits
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    assert logprobs[0, 336].item() == logprobs[0, 231].item()  # rounding ties them
+    assert make_sampler(temp=0.0)(logprobs).item() == 231  # and mlx-lm takes the lower id
+    assert Sampler(SamplingConfig(temp=0.0))(logits, None, None).item() == 231
+
+
+@pytest.mark.parametrize("options", [
+    {"top_k": 0}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_p": 0.8, "min_p": 0.02},
+])
+def test_processed_bf16_scores_equal_mlx_lm_s_bit_for_bit(options):
+    logits, k, _ = rounding_tie_logits()
+    options = {**options, "top_k": options.get("top_k", k)}
+    ours = Sampler(SamplingConfig(temp=0.7, **options)).scores(logits)
+    theirs = mlx_lm_processed(logits, 0.7, **options).astype(mx.float32)
+    assert kept(ours) == kept(theirs)
+    finite = np.isfinite(np.array(theirs))
+    assert np.array_equal(np.array(ours)[finite], np.array(theirs)[finite])
