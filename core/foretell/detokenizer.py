@@ -1,21 +1,13 @@
 """Streaming detokenization: token ids to text, one id at a time, equal to decoding them all.
 
-``tokenizers`` decodes a whole sequence by running its decoder chain over the token
-strings and joining the result. Most chains are per-token maps up to a point where the
-tokens fuse into one string (``Fuse``, ``ByteLevel``, or the final join), so they can be
-run incrementally: :func:`compile_decoder` turns the ``decoder`` entry of a
-``tokenizer.json`` into such a stream, reproducing the library's rules exactly, among them:
-
-- ``ByteFallback`` decodes a run of ``<0xNN>`` tokens as a whole: valid UTF-8 becomes its
-  text, anything else one U+FFFD per byte of the run, so a run is held until it ends;
-- ``Metaspace`` with ``prepend_scheme`` ``always``/``first`` drops *every* ``▁`` of the
-  sequence's first token, and turns the others into spaces;
-- without a decoder the tokens are joined with single spaces (WordLevel, WordPiece);
-- ``ByteLevel`` maps each token to bytes and decodes them as one lossy UTF-8 string.
-
-A chain with a step it cannot stream returns None, and :class:`RedecodingDetokenizer`
-re-decodes the whole sequence instead (quadratic, exact whenever decoding a prefix of the
-ids gives a prefix of the text).
+Most ``tokenizers`` decoder chains are per-token maps up to the point where the tokens fuse
+into one string (``Fuse``, ``ByteLevel``, the final join), so they can run incrementally:
+:func:`compile_decoder` turns a ``tokenizer.json``'s ``decoder`` into such a stream,
+reproducing the library's rules exactly (a ``ByteFallback`` run of ``<0xNN>`` tokens is held
+until it ends; ``Metaspace`` prepending ``always``/``first`` drops every ``▁`` of the first
+token; no decoder joins with spaces). A chain with a step it cannot stream returns None, and
+:class:`RedecodingDetokenizer` re-decodes the whole sequence instead (quadratic, exact
+whenever decoding a prefix of the ids gives a prefix of the text).
 """
 
 from __future__ import annotations

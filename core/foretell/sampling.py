@@ -1,17 +1,12 @@
 """Choosing tokens from logits: greedy, temperature, top-k, top-p, min-p, repetition penalty.
 
 One :class:`Sampler` serves plain decoding and speculative verification alike: ``scores``
-turns logits for a batch of positions ``[N, V]`` into the distribution tokens are drawn
-from, and ``sample`` draws from it. The verifier reads ``probabilities(scores)`` for the
-acceptance test, so the distribution it checks drafts against is exactly the one plain
-decoding samples.
-
-The distribution matches mlx-lm's (our oracle), rounding included: like mlx-lm, the
-sampler works on log-probabilities in the logits' own dtype (``logits - logsumexp``), where
-a bfloat16 model's rounding makes ties that mlx-lm's ``argpartition`` breaks (on the CPU
-the lower id wins); top-p and min-p mask them, then top-k keeps k of what survives, and
-temperature scales the rest in that dtype. Randomness comes from a per-request
-:class:`RandomKeys`, so a seed reproduces a run no matter what else the process has drawn.
+turns logits ``[N, V]`` into the distribution tokens are drawn from, ``sample`` draws, and
+the verifier's acceptance test reads ``probabilities(scores)``, so drafts are checked
+against exactly the distribution plain decoding samples. It matches mlx-lm's rounding
+included (log-probabilities in the logits' dtype; top-p and min-p, then top-k, then
+temperature). A per-request :class:`RandomKeys` makes a seed reproduce a run whatever else
+the process has drawn.
 """
 
 from __future__ import annotations
@@ -159,8 +154,8 @@ def top_p_drop(logprobs: mx.array, candidates: mx.array, top_p: float) -> mx.arr
     computed as mlx-lm computes it (float32 probabilities of the given log-probabilities).
 
     ``candidates`` holds every value that could be kept (all of ``logprobs``, or the
-    top-k): only they are sorted, which on CPU is most of the cost (25 ms for 152k logits);
-    the total mass is still the full vocabulary's. Ties with the last kept token are kept
+    top-k): only they are sorted, since on the CPU the sort is most of the cost; the total
+    mass is still the full vocabulary's. Ties with the last kept token are kept
     too, so the result does not depend on sort order.
     """
     ordered = mx.sort(candidates, axis=-1)  # ascending: the best is last

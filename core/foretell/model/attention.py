@@ -76,19 +76,11 @@ def attend(
 
 #: On CUDA a multi-token query shorter than a full prefill chunk attends through
 #: :func:`matmul_attention` while its score matrix (query heads x queries x keys) has at most
-#: ``MATMUL_MAX_SCORES`` elements (512 MiB of float32 scores); full chunks and larger ones take
-#: the fused kernel. The fused kernel is planned afresh for every new shape, 38-72 ms per
-#: forward, and then costs 0.2-0.5 ms a layer; matmul attention costs 0.4-2.3 ms a layer and
-#: nothing once (H200, bf16, Lk 4,096: 32 heads x 2,048 queries 2.3 ms, 512 queries 1.0 ms).
-#: So matmuls win wherever the shape is new: verify windows, a drafter catching up on tokens
-#: it missed, a prompt's suffix after a cache hit, a prompt's last, ragged chunk. Past the
-#: cap a forward of ~36 layers spends more on matmuls than on one plan (a 4B model's
-#: 2,047-token chunk after 2,048 tokens: ~80 ms through matmuls, ~77 ms fused and planned
-#: afresh, 17 ms with the plan kept). A prefill's full chunks (``request.PREFILL_CHUNK``
-#: tokens) repeat their shapes from prompt to prompt, so their plans are reused: its first
-#: chunk through matmuls, the 4B shape's 4,096-token prefill took 148 ms against 98. The choice
-#: depends on the shape alone, so a request runs the same arithmetic whatever ran before it
-#: in the process.
+#: ``MATMUL_MAX_SCORES`` elements: the fused kernel is planned afresh for every new shape,
+#: which costs more than matmuls wherever shapes rarely repeat (verify windows, catch-ups,
+#: suffixes after a cache hit); full chunks repeat theirs and keep it (figures:
+#: docs/decisions.md). The rule reads the shape alone, so a request's arithmetic does not
+#: depend on what ran before it.
 FULL_CHUNK = 2048
 MATMUL_MAX_SCORES = 128 * 2**20
 _MATMUL_MODE: str | None = None
@@ -99,17 +91,10 @@ def use_matmul_attention(n_queries: int, n_keys: int, heads: int,
     """Whether ``n_queries`` new tokens of ``heads`` query heads (of ``dtype``) attend to
     ``n_keys`` keys through plain matmuls instead of the fused kernel (see ``FULL_CHUNK``).
 
-    Measured on an H200 (mlx-cuda 0.32.4, ``docs/speculation.md``, "Pipelining and the
-    GPU"): the fused kernel is re-planned whenever the shape changes and the query has more
-    than one token, 38-72 ms per forward, which made a speculative round cost ~100 ms
-    whatever its length and a two-model drafter's catch-up after plain steps ~40 ms; matmul +
-    mask + softmax costs 1.6 ms for a 3-token demo forward, 2.5-7 ms for one of 33-2,048
-    tokens. The CPU takes matmuls for every float32 query (``matmul-float32``, the CPU's
-    own precision): MLX has no CPU kernel for it, and its fallback is the same matmuls
-    around a softmax much slower than :func:`softmax_rows` (docs/blas.md, "Softmax"). A
-    bfloat16 model there keeps the fallback, whose rounding is mlx-lm's. Metal keeps the
-    fused kernel. ``FORETELL_ATTENTION=fused|matmul|matmul-float32|matmul-all`` forces a
-    rule (``matmul-all``: every query), for measuring.
+    The CPU takes matmuls for every float32 query: MLX has no CPU kernel, and its fallback
+    is the same matmuls around a slower softmax (docs/blas.md, "Softmax"); a bfloat16 model
+    there keeps the fallback, whose rounding is mlx-lm's. Metal keeps the fused kernel.
+    ``FORETELL_ATTENTION=fused|matmul|matmul-float32|matmul-all`` forces a rule.
     """
     global _MATMUL_MODE
     if _MATMUL_MODE is None:
@@ -135,9 +120,8 @@ def matmul_attention(
 
     Everything between the inputs and the output runs in float32, as the fused kernel's
     single-token path does: the scaled query, the scores, the softmax and the weighted sum
-    of values. Rounding the scores to bfloat16 (the matmul's natural output dtype) moved a
-    verify window's logits far enough from single-token decode's to change greedy tokens
-    within a dozen steps on the H200 (docs/speculation.md, "Greedy identity on CUDA")."""
+    of values: scores rounded to bfloat16 moved a verify window's logits far enough from
+    single-token decode's to change greedy tokens (docs/speculation.md)."""
     B, heads, L, dim = queries.shape
     kv_heads, S = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -166,13 +150,10 @@ def softmax_rows(scores: mx.array, *, precise: bool = False) -> mx.array:
     """``mx.softmax(scores, axis=-1, precise=precise)``; for float32 ``scores`` of at least
     :data:`NUMPY_SOFTMAX_MIN` elements on the CPU, computed by numpy in their own buffer.
 
-    MLX's CPU build for x86 computes ``exp`` one element at a time, ~13 ns each on the
-    2-core EPYC against numpy's ~1 ns (vectorized): the softmax over a 4,096-token prefill
-    chunk's scores took 0.92 s in MLX and 0.09 s this way, and the demo's 4,096-token
-    prefill went from 10.7 to 6.0 s (docs/blas.md, "Softmax"). The scores are evaluated
-    here (one more evaluation per layer, which a prefill chunk does not notice) and then
-    overwritten in place: the callers pass a fresh product's output, which nothing else
-    reads."""
+    MLX's CPU build for x86 computes ``exp`` one element at a time, an order of magnitude
+    slower than numpy's vectorized one (figures: docs/blas.md, "Softmax"). The scores are
+    evaluated here and overwritten in place: callers pass a fresh product's output, which
+    nothing else reads."""
     if scores.size < NUMPY_SOFTMAX_MIN or scores.dtype != mx.float32 or not on_cpu():
         return mx.softmax(scores, axis=-1, precise=precise)
     import numpy as np

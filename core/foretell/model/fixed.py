@@ -1,25 +1,15 @@
 """Compiled forwards over fixed shapes, for the verifier's windows on CUDA.
 
-On CUDA a speculative round is bound by the host: MLX builds every graph node in Python and
-encodes it on the calling thread, and the device waits (docs/speculation.md, "Pipelining and
-the GPU"). ``mx.compile`` replays a traced graph without the Python, but only while its
-inputs' shapes repeat, and a growable cache hands attention a longer key array every round.
-So here a forward sees each :class:`~foretell.model.kvcache.KVCache` as its whole buffer
-(capacity rounded up to :data:`CAPACITY_STEP` tokens) with its offset as an array: new keys
-and values are written at that offset (``mx.slice_update``), attention reads the whole
-buffer under a mask of the keys written so far, and the forward traces once per window length
-and capacity. Measured on the H200 (demo target, 4-token window at ~1,000 tokens,
-``docs/speculation.md``): 2.57 → 2.08 ms per forward, the Python graph build 0.68 → 0.25 ms.
+On CUDA a speculative round is bound by the host building graph nodes in Python
+(docs/speculation.md, "Pipelining and the GPU"). ``mx.compile`` replays a traced graph
+without the Python, but only while input shapes repeat, so a forward here sees each growable
+cache as its whole buffer (capacity a multiple of :data:`CAPACITY_STEP`) with its offset as
+an array, and traces once per window length and capacity (figures: docs/decisions.md).
 
-A compiled forward meets its caches only through the protocol every architecture already
-uses (``offset``, ``update_and_fetch``, ``mask``); anything else a layer asks of them fails
-the trace, and that forward falls back to the ordinary one for good. Only growable caches
-qualify (a ring or a quantized cache takes the ordinary forward), and the real caches change
-only after the compiled call returns, so a failure leaves them as they were.
-
-The rows of a ``[B, L]`` window share one offset here (B = 1 today). Continuous batching
-with per-row speculation will need an offset per row: a per-row write (a scatter instead of
-one ``slice_update``) and a mask built from the ``[B]`` offsets; the protocol stays as is.
+A compiled forward meets its caches only through the cache protocol (``offset``,
+``update_and_fetch``, ``mask``); anything else fails the trace, and that forward falls back
+to the ordinary one for good, the real caches untouched. The rows of a ``[B, L]`` window
+share one offset (B = 1 today); per-row speculation will need a per-row write and mask.
 """
 
 from __future__ import annotations
@@ -122,9 +112,7 @@ class FixedForward:
         offset = caches[0].offset
         for cache in caches:
             # A whole multiple of CAPACITY_STEP, also after plain steps or a head's chained
-            # steps grew it by 256: any other capacity would be one more trace per window
-            # length (each ~0.1 s; on the H200 a new capacity's traces compiled no kernels,
-            # scripts/first_cross.py, 2026-12-03).
+            # steps grew it by 256: any other capacity would be one more trace per window.
             cache.reserve(offset + length, CAPACITY_STEP)
         self._arity = len(arrays)
         buffers = [b for c in caches for b in (c.keys, c.values)]

@@ -133,19 +133,13 @@ class KVCache:
 class RotatingKVCache:
     """The last ``max_size`` tokens of a sliding-window layer, kept in a ring.
 
-    Storage layout: until ``max_size`` tokens have been seen, slot ``i`` holds position
-    ``i``. After that the buffer is exactly ``max_size`` slots and ``_write`` (the next
-    slot to overwrite) holds the oldest token, so slot ``(_write + j) % max_size`` holds
-    position ``offset - max_size + j``.
-
-    What attention receives for ``L`` new tokens is the ``min(offset, max_size - 1)``
-    tokens before them plus the ``L`` new ones, in time order (a single decode token
-    reads the ring as stored: order does not matter when every key is visible). That
-    gives every new token its full window, also for multi-token prefill chunks and
-    speculative verify windows; :meth:`mask` describes exactly those keys.
-
-    Once a token has been evicted the ring cannot roll back: ``is_trimmable`` turns
-    false and ``trim`` drops nothing (callers fall back to plain decoding).
+    Until ``max_size`` tokens have been seen, slot ``i`` holds position ``i``; after that
+    ``_write`` (the next slot to overwrite) holds the oldest token, so slot
+    ``(_write + j) % max_size`` holds position ``offset - max_size + j``. For ``L`` new
+    tokens attention gets the ``min(offset, max_size - 1)`` tokens before them plus the new
+    ones, in time order (one decode token reads the ring as stored), so every token sees
+    its full window; :meth:`mask` describes exactly those keys. Once a token has been
+    evicted the ring cannot roll back: ``is_trimmable`` turns false.
     """
 
     step = 256
@@ -314,18 +308,12 @@ def window_copies() -> bool:
     """Whether a :class:`SlidingKVCache` hands attention a copy of its window rather than a
     view into its buffer, whenever the window does not start at the buffer's start.
 
-    On CUDA it must: MLX-CUDA 0.32.4's fused attention for a single-token query reads a key
-    view that starts past its buffer's start wrongly (NaN against a copy of the same keys,
-    ``docs/bench-data/2026-12-02-h200-sliding-window-view-0534.log``), so every speculative
-    round of a sliding-window model past its window computed garbage there: a Gemma target
-    lost greedy identity after 6 tokens, a Gemma draft accepted 0% of its drafts. The copy
-    is of the window only (0.108 against 0.093 ms for a decode-size call measured there).
-    The CPU and Metal take the view. ``FORETELL_SLIDING_WINDOW=copy|view`` forces either.
-    The cache is the place: only it knows its window starts past its buffer's start, and a
-    copy in attention could not tell such a view from a growable cache's (which starts at
-    its buffer's start and which the kernel reads right), so it would copy every layer's
-    whole cache each step. ``python -m foretell.spec.probe --window-view`` re-checks the
-    kernel after an MLX upgrade.
+    On CUDA it must: MLX-CUDA 0.32.4's fused single-token attention misreads a key view that
+    starts past its buffer's start (NaN), so a sliding-window model speculating past its
+    window computed garbage (docs/decisions.md). The CPU and Metal take the view;
+    ``FORETELL_SLIDING_WINDOW=copy|view`` forces either. Only the cache knows its window
+    starts past its buffer's start, so the copy is made here, not in attention.
+    ``python -m foretell.spec.probe --window-view`` re-checks the kernel after an MLX upgrade.
     """
     global _WINDOW_MODE
     if _WINDOW_MODE is None:
@@ -340,18 +328,14 @@ class SlidingKVCache:
     """A sliding-window layer's keys and values that can roll back: the window plus a
     rollback reserve, kept in time order.
 
-    The speculative verifier swaps these in for :class:`RotatingKVCache` (see
-    :func:`add_rollback_reserve`): a ring that wraps cannot undo rejected drafts, so a
-    sliding-window target would stop speculating after one window (mlx-lm #1914, #118).
-    Before each update the buffer keeps at least the newest ``window - 1 + reserve``
-    tokens, so after any updates adding up to ``reserve + 1`` tokens in all, those tokens can
-    be trimmed and every later query still sees its whole window. Tokens older than that
-    are dropped by compacting the buffer once every ``step`` tokens (one copy of the
-    window), never by overwriting in place.
-
-    Attention receives the newest ``min(held, window - 1)`` tokens before the new ones plus
-    the new ones, in time order; :meth:`mask` describes exactly those keys. They are a view
-    into the buffer, or on CUDA a copy of it (:func:`window_copies`).
+    The speculative verifier swaps these in for :class:`RotatingKVCache`
+    (:func:`add_rollback_reserve`): a wrapped ring cannot undo rejected drafts (mlx-lm
+    #1914, #118). The buffer keeps at least the newest ``window - 1 + reserve`` tokens, so
+    up to ``reserve + 1`` new tokens can be trimmed with every later query still seeing its
+    whole window; older tokens go by compacting once every ``step`` tokens, never by
+    overwriting in place. Attention gets the newest ``min(held, window - 1)`` tokens plus
+    the new ones, in time order (:meth:`mask`), as a view or on CUDA a copy
+    (:func:`window_copies`).
     """
 
     step = 256
