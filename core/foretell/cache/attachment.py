@@ -1,24 +1,15 @@
 """Draft-side state stored with a cache entry: the attachment layer.
 
-A draft source that can checkpoint itself (:class:`foretell.spec.contract.CheckpointableSource`)
-hands its state to the core as a :class:`~foretell.spec.contract.DraftState`; the core
-stores it as one more layer of the target's entry (before a generation checkpoint's mark),
-so there is one entry, one file and one set of rules. The layer is a
-:class:`DraftAttachment`: the state flattened to tensors + JSON meta (the drafter's own KV
-caches through the codecs the tier already has), labelled with the draft artifact's
-identity (kind, weights fingerprint, options that change state). It is never restored for
-another identity.
+A :class:`~foretell.spec.contract.DraftState` is stored as one more layer of the target's
+entry (before a checkpoint's mark), so there is one entry and one set of rules: a
+:class:`DraftAttachment`, the state as tensors + JSON meta (the drafter's KV caches through
+the tier's codecs), labelled with the draft artifact's identity and never restored for
+another. It holds at one exact boundary: serving a shorter prefix marks it ``stale``, and
+an attached entry is superseded only by one of exactly its tokens (``prefix.can_serve``).
 
-An attachment describes the drafter at one exact boundary. Serving a shorter prefix of the
-entry trims the target's caches and marks the attachment ``stale`` (the drafter then
-prefills as if nothing were cached), and an entry with an attachment is superseded only by
-an entry of exactly its tokens (:func:`foretell.cache.prefix.can_serve`).
-
-What the drafter knew, relative to the entry's tokens ``T`` (the target's caches hold
-``T``): the sequence ``T + ahead`` (``ahead`` is the target's pending token, not yet in its
-caches), of which the source has taken in the first ``seen``; the rest (``feed``) is the
-feed it has not heard yet, with the target's hidden states for it (``feed.hidden``) when it
-reads them.
+Relative to the entry's tokens ``T``, the drafter knew ``T + ahead`` (``ahead``: the
+target's pending token), of which it had taken in the first ``seen``; the rest is the
+``feed`` it has not heard yet, with the target's hidden states (``feed.hidden``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Crash-resumable generations: every N tokens the in-flight generation is checkpointed to
 the SSD tier, and ``--resume`` continues it after a crash exactly as if it never stopped.
 
-A checkpoint is an ordinary stored entry under its own namespace (``generation:<key>``), the
-key a digest of the prompt and *every* setting that shapes the output (sampling, seed,
-``max_tokens``, stop strings, EOS, KV scheme), so a checkpoint never seeds an unrelated
-prompt and a changed setting never resumes an old run. Its caches hold the prompt and the
-first k generated tokens; one extra meta-only layer (the ``generation`` codec) records the
-token already chosen after them (``pending``) and the random stream's state after choosing
-it. Resuming feeds ``pending`` first, so greedy output is identical and a sampled run goes
-on drawing from the same seeded stream.
-
-Checkpoints are exact-boundary entries (the ``generation`` layer is never trimmable). A new
-one replaces older ones only once it is on disk; a completed generation deletes them.
-
-A speculative generation whose drafter checkpoints itself is checkpointed at round
-boundaries instead (:meth:`Checkpointer.write_round`): the target's caches hold all but the
-pending token, the drafter's state rides along as an attachment layer (before the mark), and
-the mark's key is the verifier's random stream, so ``--resume`` goes on speculating from the
-same draws.
+A checkpoint is an ordinary entry under namespace ``generation:<key>``, the key a digest of
+the prompt and every setting that shapes the output, so it never seeds another prompt and a
+changed setting never resumes an old run. Its caches hold the prompt and the first k
+generated tokens; a meta-only ``generation`` layer (never trimmable) records the token
+already chosen after them (``pending``) and the random stream's state, so a resume is
+greedy-identical and draws on from the same stream. A new checkpoint replaces older ones
+only once it is on disk. A speculative generation whose drafter checkpoints itself is
+checkpointed at round boundaries (:meth:`Checkpointer.write_round`), the drafter's state as
+an attachment layer and the verifier's stream in the mark.
 """
 
 from __future__ import annotations

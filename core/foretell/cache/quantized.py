@@ -137,9 +137,8 @@ _PRODUCTS_MODE: str | None = None
 def products_dequantized() -> bool:
     """Whether attention over quantized KV dequantizes the keys and values for its two
     products instead of calling ``mx.quantized_matmul``: on CUDA, whose MLX build (0.32.4)
-    has no kernel for attention's batched products (the first step raised "No
-    implementation for problem shape: 1x64x128x32, transpose: true" on the H200, as
-    mlx-lm's quantized KV does). The cache and what it stores stay quantized; the output
+    has no kernel for attention's batched products ("No implementation for problem shape",
+    for mlx-lm's quantized KV too). The cache and what it stores stay quantized; the output
     differs only by rounding in the products' accumulation.
     ``FORETELL_QUANTIZED_PRODUCTS=quantized|dequantized`` forces either, for measuring."""
     global _PRODUCTS_MODE

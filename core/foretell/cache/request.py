@@ -2,21 +2,14 @@
 
 1. ``open``: resume from a checkpoint (``resume=True``), else look up the longest usable
    prefix; caches come back as clones the request owns.
-2. ``after_prefill``: store the prompt snapshot (a trim-free boundary the next turn can
-   always use, even when the full entry later becomes untrimmable).
-3. ``steps``: with ``resume``, checkpoint every N tokens while the step source runs.
-4. ``finish``: store prompt + generation (the next chat turn reuses it), drop the
-   request's checkpoints, and refill the layout's restore reserve if this request's restore
-   used it.
+2. ``after_prefill``: store the prompt snapshot (a boundary the next turn can always use).
+3. ``steps``: with ``resume``, checkpoint every N tokens.
+4. ``finish``: store prompt + generation, drop the request's checkpoints, refill the
+   layout's restore reserve if this request's restore used it.
 
-A speculative request's drafter state travels with the target's caches as an attachment
-layer (:mod:`foretell.cache.attachment`): ``open`` splits it off the entry it found
-(:attr:`RequestCache.draft`), :meth:`RequestCache.draft_link` hands it to the verifier, and
-the verifier's captures come back through ``after_prefill``, :meth:`checkpoint_round` and
-``finish``.
-
-Caches that no codec handles (a plugin's own cache kind) are simply not stored: the cold
-tier never takes serving down.
+A drafter's state travels as an attachment layer (:mod:`foretell.cache.attachment`),
+handed to the verifier by :meth:`RequestCache.draft_link`. Caches no codec handles are not
+stored: the cold tier never takes serving down.
 """
 
 from __future__ import annotations

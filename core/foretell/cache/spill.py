@@ -65,9 +65,8 @@ SMALL_HOST_DUTY = 0.1
 
 def default_duty() -> float:
     """The share of its running time the spill worker may spend writing: all of it on a host
-    with cores to spare, a tenth where a decode keeps every core busy (the 2-core dev VM,
-    decode beside a never-dry writer at nice 10: 0.84x idle writing all the time, 0.92x at a
-    quarter, 0.94x and 1.03x at a tenth; docs/cache-storage.md). ``FORETELL_SPILL_DUTY``
+    with cores to spare, a tenth where a decode keeps every core busy, where a writer
+    that never rests slows it measurably (figures: docs/decisions.md). ``FORETELL_SPILL_DUTY``
     (0 < d <= 1) sets it."""
     forced = os.environ.get("FORETELL_SPILL_DUTY")
     if not forced:

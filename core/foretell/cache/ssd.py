@@ -55,9 +55,8 @@ class Stored:
 RESCAN_S = 0.0
 #: Re-reads take at most this share of the time: a write re-reads the directory only when
 #: the view is older than the last re-read's duration divided by it. A re-read stats each
-#: file and reads only new or changed ones (the layouts' incremental scans): 2-3 ms for 300
-#: unchanged entries on the 2-core dev VM, so there each write re-reads; a directory of
-#: tens of thousands of small entries is re-read every few seconds instead.
+#: file and reads only new or changed ones, so a small directory is re-read at every write
+#: and one of tens of thousands of entries every few seconds.
 RESCAN_SHARE = 0.05
 
 
