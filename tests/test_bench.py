@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from foretell.cli import main as cli_main
-from foretell.tools import bench, make_model_dir
+from foretell.tools import bench, make_model_dir, measure
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_unknown_synthetic_shape_is_refused_with_the_known_ones(capsys):
 
 def test_clock_counts_prompt_over_first_token_and_the_rest_over_the_remaining_time(monkeypatch):
     ticks = iter([0.0, 2.0, 6.0])  # start, first step, end
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(ticks))
 
     def steps():
         yield 1
@@ -167,7 +167,7 @@ def test_clock_counts_prompt_over_first_token_and_the_rest_over_the_remaining_ti
         yield 2
         return {"acceptance": 0.5}
 
-    timing = bench.time_run(steps(), prompt_tokens=100)
+    timing = measure.time_run(steps(), prompt_tokens=100)
     assert timing.ttft_s == 2.0
     assert timing.prefill_tps == 50.0
     assert timing.generated == 6
@@ -183,7 +183,7 @@ def test_timed_runs_alternate_between_the_sides_and_flip_order_each_round():
         def run(self, scenario, drop=0):
             calls.append(self.side)
             drops.append(drop)
-            return bench.Timing(prefill_tps=1.0, decode_tps=2.0, ttft_s=0.1, generated=3)
+            return measure.Timing(prefill_tps=1.0, decode_tps=2.0, ttft_s=0.1, generated=3)
 
         def peak_memory_gb(self):
             return 0.5
@@ -219,7 +219,7 @@ def test_a_speculation_row_pairs_each_round_with_a_plain_run_beside_it():
         def run(self, scenario, drop=0):
             calls.append((self.side, scenario, drop))
             decode = next(speeds[scenario]) if self.side == "foretell" else 5.0
-            return bench.Timing(prefill_tps=1.0, decode_tps=decode, ttft_s=0.1, generated=3)
+            return measure.Timing(prefill_tps=1.0, decode_tps=decode, ttft_s=0.1, generated=3)
 
         def peak_memory_gb(self):
             return 0.5
@@ -267,7 +267,7 @@ def test_cold_mlx_lm_runs_each_timed_run_in_a_fresh_process_warmed_on_a_short_pr
 
         def run(self, scenario, drop=0):
             calls.append((self.side, self.number, drop))
-            return bench.Timing(prefill_tps=1.0, decode_tps=float(self.number), ttft_s=0.1,
+            return measure.Timing(prefill_tps=1.0, decode_tps=float(self.number), ttft_s=0.1,
                                 generated=3)
 
         def peak_memory_gb(self):
@@ -324,16 +324,16 @@ def test_paired_ratio_interval_comes_from_the_rounds_and_widens_with_their_sprea
         return [{"decode_tps": v} for v in values]
 
     # foretell exactly 1.1x mlx-lm in every round, whatever the machine did: no spread
-    steady = bench.paired_ratio_ci(runs([110, 55, 220]), runs([100, 50, 200]), "decode_tps")
+    steady = measure.paired_ratio_ci(runs([110, 55, 220]), runs([100, 50, 200]), "decode_tps")
     assert steady == pytest.approx([1.1, 1.1])
     # the ratios 1.2 and 0.8: geometric, t with 1 degree of freedom
-    lo, hi = bench.paired_ratio_ci(runs([120, 80]), runs([100, 100]), "decode_tps")
+    lo, hi = measure.paired_ratio_ci(runs([120, 80]), runs([100, 100]), "decode_tps")
     logs = [math.log(1.2), math.log(0.8)]
     half = 12.71 * statistics.stdev(logs) / math.sqrt(2)
     assert lo == pytest.approx(math.exp(statistics.fmean(logs) - half))
     assert hi == pytest.approx(math.exp(statistics.fmean(logs) + half))
     assert lo < 1.0 < hi
-    assert bench.paired_ratio_ci(runs([1]), runs([1]), "decode_tps") is None
+    assert measure.paired_ratio_ci(runs([1]), runs([1]), "decode_tps") is None
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +409,7 @@ def test_saved_reports_carry_no_machine_local_paths(tmp_path):
               "runtime": [{"blas": f"OpenBLAS ZEN, 1 thread(s): {lib}"}],
               "scratch": str(Path(tempfile.gettempdir()) / "foretell-bench-x"),
               "cache": str(Path.home() / ".cache" / "foretell"), "n": 3}
-    assert bench.portable(report) == {
+    assert measure.portable(report) == {
         "path": "<site-packages>/foretell/demo/demo",
         "runtime": [{"blas": "OpenBLAS ZEN, 1 thread(s): <site-packages>/cmeel.prefix/lib/libopenblas.so.0"}],
         "scratch": "<tmp>/foretell-bench-x",
@@ -430,7 +430,7 @@ def test_new_lengths_never_repeat_a_length_across_scenarios_in_one_process(tiny_
 
         def run(self, scenario, drop=0):
             drops.setdefault(self.side, []).append(drop)
-            return bench.Timing(prefill_tps=1.0, decode_tps=2.0, ttft_s=0.1, generated=3)
+            return measure.Timing(prefill_tps=1.0, decode_tps=2.0, ttft_s=0.1, generated=3)
 
         def peak_memory_gb(self):
             return 0.5
@@ -451,9 +451,24 @@ def test_on_a_gpu_the_blas_line_says_it_is_not_used(monkeypatch):
     CPU's import-order story (the H200's reports read "mlx was imported before foretell")."""
     import mlx.core as mx
 
-    from foretell.tools import bench as tools
-
-    assert "not used" not in tools.runtime_info()["blas"]  # the CPU: the BLAS it bound
+    assert "not used" not in measure.runtime_info()["blas"]  # the CPU: the BLAS it bound
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert tools.runtime_info()["blas"] == "not used: the matmuls run on the GPU (cuda)"
+    assert measure.runtime_info()["blas"] == "not used: the matmuls run on the GPU (cuda)"
+
+
+def test_a_target_without_a_head_skips_the_mtp_rows(tmp_path):
+    import json
+    import shutil
+
+    from foretell.engine import resolve_model_path
+    from foretell.tools import bench_spec
+
+    target = tmp_path / "no-head"
+    shutil.copytree(resolve_model_path("demo"), target)
+    config = json.loads((target / "config.json").read_text())
+    del config["mtp_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    rows = ["plain", "mtp", "mtp-t0.8", "plain-t0.8"]
+    assert bench_spec.runnable(target, rows, None) == ["plain", "plain-t0.8"]
+    assert bench_spec.runnable(resolve_model_path("demo"), rows, None) == rows

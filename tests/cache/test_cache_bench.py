@@ -7,16 +7,15 @@ import statistics
 
 import pytest
 
-from foretell.cache import bench
 from foretell.errors import BenchError
-from foretell.tools import make_model_dir
+from foretell.tools import bench_cache, bench_cache_phases, make_model_dir
 
 
 @pytest.mark.parametrize("layout", [None, "single-file"])
 def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_path, layout):
     model = make_model_dir(tmp_path / "qwen3", "qwen3")
-    report = bench.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=1,
-                                   decode_tokens=4, layout=layout, work_dir=tmp_path)
+    report = bench_cache.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=1,
+                                         decode_tokens=4, layout=layout, work_dir=tmp_path)
     ran = layout or "blocks"  # without --layout: the tier's default
     assert report["layout"] == ran
     (row,) = report["rows"]
@@ -57,17 +56,17 @@ def test_the_cache_bench_runs_every_phase_over_a_layout_and_renders_a_row(tmp_pa
     assert interleaved["writes"] >= 1
     assert sum(interleaved[f"{s}_steps"] for s in ("writing", "removing", "idle", "edge")
                ) <= 8 * 4 - 1
-    table = bench.render(report)
+    table = bench_cache.render(report)
     assert f"in one decode {interleaved['ratio']:.2f}×" in table
     assert f"| tiny | {ran} | 48 " in table
     # Cold over SSD restore, warm and evicted, as the TTFTs give them (never rounded to 0×).
     cold = prime["cold_ttft_s"]
-    shown = [bench._times(cold / warm["ttft_s"]), bench._times(cold / evicted["ttft_s"])]
+    shown = [bench_cache._times(cold / warm["ttft_s"]), bench_cache._times(cold / evicted["ttft_s"])]
     assert f"| **{shown[0]} / {shown[1]}** |" in table
 
 
 def test_a_speed_up_below_ten_keeps_two_decimals():
-    assert [bench._times(r) for r in (0.24, 1.0, 9.994, 10.4, 133.6)] == [
+    assert [bench_cache._times(r) for r in (0.24, 1.0, 9.994, 10.4, 133.6)] == [
         "0.24×", "1.00×", "9.99×", "10×", "134×"]
 
 
@@ -76,8 +75,8 @@ def test_the_reserve_ab_restores_with_the_reserve_and_without_taking_turns(tmp_p
     default: filled as the tier opens, the restore's buffers carved from it) and with it off,
     and the table shows both."""
     model = make_model_dir(tmp_path / "qwen3", "qwen3")
-    report = bench.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=2,
-                                   decode_tokens=4, work_dir=tmp_path, reserve_ab=True)
+    report = bench_cache.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=2,
+                                         decode_tokens=4, work_dir=tmp_path, reserve_ab=True)
     (row,) = report["rows"]
     for kind in ("warm", "evicted"):
         on, off = row[f"restore_{kind}"]["runs"], row[f"restore_{kind}_no_reserve"]["runs"]
@@ -86,15 +85,15 @@ def test_the_reserve_ab_restores_with_the_reserve_and_without_taking_turns(tmp_p
         assert all(r["reserve"]["fills"] == 2 for r in on)  # refilled after the request
         assert all(not r["reserve_served"] and r["reserve"] is None for r in off)
         assert all(r["cached_from"] == "ssd" for r in on + off)
-    table = bench.render(report)
+    table = bench_cache.render(report)
     assert "| tiny | on (4 of 4 restores served) |" in table
     assert "| tiny | off (0 of 4 restores served) |" in table
 
 
 def test_an_unknown_layout_is_refused_naming_the_option_and_the_installed_ones(tmp_path):
     with pytest.raises(BenchError, match=r"--layout nope: .*installed: .*blocks.*single-file"):
-        bench.run_cache_bench([("tiny", tmp_path)], prompt_tokens=8, repeats=1,
-                              decode_tokens=1, layout="nope", work_dir=tmp_path)
+        bench_cache.run_cache_bench([("tiny", tmp_path)], prompt_tokens=8, repeats=1,
+                                    decode_tokens=1, layout="nope", work_dir=tmp_path)
 
 
 def test_steps_count_as_writing_only_when_a_write_ran_all_through_them():
@@ -107,8 +106,8 @@ def test_steps_count_as_writing_only_when_a_write_ran_all_through_them():
              (2.5, 3.5, 1),                    # a write began in it: an edge
              (3.2, 3.4, 1),                    # writing
              (3.9, 4.1, 1), (4.1, 4.3, 3)]     # edges: a write ended, a deletion ended
-    speeds = bench.steady_speeds(steps, {"writing": [(1.0, 2.0), (3.0, 4.0)],
-                                         "removing": [(2.0, 2.4), (4.0, 4.2)]})
+    speeds = bench_cache_phases.steady_speeds(steps, {"writing": [(1.0, 2.0), (3.0, 4.0)],
+                                                      "removing": [(2.0, 2.4), (4.0, 4.2)]})
     assert [speeds[f"{s}_steps"] for s in ("writing", "removing", "idle", "edge")] == [3, 1, 2, 3]
     assert speeds["writing_tps"] == pytest.approx(5 / 1.1)
     assert speeds["idle_tps"] == pytest.approx(2 / 1.0)
@@ -138,10 +137,10 @@ def test_the_interleaved_decode_first_runs_as_long_without_a_writer(tmp_path, mo
         writer_started[0] = True
         return [(0.0, 0.1, 1)], {"writing": [], "removing": []}
 
-    monkeypatch.setattr(bench, "_generate", lambda engine, prompt, max_tokens=1: list(
+    monkeypatch.setattr(bench_cache_phases, "_generate", lambda engine, prompt, max_tokens=1: list(
         engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True)))
-    monkeypatch.setattr(bench, "interleaved_steps", interleaved_steps)
-    out = bench._decode_beside_interleaved_writes(Engine(), None, None, [1, 2], tmp_path, 96)
+    monkeypatch.setattr(bench_cache_phases, "interleaved_steps", interleaved_steps)
+    out = bench_cache_phases._decode_beside_interleaved_writes(Engine(), None, None, [1, 2], tmp_path, 96)
     assert calls == [(96, False)] and writer_started[0]
     assert out["idle_steps"] == 1 and out["writes"] == 0
 
@@ -153,7 +152,7 @@ def test_the_never_dry_writer_is_the_spill_worker_itself(tmp_path):
     import threading
     import time
 
-    from foretell.cache.bench import _write_until
+    from foretell.tools.bench_cache_phases import _write_until
 
     threads, roots = [], []
 
@@ -224,7 +223,7 @@ def test_the_decode_rows_writer_writes_the_entry_as_the_tier_hands_it_over(tmp_p
     donor = types.SimpleNamespace(tokens=tuple(range(20)),
                                   caches=[filled_kv(20, dtype=mx.bfloat16)])
     args = argparse.Namespace(repeats=1, decode_tokens=2)
-    bench._decode_under_writes(Engine(), Tier(), Layout, donor, tmp_path, args)
+    bench_cache_phases._decode_under_writes(Engine(), Tier(), Layout, donor, tmp_path, args)
     assert len(prepared) == 1 and written
     assert all(entry is prepared[0] for entry in written)
 
@@ -243,11 +242,11 @@ def test_a_new_length_prefill_runs_prompt_lengths_the_process_has_not_run(tmp_pa
         lengths.append(len(prompt))
         return Stats()
 
-    monkeypatch.setattr(bench, "_generate", generate)
-    assert bench._new_length_prefills(None, list(range(100)), 3) == 0.2
+    monkeypatch.setattr(bench_cache_phases, "_generate", generate)
+    assert bench_cache_phases._new_length_prefills(None, list(range(100)), 3) == 0.2
     assert lengths == [99, 98, 97]
-    assert bench._new_length_cell({"cold_new_length_ttft_s": 0.2}) == " (0.200 s at a new length)"
-    assert bench._new_length_cell({}) == ""
+    assert bench_cache._new_length_cell({"cold_new_length_ttft_s": 0.2}) == " (0.200 s at a new length)"
+    assert bench_cache._new_length_cell({}) == ""
 
 
 def test_kv_bits_runs_every_phase_on_quantized_kv_and_says_so(tmp_path):
@@ -256,8 +255,8 @@ def test_kv_bits_runs_every_phase_on_quantized_kv_and_says_so(tmp_path):
     serves it, and the table names the scheme."""
     model = make_model_dir(tmp_path / "qwen3", "qwen3", overrides={  # head_dim: 64-wide groups
         "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
-    runs = {bits: bench.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=1,
-                                        decode_tokens=4, work_dir=tmp_path, kv_bits=bits)
+    runs = {bits: bench_cache.run_cache_bench([("tiny", model)], prompt_tokens=48, repeats=1,
+                                              decode_tokens=4, work_dir=tmp_path, kv_bits=bits)
             for bits in (None, 8)}
     (plain,), (quantized,) = runs[None]["rows"], runs[8]["rows"]
     assert quantized["kv_bits"] == 8 and plain["kv_bits"] is None
@@ -267,5 +266,5 @@ def test_kv_bits_runs_every_phase_on_quantized_kv_and_says_so(tmp_path):
     assert stored["q"] < stored["plain"] / 2
     lm = {name: row["prime"]["mlx_lm"]["bytes"] for name, row in (("plain", plain), ("q", quantized))}
     assert lm["q"] < lm["plain"] / 2
-    assert "| tiny, KV 8-bit | blocks | 48 " in bench.render(runs[8])
-    assert "| tiny | blocks | 48 " in bench.render(runs[None])
+    assert "| tiny, KV 8-bit | blocks | 48 " in bench_cache.render(runs[8])
+    assert "| tiny | blocks | 48 " in bench_cache.render(runs[None])

@@ -74,7 +74,7 @@ def test_an_unknown_bench_shape_lists_the_shapes_with_their_architectures(capsys
 def test_core_tools_name_no_model_type():
     names = synthetic.model_types()
     assert {"qwen3", "qwen2", "gemma3_text", "gemma4_text"} <= set(names)
-    for module in ("tools/synthetic.py", "tools/bench.py", "cli/bench_cmd.py"):
+    for module in ("tools/synthetic.py", "tools/bench.py", "tools/measure.py", "cli/bench_cmd.py"):
         source = (CORE / module).read_text()
         assert [n for n in names if f'"{n}"' in source or f"'{n}'" in source] == [], module
 

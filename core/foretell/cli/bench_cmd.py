@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", action="store_true",
                    help="the prefix-cache rows instead: TTFT cold / RAM hit / SSD restore in a "
                         "fresh process, restore vs dd, mlx-lm prompt-cache files, decode "
-                        "during a background write (foretell.cache.bench)")
+                        "during a background write (foretell.tools.bench_cache)")
     p.add_argument("--cache-prompt-tokens", type=int, default=4096, metavar="N",
                    help="with --cache: the long prompt's length (default 4096)")
     p.add_argument("--layout", default=None, metavar="NAME",
@@ -104,7 +104,7 @@ def naming_the_file(flag: str, path: Path) -> Iterator[None]:
 
 def run(args) -> int:
     from foretell.cli.run_cmd import model_path
-    from foretell.tools import bench
+    from foretell.tools import bench, measure
 
     require_mlx_lm()
 
@@ -113,7 +113,7 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise BenchError(f"{flag} must be >= 1")
     models = [(Path(m).name or m, model_path(m)) for m in args.model]
-    cache_dir = args.cache_dir or bench.CACHE_DIR
+    cache_dir = args.cache_dir or measure.CACHE_DIR
     for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):
         from foretell.tools.synthetic import presets
 
@@ -126,7 +126,7 @@ def run(args) -> int:
             )
         print(f"synthetic {preset} ({args.dtype}) in {cache_dir}", file=sys.stderr)
         with naming_the_file("--cache-dir", cache_dir):
-            models.append((name, bench.synthetic_model(preset, args.dtype, cache_dir)))
+            models.append((name, measure.synthetic_model(preset, args.dtype, cache_dir)))
     if not models:  # as `foretell run`: the shipped default
         from foretell.engine import DEFAULT_MODEL
 
@@ -140,16 +140,16 @@ def run(args) -> int:
     if args.kv_bits is not None and not args.cache:
         raise BenchError("--kv-bits quantizes the KV of --cache's runs; add --cache")
     if args.cache:
-        from foretell.cache import bench as cache_bench
+        from foretell.tools import bench_cache
 
-        report = cache_bench.run_cache_bench(
+        report = bench_cache.run_cache_bench(
             models, prompt_tokens=args.cache_prompt_tokens, repeats=args.repeats,
             decode_tokens=args.max_tokens, layout=args.layout, reserve_ab=args.reserve_ab,
             kv_bits=args.kv_bits, progress=lambda line: print(line, file=sys.stderr, flush=True))
         if to_file is not None:
             with naming_the_file("--json", to_file):
-                to_file.write_text(json.dumps(bench.portable(report), indent=2))
-        print(json.dumps(bench.portable(report), indent=2) if args.json == "-" else cache_bench.render(report))
+                to_file.write_text(json.dumps(measure.portable(report), indent=2))
+        print(json.dumps(measure.portable(report), indent=2) if args.json == "-" else bench_cache.render(report))
         return 0
     scenarios = list(args.scenario or (["greedy"] + (list(bench.SPECULATION) if args.speculation else [])))
     known = [s.name for s in bench.SCENARIOS]
@@ -161,7 +161,7 @@ def run(args) -> int:
         if to_file is not None:
             with naming_the_file("--json", to_file):
                 to_file.parent.mkdir(parents=True, exist_ok=True)
-                to_file.write_text(json.dumps(bench.portable(report), indent=2))
+                to_file.write_text(json.dumps(measure.portable(report), indent=2))
 
     try:
         report = bench.run_bench(
@@ -180,5 +180,5 @@ def run(args) -> int:
         )
     except RuntimeError as exc:
         raise BenchError(str(exc)) from exc
-    print(json.dumps(bench.portable(report), indent=2) if args.json == "-" else bench.render(report))
+    print(json.dumps(measure.portable(report), indent=2) if args.json == "-" else bench.render(report))
     return 0

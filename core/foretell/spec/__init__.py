@@ -6,9 +6,8 @@ Plugins import from here: :class:`DraftProvider`, :class:`DraftSource`, :class:`
 whose state the cache stores, :class:`CheckpointableSource`, :class:`CheckpointableProvider`,
 :class:`DraftState` and :func:`files_fingerprint`, :func:`resumed_keys`.
 
-Names resolve on first use, so importing this package (or running ``python -m
-foretell.spec.bench``) imports no MLX: on the CPU the BLAS must be bound before MLX loads
-(docs/blas.md).
+Names resolve on first use, so importing this package imports no MLX: on the CPU the BLAS
+must be bound before MLX loads (docs/blas.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
-"""Tooling around the engine, not the engine: benchmarks and synthetic models.
+"""Tooling around the engine, not the engine: what ``foretell bench`` runs, and synthetic models.
+It measures, never serves; nothing in the engine imports it.
 
-- :mod:`foretell.tools.bench`: ``foretell bench``, foretell against mlx-lm in one run.
+- :mod:`foretell.tools.bench`: ``foretell bench``, foretell against mlx-lm in one run;
+  :mod:`foretell.tools.bench_spec` its speculation rows (``--speculation``),
+  :mod:`foretell.tools.bench_cache` its prefix-cache rows (``--cache``), each phase in a
+  process of its own (:mod:`foretell.tools.bench_cache_phases`);
+- :mod:`foretell.tools.measure`: what every bench shares (the clock, the machine's
+  description, prompts, portable JSON), also used by the scripts in ``benchmarks/``;
 - :mod:`foretell.tools.synthetic`: random-weight model directories of any installed
   architecture that registers a :class:`SyntheticSpec`.
 

@@ -19,25 +19,30 @@ extras (``{"acceptance": ...}``), which fill the table's optional columns.
 
 from __future__ import annotations
 
-import datetime
 import json
-import math
 import os
-import platform
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from foretell.platform import cache_home
+from foretell.tools.measure import (
+    Steps,
+    Timing,
+    machine_info,
+    paired_ratio_ci,
+    prompt_drop,
+    prompt_ids,
+    runtime_info,
+    time_run,
+)
 
 SIDES = ("foretell", "mlx-lm")
 #: On the CPU a third side: mlx-lm on the same OpenBLAS foretell binds, so the table shows
@@ -47,10 +52,6 @@ SAME_BLAS = "mlx-lm+openblas"
 #: its one timed run. It compiles the kernels, and with prompts longer than it plus the
 #: tokens generated its verify windows meet none of the timed run's key lengths.
 COLD_WARMUP_TOKENS = 32
-#: Default synthetic cache: random weights are made once per (shape, dtype).
-CACHE_DIR = cache_home() / "bench"
-
-Steps = Generator[int, None, "dict[str, Any] | None"]
 Runner = Callable[[Any, list[int], int], Steps]
 
 
@@ -88,7 +89,7 @@ def _mlx_lm_greedy(loaded: Any, prompt: list[int], max_tokens: int) -> Steps:
 
 
 def _speculation_scenarios() -> tuple[Scenario, ...]:
-    from foretell.spec import bench as spec_bench
+    from foretell.tools import bench_spec as spec_bench
 
     return tuple(
         Scenario(row, foretell=spec_bench.foretell_runner(row),
@@ -106,55 +107,6 @@ SPECULATION = tuple(s.name for s in SCENARIOS if s.with_job)
 
 
 # -- one side, in its own process -----------------------------------------------------------
-
-
-@attrs.frozen
-class Timing:
-    prefill_tps: float
-    decode_tps: float
-    ttft_s: float
-    generated: int
-    extras: dict[str, Any] = attrs.field(factory=dict)
-
-
-def timed(call: Callable[..., Any], seconds: list[float]) -> Callable[..., Any]:
-    """``call``, appending how long each call took to ``seconds`` (for a bench or a probe
-    that puts it in place of a function to see where time goes)."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        begin = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            seconds.append(time.perf_counter() - begin)
-    return run
-
-
-def time_run(steps: Steps, prompt_tokens: int) -> Timing:
-    """Clock a runner the same way for both sides: prefill is the prompt over the time to
-    the first token; decode is the tokens after the first step over the time after it."""
-    started = time.perf_counter()
-    first_at = None
-    first_step = generated = 0
-    extras: dict[str, Any] = {}
-    try:
-        while True:
-            produced = next(steps)
-            if first_at is None:
-                first_at, first_step = time.perf_counter(), produced
-            generated += produced
-    except StopIteration as done:
-        extras = done.value or {}
-    ended = time.perf_counter()
-    first_at = first_at if first_at is not None else ended
-    ttft = first_at - started
-    decode_time = ended - first_at
-    return Timing(
-        prefill_tps=prompt_tokens / ttft if ttft > 0 else 0.0,
-        decode_tps=(generated - first_step) / decode_time if decode_time > 0 else 0.0,
-        ttft_s=ttft,
-        generated=generated,
-        extras=extras,
-    )
 
 
 def _load_side(side: str, model: str) -> Any:
@@ -287,14 +239,6 @@ def _summary(runs: list[Timing], peak_memory_gb: float) -> dict[str, Any]:
     }
 
 
-def prompt_drop(round_index: int, new_lengths: bool, earlier: int = 0) -> int:
-    """Prompt tokens a timed round leaves off its start: with ``new_lengths`` round ``i``
-    (from 0) runs the prompt less its first ``earlier + i + 1``, where ``earlier`` counts the
-    timed rounds the process ran before (the scenarios before this one), so no timed run
-    repeats a length (and a shape) the warm-up or an earlier round ran (see :func:`_measure`)."""
-    return earlier + round_index + 1 if new_lengths else 0
-
-
 def _measure(
     sides: dict[str, SideProcess],
     scenario: str,
@@ -311,32 +255,14 @@ def _measure(
     order flipping every round (A B, B A, ...), so a slow spell on a shared machine lands
     on both sides rather than on whichever ran during it.
 
-    ``paired_plain`` (a speculation row's plain row): in every round foretell also runs that
-    row on the same prompt right beside its timed run (before it in even rounds, after it
-    in odd ones), so the speculation row's ratio to plain decoding pairs runs the host ran
-    back to back (``plain_runs`` in foretell's summary). A ratio between rows run minutes
-    apart is as noisy as the host: on the H200 the same MTP row measured 1.15x and 1.43x
-    row against row, 1.49x as a paired median (docs/benchmarks.md).
-
-    ``fresh`` (side -> a factory of its process): that side runs every timed run in a process
-    of its own, warmed up first by one run of the prompt less its first ``warm_drop`` tokens
-    (a short prompt), and closed after; its long-lived process in ``sides`` sits the scenario
-    out. So none of its verify windows meets a kernel plan an earlier run of the bench left,
-    which is what a user's first request to mlx-lm meets (``--cold-mlx-lm``).
-
-    ``warmed``: the rows foretell's process has already had a warm-up run of, shared by the
-    scenarios of one run (a paired plain row is warmed up once, not before every speculation
-    row it pairs with); this scenario's are added to it.
-
-    ``new_lengths``: round ``i`` runs the prompt less its first ``earlier + i + 1`` tokens
-    (the warm-up the whole prompt), the same on both sides; ``earlier`` is the number of
-    timed rounds the same processes ran for earlier scenarios, so no timed run repeats a
-    prompt length, and no shape, the process has run. A GPU plans its kernels per shape
-    and keeps the plans: a run that repeats an earlier run's prompt length gets its plans
-    for free (mlx-lm's speculative verify windows, each a new key length, and any prefill),
-    which no user's new prompt does. Until 2026-12-02 the count restarted with each
-    scenario, so a later row's round ``i`` met the lengths of every earlier row's round
-    ``i`` (mlx-lm's self-drafting row ran 694 tok/s in one round, 43-51 in the others)."""
+    ``paired_plain``: foretell also runs this plain row right beside each timed run, so a
+    speculation row's ratio to plain decoding pairs runs made back to back (``plain_runs``).
+    ``fresh`` (side -> a factory of its process): that side runs each timed run in a new
+    process warmed up on the prompt less ``warm_drop`` tokens, so it meets no kernel plan an
+    earlier run left (``--cold-mlx-lm``). ``warmed``: rows foretell has warmed up already
+    (shared across one run's scenarios). ``new_lengths``: round ``i`` runs the prompt less
+    its first ``earlier + i + 1`` tokens on both sides, so no timed run repeats a shape the
+    process planned kernels for (a GPU keeps its plans per shape)."""
     fresh = fresh or {}
     warmed = set() if warmed is None else warmed
     runs: dict[str, list[Timing]] = {side: [] for side in sides}
@@ -387,96 +313,7 @@ def _cold_run(make: Callable[[], SideProcess], scenario: str, drop: int, warm_dr
         proc.close()
 
 
-def runtime_info() -> dict[str, Any]:
-    """The machine as this process sees it: MLX device and backend, BLAS, versions."""
-    from importlib import metadata
-
-    import mlx.core as mx
-
-    from foretell.platform import blas
-
-    if mx.cuda.is_available():
-        backend = "cuda"
-    elif mx.metal.is_available():
-        backend = "metal"
-    else:
-        backend = "cpu"
-    try:
-        device_name = mx.device_info().get("device_name")
-    except Exception:  # device_info is best-effort across MLX builds
-        device_name = None
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "mlx": mx.__version__,
-        "mlx_lm": version("mlx-lm"),
-        "foretell": version("foretell"),
-        "backend": backend,
-        "device": str(mx.default_device()),
-        "device_name": device_name,
-        # The BLAS does the CPU's matmuls only: on a GPU its import-order story is noise.
-        "blas": (blas.STATUS.describe() if mx.default_device() == mx.cpu
-                 else f"not used: the matmuls run on the GPU ({backend})"),
-        "blas_status": blas.STATUS.to_dict(),
-        "python": platform.python_version(),
-    }
-
-
 # -- the whole comparison -------------------------------------------------------------------
-
-
-def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR) -> Path:
-    """A random-weight model directory of a named shape (``"30m"`` or
-    ``"model_type:30m"``, :func:`foretell.tools.synthetic.make_preset_dir`), made once and reused.
-
-    Made in its own process so the weights' memory (GPU memory under CUDA) is not held by
-    this one while the sides run; written to a temporary name and renamed, so an
-    interrupted run never leaves a half-written model to be reused.
-    """
-    from foretell.tools.synthetic import presets
-
-    model_type, _, name = preset.rpartition(":")
-    path = Path(cache_dir) / f"{model_type or presets()[name]}-{name}-{dtype}-seed0"
-    if (path / "config.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    code = (
-        "import sys; from foretell.tools.synthetic import make_preset_dir; "
-        "make_preset_dir(sys.argv[1], sys.argv[2], dtype=sys.argv[3])"
-    )
-    subprocess.run([sys.executable, "-c", code, str(scratch), preset, dtype], check=True)
-    try:
-        scratch.rename(path)
-    except OSError:  # another run finished the same model first
-        if not (path / "config.json").is_file():
-            raise
-    return path
-
-
-def prompt_ids(model: Path, length: int, seed: int = 0) -> list[int]:
-    """Random token ids within the model's vocabulary: the same list goes to both sides.
-
-    :raises BenchError: ``model`` has no readable config.json with a positive vocab_size
-        (checked here, before any worker starts, so the error names the file).
-    """
-    from foretell.errors import BenchError
-
-    file = model / "config.json"
-    try:
-        vocab = json.loads(file.read_text(encoding="utf-8")).get("vocab_size")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
-        reason = "not found" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc})"
-        raise BenchError(f"{file}: {reason}; a model directory needs a config.json") from None
-    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
-        raise BenchError(f"{file}: field 'vocab_size' must be a positive integer, got {vocab!r}")
-    rng = random.Random(seed)
-    return [rng.randrange(vocab) for _ in range(length)]
 
 
 def _wants_same_blas(runtime: dict[str, Any]) -> bool:
@@ -512,8 +349,8 @@ def compare(
     job = {"model": str(model), "prompt": prompt_ids(model, prompt_tokens),
            "max_tokens": max_tokens, **(draft or {})}
     if any(name in SPECULATION for name in scenarios):
-        from foretell.spec.bench import code_prompts, runnable
         from foretell.tokenizer import Tokenizer
+        from foretell.tools.bench_spec import code_prompts, runnable
 
         job["prompts"] = code_prompts(Tokenizer.from_dir(model), prompt_tokens)
         kept = runnable(model, scenarios, job.get("draft_model"))
@@ -594,35 +431,8 @@ def compare(
     }
 
 
-#: Two-sided 95% quantiles of Student's t by degrees of freedom (the nearest lower entry is
-#: used; beyond 30 the normal 1.96).
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
-        10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}
-
-
-def paired_ratio_ci(
-    ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], key: str
-) -> list[float] | None:
-    """95% confidence interval of foretell/mlx-lm from alternating rounds.
-
-    Round ``i`` of each side ran back to back, so ``ours[i] / theirs[i]`` shares whatever
-    the machine was doing then; the interval is Student's t on the logs of those paired
-    ratios (geometric, so 2x and 0.5x are symmetric). ``None`` below two rounds.
-    """
-    logs = [
-        math.log(a[key] / b[key]) for a, b in zip(ours, theirs) if a[key] > 0 and b[key] > 0
-    ]
-    if len(logs) < 2:
-        return None
-    df = len(logs) - 1
-    t = 1.96 if df > 30 else _T95[max(d for d in _T95 if d <= df)]
-    mean = statistics.fmean(logs)
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    return [math.exp(mean - half), math.exp(mean + half)]
-
-
 def _mlx_lm_speculates(name: str) -> bool:
-    from foretell.spec.bench import mlx_lm_drafts
+    from foretell.tools.bench_spec import mlx_lm_drafts
 
     return name in SPECULATION and mlx_lm_drafts(name)
 
@@ -636,10 +446,14 @@ def _prompt(job: dict[str, Any], name: str) -> list[int]:
 def _paired_plain(name: str) -> str | None:
     """The plain row a speculation row's rounds pair with, or None (not a speculation row,
     or a plain row itself)."""
-    from foretell.spec.bench import plain_row
+    from foretell.tools.bench_spec import plain_row
 
     plain = plain_row(name)
     return plain if name in SPECULATION and plain != name else None
+
+
+def _ratio(ours: float, theirs: float) -> float | None:
+    return ours / theirs if theirs > 0 else None
 
 
 def _vs_plain_paired(ours: dict[str, Any]) -> float | None:
@@ -649,85 +463,13 @@ def _vs_plain_paired(ours: dict[str, Any]) -> float | None:
 
 
 def _vs_plain(measured: dict[str, dict[str, Any]], name: str) -> float | None:
-    from foretell.spec.bench import plain_row
+    from foretell.tools.bench_spec import plain_row
 
     plain = plain_row(name)
     if name not in SPECULATION or plain not in measured or name == plain:
         return None
     return _ratio(measured[name]["foretell"]["decode_tps"],
                   measured[plain]["foretell"]["decode_tps"])
-
-
-def portable(report: Any) -> Any:
-    """``report`` with machine-local paths replaced by placeholders, so a saved report can
-    be committed and compared across machines: the foretell package -> ``<site-packages>/
-    foretell`` (also from a checkout), site-packages -> ``<site-packages>``, the temporary
-    directory -> ``<tmp>``, the home directory -> ``~``."""
-    import site
-    import sysconfig
-
-    import foretell
-
-    package = Path(foretell.__file__).resolve().parent
-    prefixes = [(str(package), "<site-packages>/foretell")]
-    for root in {sysconfig.get_paths()["purelib"], *site.getsitepackages()}:
-        prefixes.append((str(Path(root).resolve()), "<site-packages>"))
-        prefixes.append((str(root), "<site-packages>"))
-    prefixes += [(tempfile.gettempdir(), "<tmp>"), (str(Path.home()), "~")]
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, str):
-            for prefix, placeholder in prefixes:
-                value = value.replace(prefix, placeholder)
-            return value
-        if isinstance(value, dict):
-            return {key: clean(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [clean(item) for item in value]
-        return value
-
-    return clean(report)
-
-
-def _ratio(ours: float, theirs: float) -> float | None:
-    return ours / theirs if theirs > 0 else None
-
-
-def machine_info() -> dict[str, Any]:
-    """What the table was measured on (the MLX side of it comes from the workers)."""
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "gpu": _gpu_name(),
-        "os": platform.platform(),
-        # Other work on the machine skews every number; the table says how busy it was.
-        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _gpu_name() -> str | None:
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    names = done.stdout.strip().splitlines()
-    return ", ".join(names) if done.returncode == 0 and names else None
 
 
 def run_bench(

@@ -1,4 +1,4 @@
-"""``python -m foretell.spec.bench``: ``--fixed-shapes-ab`` runs every row with fixed-shape
+"""``benchmarks/spec_paired.py``: ``--fixed-shapes-ab`` runs every row with fixed-shape
 verify forwards forced on and off in turns, each against the plain row of its own mode;
 ``--new-lengths`` gives every round a prompt length no earlier run had; the sampled row runs
 what a user's sampled request gets, and the acceptance rules meet at a fixed length."""
@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import statistics
 
+from benchscript import load
+
 from foretell.model import fixed
-from foretell.spec.bench import foretell_only
+from foretell.tools import bench_spec as bench
+
+foretell_only = load("spec_paired").foretell_only
 
 
 def test_fixed_shapes_ab_runs_each_row_in_both_modes(monkeypatch):
@@ -32,8 +36,6 @@ def test_fixed_shapes_ab_runs_each_row_in_both_modes(monkeypatch):
 
 
 def test_new_lengths_gives_each_round_a_prompt_one_token_shorter(monkeypatch):
-    from foretell.spec import bench
-
     lengths = []
     real = bench.foretell_runner
 
@@ -59,8 +61,6 @@ def test_new_lengths_gives_each_round_a_prompt_one_token_shorter(monkeypatch):
 def _speculators_by_temperature(monkeypatch) -> dict:
     """Temperature -> the speculators the bench's foretell runs used, in order (a fresh set
     of speculators for the test)."""
-    from foretell.spec import bench
-
     used: dict = {}
     real = bench._foretell
 
@@ -74,8 +74,6 @@ def _speculators_by_temperature(monkeypatch) -> dict:
 
 
 def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_one(monkeypatch):
-    from foretell.spec import bench
-
     used = _speculators_by_temperature(monkeypatch)
     rows = ["two-model", "two-model-t0.8", "two-model-t0.8-fixed", "two-model-t0.8-match"]
     foretell_only("demo", rows, prompt_tokens=24, max_tokens=4, repeats=1,
@@ -91,8 +89,6 @@ def test_the_sampled_row_runs_the_adaptive_length_and_the_rules_meet_at_a_fixed_
 def test_the_sampled_mtp_row_drafts_with_the_head_at_temperature(monkeypatch):
     """``mtp-t0.8`` is what a sampled request gets by default on a GPU: the MTP head with
     rejection sampling and the adaptive length, its policy apart from the greedy row's."""
-    from foretell.spec import bench
-
     used = _speculators_by_temperature(monkeypatch)
     report = foretell_only("demo", ["plain-t0.8", "mtp", "mtp-t0.8"], prompt_tokens=24,
                            max_tokens=4, repeats=1, draft_model="demo-draft",
@@ -110,8 +106,6 @@ def test_a_row_says_what_its_policy_went_by_and_each_round(monkeypatch):
     """A speculative row's JSON carries the policy's typical round time per draft length
     (0: a plain step) and its acceptance estimates, and every round's paired ratio and
     mean k, so a run whose drafting went wrong shows why."""
-    from foretell.spec import bench
-
     monkeypatch.setattr(bench, "_SPECULATORS", {})
     report = foretell_only("demo", ["plain", "mtp"], prompt_tokens=24, max_tokens=24,
                            repeats=2, draft_model="demo-draft", num_draft_tokens=2)
@@ -131,20 +125,3 @@ def test_a_row_says_what_its_policy_went_by_and_each_round(monkeypatch):
     assert told[-1]["ago_ms"] == 0 and all(a["ago_ms"] >= b["ago_ms"] for a, b in zip(told, told[1:]))
     assert len(row["vs_plain_paired_runs"]) == len(row["mean_k_runs"]) == 2
     assert row["vs_plain_paired_median"] == statistics.median(row["vs_plain_paired_runs"])
-
-
-def test_a_target_without_a_head_skips_the_mtp_rows(tmp_path):
-    import json
-    import shutil
-
-    from foretell.engine import resolve_model_path
-    from foretell.spec import bench
-
-    target = tmp_path / "no-head"
-    shutil.copytree(resolve_model_path("demo"), target)
-    config = json.loads((target / "config.json").read_text())
-    del config["mtp_config"]
-    (target / "config.json").write_text(json.dumps(config))
-    rows = ["plain", "mtp", "mtp-t0.8", "plain-t0.8"]
-    assert bench.runnable(target, rows, None) == ["plain", "plain-t0.8"]
-    assert bench.runnable(resolve_model_path("demo"), rows, None) == rows

@@ -1,24 +1,11 @@
-"""The cache benchmark (``foretell bench --cache``): what the prefix cache buys and costs.
+"""The phases of ``foretell bench --cache`` (:mod:`foretell.tools.bench_cache`), each run in a
+process of its own, so a "fresh process" restore is one:
 
-For each model, in one run, over one storage layout (the tier's default, ``blocks``, unless
-``--layout`` names another):
+    python -m foretell.tools.bench_cache_phases {prime,restore} --model DIR --dir DIR --prompt FILE
 
-- time to first token for a long prompt (default 4,096 tokens): cold prefill (on a GPU also
-  at prompt lengths the process has not run: kernels are planned per shape), a RAM hit,
-  and an SSD restore in a fresh process, with the page cache warm and with the entry's
-  pages evicted (``posix_fadvise(DONTNEED)``, no root needed);
-- restore bandwidth beside ``dd``'s sequential read of the same bytes (the entry's files:
-  one for ``single-file``; a manifest and its blocks for ``blocks``);
-- mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` on the same prompt's KV;
-- verified vs unverified reads of the entry (every checksum vs none), taking turns in one
-  process;
-- decode tok/s with nothing else running vs while a background thread keeps writing the
-  entry, as the spill worker would (the ratio: the median of each writing round over the
-  idle round beside it); and within one long decode, the steps a write ran through against
-  those no write touched, the worker resting as long as each write took.
-
-Each phase runs in its own process (``python -m foretell.cache.bench --worker PHASE``), so
-"fresh process" means it. Not a test: numbers only, never assertions.
+``prime`` measures the cold prefill, RAM hits, storing, verified reads, mlx-lm's prompt-cache
+files and decode beside the spill worker's writes; ``restore`` opens the tier over what
+``prime`` stored and restores. Each prints one ``FORETELL-CACHE-BENCH {json}`` line.
 """
 
 from __future__ import annotations
@@ -26,12 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,12 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from foretell.config import DEFAULT_LAYOUT
-from foretell.store.reserve import ENV as RESERVE_ENV
-
-DEFAULT_PROMPT_TOKENS = 4096
-
-
-# -- helpers both sides use -----------------------------------------------------------------
+from foretell.tools.measure import median
 
 
 def evict(paths: Sequence[Path]) -> None:
@@ -91,44 +69,8 @@ def entry_paths(layout: Any, key: str) -> list[Path]:
     return list(layout.files(key))
 
 
-#: GNU dd reports "... copied, 0.0123 s, 4.1 GB/s"; BSD dd "... transferred in 0.0123 secs".
-_DD_SECONDS = re.compile(r"([0-9.]+(?:e-?[0-9]+)?) s(?:ecs?|econds?)?\b")
-#: dd's block size. 1 MiB, not 16: a 16 MiB buffer outgrows the CPU's cache and its first
-#: touch page-faults, so dd measured itself (2-core dev VM, one 50 MB file from the page
-#: cache: 2.8 GB/s at 16M, 8.7 GB/s at 1M; docs/benchmarks.md).
-DD_BLOCK = "1M"
-
-
-def dd_read(paths: Sequence[Path], *, cold: bool) -> dict[str, float]:
-    """``dd``'s sequential read (1 MiB blocks, to /dev/null) of the files, one ``dd`` per
-    file in read order, timed by what each ``dd`` reports (its copy loop, not its start-up),
-    summed: the bytes a restore reads, read by the plainest reader. ``cold``: every file's
-    pages evicted first."""
-    if cold:
-        evict(paths)
-    seconds = wall = 0.0
-    for path in paths:
-        start = time.perf_counter()
-        done = subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={DD_BLOCK}"],
-                              check=True, capture_output=True, text=True)
-        elapsed = time.perf_counter() - start
-        reported = _DD_SECONDS.findall(done.stderr)
-        seconds += float(reported[-1]) if reported else elapsed
-        wall += elapsed
-    size = sum(p.stat().st_size for p in paths)
-    return {"seconds": seconds, "wall_seconds": wall, "gb_per_s": size / seconds / 1e9,
-            "files": len(paths), "bytes": size}
-
-
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def _generate(engine: Any, prompt: list[int], max_tokens: int = 1) -> Any:
     return list(engine.generate(prompt, max_tokens=max_tokens, ignore_eos=True))[-1]
-
-
-# -- the worker phases ------------------------------------------------------------------------
 
 
 def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.Namespace
@@ -141,8 +83,8 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
     engine = foretell.load(model, kv_bits=args.kv_bits)
     _generate(engine, prompt[:64], 4)  # warm-up: first-call costs are nobody's TTFT
     if mx.default_device() != mx.cpu:
-        # A GPU compiles kernels per shape on first use (47 s once on the H200): a cold
-        # prefill that paid for that would flatter the cache.
+        # A GPU compiles kernels per shape on first use: a cold prefill that paid for that
+        # would flatter the cache.
         _generate(engine, prompt)
     out: dict[str, Any] = {}
     out["cold_ttft_s"] = _generate(engine, prompt).ttft_s
@@ -152,7 +94,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
     engine.cache = tier
     out["cold_ttft_with_store_s"] = _generate(engine, prompt).ttft_s
     hits = [_generate(engine, prompt) for _ in range(args.repeats)]
-    out["ram_hit_ttft_s"] = _median([h.ttft_s for h in hits])
+    out["ram_hit_ttft_s"] = median([h.ttft_s for h in hits])
     out["ram_hit_cached_tokens"] = hits[-1].cached_tokens
     start = time.perf_counter()
     report = tier.flush(600)
@@ -160,7 +102,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
     out["durable"] = report.durable
     # The first RAM hits once the entry's bytes were written: on a CUDA GPU a writer that
     # reads the cache on the CPU moves its pages to the host, and the next step over them
-    # moves them back (scripts/managed_read_probe.py; FORETELL_WRITE_DMA=on gathers by DMA).
+    # moves them back (FORETELL_WRITE_DMA=on gathers by DMA).
     out["ram_hits_after_write_ttft_s"] = [_generate(engine, prompt).ttft_s for _ in range(2)]
     tier.flush(600)  # whatever those requests stored lands before the next phase
     donor = max(tier.ram.entries(), key=lambda e: len(e.tokens))
@@ -184,9 +126,9 @@ def _new_length_prefills(engine: Any, prompt: list[int], repeats: int) -> float:
     """Median time to first token of ``prompt`` less its last 1, 2, ... ``repeats`` tokens:
     prompt lengths this process has not run. A GPU plans its attention kernels per shape and
     keeps the plans, so the cold row, a prompt run once before, reuses its chunks' plans
-    where a user's new prompt pays for its last chunk's (40-70 ms per new shape on the H200,
-    docs/speculation.md, "Pipelining and the GPU"); this row is that new prompt."""
-    return _median([_generate(engine, prompt[: len(prompt) - 1 - i]).ttft_s
+    where a user's new prompt pays for its last chunk's (docs/speculation.md, "Pipelining
+    and the GPU"); this row is that new prompt."""
+    return median([_generate(engine, prompt[: len(prompt) - 1 - i]).ttft_s
                     for i in range(repeats)])
 
 
@@ -226,7 +168,7 @@ def _verified_reads(layout: Any, key: str, repeats: int) -> dict[str, Any]:
         # Taking turns, first one then the other, so drift on a shared host hits both.
         for verify in ((False, True) if turn % 2 == 0 else (True, False)):
             runs["verified" if verify else "unverified"].append(read(verify))
-    verified, unverified = _median(runs["verified"]), _median(runs["unverified"])
+    verified, unverified = median(runs["verified"]), median(runs["unverified"])
     return {"verified_s": verified, "unverified_s": unverified,
             "ratio": verified / unverified, "runs": runs, "checksum": check}
 
@@ -260,7 +202,7 @@ def _mlx_lm_files(caches: list[Any], directory: Path, repeats: int) -> dict[str,
             loaded = load_prompt_cache(str(path))
             mx.eval([c.state for c in loaded])
             target.append(time.perf_counter() - start)
-    return {"save_s": _median(saves), "load_warm_s": _median(warm), "load_evicted_s": _median(cold),
+    return {"save_s": median(saves), "load_warm_s": median(warm), "load_evicted_s": median(cold),
             "bytes": path.stat().st_size, "fsync": False, "checksums": False}
 
 
@@ -309,18 +251,17 @@ def _decode_under_writes(engine: Any, tier: Any, factory: Callable, donor: Any, 
         stop.set()
         writer.join()
         written.append(count[0])
-    idle, writing = _median(speeds["idle"]), _median(speeds["writing"])
+    idle, writing = median(speeds["idle"]), median(speeds["writing"])
     # Each writing round against the idle round next to it in time, the median of those:
-    # on the H200 host idle decode swung 139-221 tok/s between rounds minutes apart, which
-    # a ratio of the two medians takes for the writer's cost (0.85x where the paired
-    # ratios' median was 1.05x, 2026-12-04). The speculation bench pairs its rows the same.
+    # a host's idle decode drifts between rounds minutes apart, which a ratio of the two
+    # medians takes for the writer's cost. The speculation bench pairs its rows the same.
     paired = [w / i for i, w in zip(speeds["idle"], speeds["writing"])]
-    return {"idle_tps": idle, "writing_tps": writing, "ratio": _median(paired),
+    return {"idle_tps": idle, "writing_tps": writing, "ratio": median(paired),
             "ratio_of_medians": writing / idle, "paired_ratios": paired,
             "entries_written_per_run": written, "entry_bytes": entry.tensor_bytes,
             # How the never-dry writer's time splits: writing a copy, deleting it.
-            "write_s": _median([b - a for a, b in spans["writing"]]),
-            "remove_s": _median([b - a for a, b in spans["removing"]]),
+            "write_s": median([b - a for a, b in spans["writing"]]),
+            "remove_s": median([b - a for a, b in spans["removing"]]),
             "runs": speeds,
             "interleaved": _decode_beside_interleaved_writes(
                 engine, factory, entry, short, scratch, 8 * args.decode_tokens)}
@@ -334,15 +275,14 @@ def _decode_beside_interleaved_writes(engine: Any, factory: Callable, entry: Any
     it, "removing" when the deletion of a written copy did (a full tier evicts as it
     writes), "idle" when neither ran at any moment of it, and "edge" otherwise (a write or a
     deletion began or ended in it). The phases alternate every write's length within one
-    decode, so a host whose own speed drifts between rounds minutes apart (the H200's idle
-    decode swung 139-221 tok/s) weighs on all alike; the edges show what starting and
+    decode, so a host whose own speed drifts between rounds minutes apart weighs on all
+    alike; the edges show what starting and
     finishing a write costs (a paired round beside a never-dry writer runs through all).
 
     A decode of the same length runs first with no writer: a step that only the first decode
     this long pays (on a GPU a kernel built or a forward traced for a longer cache) would
     otherwise land in whatever phase it fell in, and one longer than a write and its rest
-    always overlaps a write's start or end, so it counted as an edge (the H100's bf16 4B
-    row, 2026-12-05: edges at 0.04x idle in a host's first bf16 run, 0.50x in its second)."""
+    always overlaps a write's start or end, so it would count as an edge."""
     _generate(engine, prompt, tokens)
     steps, spans = interleaved_steps(engine, factory, entry, prompt, scratch, tokens)
     return {**steady_speeds(steps, spans), "writes": len(spans["writing"])}
@@ -352,8 +292,7 @@ def interleaved_steps(engine: Any, factory: Callable, entry: Any, prompt: list[i
                       scratch: Path, tokens: int
                       ) -> tuple[list[tuple[float, float, int]], dict[str, list[tuple[float, float]]]]:
     """The decode of :func:`_decode_beside_interleaved_writes`: its steps after the prefill
-    as ``(start, end, tokens)`` and the writer's spans by phase (``writing``, ``removing``);
-    ``scripts/edge_probe.py`` lays a write's parts over them."""
+    as ``(start, end, tokens)`` and the writer's spans by phase (``writing``, ``removing``)."""
     spans: dict[str, list[tuple[float, float]]] = {"writing": [], "removing": []}
     stop = threading.Event()
     writer = threading.Thread(target=_write_until, args=(factory, scratch, entry, stop, [0]),
@@ -447,7 +386,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     import mlx.core as mx
 
     import foretell
-    from foretell.tools.bench import timed
+    from foretell.tools.measure import timed
 
     start = time.perf_counter()
     engine = foretell.load(model, kv_bits=args.kv_bits)
@@ -455,7 +394,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
     _generate(engine, prompt[-64:][:8] if len(prompt) > 8 else prompt, 2)  # warm-up, uncached
     if mx.default_device() != mx.cpu:
         # As for the cold prefill (phase_prime): a GPU's first step at this key length
-        # compiles or loads its kernels (75-110 ms on the H200, even for the 25 MB demo),
+        # compiles or loads its kernels (even for the 25 MB demo),
         # which is nobody's restore. The prompt runs once uncached, then MLX's buffer cache
         # is emptied, so the restore still lands in fresh memory as after a restart.
         _generate(engine, prompt)
@@ -513,7 +452,7 @@ def phase_restore(model: Path, directory: Path, prompt: list[int], args: argpars
 def _timed_io_tasks() -> list[tuple[float, float, int]]:
     """Time every task the store's reader pool runs from now on: ``(start, end, thread)``
     each. Where a fresh process's restore read takes longer than the same read in a process
-    that has read before (the H200's 4B entry: 106 against 70 ms), this says whether the
+    that has read before, this says whether the
     time goes before the first task starts, in the tasks, or after the last one ends."""
     import threading
 
@@ -549,8 +488,8 @@ def _task_timeline(spans: list[tuple[float, float, int]], start: float, seconds:
         firsts.setdefault(thread, end - begin)
     return {"tasks": len(mine), "threads": len(firsts),
             # a thread's first task also pays its setup (a CUDA reader's stream and events)
-            "first_task_per_thread_ms": _median(list(firsts.values())) * 1e3,
-            "task_median_ms": _median([end - begin for begin, end, _t in mine]) * 1e3,
+            "first_task_per_thread_ms": median(list(firsts.values())) * 1e3,
+            "task_median_ms": median([end - begin for begin, end, _t in mine]) * 1e3,
             "first_start_ms": (min(begin for begin, _e, _t in mine) - start) * 1e3,
             "last_end_ms": (last - start) * 1e3,
             "busy_ms": sum(end - begin for begin, end, _t in mine) * 1e3,
@@ -561,7 +500,7 @@ PHASES: dict[str, Callable[..., dict[str, Any]]] = {"prime": phase_prime,
                                                      "restore": phase_restore}
 
 
-def _worker(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from foretell.platform import blas
 
     blas.preload()  # before mlx is imported (docs/blas.md)
@@ -580,220 +519,6 @@ def _worker(argv: Sequence[str]) -> int:
     result = PHASES[args.phase](args.model, args.dir, prompt, args)
     print("FORETELL-CACHE-BENCH " + json.dumps(result), flush=True)
     return 0
-
-
-def _run_phase(phase: str, model: Path, directory: Path, prompt_file: Path, *extra: str,
-               env: dict[str, str] | None = None) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "foretell.cache.bench", "--worker", phase, "--model", str(model),
-         "--dir", str(directory), "--prompt", str(prompt_file), *extra],
-        capture_output=True, text=True, env={**os.environ, **(env or {})})
-    for line in done.stdout.splitlines():
-        if line.startswith("FORETELL-CACHE-BENCH "):
-            return json.loads(line.split(" ", 1)[1])
-    raise RuntimeError(f"cache bench phase '{phase}' failed (exit {done.returncode}):\n"
-                       f"{done.stderr[-3000:]}")
-
-
-# -- the whole run ----------------------------------------------------------------------------
-
-
-def run_cache_bench(models: Sequence[tuple[str, Path]], *, prompt_tokens: int, repeats: int,
-                    decode_tokens: int, layout: str | None = None, work_dir: Path | None = None,
-                    reserve_ab: bool = False, kv_bits: int | None = None,
-                    progress: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
-    """Every phase for each model over the storage layout ``layout`` (a registered name;
-    default: the tier's default layout). ``reserve_ab``: every fresh-process restore also
-    runs with the restore reserve off (``FORETELL_RESTORE_RESERVE_MB=0``), taking turns
-    with the default (``restore_*_no_reserve``). ``kv_bits``: every phase runs the model with
-    its KV quantized to that many bits (``--kv-bits``), so the entry holds the quantized KV a
-    user running with it stores, and the cold prefill is that user's too."""
-    from foretell.tools.bench import machine_info, prompt_ids
-
-    layout = layout or DEFAULT_LAYOUT
-    layout_contribution(layout)  # an unknown name fails here, before any model loads
-    rows = []
-    for name, model in models:
-        scratch = Path(tempfile.mkdtemp(prefix="foretell-cache-bench-", dir=work_dir))
-        try:
-            directory = scratch / "cache"
-            prompt_file = scratch / "prompt.json"
-            prompt_file.write_text(json.dumps(prompt_ids(model, prompt_tokens)))
-            common = ["--repeats", str(repeats), "--decode-tokens", str(decode_tokens),
-                      "--layout", layout, *(["--kv-bits", str(kv_bits)] if kv_bits else [])]
-            progress(f"{name} ({layout}): cold prefill, RAM hits, store, reads, mlx-lm files, "
-                     "decode")
-            row: dict[str, Any] = {"model": name, "layout": layout, "prompt_tokens": prompt_tokens,
-                                   "kv_bits": kv_bits}
-            row["prime"] = _run_phase("prime", model, directory, prompt_file, *common)
-            progress(f"{name}: SSD restore in fresh processes (page cache warm, then evicted)")
-            variants = [("", None)] + ([("_no_reserve", {RESERVE_ENV: "0"})] if reserve_ab else [])
-            runs: dict[str, list[dict[str, Any]]] = {}
-            for turn in range(repeats):  # alternating, each in a fresh process
-                order = variants if turn % 2 == 0 else variants[::-1]
-                for kind, flags in (("warm", ()), ("evicted", ("--evict",))):
-                    for suffix, env in order:
-                        runs.setdefault(kind + suffix, []).append(_run_phase(
-                            "restore", model, directory, prompt_file, *common, *flags, env=env))
-            for kind, found in runs.items():
-                row["restore_" + kind] = _median_run(found)
-            paths = [Path(p) for p in row["prime"]["entry_files"]]
-            row.update(_dd_rows(paths, scratch / "one-file", repeats))
-            rows.append(row)
-            progress(render_row(row))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    from foretell.tools.bench import runtime_info
-
-    return {"machine": machine_info(), "runtime": runtime_info(), "layout": layout,
-            "rows": rows}
-
-
-def _dd_rows(paths: list[Path], one_file: Path, repeats: int) -> dict[str, Any]:
-    """``dd`` over the entry's own files (what the restore reads), warm and evicted; for an
-    entry of several files, also over one file of the same bytes (the disk's sequential
-    figure, what a single-file entry would get), taking turns with the first."""
-    readers = {"": paths}
-    if len(paths) > 1:
-        with open(one_file, "wb") as out:
-            for path in paths:
-                out.write(path.read_bytes())
-            out.flush()
-            os.fsync(out.fileno())
-        readers["_one_file"] = [one_file]
-    rows: dict[str, Any] = {}
-    for kind, cold in (("dd_warm", False), ("dd_evicted", True)):
-        runs: dict[str, list[dict[str, float]]] = {suffix: [] for suffix in readers}
-        for _ in range(repeats):
-            for suffix, files in readers.items():
-                runs[suffix].append(dd_read(files, cold=cold))
-        for suffix, reads in runs.items():
-            rows[kind + suffix] = {"seconds": _median([r["seconds"] for r in reads]),
-                                   "gb_per_s": _median([r["gb_per_s"] for r in reads]),
-                                   "files": reads[0]["files"], "block": DD_BLOCK, "runs": reads}
-    return rows
-
-
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-field medians of several restore runs, with the runs kept beside them."""
-    numeric = [k for k, v in runs[0].items() if isinstance(v, float)]
-    summary = dict(runs[0])
-    summary.update({k: _median([r[k] for r in runs if r[k] is not None]) for k in numeric})
-    summary["runs"] = runs
-    return summary
-
-
-def render_row(row: dict[str, Any]) -> str:
-    p, rw, re_ = row["prime"], row["restore_warm"], row["restore_evicted"]
-    return (f"{_model_cell(row)} ({row['layout']}): cold {p['cold_ttft_s']:.3f}s, RAM hit {p['ram_hit_ttft_s']:.4f}s, "
-            f"SSD {rw['ttft_s']:.4f}s warm / {re_['ttft_s']:.4f}s evicted")
-
-
-def render(report: dict[str, Any]) -> str:
-    """The markdown table docs/benchmarks.md carries."""
-    m = report["machine"]
-    lines = [
-        f"{m['date']} · {m['cpu']} ({m['cores']} cores){' · ' + m['gpu'] if m['gpu'] else ''}"
-        f" · load {m['load_avg_1m']} · MLX {report['runtime']['mlx']} "
-        f"({report['runtime']['backend']})",
-        "",
-        "| model | layout | prompt | cold TTFT | RAM hit TTFT | SSD restore TTFT (warm / evicted) "
-        "| cold / SSD (warm / evicted) | restore read GB/s (warm / evicted) | dd GB/s, the entry's files (warm / "
-        "evicted) | restore / dd | dd GB/s, one file of its bytes | verified / unverified read "
-        "| mlx-lm save / load (warm / evicted) | decode tok/s idle / writing (paired ratio; "
-        "steps within one decode) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in report["rows"]:
-        p, rw, re_ = row["prime"], row["restore_warm"], row["restore_evicted"]
-        lm = p.get("mlx_lm") or {}
-        lm_cell = (f"{lm['save_s']:.3f} / {lm['load_warm_s']:.3f} / {lm['load_evicted_s']:.3f} s"
-                   if "save_s" in lm else lm.get("skipped", "n/a"))
-        d, reads = p["decode"], p["reads"]
-        reads_cell = (f"{reads['ratio']:.2f}× ({reads['verified_s'] * 1e3:.1f} / "
-                      f"{reads['unverified_s'] * 1e3:.1f} ms, {reads['checksum']})"
-                      if "ratio" in reads else reads.get("skipped", "n/a"))
-        dw, de = row["dd_warm"], row["dd_evicted"]
-        ow, oe = row.get("dd_warm_one_file", dw), row.get("dd_evicted_one_file", de)
-        one_cell = (f"{ow['gb_per_s']:.2f} / {oe['gb_per_s']:.2f}" if "dd_warm_one_file" in row
-                    else "(the same)")
-        lines.append(
-            f"| {_model_cell(row)} | {row.get('layout', 'single-file')} "
-            f"| {row['prompt_tokens']} ({p['entry_bytes'] / 1e6:.1f} MB"
-            f"{', ' + str(dw['files']) + ' files' if dw.get('files', 1) > 1 else ''}) "
-            f"| {p['cold_ttft_s']:.3f} s{_new_length_cell(p)} | {p['ram_hit_ttft_s'] * 1e3:.1f} ms "
-            f"| {rw['ttft_s'] * 1e3:.1f} / {re_['ttft_s'] * 1e3:.1f} ms "
-            f"| **{_times(p['cold_ttft_s'] / rw['ttft_s'])} / "
-            f"{_times(p['cold_ttft_s'] / re_['ttft_s'])}** "
-            f"| {rw['read_gb_per_s']:.2f} / {re_['read_gb_per_s']:.2f} "
-            f"| {dw['gb_per_s']:.2f} / {de['gb_per_s']:.2f} "
-            f"| {rw['read_gb_per_s'] / dw['gb_per_s']:.0%} / "
-            f"{re_['read_gb_per_s'] / de['gb_per_s']:.0%} "
-            f"| {one_cell} | {reads_cell} | {lm_cell} "
-            f"| {d['idle_tps']:.1f} / {d['writing_tps']:.1f} ({d['ratio']:.2f}×){_interleaved_cell(d)} |")
-    if any("restore_warm_no_reserve" in row for row in report["rows"]):
-        lines += ["", *render_reserve_ab(report["rows"])]
-    return "\n".join(lines)
-
-
-def _interleaved_cell(decode: dict[str, Any]) -> str:
-    found = decode.get("interleaved")
-    if not found:
-        return ""
-    cell = (f"; in one decode {found['ratio']:.2f}× ({found['writing_steps']} steps "
-            f"writing, {found['idle_steps']} idle)")
-    for phase, label in (("removing", "deleting"), ("edge", "at a write's ends")):
-        if found.get(f"{phase}_steps"):
-            cell += (f", {label} {found[f'{phase}_ratio']:.2f}× ({found[f'{phase}_steps']}"
-                     f"; slowest {found[f'{phase}_slowest_s'] * 1e3:.0f} ms)")
-    return cell
-
-
-def _times(ratio: float) -> str:
-    """A speed-up as the table shows it: whole numbers from 10×, two decimals below (on a
-    GPU a restore may take about as long as the prefill: 0.24×, not 0×)."""
-    return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.2f}×"
-
-
-def _model_cell(row: dict[str, Any]) -> str:
-    bits = row.get("kv_bits")
-    return f"{row['model']}, KV {bits}-bit" if bits else row["model"]
-
-
-def _new_length_cell(prime: dict[str, Any]) -> str:
-    new = prime.get("cold_new_length_ttft_s")
-    return f" ({new:.3f} s at a new length)" if new is not None else ""
-
-
-def render_reserve_ab(rows: list[dict[str, Any]]) -> list[str]:
-    """The restore with the reserve (the default) and without, from ``reserve_ab`` runs."""
-    lines = ["| model | restore reserve | SSD restore TTFT (warm / evicted) | restore read ms "
-             "(warm / evicted) | restore / dd (warm / evicted) | fill at the tier's opening "
-             "| tier opening (scan + fill) |", "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        if "restore_warm_no_reserve" not in row:
-            continue
-        dw, de = row["dd_warm"], row["dd_evicted"]
-        for label, suffix in (("on", ""), ("off", "_no_reserve")):
-            rw, re_ = row["restore_warm" + suffix], row["restore_evicted" + suffix]
-            served = sum(r["reserve_served"] for r in rw["runs"] + re_["runs"])
-            lines.append(
-                f"| {row['model']} | {label} ({served} of {len(rw['runs']) + len(re_['runs'])}"
-                f" restores served) | {rw['ttft_s'] * 1e3:.1f} / {re_['ttft_s'] * 1e3:.1f} ms "
-                f"| {rw['read_s'] * 1e3:.1f} / {re_['read_s'] * 1e3:.1f} "
-                f"| {rw['read_gb_per_s'] / dw['gb_per_s']:.0%} / "
-                f"{re_['read_gb_per_s'] / de['gb_per_s']:.0%} "
-                f"| {rw['reserve_open_fill_s'] * 1e3:.1f} ms | {rw['scan_s'] * 1e3:.1f} ms |")
-    return lines
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        return _worker(argv[1:])
-    from foretell.cli import main as cli_main
-
-    return cli_main(["bench", "--cache", *argv])
 
 
 if __name__ == "__main__":
