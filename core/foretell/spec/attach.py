@@ -1,21 +1,12 @@
 """The verifier's link between a draft source and the cache tier, for one request.
 
-A provider that names its draft artifact (:class:`~foretell.spec.contract.CheckpointableProvider`)
-and a source that captures and restores itself (:class:`~foretell.spec.contract.CheckpointableSource`)
-get their state stored with the target's entries:
-
-- after the prompt (the prompt snapshot), at the end of the request, and at resumable
-  round boundaries, :meth:`DraftLink.capture` turns the source's state into an attachment
-  (:mod:`foretell.cache.attachment`);
-- when a request's prefix came from an entry with an attachment of the same identity, at
-  that entry's exact boundary, :meth:`DraftLink.restore` rebuilds the source from it, so the
-  drafter does not prefill the cached prefix; a resumed generation gets the drafter's random
-  stream back too.
-
-A capture is taken only where the target's caches hold every token but the pending one
-(the sequence's last, which heads the next verify window): the attachment then records the
-drafter's view of the sequence including that token, so a restore and the target's next
-forward line up the way an uninterrupted request does.
+A drafter that names its artifact and captures and restores itself
+(``CheckpointableProvider``, ``CheckpointableSource``) gets its state stored with the
+target's entries: :meth:`DraftLink.capture` after the prompt, at the request's end and at
+resumable round boundaries; :meth:`DraftLink.restore` when the prefix came from an entry
+carrying the same identity's attachment at its exact boundary, so the drafter does not
+prefill it. Captures happen only where the target's caches hold every token but the pending
+one, so a restore lines up with the target's next forward as an uninterrupted request does.
 """
 
 from __future__ import annotations

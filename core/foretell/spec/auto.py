@@ -7,13 +7,11 @@ A model directory may carry ``speculation.json``, written from benchmark runs
               "gpu": {"kind": "mtp", "num_tokens": 6, "sampled": false}},
      "measured": "where the figures are"}
 
-``cpu`` is chosen on MLX's CPU device, ``gpu`` on any GPU (CUDA measured; Metal takes the
-same entry until it is measured there). ``"kind": "none"`` records that plain decoding
-measured best there. ``num_tokens`` (optional) is the most tokens drafted per round that
-measured best; ``[draft] num_tokens`` / ``--num-draft-tokens`` overrides it. ``sampled``
-(optional, default true) false records that sampled requests (temperature > 0) measured
-faster decoding plainly there: the drafter then speculates on greedy requests only. No file,
-no entry for this machine, or a drafter this installation lacks: no drafter.
+``cpu`` is chosen on MLX's CPU device, ``gpu`` on any GPU (Metal takes it until measured
+there). ``"kind": "none"``: plain decoding measured best. ``num_tokens`` (optional): the
+draft length that measured best (``--num-draft-tokens`` overrides it). ``"sampled": false``:
+sampled requests decode plainly there. No file, no entry, or a drafter this installation
+lacks: no drafter.
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Warming a speculator where the device compiles kernels per shape (MLX's CUDA backend).
 
-MLX-CUDA compiles kernels for each new shape on first use and keeps them in a disk cache
-(measured on the H200: 0.04-1 s per new verify-window length, 77 s for a fresh machine's
-first MTP generation). A request that met a new draft length mid-generation paid that, and
-the draft-length policy timed the stall. Warming the target's verify forward alone left the
-first requests slow (n-gram on code editing: 379 tok/s, then 1,006, then 2,631), because a
-round is more than that forward: the drafter's own graph at that length (a chained MTP
-head, a draft model's forward), the acceptance test over ``[k + 1, V]`` scores, rejection
-sampling's residual draw. So the warm-up runs whole rounds: a short generation through the
-verifier at every draft length, greedy and sampled, on a throwaway copy of the speculator
-(its own policy, drafting a fixed length) and with the engine's cache tier set aside, so
-nothing of it is learned or stored. With the kernels already on disk it takes milliseconds
-per length.
-
-Fixed-length rounds never switch back from plain steps, and an adaptive request does: at
-its first probe after a plain stretch a model drafter catches up on every plain token in one
-forward (16-64 tokens). On the H200 the first adaptive request stalled right there after a
-fixed-length warm-up over the same lengths (0.3-0.6 s in a host's first process), and the
-8-bit demo draft's quantized matmuls for such lengths were first compiled inside a request.
-So the warm-up also runs one request on a scripted policy that drafts, decodes plain
-stretches of ``SWITCH_BACKS`` lengths and drafts again after each (docs/benchmarks.md, "H200:
-MTP drafting up to 6, and which kernels the first request compiles"). That request runs past
-the first capacity step of the fixed-shape forwards (1,024 tokens): each process's first
-adaptive request also waited 40-60 ms twice at its first probe past 1,024 tokens. The
-suspects, not yet told apart on the H200: the verify window tracing again for the larger
-buffer, and a draft model's first single-token step over more than 1,024 keys (plain
-decoding pays such a step once per process).
+MLX-CUDA compiles kernels for each new shape on first use, and a request that met a new
+draft length mid-generation paid that while the draft-length policy timed the stall. A round
+is more than the target's verify forward (the drafter's graph, the acceptance test, the
+residual draw), so the warm-up runs whole rounds: a short generation at every draft length,
+greedy and sampled, on a throwaway copy of the speculator with the cache tier set aside, so
+nothing is learned or stored. It also runs one request on a scripted policy that decodes
+plain stretches of ``SWITCH_BACKS`` lengths and drafts again after each, past the first
+fixed-shape capacity step: the catch-up shapes an adaptive request's first probe makes,
+which no fixed-length round does (figures: docs/decisions.md).
 """
 
 from __future__ import annotations
