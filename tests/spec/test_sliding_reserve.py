@@ -21,7 +21,36 @@ from foretell.model import (
     stay_trimmable,
     trim_all,
 )
-from foretell.spec import probe
+
+#: Largest difference between two bfloat16 attention outputs that counts as agreeing.
+AGREES_WITHIN = 2e-2
+
+
+def fused_vs_own_arrays(query, keys, values, scale: float) -> float:
+    """The fused kernel's answer over ``keys``/``values`` as given (views, say) against its
+    answer over the same keys in arrays of their own (copied out through the host): the
+    largest difference (NaN where the kernel misread the views)."""
+    own = [mx.array(np.array(a.astype(mx.float32))).astype(a.dtype) for a in (keys, values)]
+    got = mx.fast.scaled_dot_product_attention(query, keys, values, scale=scale)
+    expected = mx.fast.scaled_dot_product_attention(query, *own, scale=scale)
+    return mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)).max().item()
+
+
+def window_view(kv_heads: tuple[int, ...] = (1, 2, 8), head_dims: tuple[int, ...] = (64, 128)
+                ) -> list[dict]:
+    """For each case, a single-token query's fused attention over ``keys[..., 89:600, :]``
+    of a 768-token buffer (:func:`fused_vs_own_arrays`): the largest difference, and
+    whether it is within bfloat16 rounding."""
+    cases = []
+    for hk in kv_heads:
+        for dim in head_dims:
+            k, v = (mx.random.normal((1, hk, 768, dim), key=mx.random.key(seed))
+                    .astype(mx.bfloat16) for seed in (0, 1))
+            q = mx.random.normal((1, 2 * hk, 1, dim), key=mx.random.key(2)).astype(mx.bfloat16)
+            diff = fused_vs_own_arrays(q, k[..., 89:600, :], v[..., 89:600, :], dim ** -0.5)
+            cases.append({"kv_heads": hk, "head_dim": dim, "max_diff": diff,
+                          "agrees": bool(diff <= AGREES_WITHIN)})
+    return cases
 
 
 def _full_logits(model, tokens):
@@ -109,14 +138,14 @@ def test_on_cuda_a_single_token_query_attends_to_the_window_itself():
     k, v = cache.update_and_fetch(keys[:, :, 59:], keys[:, :, 59:] * 2)
     assert k.shape[2] == 16
     query = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3)).astype(mx.bfloat16)
-    assert probe.fused_vs_own_arrays(query, k, v, 0.125) <= probe.AGREES_WITHIN
+    assert fused_vs_own_arrays(query, k, v, 0.125) <= AGREES_WITHIN
 
 
-def test_the_window_view_probe_finds_what_the_copy_rule_assumes():
-    """``python -m foretell.spec.probe --window-view``: the CPU's fused kernel reads a window
-    view as it reads a copy of it (so the CPU keeps the view); MLX-CUDA 0.32.4's does not
-    (so CUDA copies). On CUDA this fails once MLX fixes its kernel: the copy may then go."""
-    cases = probe.window_view(kv_heads=(1, 2), head_dims=(64,))
+def test_the_fused_kernel_reads_a_window_view_as_the_copy_rule_assumes():
+    """The CPU's fused kernel reads a window view as it reads a copy of it (so the CPU keeps
+    the view); MLX-CUDA 0.32.4's does not (so CUDA copies). Run this on CUDA after an MLX
+    upgrade: it fails once MLX fixes its kernel, and the copy may then go."""
+    cases = window_view(kv_heads=(1, 2), head_dims=(64,))
     assert len(cases) == 2
     agree = [c["agrees"] for c in cases]
     assert all(agree) != _on_cuda(), cases

@@ -1,7 +1,7 @@
 """Block store vs single-file layout, in one run, on the shipped demo model (not a test).
 
-    python -m foretell_blockstore.bench [--rounds 3] [--repeats 5] [--block-tokens N]
-                                        [--sweep 64,128,256,1024] [--json out.json]
+    python benchmarks/layouts.py [--rounds 3] [--repeats 5] [--block-tokens N]
+                                 [--sweep 64,128,256,1024] [--json out.json]
 
 Workloads (issue 10): (a) 8 conversations sharing a 2,048-token system prompt (each prefix
 reused from the first, as the tier's prefix cache hands it out); (b) one conversation
@@ -13,8 +13,9 @@ layouts taking turns entry by entry; reported: medians over the rounds, and the 
 the per-round ratios to single-file (the 2-core host is shared, so pairs matter).
 
 It also measures what chose the block identity and the read checksum: SHA-256, XXH3-128
-(block names since 2026-12-03), XXH3-64 and zlib's CRC-32 over the entries' bytes, and whether KV computed from scratch (no prefix
-reuse) is byte-identical to the reused prefix, which content naming needs to dedupe.
+(the block names), XXH3-64 and zlib's CRC-32 over the entries' bytes, and whether KV
+computed from scratch (no prefix reuse) is byte-identical to the reused prefix, which
+content naming needs to dedupe.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def _timed(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m foretell_blockstore.bench",
+    parser = argparse.ArgumentParser(prog="python benchmarks/layouts.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5,
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(scratch, ignore_errors=True)
     _print(results, args.block_tokens)
     if args.json:
-        from foretell.tools.bench import portable
+        from foretell.tools.measure import portable
 
         Path(args.json).write_text(json.dumps(portable(results), indent=1))
     return 0

@@ -1,9 +1,11 @@
 """Measure what shapes the verifier's attention on this machine (not a test).
 
-    python -m foretell.spec.probe [--model demo] [--json FILE]
+    python benchmarks/attention_probe.py [--model demo] [--reps 60] [--json FILE]
+    python benchmarks/attention_probe.py --identity [--model demo]
 
 1. The raw fused kernel with a 3-token query while the key length changes every call, and
-   while it repeats, beside :func:`foretell.attention.matmul_attention` on the same shapes.
+   while it repeats, beside :func:`foretell.model.attention.matmul_attention` on the same
+   shapes.
 2. A 3-token target forward at growing offsets (a verify window), fused vs matmul.
 3. Single-token decode latency over many steps (mean, p99, max: the "stalls"), fused vs
    matmul, by forcing ``FORETELL_ATTENTION`` per run.
@@ -11,11 +13,9 @@
    before each time (a drafter's catch-up, a suffix after a cache hit, a prompt's last
    chunk), per attention rule.
 
-``--window-view`` instead asks whether the fused kernel reads a key view that starts past
-its buffer's start as it reads a copy of the same keys (what a sliding-window cache hands
-attention during speculation; MLX-CUDA 0.32.4 did not, so foretell copies the window there:
-``foretell.model.kvcache.window_copies``). Run it after an MLX upgrade: ``"agrees": true``
-for every case means the copy may go.
+``--identity`` instead compares each drafter's greedy output with plain decoding on this
+device, and where they first differ, both forward shapes' top-2 logit gaps (a bfloat16 GPU
+rounds a verify window and a plain step differently).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def identity(model_dir: str, tokens: int = 256, kinds: tuple[str, ...] = ("two-m
     """Greedy output of each drafter against plain decoding on this device: the first
     difference (or None) and, there, both forward shapes' top-2 logit gaps."""
     from foretell.engine import load
-    from foretell.spec.bench import code_prompts
+    from foretell.tools.bench_spec import code_prompts
 
     engine = load(model_dir)
     prompts = code_prompts(engine.tokenizer, 512)
@@ -186,63 +186,21 @@ def identity(model_dir: str, tokens: int = 256, kinds: tuple[str, ...] = ("two-m
     return out
 
 
-#: Largest difference between two bfloat16 attention outputs that counts as agreeing.
-AGREES_WITHIN = 2e-2
-
-
-def fused_vs_own_arrays(query: Any, keys: Any, values: Any, scale: float) -> float:
-    """The fused kernel's answer over ``keys``/``values`` as given (views, say) against its
-    answer over the same keys in arrays of their own (copied out through the host): the
-    largest difference (NaN where the kernel misread the views)."""
-    import mlx.core as mx
-    import numpy as np
-
-    own = [mx.array(np.array(a.astype(mx.float32))).astype(a.dtype) for a in (keys, values)]
-    got = mx.fast.scaled_dot_product_attention(query, keys, values, scale=scale)
-    expected = mx.fast.scaled_dot_product_attention(query, *own, scale=scale)
-    return mx.abs(got.astype(mx.float32) - expected.astype(mx.float32)).max().item()
-
-
-def window_view(kv_heads: tuple[int, ...] = (1, 2, 8), head_dims: tuple[int, ...] = (64, 128)
-                ) -> list[dict[str, object]]:
-    """For each case, a single-token query's fused attention over ``keys[..., 89:600, :]``
-    of a 768-token buffer (:func:`fused_vs_own_arrays`): the largest difference, and
-    whether it is within bfloat16 rounding."""
-    import mlx.core as mx
-
-    cases = []
-    for hk in kv_heads:
-        for dim in head_dims:
-            k, v = (mx.random.normal((1, hk, 768, dim), key=mx.random.key(seed))
-                    .astype(mx.bfloat16) for seed in (0, 1))
-            q = mx.random.normal((1, 2 * hk, 1, dim), key=mx.random.key(2)).astype(mx.bfloat16)
-            diff = fused_vs_own_arrays(q, k[..., 89:600, :], v[..., 89:600, :], dim ** -0.5)
-            cases.append({"kv_heads": hk, "head_dim": dim, "max_diff": diff,
-                          "agrees": bool(diff <= AGREES_WITHIN)})
-    return cases
-
-
 def main(argv: list[str] | None = None) -> int:
     from foretell.platform import blas
 
     blas.preload()
-    ap = argparse.ArgumentParser(prog="python -m foretell.spec.probe")
+    ap = argparse.ArgumentParser(prog="python benchmarks/attention_probe.py")
     ap.add_argument("--model", default="demo")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--json", default=None)
     ap.add_argument("--identity", action="store_true",
                     help="instead: greedy output of each drafter vs plain decoding")
-    ap.add_argument("--window-view", action="store_true",
-                    help="instead: does the fused kernel read a window view as a copy of it")
     args = ap.parse_args(argv)
     import mlx.core as mx
 
     if args.identity:
         print(json.dumps(identity(args.model), indent=2))
-        return 0
-    if args.window_view:
-        print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
-                          "cases": window_view()}, indent=2))
         return 0
 
     report: dict[str, object] = {"device": str(mx.default_device()), "mlx": mx.__version__,

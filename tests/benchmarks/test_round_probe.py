@@ -1,4 +1,4 @@
-"""``python -m foretell.spec.round_probe`` reports, for plain decoding and a drafter at a
+"""``benchmarks/round_probe.py`` reports, for plain decoding and a drafter at a
 fixed length, where each token's or round's time went, then the adaptive policy's figures;
 and it leaves ``mx.async_eval`` and the verifier as they were."""
 
@@ -7,8 +7,11 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
+from benchscript import load
 
-from foretell.spec import round_probe, verifier
+from foretell.spec import verifier
+
+round_probe = load("round_probe")
 
 
 def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):

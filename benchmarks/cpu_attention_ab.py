@@ -1,9 +1,10 @@
 """CPU prefill and decode with attention's two CPU paths taking turns in one process:
-``python scripts/cpu_attention_ab.py [LENGTHS...]`` (default 512 2048 4096).
+``python benchmarks/cpu_attention_ab.py [LENGTHS...]`` (default 512 2048 4096).
 
 ``fused``: MLX's scaled_dot_product_attention (on the CPU its fallback: matmuls around
-MLX's softmax); ``matmul-float32``: the CPU's default since 2026-12-05, matmuls around
-numpy's softmax for large scores (foretell.model.attention.softmax_rows). Each round runs
+MLX's softmax); ``matmul-float32``: the CPU's default, matmuls around numpy's softmax for
+large scores (foretell.model.attention.softmax_rows). Rerun it after an MLX upgrade: where
+``fused`` catches up, the default can go back to it. Each round runs
 both, in alternating order, on the shipped demo model: a cold prefill of random token ids
 (TTFT) and 32 plainly decoded tokens after it. Prints medians and paired ratios; numbers
 only (docs/blas.md, "Softmax").

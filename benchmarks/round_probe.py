@@ -1,7 +1,7 @@
 """Where a speculative round's time goes on this machine (not a test).
 
-    python -m foretell.spec.round_probe [--model demo] [--draft mtp] [--num-draft-tokens 3]
-                                        [--temp 0.8]
+    python benchmarks/round_probe.py [--model demo] [--draft mtp] [--num-draft-tokens 3]
+                                     [--temp 0.8] [--trace N] [--gaps MS] [--plain-steps]
 
 1. Plain decoding and the drafter at a fixed draft length, in turns: tok/s, and per token
    (plain) or per round the wall time, the time inside ``mx.async_eval`` (on CUDA MLX encodes
@@ -13,10 +13,8 @@
 3. With ``--trace N``, the first ``N`` things the policy was told and chose in the first
    adaptive request, in order (why a drafter went off, or stayed off).
 4. With ``--gaps MS``, each adaptive request's waits of more than ``MS`` ms between tokens,
-   by position in the sequence: where a one-off stall falls (on the H200 the first
-   adaptive request of a process stalled 0.3-0.6 s after its first probe from plain steps,
-   docs/benchmarks.md, "H200 with mlx-lm cold"), marked where a fixed-shape forward traced
-   a new shape meanwhile.
+   by position in the sequence: where a one-off stall falls, marked where a fixed-shape
+   forward traced a new shape meanwhile.
 
 It measures by wrapping ``mx.async_eval`` and the verifier's ``finish`` for its own runs and
 puts both back afterwards.
@@ -39,7 +37,7 @@ def _timed_host_work(spent: dict[str, list[float]]):
     import mlx.core as mx
 
     from foretell.spec import verifier
-    from foretell.tools.bench import timed
+    from foretell.tools.measure import timed
 
     real_async, real_finish = mx.async_eval, verifier._Verifier.finish
     async_eval = timed(real_async, spent["encode"])
@@ -163,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     from foretell.config import SamplingConfig
     from foretell.engine import load
     from foretell.plugin.registry import Kind
-    from foretell.spec.bench import code_prompts
+    from foretell.tools.bench_spec import code_prompts
 
-    ap = argparse.ArgumentParser(prog="python -m foretell.spec.round_probe",
+    ap = argparse.ArgumentParser(prog="python benchmarks/round_probe.py",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
     ap.add_argument("--draft", default="mtp", help="the draft provider (its default options)")
