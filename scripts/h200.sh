@@ -14,27 +14,21 @@
 #   reinstall  foretell again (after a change), the wheels as they are
 #   specg      foretell bench --speculation, greedy rows, mlx-lm cold (~7 min on a fresh host)
 #   specs      the same, sampled rows (~6 min)
-#   paired     python -m foretell.spec.bench, the adaptive rows paired (REPEATS, default 11;
+#   paired     benchmarks/spec_paired.py, the adaptive rows paired (REPEATS, default 11;
 #              ROWS, default "plain two-model self plain-t0.8 two-model-t0.8 mtp-t0.8")
-#   mtpoff     scripts/mtp_off_ab.py (ROUNDS, default 21)
-#   firstcross scripts/first_cross.py: requests crossing new KV capacities (~2 min)
-#   stretch    scripts/stretch_probe.py (ROUNDS, default 5)
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
 #              KV_BITS=4|8: the KV quantized, as --kv-bits; SHAPE=0.6b: the 0.6B shape;
 #              TAG: a suffix for its files)
-#   pending    what issue 9 left unverified on a GPU, part 1 (~6 min): the kept kernels
-#              (kernel_load_probe twice, FORETELL_KEPT_KERNELS=on), the block store's suite
-#              with them on, then (kept kernels off) cache4b at 8-bit KV with
-#              FORETELL_WRITE_DMA off and on
+#   pending    what issue 9 left unverified on a GPU, part 1 (~6 min): the block store's
+#              suite with the kept kernels on (FORETELL_KEPT_KERNELS=on), then (kept kernels
+#              off) cache4b at 8-bit KV with FORETELL_WRITE_DMA off and on
 #   pending2   part 2 (~4 min, the next call): cache4b at 8-bit KV with the spill worker at a
 #              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
 #   verify     the GPU's own tests (~3 min): the block store's suite, the device digest's and
 #              the kept kernels' (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then cache4b at
 #              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
-#   digests    the device digests', kept kernels' and cross-thread cache tests, scripts/device_digest_probe.py
-#              (8-bit and bf16 4B shapes), scripts/writer_gil_probe.py (8-bit, writes by
-#              DMA, two loop shapes), then cache4b at 8-bit KV (REPEATS, default 7; TAG,
-#              default table) (~6 min)
+#   digests    the device digests', kept kernels' and cross-thread cache tests, then cache4b
+#              at 8-bit KV (REPEATS, default 7; TAG, default table) (~5 min)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -78,7 +72,7 @@ specs)
     --json "$OUT/spec-sampled.json" 2>&1 | tee "$OUT/spec-sampled.log" | tail -40
   ;;
 paired)
-  timeout "${PAIRED_S:-300}" taskset -c 4-7 $PY -m foretell.spec.bench --model demo --new-lengths \
+  timeout "${PAIRED_S:-300}" taskset -c 4-7 $PY benchmarks/spec_paired.py --model demo --new-lengths \
     --prompt-tokens 992 --generate 256 --repeats "${REPEATS:-11}" \
     $(printf -- '--row %s ' ${ROWS:-plain two-model self plain-t0.8 two-model-t0.8 mtp-t0.8}) \
     --json "$OUT/spec-paired.json" 2>&1 | tee "$OUT/spec-paired.log" | tail -30
@@ -91,9 +85,7 @@ cache4b)
   ;;
 pending)
   # The kept kernels only where they are tested: a faulting one would spoil the A/B after.
-  { for n in 1 2; do echo "kernel_load_probe, process $n"
-      FORETELL_KEPT_KERNELS=on timeout 60 $PY scripts/kernel_load_probe.py; done
-    FORETELL_KEPT_KERNELS=on timeout 200 $PY -m pytest -q -p no:cacheprovider tests/blockstore tests/cache/test_device_digest.py \
+  { FORETELL_KEPT_KERNELS=on timeout 200 $PY -m pytest -q -p no:cacheprovider tests/blockstore tests/cache/test_device_digest.py \
       tests/core/test_kept_kernels.py 2>&1 | tail -25; } 2>&1 | tee "$OUT/pending-kernels-tests.log"
   for dma in off on; do
     FORETELL_WRITE_DMA=$dma KV_BITS=8 TAG=dma-$dma bash "$0" cache4b
@@ -117,20 +109,7 @@ digests)
     $e::test_a_request_on_another_thread_reuses_what_an_earlier_one_stored
     $e::test_engines_on_two_threads_at_once_share_one_tier" ROW=0 \
     bash "$0" verify
-  for shape in kv8 bf16; do timeout 120 $PY scripts/device_digest_probe.py 15 $shape; done \
-    2>&1 | tee "$OUT/device-digest-probe.log"
-  for loop in 0.5,3 8,1; do timeout 90 $PY scripts/writer_gil_probe.py 8 --loop $loop; done \
-    2>&1 | grep -v Warning | tee "$OUT/writer-gil-probe.log"
   KV_BITS=8 TAG=${TAG:-table} REPEATS=${REPEATS:-7} bash "$0" cache4b
-  ;;
-mtpoff)
-  timeout 560 taskset -c 4-7 $PY scripts/mtp_off_ab.py "${ROUNDS:-21}" 2>&1 | tee "$OUT/mtp-off-ab.log" | tail -8
-  ;;
-firstcross)
-  (cd scripts && timeout 300 taskset -c 4-7 $PY first_cross.py) 2>&1 | grep -v Warning | tee "$OUT/first-cross.log" | tail -8
-  ;;
-stretch)
-  (cd scripts && timeout 400 taskset -c 4-7 $PY stretch_probe.py "${ROUNDS:-5}") 2>&1 | tee "$OUT/stretch-probe.log" | tail -12
   ;;
 firstrun)
   TIMEFORMAT="%R s wall, %U s user"

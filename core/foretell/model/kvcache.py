@@ -313,7 +313,8 @@ def window_copies() -> bool:
     window computed garbage (docs/decisions.md). The CPU and Metal take the view;
     ``FORETELL_SLIDING_WINDOW=copy|view`` forces either. Only the cache knows its window
     starts past its buffer's start, so the copy is made here, not in attention.
-    ``python -m foretell.spec.probe --window-view`` re-checks the kernel after an MLX upgrade.
+    ``tests/spec/test_sliding_reserve.py``, run on CUDA, re-checks the kernel after an MLX
+    upgrade.
     """
     global _WINDOW_MODE
     if _WINDOW_MODE is None:
