@@ -8,27 +8,18 @@ hidden state h_t and the embedding of token t+1, and predicts token t+2:
     x = layers.0(x)                 # one Qwen3 decoder layer with its own KV cache
     logits = target.logits(norm(x))  # the target's embedding and head, shared
 
-Every position of the sequence passes through the head once, with the target's real hidden
-state, so its cache matches training; after more than ``CATCH_UP_MAX`` plain steps (drafting
-off) the head starts its cache over from the last ``CATCH_UP_MAX`` positions instead, as the
-two-model source does (``foretell.spec.CATCH_UP_MAX``). For k > 1 the head chains itself,
-using its own output as the next hidden state; those chained positions are rolled back after
-each round.
-A head trained one step deep drafts later tokens poorly; the demo's was retrained through
-this chain (``foretell_demo_train remtp``: of rounds drafting 6 on the CPU, 48% keep all six
-where the one-step head kept 34%, docs/demo-models.md).
+Every position passes through the head once with the target's real hidden state, so its
+cache matches training (more than ``CATCH_UP_MAX`` at once: it starts over from the last
+``CATCH_UP_MAX``). For k > 1 the head chains on its own output, rolled back after each
+round; the demo's head is trained through that chain (docs/demo-models.md).
 
-Drafting may score only a shortlist of the vocabulary (``draft_vocab``: the ids below it;
-byte-level BPE numbers tokens in merge order, roughly by frequency): on the 2-core CPU the
-target's 12,288-way head cost more than the head's decoder layer, and the first 4,096 ids
-cost a third of it while covering 90% of the demo's tokens. The target still verifies
-against its full vocabulary, so this changes what is drafted, never what is emitted; a
-sampled draft's ``q`` is zero outside the shortlist, which rejection sampling handles
-exactly.
+``draft_vocab`` drafts from a shortlist, the ids below it (byte-level BPE numbers tokens
+roughly by frequency): on a small CPU the full head cost more than the head's layer
+(docs/decisions.md). The target still verifies on its whole vocabulary, and a sampled
+draft's ``q`` is zero outside the shortlist, which rejection sampling handles exactly.
 
-Its state checkpoints: the head's KV cache (through the tier's KV codec) and its newest
-output; the identity is the head's weights file, so the cache restores it only for the same
-head (the target's own identity already keys the cache directory).
+Its state checkpoints (the head's KV cache and newest output), labelled by the head's
+weights file.
 """
 
 from __future__ import annotations
@@ -187,10 +178,8 @@ def _head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
 
 class MTPProvider:
     requires = frozenset({PORT_HIDDEN, PORT_MTP})
-    #: Up to 6 a round unless told: the demo's head keeps agreeing deep into its chain
-    #: (85-91% of drafts on code), so the adaptive length used 5.8 of 6. Measured against
-    #: up to 4, paired with plain decoding: H200 1.55x against 1.26x, 2-core CPU 1.65x
-    #: against 1.59x (docs/benchmarks.md).
+    #: Up to 6 a round unless told: the demo's head keeps agreeing deep into its chain, and 6
+    #: measured faster than 4 on both a CPU and a GPU (docs/decisions.md).
     draft_tokens = 6
 
     def __init__(self, config: MTPConfig | None = None) -> None:
@@ -224,10 +213,9 @@ class MTPSource:
         #: follows the sequence), or None before any position was absorbed.
         self.last: mx.array | None = None
         self._chained = 0
-        # On CUDA the head's absorbing forwards replay compiled over fixed shapes, as the
-        # verifier's do. A chained step (one position) does not: over a whole buffer its
-        # single query needs a mask, and the H200 ran such steps slower (MTP k = 3 1.15x
-        # plain with them, 1.32x without; docs/speculation.md).
+        # On CUDA the head's absorbing forwards replay over fixed shapes, as the verifier's
+        # do; a chained one-position step does not: masked over a whole buffer it measured
+        # slower (docs/decisions.md).
         self.fixed = fixed_for(head, "MTP head", _head_forward)
 
     def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:

@@ -124,12 +124,9 @@ class TwoModelSource:
 
     def draft(self, feed: Feed, n: int) -> Draft:
         self.sequence.extend(feed.tokens)
-        # One forward takes every token the caches lack and gives the first draft: after a
-        # fully accepted round that is the last draft and the target's token, after plain
-        # steps each of theirs (none of them ever rolls back). Feeding the last draft apart
-        # cost one more forward in most rounds for the same drafts (on the H200 a forward of
-        # the 2-layer demo draft is mostly host time, whatever its length; neither there nor
-        # on the CPU did tok/s resolve the difference: docs/benchmarks.md, tenth session).
+        # One forward takes every token the caches lack and gives the first draft (after a
+        # fully kept round: the last draft and the target's token; after plain steps: theirs),
+        # so n drafts cost n forwards: feeding the last draft apart would cost one more.
         if len(self.sequence) - self.fed > CATCH_UP_MAX:
             self._start_over()
         todo = self.sequence[self.fed :]

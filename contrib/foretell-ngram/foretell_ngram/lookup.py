@@ -2,15 +2,12 @@
 sequence's own suffix (prompt and output alike).
 
 The index is incremental: for every n-gram size it maps each n-gram to the position right
-after its latest occurrence, updated as tokens arrive, so a draft costs O(max_ngram)
-dictionary lookups however long the history is (the old rescan cost 14.8 ms per draft at
-32k tokens).
+after its latest occurrence, so a draft costs O(max_ngram) dictionary lookups however long
+the history is (a rescan grew with it).
 
-How far to trust a match is read from how deep it goes: a suffix matched ``s`` tokens deep
-(``s < max_ngram``) proposes at most ``tokens_per_match * s`` tokens, and a match of the
-full ``max_ngram`` (a copy span) proposes as many as the verifier asks for. Measured on the
-demo's code prompts, a 1- to 3-token match had its first draft kept 39-50% of the time and
-about 1-3 drafts kept on average, a match of 4 or more 80-100% and 7-12 (docs/speculation.md).
+How far to trust a match is read from its depth, since deeper matches are kept far more
+often (docs/decisions.md): a suffix matched ``s < max_ngram`` tokens deep proposes at most
+``tokens_per_match * s`` tokens, a full-depth match (a copy span) all the verifier asks for.
 """
 
 from __future__ import annotations
