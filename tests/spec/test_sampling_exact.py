@@ -4,7 +4,7 @@ emits are distributed as plain sampling's, whatever the draft distribution q.
 The oracle is plain sampling as it runs (``Sampler.sample``, i.e. ``mx.random.categorical``
 over the processed scores) drawn the same number of times: a two-sample chi-square test
 compares the two, per position, on a tiny vocabulary, 40,000 rounds per case. The rounds
-go through the verifier's own acceptance function, batched over rows; a deliberately wrong
+go through the verifier's own acceptance rule, batched over rows; a deliberately wrong
 rule (resampling from p instead of the residual) must fail the same test.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from foretell.config import SamplingConfig
 from foretell.sampling import Sampler
-from foretell.spec import verifier
+from foretell.spec import acceptance
 
 ROUNDS = 40_000
 VOCAB = 12
@@ -64,7 +64,7 @@ def _speculative_tokens(sampler, target_scores, draft_scores, seed):
     ).astype(mx.int32)
     p = mx.broadcast_to(sampler.probabilities(target_scores), (ROUNDS, DRAFTS + 1, VOCAB))
     q = mx.broadcast_to(q, (ROUNDS, DRAFTS, VOCAB))
-    accepted, chosen = verifier.accept_or_resample(p, drafts, q, key_v)
+    accepted, chosen, _ = acceptance.accept_or_resample(p, drafts, q, key_v)
     accepted, chosen, drafts = np.array(accepted), np.array(chosen), np.array(drafts)
     out = np.full((ROUNDS, DRAFTS + 1), -1)
     for i in range(DRAFTS + 1):
@@ -106,7 +106,7 @@ def test_rejection_sampling_matches_plain_sampling_at_every_position(case):
 
 def test_a_wrong_residual_fails_the_same_test(monkeypatch):
     # A common bug: after a rejection, resample from p instead of max(p - q, 0).
-    monkeypatch.setattr(verifier, "residual", lambda p, q: p)
+    monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
     assert _worst_p_value(CASES["temperature"]) < 1e-6
 
 
@@ -117,7 +117,7 @@ def test_deterministic_drafts_are_point_masses():
     target = sampler.scores(mx.random.normal((2, VOCAB), key=mx.random.key(5)) * 2.0)
     p = mx.broadcast_to(sampler.probabilities(target), (ROUNDS, 2, VOCAB))
     drafts = mx.full((ROUNDS, 1), 3, dtype=mx.int32)
-    accepted, chosen = verifier.accept_or_resample(p, drafts, None, mx.random.key(6))
+    accepted, chosen, _ = acceptance.accept_or_resample(p, drafts, None, mx.random.key(6))
     first = np.where(np.array(accepted) >= 1, 3, np.array(chosen))
     plain = np.array(sampler.sample(mx.broadcast_to(target[0], (ROUNDS, VOCAB)), mx.random.key(7)))
     assert _chi_square_p(np.bincount(first, minlength=VOCAB), np.bincount(plain, minlength=VOCAB)) > 1e-4

@@ -22,9 +22,9 @@ def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: i
         lengths.append(tokens.shape[1])
         return forward(tokens, caches, *args, **kwargs)
 
-    def counting_accept(p, drafts, q, key):
+    def counting_accept(p, drafts, *rest):
         sampled.append(drafts.shape[1])
-        return accept(p, drafts, q, key)
+        return accept(p, drafts, *rest)
 
     monkeypatch.setattr(warmup, "compiles_per_shape", lambda: cuda)
     monkeypatch.setattr(engine.model, "forward", counting)

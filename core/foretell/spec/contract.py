@@ -90,9 +90,15 @@ class Feed:
 
 @attrs.frozen
 class Draft:
-    """Proposed tokens ``[B, n]`` (n may be 0) and, for sampled drafting, the distributions
-    ``q`` ``[B, n, V]`` they were drawn from. ``q = None`` means each token was chosen
-    deterministically (its distribution is the point mass on it), as prompt lookup does."""
+    """Proposed tokens ``[B, n]`` (n may be 0; an integer dtype) and, for sampled drafting,
+    the distributions ``q`` ``[B, n, V]`` (a floating dtype, V the target's vocabulary) they
+    were drawn from. ``q = None`` means each token was chosen deterministically (its
+    distribution is the point mass on it), as prompt lookup does.
+
+    The verifier never trusts either: a draft of another shape or type ends the request with
+    a :class:`DraftError` naming the plugin (:func:`checked_draft`); an id outside the
+    vocabulary, or a ``q`` row that is no distribution (:func:`usable_distributions`), is
+    rejected at that position and the target draws the token there itself."""
 
     tokens: mx.array
     q: mx.array | None = None
@@ -104,6 +110,49 @@ class Draft:
     @classmethod
     def of(cls, tokens: Sequence[int]) -> Draft:
         return cls(mx.array([list(tokens)], dtype=mx.int32).reshape(1, len(tokens)))
+
+
+#: How far a draft distribution's total may stray from 1 before the verifier takes it for
+#: no distribution (a float32 softmax strays ~1e-6, a bfloat16 one a few 1e-3).
+Q_SUM_TOLERANCE = 1e-2
+
+
+def checked_draft(draft: Any, asked: int, vocab: int, label: str) -> Draft:
+    """``draft`` if the verifier can judge it, else a :class:`DraftError` naming ``label``
+    (the provider and its plugin). Only shapes and dtypes are checked: host-side metadata,
+    read without waiting for the device; the values are judged on the device with the round
+    (ids against the vocabulary, ``q`` by :func:`usable_distributions`)."""
+    def refuse(what: str) -> DraftError:
+        return DraftError(f"{label}: draft() returned {what}; a source returns "
+                          "foretell.spec.Draft(tokens [1, n] integer mx.array, q None or "
+                          f"[1, n, {vocab}] floating mx.array) with n <= {asked}")
+
+    if not isinstance(draft, Draft):
+        return_type = "None" if draft is None else f"a {type(draft).__name__}"
+        raise refuse(return_type)
+    tokens, q = draft.tokens, draft.q
+    if not isinstance(tokens, mx.array):
+        raise refuse(f"tokens of type {type(tokens).__name__}")
+    if tokens.ndim != 2 or tokens.shape[0] != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
+        raise refuse(f"tokens {tokens.dtype} of shape {list(tokens.shape)}")
+    n = tokens.shape[1]
+    if n > asked:
+        raise DraftError(f"{label} proposed {n} tokens; asked for {asked}")
+    if q is None:
+        return draft
+    if not isinstance(q, mx.array):
+        raise refuse(f"q of type {type(q).__name__}")
+    if q.shape != (1, n, vocab) or not mx.issubdtype(q.dtype, mx.floating):
+        raise refuse(f"q {q.dtype} of shape {list(q.shape)} for {n} tokens")
+    return draft
+
+
+def usable_distributions(q: mx.array) -> mx.array:
+    """``[..., V]`` rows to ``[...]`` booleans: True where the row is a distribution (every
+    entry finite and >= 0, the total within :data:`Q_SUM_TOLERANCE` of 1). On the device,
+    no host sync: NaN fails both tests."""
+    total = mx.sum(q, axis=-1)
+    return mx.logical_and(mx.min(q, axis=-1) >= 0, mx.abs(total - 1) <= Q_SUM_TOLERANCE)
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ plain step, so such a request degrades to plain decoding and never corrupts its 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -34,14 +35,27 @@ import mlx.core as mx
 from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
 from foretell.sampling import RandomKeys, Sampler, decode_step, repetition_windows
+from foretell.spec.acceptance import accept_or_resample, match_drafts
 from foretell.spec.attach import start_source
-from foretell.spec.contract import CATCH_UP_MAX, PORT_HIDDEN, Draft, DraftError, Feed, Target
+from foretell.spec.contract import (
+    CATCH_UP_MAX,
+    PORT_HIDDEN,
+    Draft,
+    DraftError,
+    Feed,
+    Target,
+    checked_draft,
+)
 from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
 
 if TYPE_CHECKING:
     from foretell.request import Progress, RequestState
 
+log = logging.getLogger(__name__)
+
 ACCEPTANCE_RULES = ("rejection", "token-match")
+#: Bits of a round's ``flags``: what the drafter returned that the verifier rejected.
+OUT_OF_VOCAB, NOT_A_DISTRIBUTION = 1, 2
 #: One-position hidden states a plain stretch keeps apart before joining them
 #: (``_keep_feed_hidden``).
 HIDDEN_PACK = 8
@@ -181,7 +195,7 @@ class _Round:
     k: int
     n: int
     hidden: mx.array
-    values: mx.array  # [accepted, chosen, drafts...]
+    values: mx.array  # [accepted, chosen, flags, drafts...]
 
 
 class _Verifier:
@@ -205,6 +219,8 @@ class _Verifier:
             state.keys = self.keys
         self.keys = state.keys
         self.fixed = fixed.fixed_for(model, "verify forward", _verify)
+        self.vocab = model.vocab_size
+        self.warned = 0  # the OUT_OF_VOCAB / NOT_A_DISTRIBUTION bits already reported
 
     def joined_feed_hidden(self) -> mx.array | None:
         return _join(self.feed_hidden) if self.wants_hidden else None
@@ -214,10 +230,9 @@ class _Verifier:
     def launch(self, k: int) -> _Round | None:
         """Draft up to ``k`` tokens and queue their verification; None if nothing drafted."""
         feed = Feed(self.feed_tokens, _join(self.feed_hidden) if self.wants_hidden else None)
-        draft = _call(self.speculator, "draft", self.source.draft, feed, k)
+        draft = checked_draft(_call(self.speculator, "draft", self.source.draft, feed, k), k,
+                              self.vocab, self.speculator.label())
         self.feed_tokens, self.feed_hidden = [], []
-        if draft.size > k:
-            raise DraftError(f"{self.speculator.label()} proposed {draft.size} tokens; asked for {k}")
         if draft.size == 0:
             _call(self.speculator, "commit", self.source.commit, 0)
             return None
@@ -226,9 +241,12 @@ class _Verifier:
         # (measured, paired, one speculator: MTP 1.22x -> 1.28x plain, two-model 1.32x -> 1.34x).
         mx.async_eval(draft.tokens)
         n = draft.size
-        window = mx.concatenate(
-            [mx.array([[self.pending]], dtype=mx.int32), draft.tokens.astype(mx.int32)], axis=1
-        )
+        # Ids outside the vocabulary never reach the target's embedding: an in-range stand-in
+        # runs there and the position counts as rejected (wide ints: no dtype overflows).
+        wide = draft.tokens.astype(mx.int64)
+        usable = mx.logical_and(wide >= 0, wide < self.vocab)
+        window = mx.concatenate([mx.array([[self.pending]], dtype=mx.int32),
+                                 mx.where(usable, wide, 0).astype(mx.int32)], axis=1)
         hidden, logits = self.verify_forward(window)
         logits = logits[0]  # [n + 1, V]
         drafts = window[0, 1:]
@@ -237,13 +255,14 @@ class _Verifier:
             windows = repetition_windows(mx.array(self.recent, dtype=mx.int32), drafts, self.size)
         scores = self.sampler.scores(logits, windows)[None]  # [B = 1, n + 1, V]
         key = self.keys.next() if self.keys is not None else None
+        flags = OUT_OF_VOCAB * mx.any(mx.logical_not(usable), axis=-1).astype(mx.int32)
         if self.sampler.greedy or self.token_match:
-            accepted, chosen = _match(self.sampler, scores, drafts[None], key)
+            accepted, chosen = match_drafts(self.sampler, scores, drafts[None], usable, key)
         else:
-            accepted, chosen = accept_or_resample(
-                self.sampler.probabilities(scores), drafts[None], draft.q, key
-            )
-        values = mx.concatenate([accepted, chosen, drafts])
+            accepted, chosen, bad_q = accept_or_resample(
+                self.sampler.probabilities(scores), drafts[None], draft.q, key, usable)
+            flags = flags + NOT_A_DISTRIBUTION * bad_q.astype(mx.int32)
+        values = mx.concatenate([accepted, chosen, flags, drafts])
         mx.async_eval(values)
         return _Round(k=k, n=n, hidden=hidden, values=values)
 
@@ -258,13 +277,26 @@ class _Verifier:
     def finish(self, round_: _Round) -> list[int]:
         """The round's one host sync; roll back to the accepted prefix."""
         values = round_.values.tolist()
-        a, token = values[0], values[1]
-        kept = values[2 : 2 + a] + [token]
+        a, token, flags = values[0], values[1], values[2]
+        if flags & ~self.warned:
+            self._warn(flags & ~self.warned)
+        kept = values[3 : 3 + a] + [token]
         trim_all(self.caches, round_.n - a)
         _call(self.speculator, "commit", self.source.commit, a)
         self.stats.record(round_.k, round_.n, a)
         self._extend(kept, round_.hidden[:, : a + 1] if self.wants_hidden else None)
         return kept
+
+    def _warn(self, flags: int) -> None:
+        """Once a request for each kind: the drafter returned what the verifier rejected."""
+        self.warned |= flags
+        what = [text for bit, text in (
+            (OUT_OF_VOCAB, f"token ids outside the vocabulary [0, {self.vocab})"),
+            (NOT_A_DISTRIBUTION, "draft distributions q that are not distributions (an "
+             "entry negative or not finite, a total off 1, or 0 at the drafted id)"),
+        ) if flags & bit]
+        log.warning("%s proposed %s; those drafts were rejected and the target chose the "
+                    "tokens there itself", self.speculator.label(), " and ".join(what))
 
     def abandon(self, round_: _Round) -> None:
         """A queued round nobody will read: its drafts leave the caches."""
@@ -443,60 +475,6 @@ def _rounds(
 def _verify(model: Any, window: mx.array, caches: list[Any]) -> tuple[mx.array, mx.array]:
     hidden, _ = model.forward(window, caches)
     return hidden, model.logits(hidden)
-
-
-def _match(
-    sampler: Sampler, scores: mx.array, drafts: mx.array, key: mx.array | None
-) -> tuple[mx.array, mx.array]:
-    """Keep drafts while they equal the target's own choice (its argmax when greedy).
-
-    ``scores`` ``[B, n + 1, V]``, ``drafts`` ``[B, n]``; returns ``[B]`` accepted counts and
-    ``[B]`` tokens the target chose after them.
-    """
-    B, rows, vocab = scores.shape
-    chosen = sampler.sample(scores.reshape(B * rows, vocab), key).reshape(B, rows)
-    accepted = prefix_length(drafts == chosen[:, :-1])
-    return accepted, mx.take_along_axis(chosen, accepted[:, None], axis=1)[:, 0]
-
-
-def accept_or_resample(
-    p: mx.array, drafts: mx.array, q: mx.array | None, key: mx.array
-) -> tuple[mx.array, mx.array]:
-    """Rejection sampling over ``[B]`` rows: keep draft i with probability
-    ``min(1, p_i(d_i) / q_i(d_i))``; then draw the target's token from the residual.
-
-    ``p`` ``[B, n + 1, V]`` target distributions, ``drafts`` ``[B, n]``, ``q`` ``[B, n, V]``
-    (None: point masses on the drafts). Returns accepted counts and chosen tokens, ``[B]``.
-    """
-    B, rows, vocab = p.shape
-    accept_key, resample_key = mx.random.split(key)
-    if q is None:
-        q = (mx.arange(vocab)[None, None, :] == drafts[..., None]).astype(p.dtype)
-    q = q.astype(p.dtype)
-    p_d = mx.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
-    q_d = mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = mx.random.uniform(shape=drafts.shape, key=accept_key)
-    accepted = prefix_length(u * q_d < p_d)
-    # After a full acceptance the extra token comes from p itself (q is zero there).
-    q_padded = mx.concatenate([q, mx.zeros((B, 1, vocab), p.dtype)], axis=1)
-    at = accepted[:, None, None]
-    p_next = mx.take_along_axis(p, at, axis=1)[:, 0]
-    q_next = mx.take_along_axis(q_padded, at, axis=1)[:, 0]
-    weights = residual(p_next, q_next)
-    chosen = mx.random.categorical(mx.log(weights), key=resample_key).astype(mx.int32)
-    return accepted, chosen
-
-
-def residual(p: mx.array, q: mx.array) -> mx.array:
-    """``max(p - q, 0)`` (unnormalized; a draw normalizes). Where p <= q everywhere the row
-    was accepted with certainty, so any fallback is unreachable; p keeps the draw defined."""
-    weights = mx.maximum(p - q, 0.0)
-    return mx.where(mx.sum(weights, axis=-1, keepdims=True) > 0, weights, p)
-
-
-def prefix_length(ok: mx.array) -> mx.array:
-    """``[B, n]`` booleans to ``[B]`` lengths of their all-true prefixes."""
-    return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=-1), axis=-1).astype(mx.int32)
 
 
 def _join(parts: list[mx.array]) -> mx.array | None:
