@@ -1,3 +1,9 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from foretell.platform import blas
@@ -14,6 +20,42 @@ def _no_plugin_env_leaks(monkeypatch):
     # The developer's (or CI's) plugin switches must not change what a test sees.
     for name in _PLUGIN_ENV:
         monkeypatch.delenv(name, raising=False)
+
+
+NGRAM_SOURCE = Path(__file__).resolve().parents[1] / "contrib" / "foretell-ngram"
+
+
+@pytest.fixture(scope="session")
+def _ngram_site(tmp_path_factory):
+    """contrib/foretell-ngram installed by pip into a directory of its own, once a session:
+    a real installed distribution (entry points and all) that leaves the environment the
+    tests run in as it was (docs/decisions.md, "The README's test command")."""
+    root = tmp_path_factory.mktemp("ngram-site")
+    # Built from a copy: setuptools writes an .egg-info beside the sources it builds, and the
+    # checkout's copy is on sys.path (pyproject's pythonpath), where it would look installed.
+    source = shutil.copytree(NGRAM_SOURCE, root / "src",
+                             ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+    site = root / "site"
+    # Offline and into the running interpreter's own setuptools (the [test] extra has it).
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+         "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site), str(source)],
+        capture_output=True, text=True, timeout=300,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"installing {NGRAM_SOURCE} for the test failed:\n{done.stderr}")
+    return site
+
+
+@pytest.fixture
+def ngram_installed(_ngram_site, monkeypatch):
+    """contrib's n-gram drafter is an installed plugin for this test, in this process and in
+    the processes it starts. A copy the environment already has is the same distribution,
+    so the loader takes whichever comes first on the path, once."""
+    monkeypatch.syspath_prepend(str(_ngram_site))
+    paths = [str(_ngram_site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    return _ngram_site
 
 
 @pytest.fixture

@@ -85,3 +85,45 @@ def test_every_install_line_works_from_the_checkout(page):
     text = page.read_text(encoding="utf-8")
     problems = [p for t in install_targets(text) if (p := problem(t, page))]
     assert problems == []
+
+
+CI = ROOT / ".ci" / "run"
+#: Lines of .ci/run that set the shell up and install or run nothing.
+SETUP = {"#!/usr/bin/env bash", "set -euo pipefail", 'cd "$(dirname "$0")/.."'}
+
+
+def readme_commands() -> list[str]:
+    """The README's fenced one-line commands that start from a fresh venv, in order."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```\n(.*?)\n```$", text, re.MULTILINE | re.DOTALL)
+    return [b for b in blocks if "\n" not in b and b.startswith("python3 -m venv ")]
+
+
+def ci_commands(text: str) -> list[str]:
+    """.ci/run's commands, past its shell setup and comments, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    lines = [line.strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#") and line not in SETUP]
+
+
+def test_ci_runs_the_readmes_test_command_before_installing_anything_else():
+    install, test = readme_commands()
+    assert install.endswith("pip install . && foretell run")
+    assert test.endswith("pytest -q")
+    text = CI.read_text(encoding="utf-8")
+    assert "set -euo pipefail" in text.splitlines()[:3]
+    assert ci_commands(text)[0] == test
+
+
+@pytest.mark.parametrize(
+    ("script", "why"),
+    [
+        ("set -euo pipefail\npip install -q torch\n{test}\n", "installs torch first"),
+        ("set -euo pipefail\n{test} -x\n", "a changed command"),
+        ("set -euo pipefail\npython3 -m venv .venv && . .venv/bin/activate && \\\n"
+         "    pip install -e '.[test,bench]' && python -m pytest -q\n", "another extra"),
+    ],
+)
+def test_a_ci_script_that_drifts_from_the_readme_is_caught(script, why):
+    test = readme_commands()[1]
+    assert ci_commands(script.format(test=test))[0] != test, why

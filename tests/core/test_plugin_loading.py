@@ -325,3 +325,20 @@ def test_a_plugin_left_out_of_the_allow_list_says_so(fake_distribution, monkeypa
         "draft 'good': plugin 'good' is installed but disabled: FORETELL_LOAD_PLUGINS does not "
         "name it; add it to that list to use it"
     )
+
+
+def test_the_ngram_fixture_installs_the_contrib_drafter_beside_the_environment(ngram_installed):
+    import subprocess
+    import sys
+
+    assert sorted(p.name for p in ngram_installed.glob("foretell_ngram*")) == [
+        "foretell_ngram", "foretell_ngram-0.1.0.dist-info"
+    ]
+    assert not ngram_installed.is_relative_to(sys.prefix)  # the test environment is untouched
+    (record,) = [r for r in load_plugins().records if r.name == "ngram"]
+    assert (record.status, record.kind, record.distribution) == ("loaded", "third-party", "foretell-ngram")
+    listing = subprocess.run([sys.executable, "-m", "foretell", "plugins", "--json"],
+                             check=True, capture_output=True, text=True, timeout=120).stdout
+    rows = {row["name"]: row for row in json.loads(listing)["plugins"]}
+    assert rows["ngram"]["status"] == "loaded"
+    assert rows["ngram"]["contributes"][0]["name"] == "ngram"

@@ -198,7 +198,8 @@ def test_chat_reports_a_refused_turn_and_carries_on(model_dir, tmp_path, capsys,
     assert captured.err.count(" tokens, ") == 1 and captured.out.endswith("\n")
 
 
-def test_chat_speculates_with_the_drafter_it_is_given(model_dir, capsys, monkeypatch):
+def test_chat_speculates_with_the_drafter_it_is_given(model_dir, capsys, monkeypatch,
+                                                    ngram_installed):
     """`foretell chat` takes `run`'s drafter flags and uses them: each turn's note names the
     drafter, and greedy replies are the ones plain decoding gives."""
     replies = {}
@@ -215,7 +216,7 @@ def test_chat_speculates_with_the_drafter_it_is_given(model_dir, capsys, monkeyp
     assert replies["ngram"] == replies["none"] and replies["none"].count("\n") == 2
 
 
-def test_run_reports_what_the_drafter_did(model_dir, capsys):
+def test_run_reports_what_the_drafter_did(model_dir, capsys, ngram_installed):
     assert main(["run", "--model", str(model_dir), "--prompt", "a b a b a b", "--max-tokens", "8",
                  "--draft", "ngram", "--draft-option", "min_ngram=1", "--no-chat"]) == 0
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("Speculation: ")]
