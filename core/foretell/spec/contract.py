@@ -1,25 +1,14 @@
 """The draft-source contract: what a draft provider plugin implements for the verifier.
 
-A *provider* (registered with ``foretell_register_draft_providers``) lives as long as the
-process and owns the draft weights. ``prepare(target)`` runs once per target, before any
-request: it checks the pairing (raising :class:`PairingError`, which names target, drafter
-and reason, before it allocates anything) and loads what it needs. ``open(target,
-sampler)`` returns a per-request :class:`DraftSource`.
-
-The verifier talks to a source in rounds. ``prefill(feed)`` hands it the prompt;
-``draft(feed, n)`` hands it the tokens the sequence gained since the last call and asks for
-up to ``n`` proposals; ``commit(accepted)`` says how many of them the target kept. Every
-token of the sequence arrives through a feed exactly once, the target's corrections
-included, so a source never has to guess what the sequence is.
-
-Shapes are ``[B, ...]`` (B = 1 today; batched per-row speculation keeps the contract).
-
-Optionally a source checkpoints itself (:class:`CheckpointableSource`): ``capture()``
-returns its state as a :class:`DraftState` and ``restore(state, tokens)`` rebuilds it, so
-the cache tier stores the drafter's state with the target's entry and a later request (a RAM
-or SSD hit, ``--resume``) continues without the drafter prefilling the cached prefix. Its
-provider then names the draft artifact (:class:`CheckpointableProvider`); attachments are
-only restored for the same identity. Sources without it are simply not attached.
+A *provider* (``foretell_register_draft_providers``) lives as long as the process:
+``prepare(target)`` checks the pairing (raising :class:`PairingError` before it allocates
+anything) and loads weights, once per target; ``open(target, sampler)`` returns a
+per-request :class:`DraftSource`. The verifier talks to a source in rounds: ``prefill(feed)``,
+then ``draft(feed, n)`` for up to ``n`` proposals and ``commit(accepted)``. Every token of
+the sequence arrives through a feed exactly once, the target's corrections included, so a
+source never guesses the sequence. Shapes are ``[B, ...]`` (B = 1 today). A source may
+checkpoint itself (:class:`CheckpointableSource`, its provider naming the artifact:
+:class:`CheckpointableProvider`) so the cache tier stores its state with the target's entry.
 """
 
 from __future__ import annotations
@@ -46,11 +35,8 @@ PORT_HIDDEN = "hidden"  # the target's final-normed hidden states arrive in ever
 
 #: A built-in source fed more than this many new positions at once (drafting was off for a
 #: while) starts its state over from the sequence's last this-many instead of catching up on
-#: all of them: a catch-up grows with the stretch, and its lengths rarely repeat. Its drafts
-#: then see less context; the verifier keeps the output exact either way. Measured on the
-#: 2-core Xeon: self-drafting (a 6-layer draft) with drafting off decoded a request in 22-24 s
-#: with one or two probes against 12-14 s with none (docs/speculation.md, "Where the 1%
-#: budget breaks").
+#: all of them: a catch-up grows with the stretch, and its lengths rarely repeat (what it
+#: cost: docs/decisions.md). Its drafts then see less context; the output stays exact.
 CATCH_UP_MAX = 32
 
 
@@ -82,10 +68,17 @@ class Feed:
     :data:`CATCH_UP_MAX` tokens (drafting was off) carries the states of its newest
     ``CATCH_UP_MAX`` tokens and at most a few more: the verifier keeps no more of a plain
     stretch's states, as holding each step's cost decoding speed on the H200.
+
+    ``position`` (with ``draft``; None with ``prefill``) is the index in the sequence that
+    the first token drafted for this feed would take. :class:`~foretell.spec.Drafting`
+    given it draws a seeded request's drafts with the verifier's noise for those positions,
+    so they agree with the target as often as any drafter can that does not see ``p``
+    (docs/speculation.md).
     """
 
     tokens: list[int]
     hidden: mx.array | None = None
+    position: int | None = None
 
 
 @attrs.frozen
