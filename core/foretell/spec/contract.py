@@ -66,8 +66,8 @@ class Feed:
     target consumes every token but the sequence's last, so the prompt's feed has one state
     fewer than tokens and a later feed as many, except that a feed of more than
     :data:`CATCH_UP_MAX` tokens (drafting was off) carries the states of its newest
-    ``CATCH_UP_MAX`` tokens and at most a few more: the verifier keeps no more of a plain
-    stretch's states, as holding each step's cost decoding speed on the H200.
+    ``CATCH_UP_MAX`` tokens and at most a few more: holding every plain step's state cost
+    decoding speed (docs/decisions.md).
 
     ``position`` (with ``draft``; None with ``prefill``) is the index in the sequence that
     the first token drafted for this feed would take. :class:`~foretell.spec.Drafting`
