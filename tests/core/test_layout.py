@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "core" / "foretell"
 PAGE = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
 IDENTIFIER = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)`")
 MODULE = re.compile(r"`(foretell(?:\.[a-z_]+)*)`")
@@ -114,25 +115,62 @@ def test_plugins_import_foretell_only_through_the_public_surface(plugin):
     assert used == set(), "import these through a package or module docs/layout.md lists"
 
 
+def fenced_block(heading: str) -> str:
+    """The first fenced block after the page's ``heading``."""
+    return PAGE.split(f"\n{heading}\n", 1)[1].split("```\n", 2)[1]
+
+
 def tree_entries() -> set[str]:
-    """The top-level folders and modules the page's tree names (``cli/``, ``generate.py``)."""
-    tree = PAGE.split("```\n", 2)[1]
+    """The top-level folders and modules "The folders" names (``cli/``, ``engine.py``)."""
     names = set()
-    for line in tree.splitlines():
+    for line in fenced_block("## The folders").splitlines():
         if line and not line.startswith(" "):
             head = line.split("  ")[0]
             names.update(w for w in head.split() if w.endswith(("/", ".py")))
     return names
 
 
+def path_steps() -> list[tuple[str, str]]:
+    """``(module file, name)`` for each name the drawing of a request's path gives after a
+    module (``engine.py Engine.encode_prompt``), read left to right up to its ``#`` comment."""
+    steps, module = [], None
+    for line in fenced_block("## One request's path").splitlines():
+        for word in line.split("#", 1)[0].split():
+            if word.endswith(".py"):
+                module = word
+            elif module and re.fullmatch(r"[A-Za-z_]\w*(\.\w+)?", word):
+                steps.append((module, word))
+        module = None
+    return steps
+
+
+def _defines_at_top(path: Path, dotted: str) -> bool:
+    """Whether ``path`` defines ``Name`` (or ``Class.member``) at its top level."""
+    name, _, member = dotted.partition(".")
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return not member or any(getattr(n, "name", None) == member for n in node.body)
+    return False
+
+
+def test_the_drawn_path_names_what_each_module_defines():
+    """Every step of the request's path names a module that exists and a function or class
+    that module defines: moving or renaming one fails here until the drawing follows."""
+    steps = path_steps()
+    assert ("engine.py", "Engine.encode_prompt") in steps and len(steps) > 20
+    wrong = [f"{module} {name}" for module, name in steps
+             if not (CORE / module).is_file() or not _defines_at_top(CORE / module, name)]
+    assert wrong == []
+
+
 def test_core_holds_what_the_tree_names():
-    core = ROOT / "core" / "foretell"
     present = {
         p.name + ("/" if p.is_dir() else "")
-        for p in core.iterdir()
+        for p in CORE.iterdir()
         if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"
     } - {"__init__.py", "__main__.py"}
     assert present == tree_entries()
+    assert {"engine.py", "request.py", "stream.py", "tools/"} <= tree_entries()
 
 
 SOURCES = [
@@ -181,12 +219,20 @@ def test_every_foretell_module_and_name_a_source_imports_exists():
     assert missing == set()
 
 
-#: Measuring tools kept beside what they measure; they drive the engine from the top.
-TOOLS_BESIDE_THEIR_PART = {"bench.py", "probe.py", "restore_probe.py", "round_probe.py"}
+#: The engine's parts below the request loop (docs/layout.md draws the path through them).
+PARTS = ("spec", "cache", "store", "model", "plugin", "platform")
+#: The request loop: it calls the parts; they never call back up into it.
+REQUEST_LOOP = ("foretell.engine", "foretell.request", "foretell.stream", "foretell.scheduler")
+#: What measures or drives the engine from outside; the engine never imports it.
+NOT_ENGINE = ("foretell.tools", "foretell.cli")
+#: The longest a module of the engine may be (tools/ measures and is exempt).
+MAX_LINES = 600
 
 
 def _runtime_imports(path: Path) -> set[str]:
-    """Modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks left out)."""
+    """What ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks left out): each
+    module, and ``module.name`` for each ``from module import name`` (``from foretell
+    import engine`` reaches ``foretell.engine``)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
@@ -195,8 +241,9 @@ def _runtime_imports(path: Path) -> set[str]:
                 for orelse in child.orelse:
                     visit(orelse)
                 continue
-            if isinstance(child, ast.ImportFrom) and child.module:
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
                 found.add(child.module)
+                found.update(f"{child.module}.{alias.name}" for alias in child.names)
             elif isinstance(child, ast.Import):
                 found.update(alias.name for alias in child.names)
             visit(child)
@@ -205,14 +252,57 @@ def _runtime_imports(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("part", ["spec", "cache", "store", "model"])
+def _reaching(path: Path, prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in _runtime_imports(path)
+                  if any(m == p or m.startswith(p + ".") for p in prefixes))
+
+
+def _engine_modules() -> list[Path]:
+    """Every module of core/foretell but tools/ and cli/ (and ``__main__``, the CLI's)."""
+    return sorted(p for p in CORE.rglob("*.py")
+                  if p.relative_to(CORE).parts[0] not in ("tools", "cli")
+                  and p.name != "__main__.py")
+
+
+def test_the_checks_see_the_whole_engine():
+    names = {str(p.relative_to(CORE)) for p in _engine_modules()}
+    assert {"engine.py", "spec/verifier.py", "cache/tier.py", "plugin/loader.py"} <= names
+    assert not any(n.startswith(("tools/", "cli/")) for n in names)
+    assert "foretell.request" in _reaching(CORE / "engine.py", ("foretell.request",))
+
+
+@pytest.mark.parametrize("part", PARTS)
 def test_the_parts_below_the_request_loop_never_import_it(part):
-    """The request loop (engine.py, request.py, stream.py) sits above spec/ and cache/ (and
-    what they build on): it calls them, they never call back up into it."""
-    loop = ("foretell.engine", "foretell.request", "foretell.stream")
-    offenders = {
-        path.name: sorted(m for m in _runtime_imports(path) if m.startswith(loop))
-        for path in sorted((ROOT / "core" / "foretell" / part).glob("*.py"))
-        if path.name not in TOOLS_BESIDE_THEIR_PART
-    }
+    """The request loop (engine.py, request.py, stream.py) sits above spec/, cache/ and what
+    they build on: it calls them, they never call back up into it. Every module of the part
+    counts, subpackages included."""
+    offenders = {str(path.relative_to(CORE)): _reaching(path, REQUEST_LOOP)
+                 for path in sorted((CORE / part).rglob("*.py"))}
     assert {name: mods for name, mods in offenders.items() if mods} == {}
+
+
+def test_the_engine_never_imports_the_tools_or_the_cli():
+    """tools/ (what ``foretell bench`` runs) and cli/ drive the engine from the top; nothing
+    the engine runs imports them, so measuring code never becomes part of serving."""
+    offenders = {str(path.relative_to(CORE)): _reaching(path, NOT_ENGINE)
+                 for path in _engine_modules()}
+    assert {name: mods for name, mods in offenders.items() if mods} == {}
+
+
+def test_no_measuring_code_sits_inside_the_engine():
+    """Benchmarks and probes live in tools/ (what ``foretell bench`` runs) or the top-level
+    benchmarks/ (what a maintainer reruns), never beside the part they measure."""
+    measuring = [
+        str(path.relative_to(CORE)) for path in _engine_modules()
+        if any(word in path.stem for word in ("bench", "probe"))
+        or "not a test" in (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+                            or "").lower()
+    ]
+    assert measuring == []
+
+
+def test_no_engine_module_is_over_600_lines():
+    """A module a newcomer reads in one sitting; tools/ measures and is exempt."""
+    long = {str(path.relative_to(CORE)): n for path in _engine_modules()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
