@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -61,7 +61,7 @@ class PluginRecord:
     exception: BaseException | None = attrs.field(default=None, repr=False, eq=False)
     contributions: list[Contribution] = attrs.Factory(list)
     source: str | None = None  # the entry point's value, e.g. "foretell_qwen"
-    #: Why a disabled plugin is not loaded: an environment switch, or these conflicts.
+    #: The conflicts that disabled this plugin (none when a switch did, or it loaded).
     conflicts: list[Conflict] = attrs.Factory(list)
 
     @property
@@ -79,7 +79,7 @@ class PluginRecord:
         self.error = f"{what}: {type(error).__name__}: {error}"
         self.contributions = []
 
-    def disable(self, reason: str, conflicts: list[Conflict] = ()) -> None:
+    def disable(self, reason: str, conflicts: Sequence[Conflict] = ()) -> None:
         self.status = DISABLED
         self.error = reason
         self.conflicts = list(conflicts)
