@@ -1,19 +1,13 @@
 """Gemma 4 (text, dense): Gemma's pre/post-norm decoder with per-layer-type attention.
 
-What sets it apart, all read from config.json the way mlx-lm's gemma4_text does:
-
-- ``layer_types`` mixes sliding-window and full-attention layers; each type has its own
-  RoPE (``rope_parameters[type]``), full layers may be wider (``global_head_dim``) and
-  rotate only part of each head ("proportional" RoPE).
-- The last ``num_kv_shared_layers`` layers compute no keys/values: each reads those of
-  the last earlier layer of its type (so only the other layers own a cache).
-- Per-layer input embeddings (``hidden_size_per_layer_input``) gate a small extra input
-  into every layer.
-- Queries/keys are RMS-normed (values too, without a scale), attention is unscaled, each
-  layer output is multiplied by a learned scalar, logits are soft-capped.
-- ``attention_k_eq_v`` reuses the key projection as values on full layers.
-
-The mixture-of-experts variant is refused at build time.
+What sets it apart, read from config.json as mlx-lm's gemma4_text does: ``layer_types``
+mixes sliding and full layers, each type with its own RoPE (full layers may be wider and
+rotate only part of each head); the last ``num_kv_shared_layers`` layers reuse the keys and
+values of the last earlier layer of their type; per-layer input embeddings gate an extra
+input into every layer; queries, keys and values are RMS-normed, attention is unscaled,
+layer outputs are scaled by a learned scalar, logits soft-capped; ``attention_k_eq_v``
+reuses the key projection as values on full layers. The mixture-of-experts variant is
+refused at build time.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The model contract and the building blocks architectures are made of.
 
-Architecture plugins import from here:
-
-- the contract (:mod:`~foretell.model.contract`): :class:`Model`, :class:`Cache`,
-  :data:`PORT_TAPS`, :data:`PORT_MTP`;
-- KV caches (:mod:`~foretell.model.kvcache`): :class:`KVCache`, :class:`RotatingKVCache`,
-  :class:`SlidingKVCache`, :func:`add_rollback_reserve`, :func:`can_trim`,
-  :func:`stay_trimmable`, :func:`trim_all`;
-- attention (:mod:`~foretell.model.attention`): :func:`attend`, :func:`attention_mask`,
-  :func:`causal_mask`, :data:`Mask`;
-- fixed-shape compiled forwards (:mod:`~foretell.model.fixed`): :func:`fixed_for`,
-  :class:`FixedForward`, :func:`fits_fixed_shapes`, :func:`fixed_shapes_on`;
-- RoPE (:mod:`~foretell.model.rope`): :func:`make_rope`, :class:`RoPE`;
-- loading (:mod:`~foretell.model.loading`): :func:`load_model`, :func:`read_config`,
-  :func:`args_from_config`, :func:`require_divides`, and for checkpoint quirks
-  :func:`quantize_like_checkpoint`, :func:`should_unpack_quantized`,
-  :func:`unpack_quantized`.
-
-Names resolve on first use, so importing this package imports no MLX: on the CPU the BLAS
-must be bound before MLX loads (docs/blas.md).
+Architecture plugins import from here: the contract (:class:`Model`, :class:`Cache`, the
+ports), the KV caches (:class:`KVCache`, :class:`RotatingKVCache`, :class:`SlidingKVCache`
+and their trim helpers), attention (:func:`attend`, the masks), fixed-shape forwards
+(:func:`fixed_for`), RoPE (:func:`make_rope`) and loading (:func:`load_model`,
+:func:`read_config`, :func:`args_from_config` and the checkpoint-quirk helpers); ``_WHERE``
+below lists every name. Names resolve on first use, so importing this package imports no
+MLX: on the CPU the BLAS must be bound before MLX loads (docs/blas.md).
 """
 
 from __future__ import annotations
