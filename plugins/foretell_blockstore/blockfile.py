@@ -1,6 +1,6 @@
 """One block file of the ``blocks`` layout: written durably, opened and checked against its
-manifest, its pieces read into place (straight into their tensors, through a staging slot,
-or whole into a landing area), each piece hashed as it lands.
+manifest, its pieces read into place (straight into their tensors, or on a CUDA GPU through a
+staging slot or whole into a landing area), each piece hashed as it lands.
 
 A block is ``header + pieces``: the header names the rows and tensors it holds
 (``manifest.block_header``), each piece one tensor's rows, in file order. Every reader
@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from foretell.platform import cuda
 from foretell.store import format as fmt
-from foretell.store.files import full_fsync
+from foretell.store.files import full_fsync, not_a_file
 from foretell_blockstore import manifest as mf
+
+if TYPE_CHECKING:
+    from foretell.platform import cuda
 
 #: iovecs per preadv call (POSIX guarantees at least 16; Linux and macOS allow 1024).
 IOV_MAX = 1024
@@ -41,14 +43,21 @@ def open_block(path: Path, ref: mf.BlockRef, header: bytes) -> tuple[int, int]:
     """A block's descriptor and the offset past its header, once its size and header are
     the ones its manifest implies (the caller closes it).
 
-    :raises BadBlock: missing, of another size or another header.
+    :raises BadBlock: missing, not a regular file, of another size or another header.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        # O_NONBLOCK: a FIFO named like a block would otherwise hold the open forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise BadBlock(ref.id, f"block {ref.id[:16]} is missing") from None
     try:
-        if os.fstat(fd).st_size != ref.nbytes:
+        stat = os.fstat(fd)
+        why = not_a_file(stat.st_mode)
+        if why is not None:
+            raise BadBlock(ref.id, f"block {ref.id[:16]} is {why}")
+        os.set_blocking(fd, True)
+        if stat.st_size != ref.nbytes:
             raise BadBlock(ref.id, f"block {ref.id[:16]} has the wrong size")
         seen = bytearray(len(header))
         offset = read_runs(fd, [memoryview(seen)], 0, ref)
@@ -62,14 +71,14 @@ def open_block(path: Path, ref: mf.BlockRef, header: bytes) -> tuple[int, int]:
 
 def read_block(path: Path, ref: mf.BlockRef, header: bytes,
                pieces: list[list[memoryview]], verify: bool = True,
-               staged: bool = False) -> None:
+               staging: Callable[[], cuda.driver.Staging] | None = None) -> None:
     """Read one block: its header must be the one its manifest implies; each piece's bytes go
     to its runs (``pieces``, in file order) and is checksummed right after its read, while
-    still in the cache; together they must match the manifest's checksum. ``staged``:
-    consecutive pieces are read in one call into this thread's staging slot (up to
-    ``cuda.SLOT_BYTES``, :func:`slots`), each piece's copy into its runs is started
-    (on a CUDA GPU, by DMA: ``foretell.platform.cuda``) and the piece hashed in one call
-    while the copies run (no later read overwrites the slot before its copies have finished;
+    still in the cache; together they must match the manifest's checksum. ``staging`` (a
+    CUDA GPU's: ``foretell.platform.cuda.driver.staging``): consecutive pieces are read in
+    one call into this thread's staging slot (up to a slot, :func:`slots`), each piece's
+    copy into its runs is started (by DMA) and the piece hashed in one call while the
+    copies run (no later read overwrites the slot before its copies have finished;
     a block that fails its checksum is never returned, whatever landed). Otherwise each
     piece is read straight into its runs and hashed there: reading several at once there
     made verified reads slower, the first pieces leaving the cache before they were hashed
@@ -78,7 +87,7 @@ def read_block(path: Path, ref: mf.BlockRef, header: bytes,
     :raises BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
     """
-    stage = cuda.staging() if staged else None
+    stage = staging() if staging is not None else None
     with checked_block(path, ref, header, verify, stage) as (fd, offset, checksums):
         if stage is None:
             for runs in pieces:
@@ -96,16 +105,18 @@ def read_block(path: Path, ref: mf.BlockRef, header: bytes,
 
 
 def land_block(path: Path, ref: mf.BlockRef, header: bytes, sizes: list[int],
-               verify: bool, address: int) -> None:
+               verify: bool, address: int,
+               staging: Callable[[], cuda.driver.Staging]) -> None:
     """Read one block's tensor bytes (its pieces of ``sizes``, in file order) to
-    ``address`` in a landing area (``foretell.platform.cuda.LandingArea``): consecutive
-    pieces into this thread's staging slot in one call, the slot copied there in one, each
-    piece hashed while the copy runs; as :func:`read_block` otherwise.
+    ``address`` in a landing area (``foretell.platform.cuda.areas.LandingArea``):
+    consecutive pieces into this thread's staging slot (``staging()``) in one call, the slot
+    copied there in one, each piece hashed while the copy runs; as :func:`read_block`
+    otherwise.
 
     :raises BadBlock: as :func:`read_block`.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
     """
-    stage = cuda.staging()
+    stage = staging()
     with checked_block(path, ref, header, verify, stage) as (fd, offset, checksums):
         for slot, views in slots(fd, offset, ref, sizes, stage):
             stage.send_to(slot, address)
@@ -116,7 +127,7 @@ def land_block(path: Path, ref: mf.BlockRef, header: bytes, sizes: list[int],
 
 @contextlib.contextmanager
 def checked_block(path: Path, ref: mf.BlockRef, header: bytes, verify: bool,
-                  stage: cuda.Staging | None) -> Iterator[tuple[int, int, list[str]]]:
+                  stage: cuda.driver.Staging | None) -> Iterator[tuple[int, int, list[str]]]:
     """A block opened for reading (:func:`open_block`): yields its descriptor, the offset
     past its header and a list for its pieces' checksums, in file order. Afterwards every
     copy ``stage`` started has landed and the file is closed, whatever happened; and if
@@ -138,13 +149,12 @@ def checked_block(path: Path, ref: mf.BlockRef, header: bytes, verify: bool,
         raise BadBlock(ref.id, f"block {ref.id[:16]} fails its checksum")
 
 
-def slots(fd: int, offset: int, ref: mf.BlockRef, sizes: list[int], stage: cuda.Staging
-          ) -> Iterator[tuple[memoryview, list[memoryview]]]:
+def slots(fd: int, offset: int, ref: mf.BlockRef, sizes: list[int],
+          stage: cuda.driver.Staging) -> Iterator[tuple[memoryview, list[memoryview]]]:
     """Consecutive pieces of ``sizes`` read from ``offset`` on, as many as fit one staging
-    slot (``cuda.SLOT_BYTES``; a larger piece alone) in one call: each slot with a view of
-    each of its pieces. A staged reader reads 4 MiB at a time (docs/block-store.md,
-    "Reads of 4 MiB")."""
-    for group in consecutive(sizes, sizes, cuda.SLOT_BYTES):
+    slot (``stage.SLOT_BYTES``; a larger piece alone) in one call: each slot with a view of
+    each of its pieces (docs/block-store.md, "Reads of 4 MiB")."""
+    for group in consecutive(sizes, sizes, stage.SLOT_BYTES):
         slot = stage.slot(sum(size for size, _same in group))
         offset = read_runs(fd, [slot], offset, ref)
         views, begin = [], 0

@@ -24,18 +24,20 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import xxhash
 
-from foretell.platform import cuda
+from foretell.platform import device
 from foretell.store import digest
 from foretell.store import format as fmt
 from foretell.store import reserve as rsv
@@ -49,16 +51,27 @@ from foretell.store.entry import (
 )
 from foretell.store.files import (
     FileVersion,
+    NotAFile,
     Scanned,
     fsync_directory,
     log_io_failure,
     make_directories,
+    read_bounded,
     rescan,
     unlink_quietly,
 )
-from foretell.store.layout import CorruptEntry, ForeignEntry, ScanJournal, UnknownVersion
+from foretell.store.layout import (
+    CorruptEntry,
+    ForeignEntry,
+    ScanJournal,
+    StoreError,
+    UnknownVersion,
+)
 from foretell_blockstore import blockfile
 from foretell_blockstore import manifest as mf
+
+if TYPE_CHECKING:
+    from foretell.platform import cuda
 
 log = logging.getLogger("foretell.store")
 
@@ -67,8 +80,7 @@ BLOCK_SUFFIX = ".blk"
 #: entry_key's format version for this layout (keys never collide with another format's).
 KEY_VERSION = 102
 #: One directory per block format version: another version's manifests are never seen,
-#: so they are never served and never stall collect() (which keeps every block when it
-#: finds a manifest it cannot read).
+#: so they are never served and their blocks never collected by this one.
 STORE_DIR = "blocks-v4"
 
 
@@ -190,7 +202,12 @@ class BlockStoreLayout:
         #: Where the last replenish's time went, ms per step (digests, landing, reserve).
         self.last_replenish_ms: dict[str, float] = {}
         self.last_check = ""
-        cuda.prepare()
+        # Where an engine runs (MLX loaded; `foretell cache ls` loads none), the CUDA driver
+        # is loaded and its staging pinned as the store opens, not by the first restore.
+        if "mlx.core" in sys.modules:
+            cuda = device.cuda_backend()
+            if cuda is not None:
+                cuda.driver.gpu_landing()
 
     @classmethod
     def stored_identities(cls, root: str | Path, codec_providers: Sequence[str]
@@ -207,12 +224,12 @@ class BlockStoreLayout:
                     tokenizer_hash="", codec_providers=codec_providers)
         for path in sorted(Path(root).glob(f"*/{STORE_DIR}/entries/*{SUFFIX}")):
             try:
-                fields = mf.parse(path.read_bytes()).fields
+                fields = mf.parse(read_bounded(path, mf.MAX_MANIFEST_BYTES, "a manifest")).fields
                 identity = StoreIdentity(
                     model_fingerprint=fields["model_fingerprint"],
                     kv_scheme=fields["kv_scheme"], model_id=fields["model_id"],
                     tokenizer_hash=fields["tokenizer_hash"], codec_providers=codec_providers)
-            except (OSError, CorruptEntry, UnknownVersion, KeyError, TypeError, ValueError):
+            except (OSError, StoreError, KeyError, TypeError, ValueError):
                 continue
             if identity.directory == path.parent.parent.parent.name:
                 seen.pop((identity.directory, "", ""), None)
@@ -314,7 +331,7 @@ class BlockStoreLayout:
         except CorruptEntry as exc:
             self._drop(key, str(exc), raw)
             return None
-        except (UnknownVersion, ForeignEntry) as exc:
+        except (UnknownVersion, ForeignEntry, NotAFile) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
             self.skipped[str(path)] = str(exc)
             self._forget(key)
@@ -342,12 +359,14 @@ class BlockStoreLayout:
         conversation whose stored entries grow every turn does not pay a fill at each
         request's end. Runs MLX: the tier calls it where MLX runs and no request waits
         (:class:`foretell.store.layout.KeepsRestoreReserve`). Where reads are checked by
-        device digests, their weights and kernels are made ready here too."""
+        device digests, their weights are built here too, and on a CUDA GPU the landing area
+        is grown and its kernel loaded."""
         marks, indexed = [time.perf_counter()], self._indexed()
-        if digest.enabled():  # at least the kernel: the first write needs it too
+        if digest.enabled():  # even for an empty store: its first write digests too
             digest.prepare(max((i.largest_tensor for i in indexed), default=4) // 4)
         marks.append(time.perf_counter())
-        on_gpu = cuda.gpu_landing()  # born where the read lands its bytes
+        cuda = device.cuda_backend()
+        on_gpu = cuda is not None and cuda.driver.gpu_landing()  # born where reads land
         with self._lock:  # engines sharing a tier may finish requests on two threads
             if self.reserve is None:
                 cap = (self._reserve_cap if self._reserve_cap is not None
@@ -355,7 +374,8 @@ class BlockStoreLayout:
                 if cap == 0:
                     return
                 self.reserve = rsv.BufferReserve(cap, on_gpu=on_gpu)
-        self._prepare_landing(max((i.landing_bytes for i in indexed), default=0))
+        if cuda is not None:
+            self._prepare_landing(cuda, max((i.landing_bytes for i in indexed), default=0))
         marks.append(time.perf_counter())
         if self.reserve.used_since_fill():
             self.reserve.refill(max((i.buffer_bytes for i in indexed), default=0))
@@ -363,21 +383,21 @@ class BlockStoreLayout:
         self.last_replenish_ms = {step: (end - begin) * 1e3 for step, begin, end in zip(
             ("digests", "landing", "reserve"), marks, marks[1:])}
 
-    def _prepare_landing(self, largest: int) -> None:
+    def _prepare_landing(self, cuda: ModuleType, largest: int) -> None:
         """Grow the landing area to ``largest`` bytes (the largest indexed entry's; within
         the reserve's cap) and load its kernel, where no request waits (a no-op once it has
         room). Not while the store holds nothing to restore: a fresh cache directory's first
-        request would wait for the kernel (2.0-2.3 s on the H200) for no read; the replenish
-        after the request that stored its first entry readies it."""
-        area = cuda.landing()
+        request would wait for the kernel for no read; the replenish after the request that
+        stored its first entry readies it."""
+        area = cuda.areas.landing()
         if area is None or largest <= 0:
             return
         try:
             area.prepare(min(largest, self._landing_cap()))
-        except cuda.CudaCopyError as exc:  # no device memory for it: reads land piece by piece
+        except cuda.driver.CudaCopyError as exc:  # no device memory: reads land piece by piece
             log.debug("block store %s: landing area not grown (%s)", self.directory, exc)
         except RuntimeError as exc:
-            cuda.give_up_landing(exc)
+            cuda.areas.give_up_landing(exc)
 
     def read_layers(self, key: str, *, verify: bool = True) -> list[LayerState]:
         """The entry's tensors read as :meth:`read` reads them (manifest, identity and key
@@ -447,12 +467,13 @@ class BlockStoreLayout:
         except CorruptEntry as exc:
             self._drop(key, str(exc), raw)
             return None
-        except (UnknownVersion, ForeignEntry) as exc:
+        except (UnknownVersion, ForeignEntry, NotAFile) as exc:
             log.debug("cache entry %s skipped: %s", self.path(key), exc)
             return version, str(exc)
         except OSError as exc:
+            # Kept as skipped while the file is unchanged: a rescan warns once, not each time.
             log.warning("cannot read cache entry %s: %s", self.path(key), exc)
-            return None
+            return version, f"cannot be read ({exc.strerror or exc})"
         return version, _Indexed(
             header=EntryHeader(key=key, tokens=manifest.tokens, namespace=manifest.namespace,
                                layers=manifest.layers, nbytes=size + manifest.tensor_bytes,
@@ -495,8 +516,6 @@ class BlockStoreLayout:
             with self._flock(exclusive=True, timeout=self.config.lock_timeout_s):
                 freed = self._reap_tmp_files()
                 live = self._live_blocks()
-                if live is None:
-                    return freed
                 for name in self._listdir(self.data_dir):
                     if name.endswith(BLOCK_SUFFIX) and name[: -len(BLOCK_SUFFIX)] not in live:
                         freed += blockfile.unlink_counting(self.data_dir / name)
@@ -533,15 +552,18 @@ class BlockStoreLayout:
     # -- internals -------------------------------------------------------------------------
 
     def _gather_by_dma(self, entry: Entry, groups: tuple[mf.Group, ...], rows: int
-                       ) -> tuple[cuda.HostArea | None, Callable[..., list[list[memoryview]]]]:
-        """Where each block's pieces come from: gathered from the tensors by DMA into the
-        process's page-locked write area where ``foretell.platform.cuda.write_area`` has one
-        free (the area is returned, held: the caller releases it once every block is
-        written), else read from the tensors' memory on the CPU (``mf.block_pieces``). Needs
-        every tensor's rows in runs at one pitch (``mf.run_layout``), as a cache's are."""
+                       ) -> tuple[cuda.areas.HostArea | None,
+                                  Callable[..., list[list[memoryview]]]]:
+        """Where each block's pieces come from: on a CUDA GPU, gathered from the tensors by
+        DMA into the process's page-locked write area
+        (``foretell.platform.cuda.areas.write_area``) where it is free (the area is
+        returned, held: the caller releases it once every block is written), else read from
+        the tensors' memory on the CPU (``mf.block_pieces``). Needs every tensor's rows in
+        runs at one pitch (``mf.run_layout``), as a cache's are."""
         hosts = mf.host_views(entry)
         on_host = None, functools.partial(mf.block_pieces, hosts)
-        area = cuda.write_area()
+        cuda = device.cuda_backend()
+        area = cuda.areas.write_area() if cuda is not None else None
         if area is None:
             return on_host
         found = {key: mf.run_layout(host) for key, host in hosts.items() if host.size}
@@ -555,7 +577,7 @@ class BlockStoreLayout:
         try:
             if area.acquire(need) is None:
                 return on_host
-        except cuda.CudaCopyError as exc:
+        except cuda.driver.CudaCopyError as exc:
             log.debug("block store %s: no write area of %d bytes (%s)", self.directory,
                       need, exc)
             return on_host
@@ -566,7 +588,7 @@ class BlockStoreLayout:
                 at += len(group.tensors)
 
         def gather(group: mf.Group, begin: int, _end: int) -> list[list[memoryview]]:
-            stage, pieces = cuda.staging(), []
+            stage, pieces = cuda.driver.staging(), []
             try:
                 for offset, first, width, count, pitch in where[(group, begin)].tolist():
                     pieces.append([area.view(offset, width * count)])
@@ -607,8 +629,11 @@ class BlockStoreLayout:
         return self._manifest_of(key, self._manifest_bytes(key))
 
     def _manifest_bytes(self, key: str) -> bytes:
-        with open(self.path(key), "rb") as fh:
-            return fh.read()
+        """The manifest file's bytes, if it is a regular file of at most
+        ``mf.MAX_MANIFEST_BYTES`` (:func:`foretell.store.files.read_bounded`).
+
+        :raises CorruptEntry: larger. :raises NotAFile: a FIFO, device, directory..."""
+        return read_bounded(self.path(key), mf.MAX_MANIFEST_BYTES, "a manifest")
 
     def _manifest_of(self, key: str, raw: bytes) -> mf.Manifest:
         """:meth:`_load_manifest` of bytes read already."""
@@ -632,15 +657,17 @@ class BlockStoreLayout:
         it landed, after the last block), by each piece's checksum as it lands otherwise
         (``verify=False``: neither, the benchmark's only; ``on_device=False``: the
         checksums). On a CUDA GPU the buffers are born there and the blocks land by DMA
-        from page-locked slots (``foretell.platform.cuda``): each slot in one
-        copy to the process's landing area, its runs placed into the tensors by one kernel
-        after the last block (:meth:`_land_whole`); otherwise, and when the area is held or
-        the entry is larger than the restore reserve's cap, each piece's copy lands in
-        place. Elsewhere pieces are read straight into the buffers."""
+        from page-locked slots (``foretell.platform.cuda``, reached through
+        ``device.cuda_backend()``): each slot in one copy to the process's landing area, its
+        runs placed into the tensors by one kernel after the last block
+        (:meth:`_land_whole`); otherwise, and when the area is held or the entry is larger
+        than the restore reserve's cap, each piece's copy lands in place. Elsewhere pieces
+        are read straight into the buffers."""
         import mlx.core as mx
 
         marks = [started if started is not None else time.perf_counter(), time.perf_counter()]
-        staged = cuda.gpu_landing()
+        cuda = device.cuda_backend()
+        staged = cuda is not None and cuda.driver.gpu_landing()
         by_digest = verify and on_device and manifest.digests is not None and digest.enabled()
         specs = manifest.specs
         buffers = {(s.layer, s.name): b for s, b in zip(
@@ -648,21 +675,21 @@ class BlockStoreLayout:
         flats = {key: flat for key, (_array, flat) in buffers.items()}
         marks.append(time.perf_counter())
         check = verify and not by_digest
-        landed = self._land_whole(manifest, flats, check, marks)
+        landed = None if cuda is None else self._land_whole(cuda, manifest, flats, check, marks)
         if landed is None:
+            staging = cuda.driver.staging if staged else None
             jobs = []
             for group, refs in manifest.groups:
                 for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
                     jobs.append(fmt.io_pool().submit(
                         blockfile.read_block, self.block_path(ref.id), ref,
                         mf.block_header(group, begin, end),
-                        mf.destinations(group, begin, end, flats), check, staged))
+                        mf.destinations(group, begin, end, flats), check, staging))
             marks.append(time.perf_counter())
             blockfile.wait_in_order(jobs)
             marks.append(time.perf_counter())
         if by_digest:
-            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs],
-                                   views=[flats[(s.layer, s.name)] for s in specs])
+            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs])
             bad = next((s for s, got, want in zip(specs, found or [None] * len(specs),
                                                   manifest.digests) if got != want), None)
             if bad is not None:
@@ -696,8 +723,9 @@ class BlockStoreLayout:
         reserve's cap."""
         return self._reserve_cap if self._reserve_cap is not None else rsv.default_cap(True)
 
-    def _land_whole(self, manifest: mf.Manifest, flats: dict[tuple[int, str], memoryview],
-                    verify: bool, marks: list[float]) -> bool | None:
+    def _land_whole(self, cuda: ModuleType, manifest: mf.Manifest,
+                    flats: dict[tuple[int, str], memoryview], verify: bool,
+                    marks: list[float]) -> bool | None:
         """Read the entry's blocks into the process's landing area (each staging slot one
         copy), then place every run into its tensor in one pass; True once done, None when
         the entry cannot land whole here (no area: not a CUDA GPU; the area held by another
@@ -706,16 +734,16 @@ class BlockStoreLayout:
 
         :raises blockfile.BadBlock: as :func:`blockfile.read_block`, before anything is placed.
         """
-        area = cuda.landing()
+        area = cuda.areas.landing()
         if area is None:
             return None
         offsets, need, runs = mf.landing_plan(
-            manifest, {key: cuda.address(flat) for key, flat in flats.items()})
+            manifest, {key: cuda.driver.address(flat) for key, flat in flats.items()})
         if need > self._landing_cap():
             return None
         try:
             base = area.acquire(need)
-        except cuda.CudaCopyError as exc:
+        except cuda.driver.CudaCopyError as exc:
             log.debug("block store %s: no landing area of %d bytes (%s)", self.directory,
                       need, exc)
             return None
@@ -729,7 +757,7 @@ class BlockStoreLayout:
                         blockfile.land_block, self.block_path(ref.id), ref,
                         mf.block_header(group, begin, end),
                         [t.piece_bytes(begin, end) for t in group.tensors], verify,
-                        base + offsets[at]))
+                        base + offsets[at], cuda.driver.staging))
                     at += 1
             marks.append(time.perf_counter())
             blockfile.wait_in_order(jobs)
@@ -737,7 +765,7 @@ class BlockStoreLayout:
             try:
                 area.place(runs)
             except RuntimeError as exc:  # the kernel cannot be built or launched here
-                cuda.give_up_landing(exc)
+                cuda.areas.give_up_landing(exc)
                 del marks[-2:]
                 return None
             marks.append(time.perf_counter())
@@ -763,9 +791,17 @@ class BlockStoreLayout:
         if bad_block is not None and "missing" not in reason:
             unlink_quietly(self.block_path(bad_block))  # damaged whichever manifest lists it
         try:
-            now = path.read_bytes()
+            if judged is None:  # it could not be read whole (larger than a manifest may be)
+                os.lstat(path)
+                now = None
+            else:
+                now = read_bounded(path, mf.MAX_MANIFEST_BYTES, "a manifest")
         except FileNotFoundError:
             return  # removed meanwhile (evicted, then its blocks collected): nothing to say
+        except NotAFile:
+            return  # replaced by a FIFO, a directory...: not this layout's to delete
+        except CorruptEntry:
+            now = None  # grown past any manifest since: rewritten meanwhile
         except OSError:
             now = judged
         if judged is not None and now != judged:
@@ -774,34 +810,35 @@ class BlockStoreLayout:
         log.warning("cache entry %s dropped: %s%s", path, reason,
                     "" if unlink_quietly(path) else " (its manifest could not be deleted)")
 
-    def _live_blocks(self) -> set[str] | None:
-        """Ids of every block a manifest in the directory lists, foreign identities
-        included; None if some manifest cannot be read (then nothing may be deleted)."""
+    def _live_blocks(self) -> set[str]:
+        """Ids of every block a manifest in the directory lists (``mf.listed_block_ids``),
+        foreign identities and unknown block namings included. A file named like a
+        manifest that lists none readably (not a regular file, unreadable) keeps none: one
+        such file stopped every block from being collected, and the byte cap with it."""
         live: set[str] = set()
         seen: dict[str, tuple[int, frozenset[str]]] = {}
         for name in self._listdir(self.entries_dir):
             if not name.endswith(SUFFIX):
                 continue
+            raw = None
             try:
                 # Read whole every time and reused only by its bytes' digest: what is deleted
                 # here is chosen by it, and a file's version (inode, size, mtime) can repeat
                 # for a rewrite (a freed inode reused within one timestamp tick). 11 us a
                 # 10 KB manifest on the 2-core EPYC.
-                raw = (self.entries_dir / name).read_bytes()
+                raw = read_bounded(self.entries_dir / name, mf.MAX_MANIFEST_BYTES, "a manifest")
                 digest = xxhash.xxh3_128_intdigest(raw)
                 cached = self._parsed.get(name)
                 if cached is None or cached[0] != digest:
-                    cached = (digest, frozenset(ref.id for ref in mf.parse(raw).blocks))
+                    cached = (digest, mf.listed_block_ids(raw))
                 seen[name] = cached
                 live.update(cached[1])
             except FileNotFoundError:
                 continue
             except CorruptEntry as exc:
                 self._drop(name[: -len(SUFFIX)], str(exc), raw)
-            except (UnknownVersion, OSError) as exc:
-                log.warning("block store %s: cannot tell which blocks %s uses (%s); no "
-                            "block is collected", self.directory, name, exc)
-                return None
+            except (NotAFile, OSError) as exc:  # the scan reports it (ReportsSkipped)
+                log.debug("block store %s: %s lists no block (%s)", self.directory, name, exc)
         self._parsed = seen
         return live
 

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 #: block header carries it), so format 2's stores are skipped, not read by code they were
 #: not written for.
 FORMAT_VERSION = "blocks/4"
+#: The largest manifest a reader reads: its length prefix and the longest header any
+#: safetensors reader accepts. A larger file is refused by its size, before it is read.
+MAX_MANIFEST_BYTES = 8 + fmt.MAX_HEADER_BYTES
 _VERSION_KEY = "foretell.format_version"
 _HEADER_KEY = "foretell.header"
 _HASH_KEY = "foretell.header_hash"
@@ -531,6 +534,29 @@ def parse(raw: bytes) -> Manifest:
         return _parse_fields(json.loads(header_json))
     except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise CorruptEntry(f"malformed manifest: {type(exc).__name__}: {exc}") from None
+
+
+def listed_block_ids(raw: bytes) -> frozenset[str]:
+    """The ids of the blocks a manifest file's bytes list: what ``collect()`` keeps for it.
+    A manifest of a block naming or format version this reader does not know is skipped
+    and kept (another foretell may serve it), and so are the blocks its block list names
+    where that list has this format's shape; where it has not, it keeps none.
+
+    :raises CorruptEntry: damaged, as :func:`parse`."""
+    try:
+        return frozenset(ref.id for ref in parse(raw).blocks)
+    except UnknownVersion:
+        pass
+    try:
+        fields = json.loads(json.loads(raw[8:])["__metadata__"][_HEADER_KEY])
+        return frozenset(block[0] for group in fields["groups"] for block in group["blocks"]
+                         if isinstance(block[0], str) and _ANY_BLOCK_ID.match(block[0]))
+    except (ValueError, KeyError, TypeError, IndexError):
+        return frozenset()
+
+
+#: A block id of any naming, as far as it can name a file in the data folder.
+_ANY_BLOCK_ID = re.compile("^[0-9a-f]{16,128}$")
 
 
 def _parse_fields(fields: dict[str, Any]) -> Manifest:

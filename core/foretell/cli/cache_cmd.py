@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -170,14 +171,18 @@ def claimed_identities(root: Path, providers: list[str]) -> list[Any]:
 def _claimed_fields(path: Path) -> dict[str, Any] | None:
     import struct
 
+    from foretell.store import format as fmt
+    from foretell.store.files import open_regular
+    from foretell.store.layout import StoreError
+
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:  # a FIFO named like an entry must not hang `ls`
             (length,) = struct.unpack("<Q", fh.read(8))
-            if length > 100_000_000:
+            if length > fmt.MAX_HEADER_BYTES:
                 return None
             meta = json.loads(fh.read(length))["__metadata__"]
         return json.loads(meta["foretell.header"])
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+    except (OSError, StoreError, ValueError, KeyError, TypeError, struct.error):
         return None
 
 
@@ -298,14 +303,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
             else:
                 bad.append({"key": h.key, "path": str(layout.path(h.key)), "reason": reason})
     # Files the scans deleted (damaged headers) or that no identity could claim.
+    skipped = skipped_entries(found)
+    said = {s["path"] for s in skipped}
     strays = []
     for path in sorted(before - checked):
-        if not path.exists():
+        if not os.path.lexists(path):
             bad.append({"key": path.stem, "path": str(path), "reason": "corrupt header"})
-        elif args.model is None and _claimed_fields(path) is None:
+        elif args.model is None and str(path) not in said and _claimed_fields(path) is None:
             # Not this foretell's: kept, and said so, as other skipped files are.
             strays.append({"path": str(path), "reason": "not a foretell entry"})
-    report = {"verified": good, "bad": bad, "skipped": skipped_entries(found) + strays}
+    report = {"verified": good, "bad": bad, "skipped": skipped + strays}
     if args.json:
         print(json.dumps(report))
     else:

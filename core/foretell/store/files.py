@@ -1,20 +1,100 @@
-"""What every storage layout does with files: durable writes and directories, quiet
-deletes, one warning per I/O outage, and the incremental re-read of a directory of entry
-files. Shared by the single-file layout here and by the block store plugin.
+"""What every storage layout does with files: durable writes and directories, bounded
+reads of regular files only, quiet deletes that never leave the cache root, one warning
+per I/O outage, and the incremental re-read of a directory of entry files. Shared by the
+single-file layout here and by the block store plugin.
 
-Imported when plugins register: the standard library only.
+Imported when plugins register: the standard library and foretell's errors only.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat as st
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from foretell.errors import CorruptEntry, StoreError
 
 log = logging.getLogger("foretell.store")
+
+
+class NotAFile(StoreError):
+    """A path named like a store file that is not a regular file (a FIFO, a device, a
+    directory, a socket): it is never read (a FIFO's open waits for a writer forever, a
+    device reads without end) and never deleted (it is not something a layout wrote).
+    Layouts skip it and say so (``ReportsSkipped``)."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((st.S_ISFIFO, "a FIFO"), (st.S_ISDIR, "a directory"),
+                       (st.S_ISCHR, "a character device"), (st.S_ISBLK, "a block device"),
+                       (st.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_a_file(mode: int) -> str | None:
+    """Why a file of this ``st_mode`` is passed over (:class:`NotAFile`), or None for a
+    regular file."""
+    return None if st.S_ISREG(mode) else f"not a regular file ({_kind(mode)})"
+
+
+def _open_if_regular(path: str, flags: int) -> int:
+    # O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever.
+    fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    try:
+        why = not_a_file(os.fstat(fd).st_mode)
+        if why is not None:
+            raise NotAFile(why)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``path`` opened for binary reading if it is a regular file (through a symbolic link
+    too); its ``name`` is the path. What a layout opens an untrusted file with.
+
+    :raises NotAFile: a FIFO, device, directory or socket (checked on the open descriptor,
+        so nothing swapped in after a check is read).
+    :raises OSError: as ``open``."""
+    return open(path, "rb", opener=_open_if_regular)  # noqa: SIM115 - the caller closes it
+
+
+def read_bounded(path: str | Path, limit: int, what: str = "a cache file") -> bytes:
+    """The whole of regular file ``path`` if it holds at most ``limit`` bytes. The size is
+    checked before anything is allocated and at most ``limit + 1`` bytes are read, so a
+    file truncated out to gigabytes (sparse, costing no disk) costs a ``stat``.
+
+    :raises CorruptEntry: larger than ``limit`` (``what`` names what it should have been).
+    :raises NotAFile: see :func:`open_regular`. :raises OSError: as ``open``."""
+    with open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise CorruptEntry(f"{size} bytes, more than {what} holds ({limit} at most)")
+        data = fh.read(limit + 1)
+    if len(data) > limit:  # grew while it was read
+        raise CorruptEntry(f"more than {limit} bytes, more than {what} holds")
+    return data
+
+
+def outside_root(root: str | Path, *folders: str | Path) -> str | None:
+    """Where the first of ``folders`` that resolves (symbolic links followed) outside
+    ``root`` resolves to, or None when all lie inside it. A layout deletes nothing in such
+    a folder: a fingerprint directory that is a link to elsewhere would otherwise have
+    that place's files deleted as corrupt entries and interrupted writes."""
+    top = os.path.realpath(root)
+    for folder in folders:
+        real = os.path.realpath(folder)
+        if os.path.commonpath([top, real]) != top:
+            return real
+    return None
 
 #: What tells a scan that a file changed: inode, size, mtime (ns).
 FileVersion = tuple[int, int, int]
@@ -98,9 +178,10 @@ def rescan(folder: Path, names: Iterable[str], suffix: str, known: dict[str, Sca
            ) -> tuple[dict[str, Any], dict[str, Scanned], dict[str, str]]:
     """One pass over the entry files (``suffix``) among ``names`` in ``folder``: a file whose
     :func:`file_version` is the one in ``known`` keeps what it was read to; any other is
-    ``read(key, version)`` (None: not usable, left out). Returns the index entries by key,
-    the new ``known`` by file name, and the passed-over files (path -> why): a re-read of a
-    directory of unchanged entries costs a ``stat`` each."""
+    ``read(key, version)`` (None: not usable, left out), unless it is not a regular file
+    (a FIFO, a directory...: passed over unread, :class:`NotAFile`). Returns the index
+    entries by key, the new ``known`` by file name, and the passed-over files (path ->
+    why): a re-read of a directory of unchanged entries costs a ``stat`` each."""
     found: dict[str, Any] = {}
     scanned: dict[str, Scanned] = {}
     skipped: dict[str, str] = {}
@@ -109,12 +190,14 @@ def rescan(folder: Path, names: Iterable[str], suffix: str, known: dict[str, Sca
             continue
         key, path = name[: -len(suffix)], folder / name
         try:
-            version = file_version(os.stat(path))
+            stat = os.stat(path)
         except OSError:
             continue  # removed meanwhile
+        version = file_version(stat)
         entry = known.get(name)
         if entry is None or entry[0] != version:
-            entry = read(key, version)
+            why = not_a_file(stat.st_mode)
+            entry = (version, why) if why is not None else read(key, version)
             if entry is None:
                 continue
         scanned[name] = entry

@@ -30,12 +30,14 @@ from foretell.store import format as fmt
 from foretell.store.entry import Entry, EntryHeader, LayerState, StoreIdentity, entry_key
 from foretell.store.files import (
     FileVersion,
+    NotAFile,
     Scanned,
     file_version,
     fsync_directory,
     full_fsync,
     log_io_failure,
     make_directories,
+    open_regular,
     rescan,
     unlink_quietly,
 )
@@ -169,7 +171,7 @@ class SingleFileLayout:
 
         :raises CorruptEntry: the file is damaged. :raises FileNotFoundError: no such entry.
         """
-        with open(self.path(key), "rb") as fh:
+        with open_regular(self.path(key)) as fh:
             header, _stat = self._checked_header(fh, key)
             return fmt.read_layers(fh, header, verify=verify)
 
@@ -269,7 +271,7 @@ class SingleFileLayout:
                        ) -> tuple[fmt.StoredHeader, os.stat_result, list | None] | None:
         path = self.path(key)
         try:
-            with open(path, "rb") as fh:
+            with open_regular(path) as fh:
                 header, stat = self._checked_header(fh, key)
                 layers = fmt.read_layers(fh, header) if with_tensors else None
             return header, stat, layers
@@ -279,14 +281,16 @@ class SingleFileLayout:
             self._forget(key)
             log.warning("cache entry %s is corrupt (%s); %s", path, exc,
                         "deleted" if unlink_quietly(path) else "could not be deleted")
-        except (fmt.UnknownVersion, fmt.ForeignEntry) as exc:
+        except (fmt.UnknownVersion, fmt.ForeignEntry, NotAFile) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
             self.skipped[str(path)] = str(exc)
             self._forget(key)
         except fmt.FileReplaced:  # another process rewrote or evicted it meanwhile
             log.debug("cache entry %s changed while it was read; not served", path)
         except OSError as exc:
+            # Kept as skipped, so a scan warns once per version of the file, not each time.
             log.warning("cannot read cache entry %s: %s", path, exc)
+            self.skipped[str(path)] = f"cannot be read ({exc.strerror or exc})"
         return None
 
     def _checked_header(self, fh: Any, key: str) -> tuple[fmt.StoredHeader, os.stat_result]:

@@ -1,0 +1,57 @@
+"""A fresh process that opens a storage layout over a directory an adversary prepared and
+does what ``foretell run`` and ``foretell cache`` do with it (scan, read an entry, collect),
+under an address-space limit, then prints what happened as one JSON line.
+
+    python hostile_reader.py LAYOUT ROOT IDENTITY_JSON KEY
+
+``LAYOUT`` is ``module:Class``. The limit (what the process holds once the layout opened,
+plus :data:`HEADROOM`) turns a read of a huge or endless file into a MemoryError and a
+non-zero exit instead of a machine driven out of memory; a hang is the caller's timeout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import resource
+import sys
+
+#: What the process may allocate beyond what it holds once the layout is open.
+HEADROOM = 2 << 30
+
+
+def _virtual_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def main(layout: str, root: str, identity_json: str, key: str) -> None:
+    from foretell.store.entry import StoreIdentity
+
+    module, _, name = layout.partition(":")
+    factory = getattr(importlib.import_module(module), name)
+    store = factory(root, None, identity=StoreIdentity(**json.loads(identity_json)))
+    # The pools a read and a collect use start threads (stacks, malloc arenas): counted in.
+    from foretell.store import format as fmt
+
+    fmt.io_pool().submit(int).result()
+    fmt.write_pool().submit(int).result()
+    limit = _virtual_bytes() + HEADROOM
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scanned = [h.key for h in store.scan()]
+    served = store.read(key) is not None
+    store.collect()
+    discover = getattr(factory, "stored_identities", None)
+    if discover is not None:
+        discover(root, sorted(store.identity.codec_providers))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
+    print(json.dumps({"scanned": scanned, "served": served, "skipped": store.skipped,
+                      "rss_growth_mb": grown / 1024}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
