@@ -108,22 +108,22 @@ def flip_a_byte(path, at=-5, bit=0x01) -> None:
 def failing_staging(method: str, call: str) -> tuple[type, list[int]]:
     """A host staging whose ``method`` (``send`` or ``send_to``) fails as the CUDA driver
     call ``call`` does, and the list its waits for its copies (``finish``) are counted in."""
-    from foretell.platform import cuda
+    from foretell.platform.cuda import driver
 
     finished: list[int] = []
 
     def fail(self, *args):
-        raise cuda.CudaCopyError(f"CUDA driver call {call} failed (CUresult 700)")
+        raise driver.CudaCopyError(f"CUDA driver call {call} failed (CUresult 700)")
 
     def finish(self):
         finished.append(1)
 
-    return type("Failing", (cuda.Staging,), {method: fail, "finish": finish}), finished
+    return type("Failing", (driver.Staging,), {method: fail, "finish": finish}), finished
 
 
 def per_thread(make):
-    """A ``cuda.staging`` stand-in: one ``make()`` per calling thread, as the real one keeps
-    one staging per reader or writer thread."""
+    """A staging stand-in: one ``make()`` per calling thread, as the real one keeps one
+    staging per reader or writer thread."""
     import threading
 
     local = threading.local()
@@ -134,3 +134,19 @@ def per_thread(make):
         return local.staging
 
     return staging
+
+
+def as_on_cuda(monkeypatch, *, gpu_landing: bool = True, staging=None, landing=None,
+               write_area=None):
+    """The block store's CUDA paths on any machine: the seam (``device.cuda_backend``)
+    answers the CUDA package, whose reads land on the "GPU" as ``gpu_landing`` says, through
+    ``staging`` (host staging, one per thread, unless given), whole into ``landing`` and
+    whose writes gather into ``write_area`` (None: neither). Returns the package."""
+    from foretell.platform import cuda, device
+
+    monkeypatch.setattr(device, "cuda_backend", lambda: cuda)
+    monkeypatch.setattr(cuda.driver, "gpu_landing", lambda: gpu_landing)
+    monkeypatch.setattr(cuda.driver, "staging", staging or per_thread(cuda.driver.Staging))
+    monkeypatch.setattr(cuda.areas, "landing", lambda: landing)
+    monkeypatch.setattr(cuda.areas, "write_area", lambda: write_area)
+    return cuda

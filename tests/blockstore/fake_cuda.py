@@ -1,7 +1,7 @@
 """A stand-in for ``libcuda.so.1`` that does what each driver call the staging makes would do,
 in host memory: "device" addresses are host addresses, copies are ``memmove``s honouring
 ``CUDA_MEMCPY2D``'s fields as the driver does, allocations are host buffers kept alive.
-With it ``foretell.platform.cuda``'s driver code (its structs, pitches, offsets, the order
+With it ``foretell.platform.cuda.driver``'s code (its structs, pitches, offsets, the order
 of its calls) runs on any machine; the piece-by-piece path through it, which has run on
 the H200, checks the stand-in itself."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from foretell.platform import cuda
+from foretell.platform.cuda import driver as drv
 
 
 class FakeLibcuda:
@@ -53,8 +53,8 @@ class FakeLibcuda:
         c = copy._obj
         if c.srcPitch < c.WidthInBytes or c.dstPitch < c.WidthInBytes:
             return self.INVALID_VALUE
-        src = ((c.srcHost or 0) if c.srcMemoryType == cuda._MEMORY_HOST else c.srcDevice)
-        dst = ((c.dstHost or 0) if c.dstMemoryType == cuda._MEMORY_HOST else c.dstDevice)
+        src = ((c.srcHost or 0) if c.srcMemoryType == drv._MEMORY_HOST else c.srcDevice)
+        dst = ((c.dstHost or 0) if c.dstMemoryType == drv._MEMORY_HOST else c.dstDevice)
         src += c.srcXInBytes + c.srcY * c.srcPitch
         dst += c.dstXInBytes + c.dstY * c.dstPitch
         for row in range(c.Height):
@@ -80,11 +80,11 @@ class FakeLibcuda:
         return 0
 
 
-def fake_driver() -> cuda._Driver:
+def fake_driver() -> drv._Driver:
     """A ``_Driver`` over :class:`FakeLibcuda`, its staging arena pinned as the real one is."""
-    driver = cuda._Driver.__new__(cuda._Driver)
+    driver = drv._Driver.__new__(drv._Driver)
     driver.lib = FakeLibcuda()
     driver.context = ctypes.c_void_p()
     driver._arena_used, driver._arena_lock = 0, threading.Lock()
-    driver.arena = driver.pinned(cuda.ARENA_BYTES)
+    driver.arena = driver.pinned(drv.ARENA_BYTES)
     return driver

@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from blockfill import (
+    as_on_cuda,
     assert_same_entry,
     block_files,
     entry_of,
@@ -136,12 +137,12 @@ def _host_staging(monkeypatch, *, landing: bool) -> tuple[list[int], list[int]]:
     bytes of each piece sent (its slot holding exactly its runs' bytes) and, at each wait
     for a block's copies, how many pieces had been sent."""
 
-    from foretell.platform import cuda
+    from foretell.platform.cuda.driver import Staging
     from foretell_blockstore import manifest as mf
 
     sent, finished, host_buffers = [], [], mf.host_buffers
 
-    class Counting(cuda.Staging):
+    class Counting(Staging):
         def send(self, slot, runs):
             sent.append(sum(run.nbytes for run in runs))
             assert slot.nbytes == sent[-1]
@@ -150,12 +151,9 @@ def _host_staging(monkeypatch, *, landing: bool) -> tuple[list[int], list[int]]:
         def finish(self):
             finished.append(len(sent))
 
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: landing)
-    monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
-    # Writes read on the host: by DMA (on by default on a CUDA GPU) they would wait on the
-    # same staging and count as reads' waits (twice the blocks on the H200, 2026-12-05).
-    monkeypatch.setattr(cuda, "write_area", lambda: None)
-    monkeypatch.setattr(cuda, "staging", per_thread(Counting))
+    # Piece by piece (landing whole: test_landing.py); writes read on the host: by DMA they
+    # would wait on the same staging and count as reads' waits.
+    as_on_cuda(monkeypatch, gpu_landing=landing, staging=per_thread(Counting))
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     return sent, finished
 
@@ -190,7 +188,7 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
     first read is refused."""
     import os as os_module
 
-    from foretell.platform import cuda
+    from foretell.platform.cuda.driver import Staging
     from foretell_blockstore import blockfile
 
     reads, preadv = [], os_module.preadv
@@ -206,27 +204,27 @@ def test_a_read_takes_consecutive_pieces_in_one_call_up_to_a_slot(layout, codecs
     key = layout.key_for(entry.tokens)
     blocks = len(layout._load_manifest(key).blocks)
     for slot_bytes in (1, 64 << 20):
-        monkeypatch.setattr(cuda, "SLOT_BYTES", slot_bytes)
+        monkeypatch.setattr(Staging, "SLOT_BYTES", slot_bytes)
         reads.clear()
         sent.clear()
         assert_same_entry(layout.read(key), entry)
         pieces = 2 * len(entry.layers) * blocks  # K and V of every layer, in every block
         assert len(reads) == blocks + (blocks if staged and slot_bytes > 1 else pieces)
         assert len(sent) == (pieces if staged else 0)  # copied piece by piece either way
-    monkeypatch.setattr(cuda, "SLOT_BYTES", 1 << 10)
+    monkeypatch.setattr(Staging, "SLOT_BYTES", 1 << 10)
     flip_a_byte(layout.block_path(_a_block(layout, 1)))
     assert layout.read(key) is None
 
 
 def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_path):
     """A layout opening where an engine runs loads the CUDA driver (and pins the staging
-    arena) then, not on the first restore; one opened by a process without MLX, such as
-    `foretell cache ls`, loads neither MLX nor the driver."""
+    arena) then, on a CUDA GPU, not on the first restore; elsewhere it imports no CUDA
+    module. One opened by a process without MLX, such as `foretell cache ls`, loads neither
+    MLX nor anything of CUDA's."""
     import subprocess
 
     script = (
         "import sys\n"
-        "from foretell.platform import cuda\n"
         "from foretell.store.entry import StoreIdentity\n"
         "from foretell_blockstore.layout import BlockStoreLayout\n"
         "identity = StoreIdentity(model_fingerprint='0' * 16, model_id='m',\n"
@@ -234,9 +232,13 @@ def test_opening_a_layout_decides_the_gpu_landing_only_where_mlx_is_loaded(tmp_p
         "if sys.argv[1] == 'engine':\n"
         "    from foretell.platform import blas; blas.preload(); import mlx.core\n"
         "BlockStoreLayout(sys.argv[2], identity=identity)\n"
-        "print('mlx.core' in sys.modules, len(cuda._DRIVER))\n"
+        "cuda = sys.modules.get('foretell.platform.cuda')\n"
+        "print('mlx.core' in sys.modules, cuda is not None and len(cuda.driver._DRIVER))\n"
     )
-    for where, expected in (("cli", "False 0"), ("engine", "True 1")):
+    from foretell.platform import device
+
+    engine = "True 1" if device.on_cuda() else "True False"
+    for where, expected in (("cli", "False False"), ("engine", engine)):
         out = subprocess.run([sys.executable, "-c", script, where, str(tmp_path / where)],
                              capture_output=True, text=True, check=True).stdout.split()
         assert " ".join(out[-2:]) == expected, where
@@ -247,15 +249,11 @@ def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
     """A CUDA driver call that fails mid-read is the device's fault, not the files': the read
     is not served, and the entry stays for the next read (a damaged block would be dropped).
     Every block still waits for the copies it sent before the read returns."""
-    from foretell.platform import cuda
     from foretell_blockstore import manifest as mf
 
     failing, finished = failing_staging("send", "cuMemcpy2DAsync")
     host_buffers = mf.host_buffers
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
-    monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
-    monkeypatch.setattr(cuda, "write_area", lambda: None)  # only reads' waits counted
-    monkeypatch.setattr(cuda, "staging", failing)
+    cuda = as_on_cuda(monkeypatch, staging=failing)  # piece by piece; only reads' waits
     monkeypatch.setattr(mf, "host_buffers", lambda specs, on_gpu, reserve=None: host_buffers(specs))
     entry = entry_of(range(600), codecs)
     assert layout.write(entry) is True
@@ -267,7 +265,7 @@ def test_a_failed_copy_to_the_gpu_serves_nothing_and_keeps_the_entry(
     # Each block waited for its copies before giving up, so none can land in buffers that
     # are freed (and reused) after the failed read.
     assert len(finished) == blocks
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
+    monkeypatch.setattr(cuda.driver, "gpu_landing", lambda: False)
     assert_same_entry(layout.read(key), entry)
 
 

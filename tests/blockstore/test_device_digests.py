@@ -1,8 +1,8 @@
 """Reads checked by device digests (foretell.store.digest): on a CUDA GPU every tensor is
 digested where it landed instead of each piece being hashed on the host. Here MLX's CPU
-stands in for the GPU (``FORETELL_DEVICE_DIGESTS=on``): the manifest records what the
-writer computed, a read checks every byte by it and hashes no piece, and damage is never
-served, its block still named and deleted."""
+stands in for the GPU (``digest.enabled`` patched): the manifest records what the writer
+computed, a read checks every byte by it and hashes no piece, and damage is never served,
+its block still named and deleted."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from foretell.store.layout import CorruptEntry
 
 @pytest.fixture
 def on(monkeypatch):
-    monkeypatch.setenv(digest.ENV, "on")
+    """Device digests on, as on a CUDA GPU."""
+    monkeypatch.setattr(digest, "enabled", lambda: True)
 
 
 def _hashed_pieces(monkeypatch) -> list[int]:
@@ -112,10 +113,10 @@ def test_an_entry_without_digests_is_checked_piece_by_piece(layout, codecs, on, 
 
 
 def test_a_reader_without_digests_still_checks_every_piece(layout, codecs, monkeypatch):
-    monkeypatch.setenv(digest.ENV, "on")
+    monkeypatch.setattr(digest, "enabled", lambda: True)
     entry = digest.attach(entry_of(range(10), codecs))
     assert layout.write(entry)
-    monkeypatch.setenv(digest.ENV, "off")  # a CPU host reading a GPU host's store
+    monkeypatch.setattr(digest, "enabled", lambda: False)  # a CPU host reading a GPU's store
     key = layout.key_for(entry.tokens)
     assert_same_entry(layout.read(key), entry)
     assert layout.last_check == f"{fmt.CHECKSUM} per piece"

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ctypes
 
 import pytest
-from blockfill import assert_same_entry, block_files, listed_blocks, per_thread
+from blockfill import as_on_cuda, assert_same_entry, block_files, listed_blocks, per_thread
 from fake_cuda import fake_driver
 from test_landing import mixed_entry
 
-from foretell.platform import cuda
+from foretell.platform.cuda import areas
+from foretell.platform.cuda.areas import DeviceLandingArea, HostArea, PinnedArea
+from foretell.platform.cuda.driver import CudaStaging
 from foretell_blockstore import manifest as mf
 from foretell_blockstore.layout import BlockStoreLayout
 
@@ -23,10 +25,7 @@ def driver(monkeypatch):
     """The fake driver behind per-thread CUDA staging, reads landing on the "GPU" into
     buffers made on the host, no landing or write area unless a test adds one."""
     found, host_buffers = fake_driver(), mf.host_buffers
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
-    monkeypatch.setattr(cuda, "staging", per_thread(lambda: cuda.CudaStaging(found)))
-    monkeypatch.setattr(cuda, "landing", lambda: None)
-    monkeypatch.setattr(cuda, "write_area", lambda: None)
+    as_on_cuda(monkeypatch, staging=per_thread(lambda: CudaStaging(found)))
     monkeypatch.setattr(mf, "host_buffers",
                         lambda specs, on_gpu, reserve=None: host_buffers(specs))
     return found
@@ -49,9 +48,9 @@ def test_a_read_piece_by_piece_through_the_driver_serves_what_was_written(layout
 
 def test_a_read_landing_whole_through_the_driver_serves_what_was_written(
         layout, codecs, driver, monkeypatch):
-    area = cuda.DeviceLandingArea(driver)
+    area = DeviceLandingArea(driver)
     monkeypatch.setattr(area, "_launch", host_placing)
-    monkeypatch.setattr(cuda, "landing", lambda: area)
+    monkeypatch.setattr(areas, "landing", lambda: area)
     entry = mixed_entry(codecs, tokens=29)
     assert layout.write(entry)
     driver.lib.calls.clear()
@@ -64,12 +63,12 @@ def test_a_read_landing_whole_through_the_driver_serves_what_was_written(
 
 def test_a_write_gathered_through_the_driver_stores_the_host_paths_blocks(
         tmp_path, identity, layout, codecs, driver, monkeypatch):
-    area = cuda.PinnedArea(driver)
-    monkeypatch.setattr(cuda, "write_area", lambda: area)
+    area = PinnedArea(driver)
+    monkeypatch.setattr(areas, "write_area", lambda: area)
     entry = mixed_entry(codecs, tokens=29)
     assert layout.write(entry)
     assert {"cuMemHostAlloc", "cuMemcpy2DAsync"} <= set(driver.lib.calls)
-    monkeypatch.setattr(cuda, "write_area", lambda: None)
+    monkeypatch.setattr(areas, "write_area", lambda: None)
     host = BlockStoreLayout(tmp_path / "host", layout.config, identity=identity)
     assert host.write(entry)
     assert listed_blocks(layout, entry) == listed_blocks(host, entry)
@@ -80,9 +79,9 @@ def test_a_write_gathered_through_the_driver_stores_the_host_paths_blocks(
 
 @pytest.mark.parametrize("kind", ["device", "pinned"])
 def test_an_area_that_grows_frees_what_it_held(driver, kind):
-    area = cuda.DeviceLandingArea(driver) if kind == "device" else cuda.PinnedArea(driver)
+    area = DeviceLandingArea(driver) if kind == "device" else PinnedArea(driver)
     area.reserve(10)
-    area.reserve(cuda.HostArea.GRAIN + 1)  # the fake refuses to free what it never gave
-    assert area.nbytes == 2 * cuda.HostArea.GRAIN
+    area.reserve(HostArea.GRAIN + 1)  # the fake refuses to free what it never gave
+    assert area.nbytes == 2 * HostArea.GRAIN
     freed = "cuMemFree" if kind == "device" else "cuMemFreeHost"
     assert driver.lib.calls.count(freed) == 1

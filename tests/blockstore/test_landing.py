@@ -1,7 +1,7 @@
-"""Reads that land an entry whole (``foretell.platform.cuda.LandingArea``): every block's
-tensor bytes in one scratch, each staging slot one copy, then one pass places every run into
-its tensor. On a CUDA GPU the area is device memory placed by a kernel; here a host area
-placed by the CPU stands in (``cuda.landing`` patched), so where each run goes is checked
+"""Reads that land an entry whole (``foretell.platform.cuda.areas.LandingArea``): every
+block's tensor bytes in one scratch, each staging slot one copy, then one pass places every
+run into its tensor. On a CUDA GPU the area is device memory placed by a kernel; here a host
+area placed by the CPU stands in (``blockfill.as_on_cuda``), so where each run goes is checked
 against the bytes the writer stored, on every path a read takes: plain, quantized and ring
 tensors, reserve buffers, damaged blocks, device digests, the area held by another read, an
 entry over the cap, and a kernel that fails."""
@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from blockfill import (
+    as_on_cuda,
     assert_same_entry,
     entry_of,
     failing_staging,
@@ -21,13 +22,14 @@ from blockfill import (
     kv_of,
     listed_blocks,
     manifest_files,
-    per_thread,
     ring_of,
 )
 
 from foretell.cache.codecs import snapshot_entry
 from foretell.cache.quantized import QuantizedKVCache
-from foretell.platform import cuda
+from foretell.platform import cuda, device
+from foretell.platform.cuda.areas import LandingArea
+from foretell.platform.cuda.driver import address
 from foretell.store import digest
 from foretell_blockstore import manifest as mf
 from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
@@ -37,10 +39,8 @@ from foretell_blockstore.layout import BlockStoreConfig, BlockStoreLayout
 def area(monkeypatch):
     """A host landing area, filled through host staging, into buffers made on the host:
     the reference path, the same on a CUDA host as anywhere."""
-    found = cuda.LandingArea()
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
-    monkeypatch.setattr(cuda, "staging", per_thread(cuda.Staging))
-    monkeypatch.setattr(cuda, "landing", lambda: found)
+    found = LandingArea()
+    as_on_cuda(monkeypatch, gpu_landing=False, landing=found)
     return found
 
 
@@ -78,7 +78,7 @@ def test_the_plan_puts_each_run_where_the_piece_by_piece_read_puts_it(layout, co
     flats = {(s.layer, s.name): memoryview(bytearray(s.piece_bytes(0, s.rows)))
              for s in manifest.specs}
     offsets, need, runs = mf.landing_plan(
-        manifest, {key: cuda.address(flat) for key, flat in flats.items()})
+        manifest, {key: address(flat) for key, flat in flats.items()})
     expected, starts = [], []
     for group, refs in manifest.groups:
         for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
@@ -86,7 +86,7 @@ def test_the_plan_puts_each_run_where_the_piece_by_piece_read_puts_it(layout, co
             at = offsets[len(starts) - 1]
             for piece in mf.destinations(group, begin, end, flats):
                 for run in piece:
-                    expected.append((at, cuda.address(run), run.nbytes))
+                    expected.append((at, address(run), run.nbytes))
                     at += run.nbytes
             assert at - offsets[len(starts) - 1] == ref.nbytes - len(
                 mf.block_header(group, begin, end))
@@ -98,7 +98,7 @@ def test_the_plan_puts_each_run_where_the_piece_by_piece_read_puts_it(layout, co
 @pytest.mark.parametrize("digests", ["off", "on"])
 def test_a_flipped_byte_is_never_served_and_its_block_is_deleted(
         layout, codecs, area, caplog, monkeypatch, digests):
-    monkeypatch.setenv(digest.ENV, digests)
+    monkeypatch.setattr(digest, "enabled", lambda: digests == "on")
     entry = digest.attach(entry_of(range(10), codecs))
     assert layout.write(entry)
     path = layout.block_path(listed_blocks(layout, entry)[1])
@@ -136,7 +136,7 @@ def test_a_failed_copy_to_the_area_fails_the_read_and_keeps_the_entry(
     """A driver call failing (not the files) is not the entry's fault: it is not served
     and not dropped; every reader waited for its copies before the area was let go."""
     failing, finished = failing_staging("send_to", "cuMemcpyHtoDAsync")
-    monkeypatch.setattr(cuda, "staging", failing)
+    monkeypatch.setattr(cuda.driver, "staging", failing)
     entry = mixed_entry(codecs)
     assert layout.write(entry)
     key = layout.key_for(entry.tokens)
@@ -152,7 +152,7 @@ def test_a_failed_copy_to_the_area_fails_the_read_and_keeps_the_entry(
 
 def test_a_failing_kernel_warns_once_and_reads_land_piece_by_piece(
         layout, codecs, area, caplog, monkeypatch):
-    monkeypatch.setattr(cuda, "_LANDING", [area])
+    monkeypatch.setattr(cuda.areas, "_LANDING", [area])
 
     def refuse(runs):
         raise RuntimeError("nvrtc: no such compiler")
@@ -164,7 +164,7 @@ def test_a_failing_kernel_warns_once_and_reads_land_piece_by_piece(
         assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
     assert "placed" not in layout.last_read_ms
     assert [r.message for r in caplog.records if "piece by piece" in r.message] != []
-    assert cuda._LANDING == [None]
+    assert cuda.areas._LANDING == [None]
 
 
 def test_an_empty_store_readies_no_landing_until_it_holds_an_entry(layout, codecs, area,
@@ -187,7 +187,7 @@ def test_replenish_readies_the_area_for_the_largest_entry_so_a_read_does_not_gro
     flats = {(s.layer, s.name): memoryview(bytearray(s.piece_bytes(0, s.rows)))
              for s in manifest.specs}
     _offsets, need, _runs = mf.landing_plan(
-        manifest, {key: cuda.address(flat) for key, flat in flats.items()})
+        manifest, {key: address(flat) for key, flat in flats.items()})
     assert area.nbytes >= mf.landing_bytes(manifest.blocks) >= need > 0
     grown = []
     monkeypatch.setattr(area, "_allocate", lambda n: grown.append(n))
@@ -196,27 +196,33 @@ def test_replenish_readies_the_area_for_the_largest_entry_so_a_read_does_not_gro
 
 
 def test_the_area_grows_in_grains_and_is_held_by_one_read_at_a_time():
-    found = cuda.LandingArea()
+    found = LandingArea()
     base = found.acquire(10)
-    assert base and found.nbytes == cuda.LandingArea.GRAIN
+    assert base and found.nbytes == LandingArea.GRAIN
     assert found.acquire(10) is None  # held
     found.release()
-    assert found.acquire(cuda.LandingArea.GRAIN) == base  # fits: not reallocated
+    assert found.acquire(LandingArea.GRAIN) == base  # fits: not reallocated
     found.release()
-    found.reserve(cuda.LandingArea.GRAIN + 1)
-    assert found.nbytes == 2 * cuda.LandingArea.GRAIN
+    found.reserve(LandingArea.GRAIN + 1)
+    assert found.nbytes == 2 * LandingArea.GRAIN
 
 
-@pytest.mark.skipif(not cuda.gpu_landing(), reason="needs MLX on a CUDA GPU")
+def gpu_landing() -> bool:
+    """Whether reads here land on a CUDA GPU (the GPU-only tests run there)."""
+    backend = device.cuda_backend()
+    return backend is not None and backend.driver.gpu_landing()
+
+
+@pytest.mark.skipif(not gpu_landing(), reason="needs MLX on a CUDA GPU")
 def test_the_device_kernel_places_runs_of_every_alignment():
     """The CUDA kernel copies 16 bytes, 4 bytes or 1 byte a thread as each run allows; every
     byte lands where the host reference puts it, and none around it changes."""
     rng = np.random.default_rng(5)
     source = rng.integers(0, 256, size=1 << 20, dtype=np.uint8)
-    found = cuda.landing()
+    found = cuda.areas.landing()
     base = found.acquire(source.nbytes)
     try:
-        stage = cuda.staging()
+        stage = cuda.driver.staging()
         slot = stage.slot(source.nbytes)
         slot[:] = source.tobytes()
         stage.send_to(slot, base)
@@ -224,7 +230,7 @@ def test_the_device_kernel_places_runs_of_every_alignment():
         target = mx.zeros((1 << 20,), dtype=mx.uint8, stream=mx.gpu)
         mx.eval(target)
         flat = memoryview(target).cast("B")
-        to = cuda.address(flat)
+        to = address(flat)
         runs = np.array([[0, to, 4096], [4096 + 4, to + 8192 + 4, 1000],
                          [9001, to + 20001, 777], [65536, to + 131072, 262144]], dtype=np.uint64)
         found.place(runs)

@@ -11,7 +11,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from blockfill import assert_same_entry, entry_of, per_thread
+from blockfill import as_on_cuda, assert_same_entry, entry_of
 
 import foretell
 from foretell.cache.tier import CacheTier
@@ -238,8 +238,6 @@ def test_the_cap_bounds_what_the_reserve_holds():
 def test_on_a_cuda_landing_the_reserve_is_born_on_the_gpu(stored, monkeypatch):
     """Where reads land on the GPU by DMA, the slab's managed memory must be born there (as
     host_buffers' own fills are): the layout's reserve fills on the GPU stream."""
-    from foretell.platform import cuda
-
     layout, _entry, _key = stored
     streams, zeros = [], mx.zeros
 
@@ -247,7 +245,7 @@ def test_on_a_cuda_landing_the_reserve_is_born_on_the_gpu(stored, monkeypatch):
         streams.append(stream)
         return zeros(shape, dtype=dtype, stream=mx.cpu)  # this host has no GPU
 
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
+    as_on_cuda(monkeypatch)
     monkeypatch.setattr(mx, "zeros", recording_zeros)
     layout.replenish()
     assert layout.reserve.on_gpu and streams == [mx.gpu]
@@ -256,16 +254,11 @@ def test_on_a_cuda_landing_the_reserve_is_born_on_the_gpu(stored, monkeypatch):
 def test_a_staged_read_copies_into_the_reserves_buffers(stored, monkeypatch):
     """The GPU path (each piece read into a staging slot, hashed, copied into its runs)
     lands in the carved views too; here the host staging stands in for the DMA."""
-
-    from foretell.platform import cuda
-
     layout, entry, key = stored
     layout.replenish()
     slab = slab_range(layout)
 
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: True)
-    monkeypatch.setattr(cuda, "landing", lambda: None)  # piece by piece (test_landing.py)
-    monkeypatch.setattr(cuda, "staging", per_thread(cuda.Staging))
+    as_on_cuda(monkeypatch)  # piece by piece (landing whole: test_landing.py)
     restored = layout.read(key)
     assert layout.reserve.served == 1 and inside(tensor_ranges(restored), slab)
     assert_same_entry(restored, entry)

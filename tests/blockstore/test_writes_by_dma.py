@@ -1,9 +1,8 @@
-"""Writes that gather an entry's pieces by DMA (``FORETELL_WRITE_DMA=on``, a CUDA GPU): each
-block's pieces copied from the tensors into a page-locked area, then named, hashed and
-written from there, instead of the CPU reading the tensors' managed memory (which moves
-their pages off the GPU). Here a host area filled by host copies stands in
-(``cuda.write_area`` and ``cuda.staging`` patched): the blocks it writes must be the very
-blocks the host path writes, byte for byte, on every path a write takes."""
+"""Writes that gather an entry's pieces by DMA (a CUDA GPU): each block's pieces copied from
+the tensors into a page-locked area, then named, hashed and written from there, instead of
+the CPU reading the tensors' managed memory (which moves their pages off the GPU). Here a
+host area filled by host copies stands in (``blockfill.as_on_cuda``): the blocks it writes
+must be the very blocks the host path writes, byte for byte, on every path a write takes."""
 
 from __future__ import annotations
 
@@ -11,11 +10,11 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
-from blockfill import assert_same_entry, block_files, listed_blocks, per_thread
-from test_landing import mixed_entry
+from blockfill import as_on_cuda, assert_same_entry, block_files, listed_blocks, per_thread
+from test_landing import gpu_landing, mixed_entry
 
-from foretell.errors import ConfigError
-from foretell.platform import cuda
+from foretell.platform import device
+from foretell.platform.cuda import areas, driver
 from foretell_blockstore import blockfile
 from foretell_blockstore.layout import BlockStoreLayout
 
@@ -23,19 +22,16 @@ from foretell_blockstore.layout import BlockStoreLayout
 @pytest.fixture
 def area(monkeypatch):
     """A host write area and host staging that count the pieces they gather."""
-    found, fetched = cuda.HostArea(), []
+    found, fetched = areas.HostArea(), []
 
-    class Counting(cuda.Staging):
+    class Counting(driver.Staging):
         def fetch(self, into, first, width, count, pitch):
             fetched.append(into.nbytes)
             super().fetch(into, first, width, count, pitch)
 
-    monkeypatch.setattr(cuda, "write_area", lambda: found)
-    monkeypatch.setattr(cuda, "staging", per_thread(Counting))
     # Reads on the host too: host staging copying into a GPU's landing area (device
-    # memory) would write where the CPU cannot (a segfault on the H200, 2026-12-05).
-    monkeypatch.setattr(cuda, "gpu_landing", lambda: False)
-    monkeypatch.setattr(cuda, "landing", lambda: None)
+    # memory) would write where the CPU cannot.
+    as_on_cuda(monkeypatch, gpu_landing=False, staging=per_thread(Counting), write_area=found)
     found.fetched = fetched
     return found
 
@@ -55,7 +51,7 @@ def test_a_gathered_write_stores_the_blocks_the_host_path_stores(
     tensor_bytes = sum(a.nbytes for la in entry.layers for a in la.tensors.values())
     assert sum(area.fetched) == tensor_bytes  # every byte came through the area
     assert_same_entry(layout.read(layout.key_for(entry.tokens)), entry)
-    monkeypatch.setattr(cuda, "write_area", lambda: None)
+    monkeypatch.setattr(areas, "write_area", lambda: None)
     host = BlockStoreLayout(tmp_path / "host", layout.config, identity=identity)
     assert host.write(entry)
     same_blocks(layout, host, entry)
@@ -84,7 +80,7 @@ def test_an_entry_over_the_reserve_cap_or_without_room_is_read_on_the_host(
     assert capped.write(entry) and area.fetched == [] and area.nbytes == 0
 
     def no_room(nbytes):
-        raise cuda.CudaCopyError("CUDA driver call cuMemHostAlloc failed (CUresult 2)")
+        raise driver.CudaCopyError("CUDA driver call cuMemHostAlloc failed (CUresult 2)")
 
     monkeypatch.setattr(area, "_allocate", no_room)
     roomless = BlockStoreLayout(tmp_path / "roomless", BlockStoreConfig(block_tokens=4),
@@ -104,7 +100,7 @@ def test_a_strided_tensor_makes_the_write_read_on_the_host(tmp_path, identity, c
         for la in entry.layers])
     assert layout.write(strided)
     assert area.fetched == []
-    monkeypatch.setattr(cuda, "write_area", lambda: None)
+    monkeypatch.setattr(areas, "write_area", lambda: None)
     host = BlockStoreLayout(tmp_path / "host", layout.config, identity=identity)
     assert host.write(entry)
     same_blocks(layout, host, entry)
@@ -134,39 +130,30 @@ def test_the_area_is_released_when_a_block_fails_to_write(codecs, layout, area, 
     area.release()
 
 
-def test_writes_by_dma_are_on_where_reads_land_on_a_cuda_gpu_and_a_bad_setting_is_named(
-        monkeypatch):
-    monkeypatch.delenv(cuda.WRITE_DMA, raising=False)
-    assert (cuda.write_area() is not None) == cuda.gpu_landing()
-    monkeypatch.setenv(cuda.WRITE_DMA, "off")
-    assert cuda.write_area() is None
-    monkeypatch.setenv(cuda.WRITE_DMA, "on")
-    if not cuda.gpu_landing():
-        assert cuda.write_area() is None  # no GPU: the tensors are host memory already
-    monkeypatch.setenv(cuda.WRITE_DMA, "sometimes")
-    with pytest.raises(ConfigError, match=cuda.WRITE_DMA):
-        cuda.write_area()
+def test_writes_gather_by_dma_wherever_reads_land_on_a_cuda_gpu(monkeypatch):
+    """No switch: the write area exists exactly where the driver answers (a CUDA GPU), and
+    the layout asks for it only through the seam, which answers nothing elsewhere."""
+    monkeypatch.setattr(driver, "loaded", lambda: None)
+    assert areas.write_area() is None
+    monkeypatch.setattr(areas, "_WRITE_AREA", [])
+    monkeypatch.setattr(driver, "loaded", lambda: "a driver")
+    monkeypatch.setattr(areas, "PinnedArea", lambda found: ("pinned", found))
+    assert areas.write_area() == ("pinned", "a driver") == areas.write_area()  # one a process
+    assert (device.cuda_backend() is None) == (not device.on_cuda())
 
 
-def test_a_bad_write_dma_setting_fails_as_the_store_opens(tmp_path, identity, monkeypatch):
-    monkeypatch.setenv(cuda.WRITE_DMA, "sometimes")
-    with pytest.raises(ConfigError, match=cuda.WRITE_DMA):
-        BlockStoreLayout(tmp_path, identity=identity)
-
-
-@pytest.mark.skipif(not cuda.gpu_landing(), reason="needs MLX on a CUDA GPU")
-def test_the_device_fetch_gathers_strided_runs(monkeypatch):
-    monkeypatch.setenv(cuda.WRITE_DMA, "on")
-    found = cuda.write_area()
+@pytest.mark.skipif(not gpu_landing(), reason="needs MLX on a CUDA GPU")
+def test_the_device_fetch_gathers_strided_runs():
+    found = areas.write_area()
     tensor = mx.arange(4 * 64 * 32, dtype=mx.uint32).reshape(1, 4, 64, 32)
     mx.eval(tensor)
     flat = memoryview(tensor).cast("B")
     base = found.acquire(4 * 16 * 32 * 4)
     try:
-        stage = cuda.staging()
+        stage = driver.staging()
         into = found.view(0, 4 * 16 * 32 * 4)
         # rows 8..24 of each of the 4 heads: 16 rows of 128 bytes, heads 64 rows apart
-        stage.fetch(into, cuda.address(flat) + 8 * 128, 16 * 128, 4, 64 * 128)
+        stage.fetch(into, driver.address(flat) + 8 * 128, 16 * 128, 4, 64 * 128)
         stage.finish()
         got = np.frombuffer(into, dtype=np.uint32).reshape(1, 4, 16, 32)
     finally:

@@ -10,7 +10,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from foretell.errors import ConfigError
 from foretell.store import digest
 
 
@@ -22,12 +21,26 @@ def _bytes(array: mx.array) -> bytes:
 
 
 def test_mlx_digests_equal_the_numpy_oracle_for_every_stored_form():
+    """On the device MLX computes on (a CUDA GPU where the suite runs there)."""
     base = mx.random.normal((1, 4, 40, 64), key=mx.random.key(0))
     arrays = [base.astype(mx.bfloat16), base, base[:, :, :17, :].astype(mx.bfloat16),
               mx.random.randint(0, 2**31, (1, 4, 40, 8), key=mx.random.key(1)).astype(mx.uint32),
-              base.astype(mx.float16)[:, :, 3:, :]]
+              base.astype(mx.float16)[:, :, 3:, :], *_stored_forms()]
     mx.eval(arrays)
     assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
+
+
+def _stored_forms() -> list[mx.array]:
+    """Arrays of every size class and layout a check meets: empty, odd word counts, slices
+    that start past their buffer's first byte, a transpose (not row-contiguous), flat uint8
+    views of the kind a read lands its blocks in."""
+    sizes = [1, 3, 255, 4096, 65_537, 300_001]
+    arrays = [mx.random.randint(0, 2**31, (n,), key=mx.random.key(n)).astype(mx.uint32)
+              for n in sizes]
+    base = mx.random.normal((2, 4, 64, 128), key=mx.random.key(7)).astype(mx.bfloat16)
+    slab = mx.random.randint(0, 256, (4096,), key=mx.random.key(8)).astype(mx.uint8)
+    return arrays + [base, base[1:], base[:, :, 5:, :], base.transpose(0, 2, 1, 3),
+                     mx.zeros((0,), mx.uint32), slab[256:1280], slab[1536:4096]]
 
 
 def test_a_tensor_not_made_of_whole_words_has_no_digest():
@@ -73,109 +86,32 @@ def test_attach_digests_every_tensor_where_enabled(monkeypatch):
         rows = mx.random.normal((1, 2, 9, 8)).astype(mx.bfloat16)
         cache.update_and_fetch(rows, -rows)
     entry = snapshot_entry(list(range(9)), caches, [StandardKVCodec()])
-    monkeypatch.setenv(digest.ENV, "off")
+    monkeypatch.setattr(digest, "enabled", lambda: False)
     assert digest.attach(entry).digests == {}
-    monkeypatch.setenv(digest.ENV, "on")
+    monkeypatch.setattr(digest, "enabled", lambda: True)
     found = digest.attach(entry).digests
     assert found == {(i, name): digest.reference(_bytes(t))
                      for i, layer in enumerate(entry.layers) for name, t in layer.tensors.items()}
     assert found  # two layers' keys and values
 
 
-def test_a_bad_setting_names_the_variable(monkeypatch):
-    monkeypatch.setenv(digest.ENV, "sometimes")
-    with pytest.raises(ConfigError, match=digest.ENV):
-        digest.enabled()
+def test_digests_are_on_exactly_where_mlx_computes_on_a_cuda_gpu(monkeypatch):
+    """No switch: on a CPU XXH3 is the faster check, on a CUDA GPU the digests are."""
+    from foretell.platform import device
+
+    monkeypatch.setattr(device, "on_cuda", lambda: False)
+    assert digest.enabled() is False
+    monkeypatch.setattr(device, "on_cuda", lambda: True)
+    assert digest.enabled() is True
 
 
 def test_preparing_readies_a_check_of_that_size_once(monkeypatch):
-    """The kernel compiled (CUDA) or the weights built (the MLX ops) before a read needs
-    them; a smaller size afterwards rebuilds nothing."""
+    """The weights built before a read needs them; a smaller size afterwards rebuilds
+    nothing."""
     monkeypatch.setattr(digest, "_WEIGHTS", [])
     monkeypatch.setattr(digest, "_PREPARED", [0])
     digest.prepare(5000)
-    if digest._KERNEL_STATE[0] == "works":
-        assert digest._KERNEL and not digest._WEIGHTS
-    else:
-        assert digest._WEIGHTS[0].size >= 5000
+    assert digest._WEIGHTS[0].size >= 5000
     kept = list(digest._WEIGHTS)
     digest.prepare(100)
     assert digest._WEIGHTS == kept and digest._PREPARED == [5000]
-
-
-def _stored_forms() -> list[mx.array]:
-    """Arrays of every size class and layout a check meets: empty, odd word counts,
-    slices that start past their buffer's first byte, a transpose (not row-contiguous)."""
-    sizes = [1, 3, 255, 4096, 65_537, 300_001, *([2048] * 12)]
-    arrays = [mx.random.randint(0, 2**31, (n,), key=mx.random.key(n)).astype(mx.uint32)
-              for n in sizes]
-    base = mx.random.normal((2, 4, 64, 128), key=mx.random.key(7)).astype(mx.bfloat16)
-    arrays += [base, base[1:], base[:, :, 5:, :], base.transpose(0, 2, 1, 3),
-               mx.zeros((0,), mx.uint32)]
-    mx.eval(arrays)
-    return arrays
-
-
-def _host_table_kernel(table):
-    """The kernel's contract on the host: each row (address, words) summed by the oracle
-    from the bytes at that address."""
-    import ctypes
-
-    return mx.array(np.array([digest.reference(ctypes.string_at(int(a), int(n) * 4))
-                              for a, n in table.tolist()], dtype=np.uint64))
-
-
-def test_the_table_of_addresses_points_at_every_tensors_bytes(monkeypatch):
-    """The kernel reads each tensor at the address and length its table gives: for arrays
-    of every layout (their words made contiguous first) and for a read's flat views of the
-    same buffers, the table's bytes are the tensors' (here read on the host)."""
-    monkeypatch.setattr(digest, "_on_cuda", lambda: True)
-    monkeypatch.setattr(digest, "_KERNEL", [_host_table_kernel])
-    monkeypatch.setattr(digest, "_KERNEL_STATE", ["untried"])
-    monkeypatch.setattr(digest, "KERNEL_ROWS", 5)  # several launches
-    arrays = _stored_forms()
-    expected = [digest.reference(_bytes(a)) for a in arrays]
-    assert digest.digests(arrays) == expected
-    _digests_from_views_equal_the_oracle(arrays)
-    assert digest._KERNEL_STATE[0] == "works"
-
-
-def _digests_from_views_equal_the_oracle(arrays: list[mx.array]) -> None:
-    """What a read passes: the row-contiguous buffers and flat views of them."""
-    flat = [a for a in arrays if a.nbytes == 0 or memoryview(a).c_contiguous]
-    views = [memoryview(a).cast("B") for a in flat]
-    assert digest.digests(flat, views=views) == [digest.reference(_bytes(a)) for a in flat]
-
-
-@pytest.mark.skipif(not (mx.cuda.is_available() and mx.default_device() == mx.gpu),
-                    reason="the kernel runs on a CUDA GPU")
-def test_the_cuda_kernel_equals_the_oracle(monkeypatch):
-    arrays = _stored_forms()
-    expected = [digest.reference(_bytes(a)) for a in arrays]
-    assert digest.digests(arrays) == expected
-    assert digest._KERNEL_STATE[0] == "works"
-    _digests_from_views_equal_the_oracle(arrays)
-    monkeypatch.setattr(digest, "KERNEL_ROWS", 5)
-    assert digest.digests(arrays) == expected
-
-
-def test_a_kernel_that_fails_leaves_the_ops_to_digest_with_one_warning(monkeypatch, caplog):
-    """Where NVRTC is missing or refuses the kernel, reads still get checked: by the ops,
-    which compute the same digests."""
-    import logging
-
-    calls = []
-
-    def failing(arrays, views):
-        calls.append(len(arrays))
-        raise RuntimeError("nvrtc: no such library")
-
-    monkeypatch.setattr(digest, "_on_cuda", lambda: True)
-    monkeypatch.setattr(digest, "_by_kernel", failing)
-    monkeypatch.setattr(digest, "_KERNEL_STATE", ["untried"])
-    arrays = [mx.arange(40, dtype=mx.uint32), mx.arange(8, dtype=mx.uint32)]
-    with caplog.at_level(logging.WARNING, logger="foretell.store"):
-        for _ in range(2):
-            assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
-    assert calls == [2]  # tried once
-    assert sum("CUDA kernel failed" in r.message for r in caplog.records) == 1

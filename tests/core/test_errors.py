@@ -20,7 +20,7 @@ INTERNAL = {
     "foretell.config.FieldError",
     "foretell.config.WrongType",
     "foretell.store.format.FileReplaced",
-    "foretell.platform.cuda.CudaCopyError",
+    "foretell.platform.cuda.driver.CudaCopyError",
     "foretell.cli.cache_cmd.Terminated",
 }
 

@@ -1,6 +1,6 @@
 """MLX's run-time compiled kernels on a CUDA GPU: kept in a directory that survives reboots,
 one per MLX version and GPU architecture, and the quantized matmuls compiled in parallel
-worker processes (foretell.platform.kernels). The suite runs on the CPU, where MLX compiles
+worker processes (foretell.platform.cuda.kernels). The suite runs on the CPU, where MLX compiles
 nothing: the workers run their real matmul there and land no files, so merging is checked
 on files of its own and the workers by their exit, their markers and their directories."""
 
@@ -14,7 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from foretell.platform import cuda, device, kernels
+from foretell.platform import device
+from foretell.platform.cuda import driver, kernels
 
 
 @pytest.fixture
@@ -53,10 +54,7 @@ def test_the_kept_directory_is_per_mlx_version_and_gpu_and_the_users_choice_wins
         monkeypatch, tmp_path):
     monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert kernels.keep_compiled_kernels() is None  # the CPU: MLX compiles nothing
-    assert "MLX_PTX_CACHE_DIR" not in os.environ
-    monkeypatch.setattr(device, "on_cuda", lambda: True)
-    monkeypatch.setattr(cuda, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(driver, "compute_capability", lambda: (9, 0))
     kept = kernels.keep_compiled_kernels()
     assert kept == tmp_path / "foretell" / "mlx-kernels" / f"mlx-{mx.__version__}-sm_90"
     assert os.environ["MLX_PTX_CACHE_DIR"] == str(kept)
@@ -163,7 +161,9 @@ def test_load_starts_the_workers_and_the_first_request_waits_for_them(forced, mo
     """The engine's own path: ``load`` starts the target's workers, ``generate`` lands them
     before its first forward."""
     from foretell.engine import load
+    from foretell.platform import cuda
 
+    monkeypatch.setattr(device, "cuda_backend", lambda: cuda)  # the engine reaches it so
     monkeypatch.setenv("FORETELL_CPU_UNPACK", "0")  # keep the demo's matmuls quantized
     engine = load("demo")
     assert len(kernels._PENDING) == len(kernels.TILE_ROWS)

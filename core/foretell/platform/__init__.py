@@ -2,14 +2,11 @@
 
 - :mod:`foretell.platform.blas`: puts an optimized BLAS under MLX on Linux CPU; called
   where the engine starts (``preload()``), never on ``import foretell``;
-- :mod:`foretell.platform.device`: ``on_cuda()``, for the parts that run differently on a
-  CUDA GPU;
-- :mod:`foretell.platform.cuda`: page-locked staging and the driver's copies, for reads
-  that land on a CUDA GPU (the block store's);
-- :mod:`foretell.platform.kernels`: MLX's run-time compiled kernels on a CUDA GPU, kept
-  across reboots and compiled in parallel;
-- :mod:`foretell.platform.ptx`: foretell's own CUDA kernels, compiled once with NVRTC and
-  kept;
+- :mod:`foretell.platform.device`: ``on_cuda()`` for the parts that run differently on a
+  CUDA GPU, and ``cuda_backend()``, the one way to reach the CUDA-only code;
+- :mod:`foretell.platform.cuda`: the CUDA-only code (staging and DMA for the block store's
+  reads and writes, its landing kernel, MLX's kernels kept and precompiled), imported only
+  where MLX computes on a CUDA GPU;
 - :func:`cache_home`: where foretell keeps what it makes for itself.
 
 Nothing here runs on import.

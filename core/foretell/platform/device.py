@@ -1,6 +1,9 @@
-"""Which device the engine runs on, as the parts that behave differently there ask it."""
+"""Which device the engine runs on, as the parts that behave differently there ask it, and
+the one way engine code reaches the CUDA-only code (:func:`cuda_backend`)."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 
 def on_cuda() -> bool:
@@ -11,20 +14,22 @@ def on_cuda() -> bool:
     return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
 
 
+def cuda_backend() -> ModuleType | None:
+    """:mod:`foretell.platform.cuda`, imported now, where MLX computes on a CUDA GPU; None
+    elsewhere. Engine code reaches the CUDA-only code only through here, at run time, so a
+    CPU or Metal process never imports it (``tests/core/test_backend_neutral.py``)."""
+    if not on_cuda():
+        return None
+    import foretell.platform.cuda
+
+    return foretell.platform.cuda
+
+
 def cold_cuda_note() -> str | None:
     """One line for a person about to wait, where MLX has compiled no kernels on this CUDA
-    host yet; else None. Points MLX at foretell's kept kernel directory first
-    (:func:`foretell.platform.kernels.keep_compiled_kernels`): its having no compiled kernel
-    is what makes a first run wait. The CUDA driver's own cache does not matter much: emptied
-    alone, the next run took 2.6 s against 2.3 (docs/benchmarks.md, "A fresh CUDA host's
-    first run")."""
-    from foretell.platform.kernels import keep_compiled_kernels
-
-    kept = keep_compiled_kernels()
-    if kept is None or (kept.is_dir() and any(kept.glob("*.ptx"))):
-        return None
-    return (f"foretell: MLX has compiled no kernels for this GPU yet ({kept}), so this first "
-            "run compiles them (about 75 s on an H200, once; later runs reuse them)")
+    host yet (:func:`foretell.platform.cuda.kernels.cold_note`); else None."""
+    cuda = cuda_backend()
+    return None if cuda is None else cuda.kernels.cold_note()
 
 
 def on_cpu() -> bool:

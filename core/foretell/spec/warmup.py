@@ -70,11 +70,13 @@ def warm_up(engine: Any, speculator: Any, progress: Any = None) -> None:
     hears of each step. Elsewhere, nothing."""
     if not compiles_per_shape():
         return
-    from foretell.platform import kernels
+    from foretell.platform import device
 
     # The draft's quantized matmuls beside the target's, started at load; the first
     # generate below waits for them all.
-    kernels.precompile(speculator.provider)
+    cuda = device.cuda_backend()
+    if cuda is not None:
+        cuda.kernels.precompile(speculator.provider)
     total = speculator.max_tokens + 1
     cache, engine.cache = engine.cache, None
     try:

@@ -2,11 +2,10 @@
 
 MLX's Python API has no uninitialized allocation (``mx.empty`` is ``mx.zeros``), so a layout
 that reads an entry straight into MLX-owned buffers zero-fills them first, and fresh memory
-pays its first-touch page faults in that fill: 50 MB took ~20 ms fresh against 4.5 ms
-recycled on the 2-core dev VM, and 33-41 ms of a fresh process's ~110 ms restore of the 4B
-shape's 604 MB on the H200 (managed memory filled on the GPU). A :class:`BufferReserve` pays
-that fill off the request path (when the tier opens, and after a request whose restore used
-it), and a restore carves its buffers from it (docs/block-store.md, "The restore reserve").
+pays its first-touch page faults in that fill, a large share of a restore on a CPU and on a
+CUDA GPU alike. A :class:`BufferReserve` pays that fill off the request path (when the tier
+opens, and after a request whose restore used it), and a restore carves its buffers from it
+(docs/block-store.md, "The restore reserve"; what it buys: docs/decisions.md).
 
 Rules it keeps:
 
@@ -159,9 +158,7 @@ class BufferReserve:
             if self.on_gpu:
                 # MLX-CUDA gives a host address (a memoryview, where the read's copies land)
                 # for a buffer born in device memory only after moving the buffer to managed
-                # memory, a copy of all of it: the restore's first memoryview of a view of
-                # this slab took 28-38 ms of a fresh process's 4B restore on the H200
-                # (`read_steps_ms` "buffers", 2026-12-02 23:04 UTC). Paid here instead.
+                # memory, a copy of all of it: paid here, not by the restore's first view.
                 memoryview(slab)
             seconds = time.perf_counter() - start
         finally:

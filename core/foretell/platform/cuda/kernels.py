@@ -4,21 +4,19 @@ MLX's CUDA build compiles some kernels at run time with NVRTC and keeps them in
 ``MLX_PTX_CACHE_DIR``, by default under the temporary directory (``/tmp/mlx/<version>/ptx``),
 which a reboot or a tmp cleaner empties. The costly ones are its quantized matmuls for 8 or
 more rows (``qmm_sm80``): one kernel per weight width, group size, activation dtype and row
-tile (16, 32 or 64 rows), 31-37 s of one CPU core each on the H200 host, one after another
-inside the first requests (the demo's first ``foretell run``: 176.8 s; 74.0 s with the
-workers below). So, on a CUDA GPU only:
+tile (16, 32 or 64 rows), half a minute of one CPU core each, one after another inside the
+first requests. So:
 
 - :func:`keep_compiled_kernels` points ``MLX_PTX_CACHE_DIR``, where the user has not set it,
   at ``<cache home>/foretell/mlx-kernels/mlx-<version>-sm_<arch>``: one directory per MLX
   version and GPU architecture, since MLX names an entry by kernel and shape only.
 - :func:`precompile` starts compiling a model's quantized matmuls, every row tile, in parallel
-  worker processes (``python -m foretell.platform.kernels``), each into a directory of its
-  own; :func:`wait` merges those into the kept one file by file (tmp, then rename; nothing
-  overwritten). ``load`` starts the target's as the weights land, a drafter's warm-up starts
-  its own and waits for all, as does each request: the engine's first forwards then find
-  them compiled.
+  worker processes, each into a directory of its own; :func:`wait` merges those into the
+  kept one file by file (tmp, then rename; nothing overwritten). ``load`` starts the
+  target's as the weights land, a drafter's warm-up starts its own and waits for all, as
+  does each request: the engine's first forwards then find them compiled.
 
-Measured in docs/benchmarks.md ("A fresh CUDA host's first run").
+What it buys: docs/decisions.md, "CUDA-only code".
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from typing import Any
 import attrs
 
 from foretell.platform import cache_home
+from foretell.platform.cuda import driver
 
 #: Rows of a quantized matmul that pick each of ``qmm_sm80``'s row tiles (MLX 0.32: the
 #: tile is the next power of two of the rows, between 16 and 64; fewer than 8 rows take a
@@ -44,7 +43,9 @@ from foretell.platform import cache_home
 TILE_ROWS = (16, 32, 64)
 #: The variable MLX reads, once, at its first run-time compile.
 PTX_CACHE = "MLX_PTX_CACHE_DIR"
-#: ``auto`` (or unset): precompile on a CUDA GPU; ``off``: never; ``on``: wherever MLX runs.
+#: ``auto`` (or unset) and ``on``: precompile (this module runs on a CUDA GPU only, where
+#: ``auto`` is ``on``; ``on`` also runs the workers where the tests force it); ``off``: never,
+#: for an operator whose host cannot spare the workers' memory or cores.
 PRECOMPILE = "FORETELL_PRECOMPILE_KERNELS"
 
 
@@ -65,37 +66,31 @@ class QuantizedMatmul:
         return self.bits, self.group_size, self.mode, self.dtype
 
 
-def keep_compiled_kernels() -> Path | None:
-    """On a CUDA GPU, the directory MLX keeps its compiled kernels in, setting
-    ``MLX_PTX_CACHE_DIR`` to foretell's kept one where the user has not set it; None
-    elsewhere. Takes effect if it runs before MLX's first run-time compile in the process."""
-    from foretell.platform import cuda
-    from foretell.platform.device import on_cuda
-
-    if not on_cuda():
-        return None
+def keep_compiled_kernels() -> Path:
+    """The directory MLX keeps its compiled kernels in, setting ``MLX_PTX_CACHE_DIR`` to
+    foretell's kept one where the user has not set it. Takes effect if it runs before MLX's
+    first run-time compile in the process."""
     chosen = os.environ.get(PTX_CACHE)
     if chosen:
         return Path(chosen)
     import mlx.core as mx
 
-    arch = cuda.compute_capability()
+    arch = driver.compute_capability()
     name = f"mlx-{mx.__version__}-sm_{arch[0]}{arch[1]}" if arch else f"mlx-{mx.__version__}"
     folder = cache_home() / "mlx-kernels" / name
     os.environ[PTX_CACHE] = str(folder)
     return folder
 
 
-def custom_kernel(prefix: str, source: str, **spec: Any) -> Any:
-    """``mx.fast.cuda_kernel(source=source, **spec)`` named ``<prefix>_<hash of source>``.
-    MLX keeps the kernels it compiles on disk by name alone (:data:`PTX_CACHE`), so a kernel
-    whose source changed under the same name would load the old one's code."""
-    import hashlib
-
-    import mlx.core as mx
-
-    source_hash = hashlib.blake2b(source.encode(), digest_size=6).hexdigest()
-    return mx.fast.cuda_kernel(name=f"{prefix}_{source_hash}", source=source, **spec)
+def cold_note() -> str | None:
+    """One line for a person about to wait, where MLX has compiled no kernels on this host
+    yet (:func:`keep_compiled_kernels`'s directory holds none); else None. MLX's having no
+    compiled kernel is what makes a first run wait, not the CUDA driver's own cache."""
+    kept = keep_compiled_kernels()
+    if kept.is_dir() and any(kept.glob("*.ptx")):
+        return None
+    return (f"foretell: MLX has compiled no kernels for this GPU yet ({kept}), so this first "
+            "run compiles them (a minute or more, once; later runs reuse them)")
 
 
 def quantized_matmuls(*owners: Any) -> list[QuantizedMatmul]:
@@ -121,18 +116,15 @@ def quantized_matmuls(*owners: Any) -> list[QuantizedMatmul]:
 def precompile(*owners: Any) -> int:
     """Start compiling the quantized matmuls of ``owners`` at every row tile, one worker
     process each, all at once, and return how many started; :func:`wait` lands them. Nothing
-    starts off a CUDA GPU (unless ``FORETELL_PRECOMPILE_KERNELS=on`` and ``MLX_PTX_CACHE_DIR``
-    names a directory), with ``FORETELL_PRECOMPILE_KERNELS=off``, where no Python process
-    can be started, or for a kernel marked compiled before or on its way. Until then the engine computes as ever: a kernel it
-    needs first compiles in the engine's process too, and a worker's never overwrites it."""
+    starts with ``FORETELL_PRECOMPILE_KERNELS=off``, where no Python process can be started,
+    or for a kernel marked compiled before or on its way. Until then the engine computes as
+    ever: a kernel it needs first compiles in the engine's process too, and a worker's never
+    overwrites it."""
     from foretell.platform.device import device_mode
 
     if device_mode(PRECOMPILE, cuda="on", elsewhere="off", choices=("on", "off")) == "off":
         return 0
-    kept = keep_compiled_kernels() or (Path(os.environ[PTX_CACHE])
-                                       if os.environ.get(PTX_CACHE) else None)
-    if kept is None:
-        return 0
+    kept = keep_compiled_kernels()
     started = 0
     with _LOCK:
         pending = {worker.marker for worker in _PENDING}
@@ -202,13 +194,18 @@ def _start(kind: QuantizedMatmul, rows: int, kept: Path) -> _Worker | None:
         return None
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "foretell.platform.kernels", *_arguments(kind, rows)],
+            [sys.executable, "-c", _WORKER, *_arguments(kind, rows)],
             env=dict(os.environ, **{PTX_CACHE: str(own), PRECOMPILE: "off"}),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError:
         shutil.rmtree(own, ignore_errors=True)
         return None
     return _Worker(process, own, _marker(kind, rows), kept)
+
+
+#: What a worker runs (``-c``: ``-m`` on a module its package imports runs it twice).
+_WORKER = ("import sys; from foretell.platform.cuda.kernels import compile_one; "
+           "compile_one(sys.argv[1:])")
 
 
 def _marker(kind: QuantizedMatmul, rows: int) -> str:
@@ -251,7 +248,7 @@ def _modules(owners: Iterable[Any]) -> Iterator[Any]:
             yield from (value for value in held if isinstance(value, nn.Module))
 
 
-def _compile_one(argv: list[str]) -> None:
+def compile_one(argv: list[str]) -> None:
     """A worker: one quantized matmul of ``rows`` rows, evaluated (so MLX compiles it)."""
     import mlx.core as mx
 
@@ -264,6 +261,3 @@ def _compile_one(argv: list[str]) -> None:
     mx.eval(mx.quantized_matmul(x, *packed, transpose=True, group_size=group_size, bits=bits,
                                 mode=mode))
 
-
-if __name__ == "__main__":
-    _compile_one(sys.argv[1:])

@@ -1,20 +1,18 @@
-"""foretell's own CUDA kernels, compiled once with NVRTC and kept on disk.
+"""foretell's own CUDA kernel (the landing area's placing), compiled once with NVRTC and kept
+on disk.
 
-``mx.fast.cuda_kernel`` wraps a kernel's body in MLX's headers and compiles it with NVRTC
-in every process: MLX-CUDA 0.32.4 keeps its own kernels in ``MLX_PTX_CACHE_DIR`` but not
-these. On the H200 each of the block store's two kernels (the device digest, the landing
-area's placing) took 1.7-2.5 s to ready in every fresh process, and opening a cache tier
-3.4-5.5 s (``scripts/kernel_load_probe.py``, docs/block-store.md). Written as complete
-``extern "C"`` kernels that need no header, they compile in a fraction of that, once per
-source and GPU architecture: :func:`kernel_ptx` keeps the machine code (a cubin, as MLX
-compiles its own) under ``<cache home>/kernels/`` and MLX runs it through
+``mx.fast.cuda_kernel`` wraps a kernel's body in MLX's headers and compiles it with NVRTC in
+every process, and MLX keeps its own kernels on disk but not these: each fresh process would
+wait seconds for it as its cache tier opens (docs/decisions.md, "CUDA-only code"). Written as
+a complete ``extern "C"`` kernel that needs no header, it compiles in a fraction of that,
+once per source and GPU architecture: :func:`kernel_ptx` keeps the machine code (a cubin, as
+MLX compiles its own) under ``<cache home>/kernels/`` and MLX runs it through
 ``mx.fast.precompiled_cuda_kernel``.
 
-Where NVRTC cannot be found or refuses a source, :func:`kernel_ptx` answers None and the
-caller runs its ``mx.fast.cuda_kernel`` form instead; :func:`checked` runs either form
-only after its first results equal a reference's. NVRTC comes with MLX's CUDA build (the
-``nvidia-cuda-nvrtc`` package it requires); it is looked for where MLX loaded it, in
-Python's ``nvidia/*/lib`` directories, and by the loader's own search.
+NVRTC comes with MLX's CUDA build (the ``nvidia-cuda-nvrtc`` package it requires); it is
+looked for where MLX loaded it, in Python's ``nvidia/*/lib`` directories, and by the loader's
+own search. :func:`checked` hands out a kernel only after its first results equal a
+reference's; where there is none, its caller takes the path that needs no kernel.
 """
 
 from __future__ import annotations
@@ -32,24 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from foretell.platform import cache_home
+from foretell.platform.cuda import driver
 
 log = logging.getLogger("foretell.platform")
-
-#: ``on`` or ``auto`` (the default) on a CUDA GPU: run the kept kernels (where NVRTC is
-#: found and each passes its check), which a fresh process on the H200 readied in 212 and
-#: 1.2 ms against 1.7-3.0 and 1.4-2.7 s for the ``mx.fast.cuda_kernel`` forms
-#: (docs/benchmarks.md, 2026-12-05); ``off``: those forms.
-ENV = "FORETELL_KEPT_KERNELS"
-
-
-def enabled() -> bool:
-    """Whether :func:`kernel_ptx` offers kept kernels (:data:`ENV`).
-
-    :raises ConfigError: :data:`ENV` holds something else (naming it).
-    """
-    from foretell.platform.device import device_mode
-
-    return device_mode(ENV, cuda="on", elsewhere="off", choices=("on", "off")) == "on"
 
 _LOCK = threading.Lock()
 _NVRTC: list[Any] = []
@@ -59,14 +42,9 @@ _PTX: dict[str, bytes | None] = {}
 def kernel_ptx(name: str, source: str) -> bytes | None:
     """The compiled ``source`` (a complete CUDA source defining ``extern "C"`` kernel
     ``name``) for this process's GPU: from ``<cache home>/kernels/`` when compiled before,
-    else compiled now with NVRTC and kept there (tmp, then rename). None unless
-    :func:`enabled`, and where no GPU answers, there is no NVRTC, or NVRTC refuses the
-    source (logged)."""
-    from foretell.platform import cuda
-
-    if not enabled():
-        return None
-    arch = cuda.compute_capability()
+    else compiled now with NVRTC and kept there (tmp, then rename). None where no GPU
+    answers, there is no NVRTC, or NVRTC refuses the source (logged)."""
+    arch = driver.compute_capability()
     if arch is None:
         return None
     key = _key(name, source, arch)
@@ -89,36 +67,29 @@ def kernel_ptx(name: str, source: str) -> bytes | None:
 
 
 def checked(name: str, source: str, kept: Callable[[bytes], Any],
-            mismatch: Callable[[Any], str | None], fallback: Callable[[], Any]) -> Any:
-    """The launch to use for kernel ``name``: ``kept(compiled)``, the kept form of
-    ``source`` (:func:`kernel_ptx`), once ``mismatch(launch)`` finds nothing wrong with its
-    results against a reference (it returns what it got otherwise); else ``fallback()``,
-    the ``mx.fast.cuda_kernel`` form, with one warning if a kept form was tried, once it
-    passes the same check. Any error of the kept form counts as failing its check; a kept
-    form that fails it is deleted (:func:`discard`), so a damaged file is compiled afresh
-    by the next process instead of failing in every one.
+            mismatch: Callable[[Any], str | None]) -> Any:
+    """The launch for kernel ``name``: ``kept(compiled)``, the kept form of ``source``
+    (:func:`kernel_ptx`), once ``mismatch(launch)`` finds nothing wrong with its results
+    against a reference (it returns what it got otherwise). Any error counts as failing the
+    check; a kept form that fails it is deleted (:func:`discard`), so a damaged file is
+    compiled afresh by the next process instead of failing in every one.
 
-    :raises RuntimeError: the fallback fails its check too (each caller has a slower path
-        that needs no kernel: a digest by MLX ops, a read landing piece by piece). A wrong
-        digest kernel used to check reads and to digest writes alike could pass everything
-        it was shown; no form is used unchecked."""
+    :raises RuntimeError: no compiled form, or it fails its check (the caller takes its
+        path that needs no kernel).
+    """
     compiled = kernel_ptx(name, source)
-    if compiled is not None:
-        try:
-            launch = kept(compiled)  # a damaged image may fail as it loads
-            wrong = mismatch(launch)
-        except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
-            log.warning("kept kernel %s failed its check (%s: %s); using mx.fast.cuda_kernel",
-                        name, type(exc).__name__, exc)
-        else:
-            if wrong is None:
-                return launch
-            log.warning("kept kernel %s gave %s on its check; using mx.fast.cuda_kernel",
-                        name, wrong)
+    if compiled is None:
+        raise RuntimeError(f"kernel {name} has no compiled form (no GPU answers, no NVRTC, "
+                           "or NVRTC refused it)")
+    try:
+        launch = kept(compiled)  # a damaged image may fail as it loads
+        wrong = mismatch(launch)
+    except Exception as exc:  # noqa: BLE001 - whatever fails, the kept form is not used
         discard(name, source)
-    launch = fallback()
-    wrong = mismatch(launch)
+        raise RuntimeError(f"kernel {name} failed its check ({type(exc).__name__}: "
+                           f"{exc})") from exc
     if wrong is not None:
+        discard(name, source)
         raise RuntimeError(f"kernel {name} gave {wrong} on its check")
     return launch
 
@@ -126,9 +97,7 @@ def checked(name: str, source: str, kept: Callable[[bytes], Any],
 def discard(name: str, source: str) -> None:
     """Forget the kept form of ``source``: deleted from disk, and not offered again in this
     process."""
-    from foretell.platform import cuda
-
-    arch = cuda.compute_capability()
+    arch = driver.compute_capability()
     if arch is None:
         return
     key = _key(name, source, arch)
@@ -158,7 +127,7 @@ def compile_ptx(source: str, name: str, arch: tuple[int, int]) -> bytes | None:
     NVRTC's PTX); None (logged) if NVRTC is missing or refuses it."""
     lib = nvrtc()
     if lib is None:
-        log.info("no NVRTC found: kernel %s runs through mx.fast.cuda_kernel", name)
+        log.info("no NVRTC found: no kept form of kernel %s", name)
         return None
     program = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), f"{name}.cu".encode(),
