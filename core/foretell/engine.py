@@ -27,7 +27,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.errors import ConfigError, GenerationError, ModelNotFound
-from foretell.platform import kernels
+from foretell.platform import device
 from foretell.request import Progress, RequestState, plain_steps, prefill, resumed_steps
 from foretell.sampling import Sampler
 from foretell.stream import Event, Stats, StopMatcher, stream_events
@@ -255,7 +255,9 @@ class Engine:
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
-        kernels.wait()  # for kernels compiling in parallel since load (a CUDA GPU only)
+        cuda = device.cuda_backend()
+        if cuda is not None:
+            cuda.kernels.wait()  # for kernels compiling in parallel since load
         eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
         speculator = self.speculator if speculate is True else (speculate or None)
         sampler = Sampler(sampling)
@@ -428,7 +430,9 @@ def load(
     from foretell.platform import blas
 
     blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)
-    kernels.keep_compiled_kernels()  # before MLX compiles anything (a CUDA GPU only)
+    cuda = device.cuda_backend()
+    if cuda is not None:
+        cuda.kernels.keep_compiled_kernels()  # before MLX compiles anything
     path = resolve_model_path(model)
     if registry is None:
         from foretell.plugin.loader import load_plugins
@@ -436,5 +440,6 @@ def load(
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)
     model_ = load_model(path, registry, progress=progress)
-    kernels.precompile(model_)  # started now, waited for by the first request
+    if cuda is not None:
+        cuda.kernels.precompile(model_)  # started now, waited for by the first request
     return Engine(model_, tokenizer, registry=registry, path=path, **engine_options)
