@@ -52,6 +52,7 @@ from foretell.store.entry import (
 from foretell.store.files import (
     FileVersion,
     NotAFile,
+    RootGuard,
     Scanned,
     fsync_directory,
     log_io_failure,
@@ -172,6 +173,8 @@ class BlockStoreLayout:
         self.directory = Path(root) / identity.directory / STORE_DIR
         self.entries_dir = self.directory / "entries"
         self.data_dir = self.directory / "data"
+        #: Writes and deletes only while these lie inside the root (no link out).
+        self._guard = RootGuard(root, self.entries_dir, self.data_dir)
         self._index: dict[str, _Indexed] | None = None
         self._journal = ScanJournal()
         #: manifest name -> (its bytes' XXH3-128, block ids), so collect() parses only
@@ -252,6 +255,8 @@ class BlockStoreLayout:
     def write(self, entry: Entry) -> bool:
         """Store ``entry``: its new blocks, then its manifest, each atomically. True only
         once the manifest is durable; an I/O failure warns once and returns False."""
+        if not self._guard.allows():
+            return False
         key = self.key_for(entry.tokens, entry.namespace)
         groups = mf.plan_groups(entry)
         rows = self.config.block_tokens
@@ -497,6 +502,8 @@ class BlockStoreLayout:
         """Delete the entry's manifest; its blocks go at the next ``collect()`` unless
         another entry lists them."""
         self._forget(key)
+        if not self._guard.allows():
+            return False
         try:
             os.unlink(self.path(key))
         except FileNotFoundError:
@@ -510,7 +517,7 @@ class BlockStoreLayout:
         """Delete blocks no manifest in the directory lists (this identity's or another's)
         and interrupted writes; returns bytes freed. Waits up to ``lock_timeout_s`` for
         in-flight writes to finish, else frees nothing this round."""
-        if not self.directory.is_dir():
+        if not self.directory.is_dir() or not self._guard.allows():
             return 0
         try:
             with self._flock(exclusive=True, timeout=self.config.lock_timeout_s):
@@ -788,6 +795,8 @@ class BlockStoreLayout:
         read then found missing; its manifest is not at fault."""
         path = self.path(key)
         self._forget(key)
+        if not self._guard.allows():
+            return
         if bad_block is not None and "missing" not in reason:
             unlink_quietly(self.block_path(bad_block))  # damaged whichever manifest lists it
         try:
@@ -843,7 +852,7 @@ class BlockStoreLayout:
         return live
 
     def _reap_interrupted_writes(self) -> None:
-        if not self.directory.is_dir():
+        if not self.directory.is_dir() or not self._guard.allows():
             return  # nothing stored here: no lock file or folder made by looking
         try:
             with self._flock(exclusive=True, timeout=0):

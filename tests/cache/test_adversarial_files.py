@@ -114,3 +114,51 @@ def test_cache_commands_pass_over_a_fifo_named_like_an_entry(tmp_path, identity,
         report = json.loads(done.stdout)
         assert {s["path"]: s["reason"] for s in report["skipped"]}[
             str(layout.path(other))] == "not a regular file (a FIFO)"
+
+
+def bait(layout, victim: Path) -> None:
+    """Files in ``victim`` that a layout whose directory ``victim`` were would delete: a
+    corrupt entry and an old interrupted write (and, for the block store, an unreferenced
+    block and its folders' interrupted writes)."""
+    folders = ([victim] if isinstance(layout, SingleFileLayout)
+               else [victim / "blocks-v4" / "entries", victim / "blocks-v4" / "data"])
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "old.tmp").write_bytes(b"an interrupted write")
+        os.utime(folder / "old.tmp", (0, 0))
+    (folders[0] / f"{'0' * 32}.safetensors").write_bytes(b"not an entry at all")
+    if not isinstance(layout, SingleFileLayout):
+        (folders[1] / f"{'0' * 32}.blk").write_bytes(b"a block no manifest lists")
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+def test_a_fingerprint_directory_linked_out_of_the_root_has_nothing_deleted_there(
+        tmp_path, identity, codecs, layout_name, caplog, capsys):
+    """`run` and `foretell cache` delete corrupt entries, interrupted writes and unused
+    blocks in a model's directory; when that directory is a link out of the cache root,
+    nothing there is touched (and nothing new written), with one warning naming it."""
+    from foretell.cli import main
+
+    root, victim = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    victim.mkdir()
+    os.symlink(victim, root / identity.directory)
+    layout = LAYOUTS[layout_name](root, None, identity=identity)
+    bait(layout, victim)
+    before = files_under(victim)
+    entry = snapshot_entry(list(range(1, 9)), [filled_kv(8), filled_kv(8)], codecs)
+    with caplog.at_level("WARNING", logger="foretell.store"):
+        assert layout.scan() == [] and layout.collect() == 0
+        assert layout.write(entry) is False
+        assert layout.remove(layout.key_for(list(range(9)))) is False
+    assert files_under(victim) == before
+    warned = [r for r in caplog.records if "leads outside the cache root" in r.getMessage()]
+    assert len(warned) == 1 and str(victim) in warned[0].getMessage()
+    for action in ("verify", "gc", "clear"):
+        main(["cache", action, "--cache-dir", str(root), "--json"])
+        assert files_under(victim) == before, action
+    capsys.readouterr()

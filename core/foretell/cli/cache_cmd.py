@@ -215,7 +215,11 @@ def _say_skipped(skipped: list[dict[str, str]]) -> None:
 
 
 def _orphans(root: Path) -> list[Path]:
-    return sorted(root.glob("*/*.tmp"))
+    """Interrupted single-file writes under ``root``; none in a directory that leads
+    outside it (a symbolic link to elsewhere: those files are not this cache's)."""
+    from foretell.store.files import outside_root
+
+    return sorted(p for p in root.glob("*/*.tmp") if outside_root(root, p.parent) is None)
 
 
 # -- the actions ----------------------------------------------------------------------------

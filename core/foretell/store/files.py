@@ -84,17 +84,40 @@ def read_bounded(path: str | Path, limit: int, what: str = "a cache file") -> by
     return data
 
 
-def outside_root(root: str | Path, *folders: str | Path) -> str | None:
-    """Where the first of ``folders`` that resolves (symbolic links followed) outside
-    ``root`` resolves to, or None when all lie inside it. A layout deletes nothing in such
-    a folder: a fingerprint directory that is a link to elsewhere would otherwise have
-    that place's files deleted as corrupt entries and interrupted writes."""
+def outside_root(root: str | Path, *folders: str | Path) -> tuple[Path, str] | None:
+    """The first of ``folders`` that resolves (symbolic links followed) to a place outside
+    ``root`` as it resolves, with that place; None when every one lies inside."""
     top = os.path.realpath(root)
     for folder in folders:
         real = os.path.realpath(folder)
         if os.path.commonpath([top, real]) != top:
-            return real
+            return Path(folder), real
     return None
+
+
+class RootGuard:
+    """Whether a layout may write and delete in its folders: only while they lie inside
+    its cache root. A fingerprint directory that is a symbolic link to elsewhere had that
+    place's files deleted as corrupt entries and interrupted writes; now nothing there is
+    deleted, nor written (what could not be evicted would outgrow the cap), with one
+    warning per layout. Reads go on: they verify every byte wherever it lies."""
+
+    def __init__(self, root: str | Path, *folders: str | Path):
+        self.root = Path(root)
+        self.folders = folders
+        self._warned = False
+
+    def allows(self) -> bool:
+        found = outside_root(self.root, *self.folders)
+        if found is None:
+            return True
+        folder, real = found
+        log.log(logging.DEBUG if self._warned else logging.WARNING,
+                "cache directory %s leads outside the cache root %s (to %s): foretell "
+                "writes and deletes nothing there; remove the link to cache there again",
+                folder, self.root, real)
+        self._warned = True
+        return False
 
 #: What tells a scan that a file changed: inode, size, mtime (ns).
 FileVersion = tuple[int, int, int]

@@ -31,6 +31,7 @@ from foretell.store.entry import Entry, EntryHeader, LayerState, StoreIdentity, 
 from foretell.store.files import (
     FileVersion,
     NotAFile,
+    RootGuard,
     Scanned,
     file_version,
     fsync_directory,
@@ -76,6 +77,8 @@ class SingleFileLayout:
         self.config = config if config is not None else SingleFileConfig()
         self.identity = identity
         self.directory = Path(root) / identity.directory
+        #: Writes and deletes only while the directory lies inside the root (no link out).
+        self._guard = RootGuard(root, self.directory)
         self._index: dict[str, EntryHeader] | None = None
         self._journal = ScanJournal()
         #: file name -> (its version when last scanned, its header or why it is skipped).
@@ -103,6 +106,8 @@ class SingleFileLayout:
         Never raises for I/O: a failure (disk full, unwritable, read-only) leaves no partial
         file, warns once per outage and returns False.
         """
+        if not self._guard.allows():
+            return False
         writer = fmt.EntryWriter(entry, self.identity, created_at=time.time())
         key = self.key_for(entry.tokens, entry.namespace)
         path = self.path(key)
@@ -198,9 +203,10 @@ class SingleFileLayout:
             self._io_failed(exc, f"list cache directory {self.directory}")
             names = []
         now = time.time()
-        for name in names:
-            if name.endswith(".tmp"):
-                self._reap_orphan(self.directory / name, now)
+        if any(name.endswith(".tmp") for name in names) and self._guard.allows():
+            for name in names:
+                if name.endswith(".tmp"):
+                    self._reap_orphan(self.directory / name, now)
         found, scanned, skipped = rescan(self.directory, names, fmt.SUFFIX, self._scanned,
                                          self._scan_file)
         with self._lock:
@@ -235,6 +241,8 @@ class SingleFileLayout:
     def remove(self, key: str) -> bool:
         """Delete the entry; True if a file was removed."""
         self._forget(key)
+        if not self._guard.allows():
+            return False
         try:
             os.unlink(self.path(key))
         except FileNotFoundError:
@@ -250,6 +258,8 @@ class SingleFileLayout:
         try:
             names = os.listdir(self.directory)
         except OSError:
+            return 0
+        if not self._guard.allows():
             return 0
         now = time.time()
         return sum(self._reap_orphan(self.directory / n, now) for n in names if n.endswith(".tmp"))
@@ -279,8 +289,9 @@ class SingleFileLayout:
             self._forget(key)
         except fmt.CorruptEntry as exc:
             self._forget(key)
+            deleted = self._guard.allows() and unlink_quietly(path)
             log.warning("cache entry %s is corrupt (%s); %s", path, exc,
-                        "deleted" if unlink_quietly(path) else "could not be deleted")
+                        "deleted" if deleted else "not deleted")
         except (fmt.UnknownVersion, fmt.ForeignEntry, NotAFile) as exc:
             log.debug("cache entry %s skipped: %s", path, exc)
             self.skipped[str(path)] = str(exc)
