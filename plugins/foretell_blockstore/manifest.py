@@ -2,10 +2,11 @@
 
 **Cutting.** Every tensor is cut along its second-to-last axis (the token axis of every KV
 form: ``[B, heads, tokens, dim]`` plain, and the packed/scales/biases of quantized KV) into
-runs of ``block_rows`` rows starting at row 0. Tensors with the same number of rows form a
-*group*, and block ``j`` of a group holds rows ``[j*block_rows, (j+1)*block_rows)`` of every
-tensor in the group, back to back in layer order. So every layer of one token range is one
-block file: an entry of 2,048 tokens is 8 blocks at 256, whatever the model's depth.
+runs of ``block_rows`` rows starting at row 0. Tensors of one codec provider with the same
+number of rows form a *group*, and block ``j`` of a group holds rows
+``[j*block_rows, (j+1)*block_rows)`` of every tensor in the group, back to back in layer
+order. So every layer of one token range is one block file: an entry of 2,048 tokens is 8
+blocks at 256, whatever the model's depth (plus a drafter's state, in blocks of its own).
 
 Rows of a growing cache are token positions, so two entries sharing a token prefix have
 byte-identical leading blocks. A wrapped ring (rows = ring slots, not positions) forms its
@@ -128,14 +129,21 @@ class Group:
 
 
 def plan_groups(entry: Entry) -> tuple[Group, ...]:
-    """The entry's tensors grouped by row count, in layer order within each group."""
-    by_rows: dict[int, list[TensorSpec]] = {}
+    """The entry's tensors grouped by row count and codec provider, in layer order within
+    each group; groups by row count, then by their first layer.
+
+    The provider keeps a drafter's state (its attachment layer) out of the target's
+    blocks: it differs between entries that share the target's prefix, and when its rows
+    matched the target's it spoiled every block it joined (two entries sharing 990 tokens
+    shared none)."""
+    groups: dict[tuple[int, str], list[TensorSpec]] = {}
     for index, layer in enumerate(entry.layers):
         for name, array in layer.tensors.items():
             spec = TensorSpec(index, name, fmt.dtype_code(array), tuple(array.shape))
             if spec.rows and array.size:
-                by_rows.setdefault(spec.rows, []).append(spec)
-    return tuple(Group(rows, tuple(specs)) for rows, specs in sorted(by_rows.items()))
+                groups.setdefault((spec.rows, layer.provider), []).append(spec)
+    return tuple(Group(rows, tuple(specs)) for (rows, _provider), specs in
+                 sorted(groups.items(), key=lambda item: (item[0][0], item[1][0].layer)))
 
 
 def host_views(entry: Entry) -> dict[tuple[int, str], np.ndarray]:
