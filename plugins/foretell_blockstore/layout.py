@@ -364,8 +364,8 @@ class BlockStoreLayout:
         conversation whose stored entries grow every turn does not pay a fill at each
         request's end. Runs MLX: the tier calls it where MLX runs and no request waits
         (:class:`foretell.store.layout.KeepsRestoreReserve`). Where reads are checked by
-        device digests, their weights are built here too, and on a CUDA GPU the landing area
-        is grown and its kernel loaded."""
+        device digests, their kernel is loaded (or their weights built) here too, and on a
+        CUDA GPU the landing area is grown and its kernel loaded."""
         marks, indexed = [time.perf_counter()], self._indexed()
         if digest.enabled():  # even for an empty store: its first write digests too
             digest.prepare(max((i.largest_tensor for i in indexed), default=4) // 4)
@@ -696,7 +696,8 @@ class BlockStoreLayout:
             blockfile.wait_in_order(jobs)
             marks.append(time.perf_counter())
         if by_digest:
-            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs])
+            found = digest.digests([buffers[(s.layer, s.name)][0] for s in specs],
+                                   views=[flats[(s.layer, s.name)] for s in specs])
             bad = next((s for s, got, want in zip(specs, found or [None] * len(specs),
                                                   manifest.digests) if got != want), None)
             if bad is not None:

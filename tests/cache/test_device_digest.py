@@ -106,8 +106,8 @@ def test_digests_are_on_exactly_where_mlx_computes_on_a_cuda_gpu(monkeypatch):
 
 
 def test_preparing_readies_a_check_of_that_size_once(monkeypatch):
-    """The weights built before a read needs them; a smaller size afterwards rebuilds
-    nothing."""
+    """The weights built before a read needs them (the ops: the suite's CPU); a smaller
+    size afterwards rebuilds nothing."""
     monkeypatch.setattr(digest, "_WEIGHTS", [])
     monkeypatch.setattr(digest, "_PREPARED", [0])
     digest.prepare(5000)
@@ -115,3 +115,81 @@ def test_preparing_readies_a_check_of_that_size_once(monkeypatch):
     kept = list(digest._WEIGHTS)
     digest.prepare(100)
     assert digest._WEIGHTS == kept and digest._PREPARED == [5000]
+
+
+def _host_table_kernel(table):
+    """The kernel's contract on the host: each row (address, words) summed by the oracle
+    from the bytes at that address."""
+    import ctypes
+
+    return mx.array(np.array([digest.reference(ctypes.string_at(int(a), int(n) * 4))
+                              for a, n in table.tolist()], dtype=np.uint64))
+
+
+@pytest.fixture
+def table_kernel(monkeypatch):
+    """The CUDA path on the CPU: the seam answers the CUDA package, whose kernel is the
+    host stand-in, in launches of 5 tensors."""
+    from foretell.platform import cuda, device
+
+    monkeypatch.setattr(device, "cuda_backend", lambda: cuda)
+    monkeypatch.setattr(cuda.digests, "_KERNEL", [_host_table_kernel])
+    monkeypatch.setattr(cuda.digests, "KERNEL_ROWS", 5)
+    return cuda.digests
+
+
+def test_the_table_of_addresses_points_at_every_tensors_bytes(table_kernel, monkeypatch):
+    """The kernel reads each tensor at the address and length its table gives: for arrays
+    of every layout (their words made contiguous first) and for a read's flat views of the
+    same buffers, the table's bytes are the tensors' (here read on the host), and the MLX
+    ops are not what computed them."""
+    monkeypatch.setattr(digest, "_weights", None)  # the ops would fail
+    arrays = _stored_forms() + [mx.arange(16, dtype=mx.uint32) + i for i in range(12)]
+    mx.eval(arrays)
+    assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
+    flat = [a for a in arrays if a.nbytes == 0 or memoryview(a).c_contiguous]
+    views = [memoryview(a).cast("B") for a in flat]
+    assert digest.digests(flat, views=views) == [digest.reference(_bytes(a)) for a in flat]
+
+
+def test_a_kernel_that_fails_leaves_the_ops_to_digest_with_one_warning(table_kernel,
+                                                                      monkeypatch, caplog):
+    """Where NVRTC is missing or refuses the kernel, reads still get checked: by the ops,
+    which compute the same digests."""
+    import logging
+
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise RuntimeError("kernel foretell_mlh64_table has no compiled form")
+
+    monkeypatch.setattr(table_kernel, "_KERNEL", [])
+    monkeypatch.setattr(table_kernel, "_launcher", failing)
+    arrays = [mx.arange(40, dtype=mx.uint32), mx.arange(8, dtype=mx.uint32)]
+    with caplog.at_level(logging.WARNING, logger="foretell.store"):
+        for _ in range(2):
+            assert digest.digests(arrays) == [digest.reference(_bytes(a)) for a in arrays]
+    assert calls == [1]  # tried once
+    assert sum("CUDA kernel failed" in r.message for r in caplog.records) == 1
+
+
+def _on_a_cuda_gpu() -> bool:
+    from foretell.platform import device
+
+    return device.cuda_backend() is not None
+
+
+@pytest.mark.skipif(not _on_a_cuda_gpu(), reason="the kernel runs on a CUDA GPU")
+def test_the_cuda_kernel_equals_the_oracle(monkeypatch):
+    from foretell.platform import cuda
+
+    arrays = _stored_forms()
+    mx.eval(arrays)
+    expected = [digest.reference(_bytes(a)) for a in arrays]
+    assert cuda.digests.of(arrays) == expected  # the kernel itself, not the ops
+    flat = [a for a in arrays if a.nbytes == 0 or memoryview(a).c_contiguous]
+    views = [memoryview(a).cast("B") for a in flat]
+    assert cuda.digests.of(flat, views) == [digest.reference(_bytes(a)) for a in flat]
+    monkeypatch.setattr(cuda.digests, "KERNEL_ROWS", 5)
+    assert cuda.digests.of(arrays) == expected

@@ -1,8 +1,8 @@
-"""foretell's own CUDA kernel compiled once with NVRTC and kept (foretell.platform.cuda.nvrtc),
+"""foretell's own CUDA kernels compiled once with NVRTC and kept (foretell.platform.cuda.nvrtc),
 and the guard that hands out a kept kernel only after it passed a check against a reference
-(otherwise reads land piece by piece). NVRTC needs no GPU: where it is installed (a CUDA
-host; here with ``nvidia-cuda-nvrtc`` on the path) the source is compiled for real; the
-guard is driven with stand-ins anywhere."""
+(otherwise reads land piece by piece, digests are computed by MLX ops). NVRTC needs no GPU:
+where it is installed (a CUDA host; here with ``nvidia-cuda-nvrtc`` on the path) the sources
+are compiled for real; the guard is driven with stand-ins anywhere."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import ctypes
 import logging
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
-from foretell.platform.cuda import areas, driver, nvrtc
+from foretell.platform.cuda import areas, digests, driver, nvrtc
+from foretell.store import digest
 
 
 @pytest.fixture
@@ -50,9 +52,11 @@ def test_without_nvrtc_or_a_gpu_there_is_no_kept_kernel(kept, monkeypatch, caplo
 
 
 @pytest.mark.skipif(nvrtc.nvrtc() is None, reason="needs NVRTC (nvidia-cuda-nvrtc)")
-def test_the_placing_kernel_compiles_with_nvrtc_to_machine_code():
-    image = nvrtc.compile_ptx(areas.PLACE_PTX_SOURCE, areas.PLACE_NAME, (9, 0))
-    assert image is not None and image[:4] == b"\x7fELF" and areas.PLACE_NAME.encode() in image
+@pytest.mark.parametrize("name, source", [(digests.PTX_NAME, digests.PTX_SOURCE),
+                                          (areas.PLACE_NAME, areas.PLACE_PTX_SOURCE)])
+def test_our_kernels_compile_with_nvrtc_to_machine_code(name, source):
+    image = nvrtc.compile_ptx(source, name, (9, 0))
+    assert image is not None and image[:4] == b"\x7fELF" and name.encode() in image
 
 
 def test_a_bad_source_is_refused_with_nvrtcs_log(kept, caplog):
@@ -61,6 +65,25 @@ def test_a_bad_source_is_refused_with_nvrtcs_log(kept, caplog):
     with caplog.at_level(logging.WARNING, logger="foretell.platform"):
         assert nvrtc.kernel_ptx("broken", 'extern "C" __global__ void broken() { nope; }') is None
     assert "NVRTC refused kernel broken" in caplog.text and "nope" in caplog.text
+
+
+def _summing(*, inputs, **kwargs):
+    """A digest kernel on the host: sums the rows (address, words) of its table."""
+    return [mx.array(np.array([digest.reference(ctypes.string_at(a, n * 4))
+                               for a, n in inputs[0].tolist()], dtype=np.uint64))]
+
+
+def test_digests_use_the_kept_kernel_only_after_it_passes_its_check(monkeypatch):
+    """A kernel giving the same wrong sums for the bytes written and read would pass every
+    read it checks: one that gives other sums than the oracle is never handed out."""
+    monkeypatch.setattr(nvrtc, "kernel_ptx", lambda name, source: b"image")
+    monkeypatch.setattr(nvrtc, "discard", lambda name, source: None)
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel",
+                        lambda **call: [mx.ones((3,), dtype=mx.uint64)])
+    with pytest.raises(RuntimeError, match="gave"):
+        digests._launcher()
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", _summing)
+    assert digests._launcher().__name__ == "by_ptx"
 
 
 def _placing(*, inputs, **kwargs):

@@ -3,9 +3,10 @@
 A restore on a CUDA GPU lands each block by DMA (``foretell.platform.cuda``); hashing those
 bytes on the host (XXH3, :func:`foretell.store.format.checksum`) made the host's memory and
 threads the verified read's limit. A device digest runs on the GPU after every block has
-landed and checks the bytes where they will be used: a few MLX ops per tensor, all in one
-evaluation (docs/decisions.md, "CUDA-only code", has what it buys). On a CPU, XXH3 stays the
-check: MLX digests there at a fraction of its speed.
+landed and checks the bytes where they will be used: one CUDA launch over every tensor
+(``foretell.platform.cuda.digests``) where it can be had, else a few MLX ops per tensor, all
+in one evaluation (docs/decisions.md, "CUDA-only code", has what each buys). On a CPU, XXH3
+stays the check: MLX digests there at a fraction of its speed.
 
 **The digest** (``mlh64``) of a tensor whose row-major bytes are the little-endian 32-bit
 words ``x_0 .. x_{n-1}``: ``sum(x_i * w_i) mod 2**64``, with ``w_i`` the SplitMix64 output
@@ -50,22 +51,33 @@ def enabled() -> bool:
     return on_cuda()
 
 
-def digests(arrays: Sequence[mx.array]) -> list[int] | None:
-    """Each array's digest, computed by MLX where it lives, in one evaluation; None when
-    some array's bytes do not split into 32-bit words (then none is recorded)."""
+def digests(arrays: Sequence[mx.array], views: Sequence[memoryview] | None = None
+            ) -> list[int] | None:
+    """Each array's digest, computed where it lives; None when some array's bytes do not
+    split into 32-bit words (then none is recorded). On a CUDA GPU by one kernel launch
+    (``views``: writable flat views of the same row-contiguous buffers, as a read holds
+    them, which the kernel reads at their addresses), elsewhere or without the kernel by
+    MLX ops, in one evaluation."""
     import mlx.core as mx
+
+    from foretell.platform import device
 
     if any(a.nbytes % 4 for a in arrays):
         return None
     if not arrays:
         return []
-    words = [_words(a) for a in arrays]
+    cuda = device.cuda_backend()
+    found = cuda.digests.of(arrays, views) if cuda is not None else None
+    if found is not None:
+        return found
+    words = [words_of(a) for a in arrays]
     weights = _weights(max(w.size for w in words))
     sums = mx.stack([mx.sum(w.astype(mx.uint64) * weights[:w.size]) for w in words])
     return [int(s) for s in sums.tolist()]
 
 
-def _words(array: mx.array) -> mx.array:
+def words_of(array: mx.array) -> mx.array:
+    """``array``'s bytes as 32-bit words, flat (a view where its layout allows)."""
     import mlx.core as mx
 
     return array.reshape(-1) if array.dtype == mx.uint32 else array.reshape(-1).view(mx.uint32)
@@ -83,9 +95,9 @@ def attach(entry: Entry) -> Entry:
 
 
 def prepare(words: int) -> None:
-    """Ready what a check of tensors of up to ``words`` 32-bit words runs (the weights
-    built, the ops run once), now, where no request waits: a fresh process's first check
-    pays for both, far longer than a restore's check takes."""
+    """Ready what a check of tensors of up to ``words`` 32-bit words runs (the CUDA kernel
+    loaded, or the ops' weights built), now, where no request waits: a fresh process's
+    first check pays for it, far longer than a restore's check takes."""
     import mlx.core as mx
 
     if words < 1 or words <= _PREPARED[0]:

@@ -1,10 +1,10 @@
-"""foretell's own CUDA kernel (the landing area's placing), compiled once with NVRTC and kept
-on disk.
+"""foretell's own CUDA kernels (the landing area's placing, the device digests), compiled once
+with NVRTC and kept on disk.
 
 ``mx.fast.cuda_kernel`` wraps a kernel's body in MLX's headers and compiles it with NVRTC in
 every process, and MLX keeps its own kernels on disk but not these: each fresh process would
-wait seconds for it as its cache tier opens (docs/decisions.md, "CUDA-only code"). Written as
-a complete ``extern "C"`` kernel that needs no header, it compiles in a fraction of that,
+wait seconds for each as its cache tier opens (docs/decisions.md, "CUDA-only code"). Written
+as a complete ``extern "C"`` kernel that needs no header, each compiles in a fraction of that,
 once per source and GPU architecture: :func:`kernel_ptx` keeps the machine code (a cubin, as
 MLX compiles its own) under ``<cache home>/kernels/`` and MLX runs it through
 ``mx.fast.precompiled_cuda_kernel``.
