@@ -19,14 +19,12 @@
 #   cache4b    foretell bench --cache on the synthetic 4B shape (REPEATS, default 3;
 #              KV_BITS=4|8: the KV quantized, as --kv-bits; SHAPE=0.6b: the 0.6B shape;
 #              TAG: a suffix for its files)
-#   pending    what issue 9 left unverified on a GPU, part 1 (~6 min): the block store's
-#              suite with the kept kernels on (FORETELL_KEPT_KERNELS=on), then (kept kernels
-#              off) cache4b at 8-bit KV with FORETELL_WRITE_DMA off and on
-#   pending2   part 2 (~4 min, the next call): cache4b at 8-bit KV with the spill worker at a
-#              quarter duty (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), the 0.6B shape
-#   verify     the GPU's own tests (~3 min): the block store's suite, the device digest's and
-#              the kept kernels' (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then cache4b at
-#              8-bit KV with the defaults (writes by DMA and the kept kernels on; TAG=defaults)
+#   pending2   cache4b at 8-bit KV with the spill worker at a quarter duty
+#              (FORETELL_SPILL_DUTY=0.25; 1 on a 16-core host), then the 0.6B shape (~4 min)
+#   verify     the GPU's own tests (~3 min): the block store's suite, the device digests',
+#              the kept kernels', MLX's kernels' and the CPU run that must import no CUDA
+#              module (TESTS: other paths), verbose (which GPU-only tests ran); ROW=1: then
+#              cache4b at 8-bit KV (TAG=defaults)
 #   digests    the device digests', kept kernels' and cross-thread cache tests, then cache4b
 #              at 8-bit KV (REPEATS, default 7; TAG, default table) (~5 min)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
@@ -83,21 +81,14 @@ cache4b)
     --cache-prompt-tokens 4096 --repeats "${REPEATS:-3}" --generate 64 ${KV_BITS:+--kv-bits $KV_BITS} \
     --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -30
   ;;
-pending)
-  # The kept kernels only where they are tested: a faulting one would spoil the A/B after.
-  { FORETELL_KEPT_KERNELS=on timeout 200 $PY -m pytest -q -p no:cacheprovider tests/blockstore tests/cache/test_device_digest.py \
-      tests/core/test_kept_kernels.py 2>&1 | tail -25; } 2>&1 | tee "$OUT/pending-kernels-tests.log"
-  for dma in off on; do
-    FORETELL_WRITE_DMA=$dma KV_BITS=8 TAG=dma-$dma bash "$0" cache4b
-  done
-  ;;
 pending2)
   FORETELL_SPILL_DUTY=0.25 KV_BITS=8 TAG=duty-0.25 bash "$0" cache4b
   SHAPE=0.6b bash "$0" cache4b
   ;;
 verify)
   timeout 280 $PY -X faulthandler -m pytest -v -rs -p no:cacheprovider \
-    ${TESTS:-tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py} \
+    ${TESTS:-tests/blockstore tests/cache/test_device_digest.py tests/core/test_kept_kernels.py
+      tests/core/test_kernels.py tests/core/test_backend_neutral.py} \
     > "$OUT/verify-tests.log" 2>&1; echo "pytest rc $?" >> "$OUT/verify-tests.log"
   grep -E "cuda|gpu|device|kept|dma|landing|rc |passed|failed|SKIP|Fatal" "$OUT/verify-tests.log" | tail -40
   if [ "${ROW:-0}" = 1 ]; then KV_BITS=8 TAG=defaults bash "$0" cache4b; fi

@@ -102,7 +102,7 @@ def phase_prime(model: Path, directory: Path, prompt: list[int], args: argparse.
     out["durable"] = report.durable
     # The first RAM hits once the entry's bytes were written: on a CUDA GPU a writer that
     # reads the cache on the CPU moves its pages to the host, and the next step over them
-    # moves them back (FORETELL_WRITE_DMA=on gathers by DMA).
+    # moves them back (a writer gathering by DMA, as foretell's does there, does not).
     out["ram_hits_after_write_ttft_s"] = [_generate(engine, prompt).ttft_s for _ in range(2)]
     tier.flush(600)  # whatever those requests stored lands before the next phase
     donor = max(tier.ram.entries(), key=lambda e: len(e.tokens))
