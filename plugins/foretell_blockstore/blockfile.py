@@ -82,7 +82,7 @@ def read_block(path: Path, ref: mf.BlockRef, header: bytes,
     a block that fails its checksum is never returned, whatever landed). Otherwise each
     piece is read straight into its runs and hashed there: reading several at once there
     made verified reads slower, the first pieces leaving the cache before they were hashed
-    (2-core Xeon, the demo's 50 MB entry: 18.7 against 17.8 ms).
+    (docs/block-store.md, "Reads of 4 MiB").
 
     :raises BadBlock: missing, of another size, another header, or failing its checksum.
     :raises CudaCopyError: a copy to the GPU failed (the block is not at fault).
