@@ -23,7 +23,13 @@ if TYPE_CHECKING:
 
 
 class RandomKeys:
-    """A per-request stream of PRNG keys: a seed, then one fresh key per draw."""
+    """A request's randomness: keys for sequence positions, and a stream of fresh keys.
+
+    :meth:`rows` keys each sequence position by ``(seed, position)`` alone, so the token
+    drawn for position i is the same whichever way the generation was cut into steps and
+    rounds: plain decoding and the verifier draw with them (a seed then reproduces a
+    speculative run whatever its draft schedule). :meth:`next` is a stream, for a drafter's
+    own draws (:func:`foretell.spec.draft_keys`)."""
 
     def __init__(self, seed: int | None = None):
         self.seed = secrets.randbits(32) if seed is None else seed
@@ -46,6 +52,39 @@ class RandomKeys:
         self._key = pair[0]
         return pair[1]
 
+    def rows(self, position: int, count: int = 1, salt: int = 0) -> mx.array:
+        """``[count, 2]`` keys of positions ``position ...``: :func:`position_keys`."""
+        return position_keys(self.seed, position, count, salt)
+
+
+def position_keys(seed: int, position: int, count: int = 1, salt: int = 0) -> mx.array:
+    """``[count, 2]`` PRNG keys of sequence positions ``position ... position + count - 1``,
+    each a function of ``(seed, position, salt)`` only (``salt`` separates uses of one
+    position). Hashed on the host (splitmix64) into one small upload: no graph ops, no sync."""
+    base = _splitmix64(_splitmix64(seed & _MASK64) ^ (salt * 0x9E3779B97F4A7C15 & _MASK64))
+    rows = []
+    for i in range(position, position + count):
+        h = _splitmix64(base ^ i)
+        rows.append([h >> 32, h & 0xFFFFFFFF])
+    return mx.array(rows, dtype=mx.uint32).reshape(count, 2)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def gumbel_rows(keys: mx.array, vocab: int) -> mx.array:
+    """``[N, vocab]`` Gumbel noise, row r drawn from ``keys[r]`` alone (its values do not
+    depend on how many rows are drawn together), so ``argmax(scores + noise)`` draws each
+    row's token as a function of its own key."""
+    return mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(keys)
+
 
 class Sampler:
     """Logits to a processed distribution, and draws from it.
@@ -56,7 +95,9 @@ class Sampler:
     dtype, whose argmax is mlx-lm's greedy token even where bfloat16 rounding ties two.
     ``probabilities(scores)`` is that distribution, ``[N, V]`` summing to 1 per row; for
     greedy, the point mass at the argmax, so one rejection-sampling verifier serves both.
-    ``sample(scores, key)`` returns ``[N]`` int32 ids: exactly the argmax when greedy.
+    ``sample(scores, key)`` returns ``[N]`` int32 ids: exactly the argmax when greedy; with
+    ``[N, 2]`` keys (:meth:`RandomKeys.rows`), row r's draw is a function of ``keys[r]`` and
+    its scores alone (Gumbel-max), which is how plain decoding and the verifier draw.
     """
 
     def __init__(self, config: SamplingConfig | None = None):
@@ -97,6 +138,9 @@ class Sampler:
     def sample(self, scores: mx.array, key: mx.array | None = None) -> mx.array:
         if self.greedy:
             return mx.argmax(scores, axis=-1).astype(mx.int32)
+        if key is not None and key.ndim == 2:
+            noise = gumbel_rows(key, scores.shape[-1])
+            return mx.argmax(scores + noise, axis=-1).astype(mx.int32)
         return mx.random.categorical(scores, axis=-1, key=key).astype(mx.int32)
 
     def __call__(
@@ -198,21 +242,25 @@ def repetition_windows(context: mx.array, appended: mx.array, size: int) -> mx.a
 
 
 def decode_step(model: Any, caches: list[Any], sampler: Sampler, keys: RandomKeys | None,
-                recent: Sequence[int]) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+                recent: Sequence[int], position: int | None = None
+                ) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
     """One plain decoding step as a function of the tokens it feeds (``[B, L]``): the
-    forward into ``caches``, the last position's logits, a token drawn with the next of
-    ``keys`` (None: greedy or unseeded). The repetition penalty's window starts as the last
-    of ``recent`` (the sequence so far, B = 1) and slides on by each token drawn.
-    ``step(tokens) -> (token [B], hidden [B, L, H])``: plain decoding and the verifier's
-    plain stretches take this same step."""
+    forward into ``caches``, the last position's logits, a token drawn with the key of its
+    sequence position (``keys.rows``; None: greedy). ``position`` is the first step's token's
+    index in the sequence (default ``len(recent)``: ``recent`` is then the whole sequence),
+    each step the next. The repetition penalty's window starts as the last of ``recent``
+    (B = 1) and slides on by each token drawn. ``step(tokens) -> (token [B], hidden [B, L,
+    H])``: plain decoding and the verifier's plain stretches take this same step."""
     size = sampler.window
     window = mx.array([list(recent[-size:])], dtype=mx.int32) if size else None
+    at = len(recent) if position is None else position
 
     def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
-        nonlocal window
+        nonlocal window, at
         hidden, _ = model.forward(tokens, caches)
         logits = model.logits(hidden[:, -1, :])
-        token = sampler(logits, window, keys.next() if keys is not None else None)
+        token = sampler(logits, window, keys.rows(at) if keys is not None else None)
+        at += 1
         if window is not None:
             window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
         return token, hidden

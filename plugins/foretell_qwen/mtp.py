@@ -249,11 +249,11 @@ class MTPSource:
             # the verifier keeps no older states for it (Feed).
             self.caches, self.last = [KVCache()], None
             hidden = feed.hidden[:, -CATCH_UP_MAX:] if feed.hidden is not None else None
-            feed = Feed(feed.tokens, hidden)
+            feed = Feed(feed.tokens, hidden, feed.position)
         self._absorb(feed)
         if self.last is None:
             return Draft.of([])
-        out, drafting = self.last, Drafting(self.sampler, self.keys)
+        out, drafting = self.last, Drafting(self.sampler, self.keys, feed.position)
         for i in range(n):
             token = drafting.add(self.logits(out[:, -1, :]))
             if i < n - 1:

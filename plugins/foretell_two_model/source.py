@@ -134,7 +134,7 @@ class TwoModelSource:
         if not stay_trimmable(self.caches, n - 1):
             self.fed, self._drafted = len(self.sequence), 0
             return Draft.of([])  # a cache that could not roll back: the target steps alone
-        drafting = Drafting(self.sampler, self.keys)
+        drafting = Drafting(self.sampler, self.keys, feed.position)
         token = drafting.add(self.model.logits(hidden[:, -1, :]))
         for _ in range(n - 1):
             hidden, _ = self.model.forward(token[:, None], self.caches)

@@ -128,6 +128,29 @@ def test_a_seed_reproduces_the_draws_whatever_else_is_drawn():
     assert [other(logits, None, keys.next()).item() for _ in range(20)] != first
 
 
+def test_position_keyed_draws_follow_the_softmax():
+    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5]])
+    temp, draws = 0.8, 40000
+    sampler = Sampler(SamplingConfig(temp=temp, seed=11))
+    scores = sampler.scores(mx.broadcast_to(logits, (draws, 6)))
+    tokens = np.array(sampler.sample(scores, sampler.keys().rows(0, draws)))
+    freq = np.bincount(tokens, minlength=6) / draws
+    expected = np.array(mx.softmax(logits[0] / temp))
+    assert np.abs(freq - expected).max() < 4 * math.sqrt(0.25 / draws)
+
+
+def test_a_positions_draw_depends_on_its_key_alone_not_on_the_rows_drawn_with_it():
+    """What makes a seeded speculative run reproducible: the verifier draws a round's
+    positions together, plain decoding one at a time, and each position comes out the same."""
+    sampler = Sampler(SamplingConfig(temp=1.0, seed=7))
+    keys = sampler.keys()
+    scores = sampler.scores(mx.random.normal((6, 300), key=mx.random.key(2)))
+    together = np.array(sampler.sample(scores, keys.rows(40, 6))).tolist()
+    alone = [sampler.sample(scores[i : i + 1], keys.rows(40 + i)).item() for i in range(6)]
+    assert together == alone
+    assert np.array(sampler.sample(scores, keys.rows(41, 6))).tolist() != together
+
+
 def test_unseeded_requests_draw_different_keys():
     assert RandomKeys().seed != RandomKeys().seed  # 32 random bits: a clash is 1 in 4e9
 

@@ -298,8 +298,9 @@ def test_a_resumed_speculative_generation_continues_the_same_stream(
                                               PROMPT_REPEATS)
     assert stats.cached_from == "checkpoint"
     assert resumed == uninterrupted
-    if sampling is None:
-        assert resumed == plain(path, registry, PROMPT_REPEATS)
+    # Seeded too: each position's token is drawn with that position's key, as plain
+    # sampling draws it (tests/spec/test_seeded_runs.py).
+    assert resumed == plain(path, registry, PROMPT_REPEATS, sampling=sampling)
     # The resumed request speculated on from the drafter's checkpointed state.
     assert len(spy.restored) == 1 and spy.restored[0] > len(PROMPT_REPEATS)
     assert stats.speculation["drafted"] > 0

@@ -14,8 +14,14 @@ target decides every token (DESIGN.md invariant 1):
   (Leviathan et al. 2023, Chen et al. 2023). ``p`` is exactly the distribution plain
   sampling draws from (:class:`~foretell.sampling.Sampler`), so the output distribution is
   plain sampling's;
-- sampled, ``acceptance="token-match"``: the target samples each position itself and a draft
-  is kept while it equals that sample (mlx-lm's rule; also exact, accepts less).
+- sampled, ``acceptance="token-match"``, and every seeded sampled request: the target
+  samples each position itself, with the noise of that position's key (``RandomKeys.rows``,
+  as plain decoding draws), and a draft is kept while it equals that sample. Exact, and the
+  token at each position is then plain sampling's with that seed, whatever the drafter and
+  the draft schedule: a seed reproduces the run. Drafters built on :class:`Drafting` draw
+  a seeded request's drafts with the same noise, so they agree as often as a drafter that
+  does not see ``p`` can (Daliri et al. 2024, "drafter-invariant speculative decoding");
+  rejection sampling accepts more, but its output depends on where drafts were offered.
 
 One host sync per round: the accepted count, the target's token and the drafts come back
 together. A round whose caches could not roll back (a wrapped ring without a reserve) is a
@@ -34,7 +40,13 @@ import mlx.core as mx
 
 from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.sampling import RandomKeys, Sampler, decode_step, repetition_windows
+from foretell.sampling import (
+    RandomKeys,
+    Sampler,
+    decode_step,
+    position_keys,
+    repetition_windows,
+)
 from foretell.spec.acceptance import accept_or_resample, match_drafts
 from foretell.spec.attach import start_source
 from foretell.spec.contract import (
@@ -209,7 +221,9 @@ class _Verifier:
         self.keys = sampler.keys()
         self.size = sampler.window
         self.wants_hidden = speculator.wants_hidden
-        self.token_match = speculator.acceptance == "token-match"
+        # A seed must reproduce the run, whose draft schedule follows measured timings.
+        self.token_match = (speculator.acceptance == "token-match"
+                            or sampler.config.seed is not None)
         sequence = state.prompt + state.generated
         self.recent = sequence[-self.size :] if self.size else []
         self.pending = sequence[-1]
@@ -229,7 +243,9 @@ class _Verifier:
 
     def launch(self, k: int) -> _Round | None:
         """Draft up to ``k`` tokens and queue their verification; None if nothing drafted."""
-        feed = Feed(self.feed_tokens, _join(self.feed_hidden) if self.wants_hidden else None)
+        position = len(self.state.prompt) + len(self.state.generated)  # the first draft's
+        feed = Feed(self.feed_tokens, _join(self.feed_hidden) if self.wants_hidden else None,
+                    position)
         draft = checked_draft(_call(self.speculator, "draft", self.source.draft, feed, k), k,
                               self.vocab, self.speculator.label())
         self.feed_tokens, self.feed_hidden = [], []
@@ -254,13 +270,14 @@ class _Verifier:
         if self.size:
             windows = repetition_windows(mx.array(self.recent, dtype=mx.int32), drafts, self.size)
         scores = self.sampler.scores(logits, windows)[None]  # [B = 1, n + 1, V]
-        key = self.keys.next() if self.keys is not None else None
         flags = OUT_OF_VOCAB * mx.any(mx.logical_not(usable), axis=-1).astype(mx.int32)
         if self.sampler.greedy or self.token_match:
-            accepted, chosen = match_drafts(self.sampler, scores, drafts[None], usable, key)
+            keys = self.keys.rows(position, n + 1) if self.keys is not None else None
+            accepted, chosen = match_drafts(self.sampler, scores, drafts[None], usable, keys)
         else:
             accepted, chosen, bad_q = accept_or_resample(
-                self.sampler.probabilities(scores), drafts[None], draft.q, key, usable)
+                self.sampler.probabilities(scores), drafts[None], draft.q,
+                self.keys.rows(position, 1, salt=1)[0], usable)
             flags = flags + NOT_A_DISTRIBUTION * bad_q.astype(mx.int32)
         values = mx.concatenate([accepted, chosen, flags, drafts])
         mx.async_eval(values)
@@ -342,7 +359,8 @@ class _Verifier:
         again after as many more as it answers; 0 makes that queued step the run's last.
         So consecutive stretches stay pipelined and a request whose drafter is switched off
         decodes as plain decoding does. The drafter hears of these tokens in its next feed."""
-        step = decode_step(self.model, self.caches, self.sampler, self.keys, self.recent)
+        step = decode_step(self.model, self.caches, self.sampler, self.keys, self.recent,
+                           len(self.state.prompt) + len(self.state.generated))
 
         token, hidden = step(mx.array([[self.pending]], dtype=mx.int32))
         mx.async_eval(token)
@@ -499,16 +517,30 @@ class Drafting:
     """Collects one draft token by token for a source that drafts autoregressively:
     ``add(logits)`` picks the next token with the request's sampling settings (the argmax
     when greedy; a draw from the processed distribution, recorded as ``q``, when sampling)
-    and returns it as ``[B]``; ``draft()`` is the :class:`Draft` so far."""
+    and returns it as ``[B]``; ``draft()`` is the :class:`Draft` so far.
 
-    def __init__(self, sampler: Sampler, keys: RandomKeys | None):
+    Given ``position`` (the feed's, :class:`~foretell.spec.Feed`), a seeded request's
+    drafts are drawn with the noise the verifier draws those positions' tokens with (still
+    draws from ``q``), so a draft is kept whenever the drafter's distribution picks what the
+    target's does; otherwise, and unseeded, with ``keys``, a stream of the drafter's own."""
+
+    def __init__(self, sampler: Sampler, keys: RandomKeys | None, position: int | None = None):
         self.sampler, self.keys = sampler, keys
+        seed = sampler.config.seed
+        self._at = position if position is not None and seed is not None else None
         self._tokens: list[mx.array] = []
         self._q: list[mx.array] = []
 
     def add(self, logits: mx.array) -> mx.array:
         scores = self.sampler.scores(logits)
-        token = self.sampler.sample(scores, self.keys.next() if self.keys is not None else None)
+        if self.sampler.greedy:
+            key = None
+        elif self._at is not None:
+            key = position_keys(self.sampler.config.seed, self._at + len(self._tokens))
+            key = mx.broadcast_to(key, (scores.shape[0], 2))
+        else:
+            key = self.keys.next() if self.keys is not None else None
+        token = self.sampler.sample(scores, key)
         if not self.sampler.greedy:
             self._q.append(self.sampler.probabilities(scores))
         self._tokens.append(token)
