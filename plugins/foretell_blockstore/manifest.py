@@ -187,7 +187,7 @@ def block_pieces(hosts: dict[tuple[int, str], np.ndarray], group: Group, begin: 
 #: biases) ran at 0.91-0.92x idle with every run a view, 0.94-0.96x with the runs under
 #: 64 KiB packed, 0.99x with those under 128 KiB packed, its writes taking 405-431, 236-292
 #: and 306-327 ms; on an H200 host 0.88x with the 64 KiB threshold, 0.99x with this one
-#: (scripts/writer_gil_probe.py, docs/block-store.md). Runs of bf16 KV
+#: (docs/block-store.md). Runs of bf16 KV
 #: with 128-dim heads (128 KiB at 512 tokens) stay views: copying them cost page faults a
 #: decode beside the writer paid for, and the loop ran at 0.99-1.00x beside them anyway.
 PACK_RUNS_BELOW = 128 << 10

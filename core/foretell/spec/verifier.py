@@ -335,7 +335,7 @@ class _Verifier:
         it is not drafting: the newest :data:`CATCH_UP_MAX` positions' (a source further
         behind starts over from those, :class:`~foretell.spec.contract.Feed`), single
         steps joined HIDDEN_PACK at a time. Measured on the H200 (2026-12-03, sampled at
-        0.8, drafting pinned off, paired medians of 15 rounds, ``scripts/mtp_off_ab.py``):
+        0.8, drafting pinned off, paired medians of 15 rounds):
         keeping every step's state, packed, decoded at 0.988x plain decoding, keeping the
         newest 32 at 1.002x, keeping none at 1.006x; unpacked, an earlier host ran 0.97x."""
         parts = self.feed_hidden
