@@ -301,7 +301,8 @@ class Tokenizer:
     def detokenizer(self) -> StreamingDetokenizer | RedecodingDetokenizer:
         """A fresh streaming detokenizer for one sequence; its text equals :meth:`decode`."""
         if self._streaming is None:
-            # Built once per tokenizer, on first use: ~100 ms for a 150k vocabulary.
+            # Built once per tokenizer, on first use, not at load: it is costly for a large
+            # vocabulary (docs/decisions.md).
             decoder = self._decoder
             if decoder is _FROM_BACKEND:
                 decoder = json.loads(self.backend.to_str()).get("decoder")

@@ -287,10 +287,9 @@ def _dtype_name(dtype: mx.Dtype) -> str:
 def should_unpack_quantized(model: nn.Module) -> bool:
     """Whether to run this quantized model from float32 weights instead.
 
-    MLX's CPU backend has no BLAS path for quantized matmuls: the 25M-parameter 4-bit demo
-    model decoded at 3.5 tok/s packed and 33 tok/s unpacked (OpenBLAS sgemv) on a 2-core
-    x86 machine (docs/blas.md). GPUs keep the packed weights, which is what makes them fast
-    there. ``FORETELL_CPU_UNPACK=0`` keeps them packed on the CPU too.
+    MLX's CPU backend has no BLAS path for quantized matmuls, so packed weights decode an
+    order of magnitude slower there (docs/decisions.md). GPUs keep the packed weights.
+    ``FORETELL_CPU_UNPACK=0`` keeps them packed on the CPU too.
 
     Unpacked, the model computes in float32. With bfloat16/float16 scales mlx-lm computes
     in that dtype through MLX's quantized kernel, which no dense matmul reproduces, so only
