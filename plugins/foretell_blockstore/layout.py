@@ -190,6 +190,8 @@ class BlockStoreLayout:
         self.io_failures = 0
         #: Manifests passed over since the last scan, and why (ReportsSkipped).
         self.skipped: dict[str, str] = {}
+        #: Entries dropped as damaged since the last scan began, and why (ReportsDropped).
+        self.dropped: dict[str, str] = {}
         #: Block bytes this layout wrote / found already stored (the benchmark reads them).
         self.bytes_written = 0
         self.bytes_reused = 0
@@ -246,6 +248,10 @@ class BlockStoreLayout:
 
     def path(self, key: str) -> Path:
         return self.entries_dir / f"{key}{SUFFIX}"
+
+    def location(self, key: str) -> str:
+        """The entry's manifest (``LocatesEntries``)."""
+        return str(self.path(key))
 
     def block_path(self, block_id: str) -> Path:
         return self.data_dir / f"{block_id}{BLOCK_SUFFIX}"
@@ -441,6 +447,7 @@ class BlockStoreLayout:
         self._reap_interrupted_writes()
         with self._lock:
             changes = self._journal.begin()  # before the listing: what lands after it counts
+            self.dropped = {}
         found, scanned, skipped = rescan(self.entries_dir, self._listdir(self.entries_dir),
                                          SUFFIX, self._scanned, self._scan_manifest)
         with self._lock:
@@ -817,6 +824,7 @@ class BlockStoreLayout:
         if judged is not None and now != judged:
             log.debug("cache entry %s was rewritten while it was read (%s); kept", path, reason)
             return
+        self.dropped[key] = reason
         log.warning("cache entry %s dropped: %s%s", path, reason,
                     "" if unlink_quietly(path) else " (its manifest could not be deleted)")
 

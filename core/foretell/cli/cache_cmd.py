@@ -18,7 +18,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -186,13 +185,23 @@ def _claimed_fields(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def location(layout: Any, key: str) -> str:
+    """Where the entry under ``key`` lives, as the layout says (``foretell.store.
+    LocatesEntries``: a file's path for the built-in layouts), else ``<layout>:<key>``."""
+    from foretell.store.layout import LocatesEntries
+
+    if isinstance(layout, LocatesEntries):
+        return layout.location(key)
+    return f"{layout_name(layout)}:{key}"
+
+
 def skipped_entries(found: list[Any]) -> list[dict[str, str]]:
     """Entry files the layouts' scans passed over (another model's or tokenizer's, an unknown
     version, a codec provider not loaded here: ``foretell.store.ReportsSkipped``) and that no
     layout serves, each with why. Call after every layout has scanned."""
     from foretell.store.layout import ReportsSkipped
 
-    served = {str(layout.path(h.key)) for layout in found for h in layout.headers()}
+    served = {location(layout, h.key) for layout in found for h in layout.headers()}
     why: dict[str, str] = {}
     for layout in found:
         if isinstance(layout, ReportsSkipped):
@@ -290,32 +299,33 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from foretell.store import format as fmt
+    from foretell.store.layout import ReportsDropped
 
     root = Path(args.cache_dir).expanduser()
     found = layouts(args)
-    before = {p for p in root.glob(f"*/*{fmt.SUFFIX}")}
-    for layout in found:  # each layout's own entry files (block-store manifests)
-        before |= set(layout.path("k").parent.glob(f"*{layout.path('k').suffix}"))
     good, bad = 0, []
-    checked = set()
     for layout in found:
-        for h in layout.scan():
-            checked.add(layout.path(h.key))
+        headers = layout.scan()
+        # What the scan itself deleted (a damaged header), before any read adds to it.
+        if isinstance(layout, ReportsDropped):
+            bad += [{"key": key, "path": location(layout, key), "reason": reason}
+                    for key, reason in layout.dropped.items()]
+        for h in headers:
             reason = _damage(layout, h.key)
             if reason is None:
                 good += 1
             else:
-                bad.append({"key": h.key, "path": str(layout.path(h.key)), "reason": reason})
-    # Files the scans deleted (damaged headers) or that no identity could claim.
+                bad.append({"key": h.key, "path": location(layout, h.key), "reason": reason})
     skipped = skipped_entries(found)
-    said = {s["path"] for s in skipped}
     strays = []
-    for path in sorted(before - checked):
-        if not os.path.lexists(path):
-            bad.append({"key": path.stem, "path": str(path), "reason": "corrupt header"})
-        elif args.model is None and str(path) not in said and _claimed_fields(path) is None:
-            # Not this foretell's: kept, and said so, as other skipped files are.
-            strays.append({"path": str(path), "reason": "not a foretell entry"})
+    if args.model is None:
+        # Single-file entries no identity claimed (core's own layout, which claimed_identities
+        # reads): kept, and said so, as other skipped files are.
+        said = {s["path"] for s in skipped} | {b["path"] for b in bad} | {
+            location(layout, h.key) for layout in found for h in layout.headers()}
+        strays = [{"path": str(path), "reason": "not a foretell entry"}
+                  for path in sorted(root.glob(f"*/*{fmt.SUFFIX}"))
+                  if str(path) not in said and _claimed_fields(path) is None]
     report = {"verified": good, "bad": bad, "skipped": skipped + strays}
     if args.json:
         print(json.dumps(report))

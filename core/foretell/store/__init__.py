@@ -24,7 +24,9 @@ from foretell.store.entry import (
 )
 from foretell.store.layout import (
     KeepsRestoreReserve,
+    LocatesEntries,
     RecordsDeviceDigests,
+    ReportsDropped,
     ReportsSkipped,
     StorageLayout,
     StoreError,
@@ -32,6 +34,6 @@ from foretell.store.layout import (
 from foretell.store.reserve import BufferReserve
 
 __all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
-           "RecordsDeviceDigests", "ReportsSkipped",
+           "LocatesEntries", "RecordsDeviceDigests", "ReportsDropped", "ReportsSkipped",
            "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint",
            "files_digest", "model_fingerprint", "weights_digest"]

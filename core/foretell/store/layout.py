@@ -36,6 +36,10 @@ class StorageLayout(Protocol):
     attrs class the layout registered (``None`` means its defaults); ``identity`` says whose
     entries it serves, and a layout never returns an entry of another identity, format
     version or unloaded codec provider (invariant 7).
+
+    The tier and ``foretell cache`` use this contract and the optional ones below
+    (:class:`KeepsRestoreReserve`, :class:`RecordsDeviceDigests`, :class:`ReportsSkipped`,
+    :class:`LocatesEntries`, :class:`ReportsDropped`), nothing else of a layout.
     """
 
     identity: StoreIdentity
@@ -104,13 +108,36 @@ class RecordsDeviceDigests(Protocol):
 @runtime_checkable
 class ReportsSkipped(Protocol):
     """A layout that says which stored entries it passes over and why: another model's or
-    tokenizer's, an unknown format version, a codec provider this process has not loaded.
+    tokenizer's, an unknown format version, a codec provider this process has not loaded,
+    a file that is not a regular file (a FIFO, a directory) or cannot be read.
     Such entries are never served and never deleted (another foretell, or this one with the
     plugin that wrote them, may serve them); ``foretell cache ls|stats|verify|clear`` count
     them, so a directory that seems empty says why."""
 
-    #: Entry file path -> why, as found since the last ``scan`` (reads add to it).
+    #: Entry location (:class:`LocatesEntries`; a file path for the built-in layouts) ->
+    #: why, as found since the last ``scan`` (reads add to it).
     skipped: dict[str, str]
+
+
+@runtime_checkable
+class LocatesEntries(Protocol):
+    """A layout that says where each entry lives, so ``foretell cache`` can name it: a
+    file's path for both built-in layouts, whatever names the place for another (a URL, a
+    key in a bucket). Without it the commands name an entry ``<layout>:<key>``. A layout
+    that also keeps ``skipped`` (:class:`ReportsSkipped`) keys it by these same strings."""
+
+    def location(self, key: str) -> str:
+        """Where the entry under ``key`` lives (whether or not it exists)."""
+
+
+@runtime_checkable
+class ReportsDropped(Protocol):
+    """A layout that says which entries it deleted as damaged since its last ``scan``
+    began (the scan's header checks, or a read's checksums), so ``foretell cache verify``
+    reports them as bad whichever found them. Both built-in layouts do."""
+
+    #: Entry key -> why it was deleted, since the last ``scan`` began.
+    dropped: dict[str, str]
 
 
 class ScanJournal:

@@ -89,6 +89,8 @@ class SingleFileLayout:
         self.io_failures = 0
         #: Entry files passed over since the last scan, and why (ReportsSkipped).
         self.skipped: dict[str, str] = {}
+        #: Entries deleted as damaged since the last scan began, and why (ReportsDropped).
+        self.dropped: dict[str, str] = {}
 
     # -- keys and paths ----------------------------------------------------------------
 
@@ -97,6 +99,10 @@ class SingleFileLayout:
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{fmt.SUFFIX}"
+
+    def location(self, key: str) -> str:
+        """The entry's file (``LocatesEntries``)."""
+        return str(self.path(key))
 
     # -- the layout contract -------------------------------------------------------------
 
@@ -195,6 +201,7 @@ class SingleFileLayout:
         """
         with self._lock:
             changes = self._journal.begin()  # before the listing: what lands after it counts
+            self.dropped = {}
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -289,6 +296,7 @@ class SingleFileLayout:
             self._forget(key)
         except fmt.CorruptEntry as exc:
             self._forget(key)
+            self.dropped[key] = str(exc)
             deleted = self._guard.allows() and unlink_quietly(path)
             log.warning("cache entry %s is corrupt (%s); %s", path, exc,
                         "deleted" if deleted else "not deleted")
