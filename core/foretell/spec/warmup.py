@@ -82,8 +82,11 @@ def warm_up(engine: Any, speculator: Any, progress: Any = None) -> None:
     try:
         for k in range(1, speculator.max_tokens + 1):
             fixed = attrs.evolve(speculator, max_tokens=k, adaptive=False)
-            # Sampled rounds only where this speculator speculates on sampled requests.
-            samplings = (None, SamplingConfig(temp=1.0, seed=0)) if speculator.sampled else (None,)
+            # Sampled rounds only where this speculator speculates on sampled requests: an
+            # unseeded one (rejection sampling) and a seeded one (token-match, position keys).
+            samplings = (None,)
+            if speculator.sampled:
+                samplings += (SamplingConfig(temp=1.0), SamplingConfig(temp=1.0, seed=0))
             for sampling in samplings:
                 for _event in engine.generate(PROMPT, max_tokens=2 * (k + 1), sampling=sampling,
                                               speculate=fixed, ignore_eos=True, chat=False):
