@@ -538,8 +538,8 @@ class BlockStoreLayout:
             log.info("block store %s is busy with writes; collect() skipped this round",
                      self.directory)
             return 0
-        except OSError as exc:
-            log.warning("cannot collect unused blocks in %s: %s", self.directory, exc)
+        except OSError as exc:  # a read-only store: one warning per outage, writes' included
+            self._io_failed(exc, f"delete unused blocks in {self.directory}")
             return 0
 
     def bytes(self) -> int:
