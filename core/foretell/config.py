@@ -151,6 +151,9 @@ def _kv_bits(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _a_directory(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     # A missing directory is created on first use; an unwritable one warns and generation
     # goes on (a full disk never stops it). A path that names a file is a mistake to refuse.
+    if value is not None and not str(value).strip():  # an unset shell variable, most likely
+        raise FieldError(attribute.name, "is empty: give a directory, or leave it out for "
+                                         "no persistent cache")
     path = Path(value).expanduser() if value is not None else None
     if path is not None and path.exists() and not path.is_dir():
         raise FieldError(attribute.name, f"{value} is a file, not a directory")

@@ -123,6 +123,9 @@ class CacheTier:
             first write; an unwritable one warns and generation goes on)."""
         from foretell.store.single_file import SingleFileLayout
 
+        if not str(cache_dir).strip():  # Path("") is the current directory: not what was meant
+            raise ConfigError("cache_dir", ["is empty: give a directory, or None for no "
+                                             "persistent cache"])
         root = Path(cache_dir).expanduser()
         if root.exists() and not root.is_dir():  # as the CLI's --cache-dir refuses it
             raise ConfigError("cache_dir", [f"{cache_dir} is a file, not a directory"])

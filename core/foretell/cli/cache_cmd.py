@@ -104,6 +104,8 @@ def layouts(args: argparse.Namespace) -> list[Any]:
     from foretell.store.entry import StoreIdentity
     from foretell.store.single_file import SingleFileLayout
 
+    if not args.cache_dir.strip():  # Path("") is the current directory: not what was meant
+        raise ForetellError("--cache-dir is empty: give the cache directory")
     root = Path(args.cache_dir).expanduser()
     if not root.is_dir():
         raise ForetellError(f"--cache-dir {args.cache_dir}: no such directory")
