@@ -111,6 +111,58 @@ class StopMatcher:
         return longest
 
 
+class StreamCut:
+    """The streaming rule, fed one step at a time: cuts a step's tokens at EOS, a stop string
+    or ``max_tokens``, detokenizes them, and records where the request ended in ``state``.
+    :func:`stream_events` pulls steps through it; the batch scheduler pushes each row's."""
+
+    def __init__(self, state: RequestState, tokenizer: Tokenizer, stops: StopMatcher,
+                 eos: frozenset[int], max_tokens: int):
+        self.state, self.stops, self.eos, self.max_tokens = state, stops, eos, max_tokens
+        self.detok = tokenizer.detokenizer()
+        self.finish: str | None = None
+        #: When the first step arrived (None until one did).
+        self.first_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.state.consumed >= self.max_tokens
+
+    def feed(self, step_tokens: list[int]) -> TextEvent | None:
+        """One step's tokens (a speculative burst is cut exactly where plain decoding would
+        have stopped); the event to stream, if the step emitted any token."""
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        emitted: list[int] = []
+        text = ""
+        for token in step_tokens:
+            self.state.consumed += 1
+            if token in self.eos:
+                self.finish = "eos"
+                break
+            emitted.append(token)
+            piece, hit = self.stops.feed(self.detok.add(token))
+            text += piece
+            if hit:
+                self.finish = "stop"
+                break
+            if self.state.consumed >= self.max_tokens:
+                break
+        return TextEvent(text, tuple(emitted)) if emitted else None
+
+    def close(self) -> TextEvent | None:
+        """The request ended: the text still held back, if any."""
+        tail = ""
+        if self.finish != "stop":
+            tail, hit = self.stops.feed(self.detok.flush())
+            if hit:
+                self.finish = "stop"
+            else:
+                tail += self.stops.flush()
+        self.state.finish_reason = self.finish or "length"
+        return TextEvent(tail, ()) if tail else None
+
+
 def stream_events(
     state: RequestState,
     steps: Iterator[list[int]],
@@ -119,47 +171,18 @@ def stream_events(
     eos: frozenset[int],
     max_tokens: int,
 ) -> Generator[TextEvent, None, float | None]:
-    """The one streaming loop over any step source: EOS, stop strings, ``max_tokens``.
-
-    A step may hand back several tokens (a speculative burst); the burst is cut exactly
-    where plain decoding would have stopped. Records the end in ``state`` and returns when
-    the first token arrived (None if none did).
+    """The one streaming loop over any step source (:class:`StreamCut` over each step).
+    Records the end in ``state`` and returns when the first token arrived (None if none did).
     """
-    detok = tokenizer.detokenizer()
-    first_at = None
-    finish = None
+    cut = StreamCut(state, tokenizer, stops, eos, max_tokens)
     for step_tokens in steps:
-        if first_at is None:
-            first_at = time.perf_counter()
-        emitted: list[int] = []
-        text = ""
-        for token in step_tokens:
-            state.consumed += 1
-            if token in eos:
-                finish = "eos"
-                break
-            emitted.append(token)
-            piece, hit = stops.feed(detok.add(token))
-            text += piece
-            if hit:
-                finish = "stop"
-                break
-            if state.consumed >= max_tokens:
-                break
-        if emitted:
-            yield TextEvent(text, tuple(emitted))
-        if finish is not None or state.consumed >= max_tokens:
+        event = cut.feed(step_tokens)
+        if event is not None:
+            yield event
+        if cut.done:
             break
     steps.close()  # an early stop abandons the step already in flight
-
-    if finish != "stop":
-        tail, hit = stops.feed(detok.flush())
-        if hit:
-            finish = "stop"
-        else:
-            tail += stops.flush()
-        if tail:
-            yield TextEvent(tail, ())
-    state.finish_reason = finish or "length"
-    return first_at
-
+    tail = cut.close()
+    if tail is not None:
+        yield tail
+    return cut.first_at
