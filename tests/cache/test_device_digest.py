@@ -106,8 +106,11 @@ def test_digests_are_on_exactly_where_mlx_computes_on_a_cuda_gpu(monkeypatch):
 
 
 def test_preparing_readies_a_check_of_that_size_once(monkeypatch):
-    """The weights built before a read needs them (the ops: the suite's CPU); a smaller
-    size afterwards rebuilds nothing."""
+    """The ops' weights built before a read needs them (where there is no kernel); a
+    smaller size afterwards rebuilds nothing."""
+    from foretell.platform import device
+
+    monkeypatch.setattr(device, "cuda_backend", lambda: None)
     monkeypatch.setattr(digest, "_WEIGHTS", [])
     monkeypatch.setattr(digest, "_PREPARED", [0])
     digest.prepare(5000)

@@ -15,10 +15,15 @@ def _mode():
 
 
 def test_unset_or_auto_lets_the_device_decide(monkeypatch):
+    from foretell.platform import device
+
+    monkeypatch.setattr(device, "on_cuda", lambda: False)
     monkeypatch.delenv("FORETELL_TEST_MODE", raising=False)
-    assert _mode() == "off"  # the suite runs on the CPU
+    assert _mode() == "off"
     monkeypatch.setenv("FORETELL_TEST_MODE", "auto")
     assert _mode() == "off"
+    monkeypatch.setattr(device, "on_cuda", lambda: True)
+    assert _mode() == "on"
 
 
 def test_a_listed_value_forces_it(monkeypatch):
@@ -33,12 +38,13 @@ def test_anything_else_is_an_error_naming_the_variable(monkeypatch):
 
 
 def test_a_person_is_told_when_mlx_has_compiled_no_kernels_here(monkeypatch, tmp_path):
-    """A CUDA host's first run waits while MLX compiles its kernels (74 s on the H200 with
-    foretell's parallel compile): said once, before the wait, only where it can happen."""
+    """A CUDA host's first run waits while MLX compiles its kernels: said once, before the
+    wait, only where it can happen."""
     from foretell.platform import device
 
     kept = tmp_path / "kernels"
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(kept))
+    monkeypatch.setattr(device, "on_cuda", lambda: False)
     assert device.cold_cuda_note() is None  # the CPU: nothing to compile
     monkeypatch.setattr(device, "on_cuda", lambda: True)
     assert str(kept) in device.cold_cuda_note()
