@@ -1,0 +1,430 @@
+"""Many requests at once: the scheduler steps every running request in one forward.
+
+Callers on any thread :meth:`Scheduler.submit` a prompt and read the returned
+:class:`RequestHandle` for the same events :meth:`foretell.Engine.generate` streams (text,
+then one :class:`~foretell.stream.Stats`); one worker thread owns the model. Each iteration
+it admits waiting requests while their KV fits the byte budget (prefix-cache lookup),
+prefills one chunk of one admitted request (running rows keep streaming meanwhile), joins
+finished prefills to the batch, runs one decode forward over every running row
+(:mod:`foretell.model.batch`), samples each row with its own settings and random keys, and
+finishes rows: persist to the cache tier, release their KV.
+
+A row computes what the request would compute alone: the same prefill convention (the last
+prompt token heads the first step), the same sampler and position keys per token.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+
+from foretell.errors import GenerationError
+from foretell.model.batch import batch_caches
+from foretell.request import PREFILL_CHUNK, RequestState, prefill
+from foretell.sampling import RandomKeys, Sampler
+from foretell.stream import Event, StopMatcher, StreamCut
+
+if TYPE_CHECKING:
+    from foretell.cache.request import RequestCache
+    from foretell.config import SamplingConfig
+    from foretell.engine import Engine, Prompt
+
+_END = object()
+
+
+class QueueFull(GenerationError):
+    """The scheduler's waiting queue is at its bound; retry later."""
+
+
+class RequestHandle:
+    """One submitted request: iterate it (from any thread, or ``async for`` over
+    :meth:`events`) for its events; :meth:`cancel` ends it and frees its KV at the worker's
+    next step."""
+
+    def __init__(self, scheduler: Scheduler, prompt_tokens: int) -> None:
+        self._scheduler = scheduler
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self.prompt_tokens = prompt_tokens
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The events, awaited without blocking the event loop."""
+        import asyncio
+
+        while True:
+            item = await asyncio.to_thread(self._queue.get)
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def text(self) -> str:
+        return "".join(e.text for e in self if e.type == "text")
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._scheduler._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _put(self, item: Any) -> None:
+        self._queue.put(item)
+
+
+@attrs.define(eq=False)
+class _Row:
+    """A request inside the scheduler, from admission to its last event."""
+
+    handle: RequestHandle
+    ids: list[int]
+    sampler: Sampler
+    stops: StopMatcher
+    eos: frozenset[int]
+    max_tokens: int
+    #: Tokens of KV the row may come to hold (prompt + max_tokens).
+    need: int
+    state: RequestState | None = None
+    request: RequestCache | None = None
+    cut: StreamCut | None = None
+    keys: RandomKeys | None = None
+    started: float = 0.0
+    #: Prompt tokens still to prefill (all but the last, which heads the first step).
+    todo: list[int] = attrs.Factory(list)
+
+    @property
+    def pending(self) -> int:
+        """The sequence's last token: fed at the next step, not yet in the KV."""
+        return (self.state.generated or self.state.prompt)[-1]
+
+
+def default_kv_budget() -> int:
+    """Live KV bytes the scheduler admits up to by default: 40% of the device's memory
+    (the physical RAM where MLX does not say), leaving the rest to weights and activations."""
+    total = 0
+    try:
+        total = int(mx.device_info().get("memory_size", 0))
+    except Exception:  # noqa: BLE001 - an older MLX without device_info
+        total = 0
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * 0.4)
+
+
+class Scheduler:
+    """Continuous batching over one engine (see the module docstring).
+
+    :param max_rows: the most requests decoding together.
+    :param kv_budget_bytes: live KV the running rows may take (default
+        :func:`default_kv_budget`); a request admitted only when its prompt plus
+        ``max_tokens`` fit beside the running ones, refused outright when it never could.
+    :param max_waiting: requests that may wait for admission; :class:`QueueFull` beyond.
+    """
+
+    def __init__(self, engine: Engine, *, max_rows: int = 32,
+                 kv_budget_bytes: int | None = None, max_waiting: int = 1024) -> None:
+        if engine.kv_bits is not None:
+            raise GenerationError("the batch scheduler does not run quantized KV yet "
+                                  "(kv_bits): generate() serves such an engine")
+        if max_rows < 1 or max_waiting < 0:
+            raise GenerationError(f"max_rows must be >= 1 and max_waiting >= 0, got "
+                                  f"{max_rows}, {max_waiting}")
+        self.engine = engine
+        self.max_rows = max_rows
+        self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None \
+            else default_kv_budget()
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[_Row | None] = queue.SimpleQueue()
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._prefilling: collections.deque[_Row] = collections.deque()
+        self._rows: list[_Row] = []
+        self._batch: list[Any] | None = None
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._token_bytes: int | None = None
+
+    # -- callers' side -----------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, *, max_tokens: int = 256,
+               sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
+               chat: bool | None = None, ignore_eos: bool = False) -> RequestHandle:
+        """Queue a request; its events stream from the returned handle. Options as for
+        :meth:`foretell.Engine.generate`.
+
+        :raises GenerationError: the request is invalid or its KV can never fit the budget.
+        :raises QueueFull: ``max_waiting`` requests are already waiting.
+        """
+        if max_tokens < 1:
+            raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
+        ids = self.engine.encode_prompt(prompt, chat=chat)
+        if not ids:
+            raise GenerationError("the prompt is empty: there is no token to start from")
+        need = len(ids) + max_tokens
+        self._check_fits(need)
+        handle = RequestHandle(self, len(ids))
+        eos = frozenset() if ignore_eos else self.engine.tokenizer.eos_token_ids
+        row = _Row(handle=handle, ids=ids, sampler=Sampler(sampling), stops=StopMatcher(stop),
+                   eos=eos, max_tokens=max_tokens, need=need)
+        with self._lock:
+            if self._closing:
+                raise GenerationError("the scheduler is closed")
+            if self._queued >= self.max_waiting:
+                raise QueueFull(f"{self._queued} requests are waiting (the bound); retry later")
+            self._queued += 1
+            self._start()
+        self._inbox.put(row)
+        return handle
+
+    def close(self, *, drain: bool = True) -> None:
+        """Stop the worker: after every submitted request finished (``drain``), or now,
+        ending the running ones as cancelled."""
+        with self._lock:
+            self._closing = True
+            thread = self._thread
+        if not drain:
+            for row in [*self._rows, *self._prefilling, *self._waiting]:
+                row.handle._cancelled.set()
+        self._inbox.put(None)
+        if thread is not None:
+            thread.join()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet decoding."""
+        return self._queued + len(self._waiting) + len(self._prefilling)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    def live_kv_bytes(self) -> int:
+        return sum(cache.nbytes for cache in self._batch or ())
+
+    def _wake(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="foretell-scheduler",
+                                            daemon=True)
+            self._thread.start()
+
+    def _check_fits(self, need: int) -> None:
+        alone = self._reserve_bytes(1, need)
+        if alone > self.kv_budget_bytes:
+            raise GenerationError(
+                f"this request's KV can never fit: {need} tokens (prompt + max_tokens) take "
+                f"{alone / 2**20:.1f} MiB, the scheduler's KV budget is "
+                f"{self.kv_budget_bytes / 2**20:.1f} MiB")
+
+    # -- the worker --------------------------------------------------------------------
+
+    def _work(self) -> None:
+        from foretell.engine import mlx_work
+
+        while True:
+            idle = not (self._rows or self._prefilling or self._waiting)
+            if not self._take_new(block=idle):
+                return
+            with mlx_work():
+                self._drop_cancelled()
+                self._admit()
+                self._prefill_one_chunk()
+                if self._rows:
+                    try:
+                        self._step()
+                    except Exception as exc:  # noqa: BLE001 - the rows fail, the worker lives
+                        self._fail(list(self._rows), exc)
+
+    def _take_new(self, block: bool) -> bool:
+        """Move submissions into the waiting queue; False when the worker should end."""
+        try:
+            item = self._inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if item is not None:
+                with self._lock:
+                    self._queued -= 1
+                self._waiting.append(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        with self._lock:
+            done = self._closing and not (self._rows or self._prefilling or self._waiting
+                                          or self._queued)
+            if done:
+                self._thread = None
+        return not done
+
+    def _drop_cancelled(self) -> None:
+        for pool in (self._waiting, self._prefilling):
+            for row in [r for r in pool if r.handle.cancelled]:
+                pool.remove(row)
+                row.handle._put(_END)
+        gone = [b for b, row in enumerate(self._rows) if row.handle.cancelled]
+        if gone:
+            for b in gone:
+                self._rows[b].handle._put(_END)
+            self._remove(gone)
+
+    def _token_bytes_now(self) -> int:
+        """KV bytes one token takes in every layer (measured once, by one forward)."""
+        if self._token_bytes is None:
+            from foretell.engine import mlx_work
+
+            with mlx_work():
+                caches = self.engine.make_caches()
+                self.engine.model.forward(mx.array([[0]], dtype=mx.int32), caches)
+                mx.eval([c.state for c in caches])
+                self._token_bytes = sum(a.nbytes for c in caches for a in c.state)
+        return self._token_bytes
+
+    def _reserve_bytes(self, rows: int, width: int) -> int:
+        step = 256
+        return rows * (-(-width // step) * step) * self._token_bytes_now()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._rows) + len(self._prefilling) < self.max_rows:
+            row = self._waiting[0]
+            admitted = [*self._rows, *self._prefilling, row]
+            width = max(r.need for r in admitted)
+            if self._reserve_bytes(len(admitted), width) > self.kv_budget_bytes:
+                return  # waits until running rows finish
+            self._waiting.popleft()
+            try:
+                self._open(row)
+            except Exception as exc:  # noqa: BLE001 - this request fails, not the others
+                self._fail([row], exc)
+                continue
+            self._prefilling.append(row)
+
+    def _open(self, row: _Row) -> None:
+        engine = self.engine
+        row.started = time.perf_counter()
+        row.request = engine._request_cache(None, False, {
+            "max_tokens": row.max_tokens, "sampling": attrs.asdict(row.sampler.config),
+            "stop": list(row.stops.stops), "eos": sorted(row.eos)})
+        row.state = engine._open_request(row.ids, row.request)
+        row.todo = row.ids[row.state.cached : -1]
+        row.keys = row.sampler.keys()
+        row.state.keys = row.keys
+        row.cut = StreamCut(row.state, engine.tokenizer, row.stops, row.eos, row.max_tokens)
+
+    def _prefill_one_chunk(self) -> None:
+        """One chunk of the oldest admitted prompt; rows whose prompt is in join the batch."""
+        if self._prefilling and self._prefilling[0].todo:
+            row = self._prefilling[0]
+            chunk, row.todo = row.todo[:PREFILL_CHUNK], row.todo[PREFILL_CHUNK:]
+            try:
+                prefill(self.engine.model, chunk, row.state.caches)
+            except Exception as exc:  # noqa: BLE001
+                self._prefilling.popleft()
+                self._fail([row], exc)
+                return
+        joining = []
+        while self._prefilling and not self._prefilling[0].todo:
+            row = self._prefilling.popleft()
+            if row.request is not None:
+                row.request.after_prefill(row.state.held_tokens(), row.state.caches,
+                                          row.state.cached)
+            joining.append(row)
+        if joining:
+            if self._batch is None:
+                self._batch = batch_caches(self.engine.model)
+            for layer, cache in enumerate(self._batch):
+                cache.append([row.state.caches[layer] for row in joining])
+            for row in joining:
+                row.state.caches = []  # the batch holds them now
+            self._rows.extend(joining)
+
+    def _step(self) -> None:
+        """One decode forward over every running row, one token drawn per row."""
+        model = self.engine.model
+        tokens = mx.array([[row.pending] for row in self._rows], dtype=mx.int32)
+        hidden, _ = model.forward(tokens, self._batch)
+        logits = model.logits(hidden[:, -1, :])
+        drawn = []
+        for b, row in enumerate(self._rows):
+            sequence = row.state.prompt + row.state.generated
+            size = row.sampler.window
+            window = mx.array([sequence[-size:]], dtype=mx.int32) if size else None
+            key = row.keys.rows(len(sequence)) if row.keys is not None else None
+            drawn.append(row.sampler(logits[b : b + 1], window, key))
+        values = mx.concatenate(drawn).tolist()  # the step's one host sync
+        finished = []
+        for b, (row, token) in enumerate(zip(self._rows, values)):
+            row.state.generated.append(token)
+            event = row.cut.feed([token])
+            if event is not None:
+                row.handle._put(event)
+            if row.cut.done:
+                finished.append(b)
+        if finished:
+            for b in finished:
+                self._finish(b)
+            self._remove(finished)
+
+    def _finish(self, b: int) -> None:
+        row = self._rows[b]
+        tail = row.cut.close()
+        if tail is not None:
+            row.handle._put(tail)
+        state = row.state
+        state.caches = [cache.extract(b) for cache in self._batch]
+        stats = self.engine._stats(state, row.started, row.cut.first_at)
+        if row.request is not None:
+            try:
+                row.request.finish(state.held_tokens(), state.caches, completed=True)
+            except Exception as exc:  # noqa: BLE001 - the cold tier never fails a request
+                import logging
+
+                logging.getLogger("foretell.scheduler").warning("not cached: %s", exc)
+        state.caches = []
+        row.handle._put(stats)
+        row.handle._put(_END)
+
+    def _remove(self, indices: Sequence[int]) -> None:
+        gone = set(indices)
+        keep = [b for b in range(len(self._rows)) if b not in gone]
+        self._rows = [self._rows[b] for b in keep]
+        if self._batch is not None:
+            if keep:
+                for cache in self._batch:
+                    cache.filter(keep)
+            else:
+                self._batch = None
+
+    def _fail(self, rows: Sequence[_Row], exc: BaseException) -> None:
+        if not isinstance(exc, GenerationError):
+            wrapped = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        running = [b for b, row in enumerate(self._rows) if row in rows]
+        for row in rows:
+            row.handle._put(exc)
+        if running:
+            self._remove(running)

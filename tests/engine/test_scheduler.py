@@ -1,0 +1,171 @@
+"""The batch scheduler: every request streams exactly what it streams run alone (CPU,
+float32), whatever else runs beside it: rows of different prompt lengths joining and leaving
+at different steps, stop strings, sampled rows, a sliding window that wraps, prefix-cache
+hits and misses in one batch, callers on many threads, cancellation and a KV budget."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import foretell
+from foretell.cache.codecs import load_codecs
+from foretell.cache.tier import CacheTier
+from foretell.config import SamplingConfig
+from foretell.errors import GenerationError
+from foretell.scheduler import Scheduler
+from foretell.tools import make_model_dir
+
+QWEN = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+GEMMA = {"hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+         "sliding_window": 8, "sliding_window_pattern": 3}
+
+PROMPTS = ["def fib(n):", "import os\nimport sys\n\nclass Walker:\n    def __init__(self):",
+           "x = 1", "for i in range(10):\n    print(i, i * i)\n# done\n" * 3]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3_text"])
+def engine(request, tmp_path_factory):
+    overrides = QWEN if request.param == "qwen3" else GEMMA
+    path = make_model_dir(tmp_path_factory.mktemp(request.param), request.param,
+                          overrides=overrides, seed=0)
+    return foretell.load(path)
+
+
+def alone(engine, prompt, **options):
+    """Tokens and text the request streams run by itself through ``generate``."""
+    events = list(engine.generate(prompt, speculate=False, **options))
+    tokens = [t for e in events if e.type == "text" for t in e.tokens]
+    return tokens, "".join(e.text for e in events if e.type == "text"), events[-1]
+
+
+def batched(handle):
+    events = list(handle)
+    tokens = [t for e in events if e.type == "text" for t in e.tokens]
+    return tokens, "".join(e.text for e in events if e.type == "text"), events[-1]
+
+
+def test_rows_joining_and_leaving_at_different_steps_stream_what_each_streams_alone(engine):
+    scheduler = Scheduler(engine)
+    lengths = [24, 7, 31, 12]
+    handles = [scheduler.submit(p, max_tokens=n, ignore_eos=True)
+               for p, n in zip(PROMPTS, lengths)]
+    for prompt, n, handle in zip(PROMPTS, lengths, handles):
+        tokens, text, stats = batched(handle)
+        want_tokens, want_text, want_stats = alone(engine, prompt, max_tokens=n, ignore_eos=True)
+        assert tokens == want_tokens
+        assert text == want_text
+        assert stats.finish_reason == want_stats.finish_reason == "length"
+        assert stats.generated_tokens == n
+    scheduler.close()
+
+
+def test_a_stop_string_ends_only_its_own_row(engine):
+    _, text, _ = alone(engine, PROMPTS[0], max_tokens=20, ignore_eos=True)
+    stop = text[6:9]
+    scheduler = Scheduler(engine)
+    stopped = scheduler.submit(PROMPTS[0], max_tokens=20, ignore_eos=True, stop=[stop])
+    other = scheduler.submit(PROMPTS[1], max_tokens=20, ignore_eos=True)
+    _, stopped_text, stopped_stats = batched(stopped)
+    _, want_text, want_stats = alone(engine, PROMPTS[0], max_tokens=20, ignore_eos=True,
+                                     stop=[stop])
+    assert stopped_text == want_text
+    assert stopped_stats.finish_reason == want_stats.finish_reason == "stop"
+    assert batched(other)[0] == alone(engine, PROMPTS[1], max_tokens=20, ignore_eos=True)[0]
+    scheduler.close()
+
+
+def test_seeded_sampled_rows_draw_exactly_what_they_draw_alone(engine):
+    settings = [SamplingConfig(temp=0.8, seed=3), SamplingConfig(temp=1.0, top_k=20, seed=9),
+                SamplingConfig(temp=0.7, top_p=0.9, repetition_penalty=1.3, seed=1)]
+    scheduler = Scheduler(engine)
+    handles = [scheduler.submit(p, max_tokens=16, ignore_eos=True, sampling=s)
+               for p, s in zip(PROMPTS, settings)]
+    for prompt, sampling, handle in zip(PROMPTS, settings, handles):
+        assert batched(handle)[0] == alone(engine, prompt, max_tokens=16, ignore_eos=True,
+                                           sampling=sampling)[0]
+    scheduler.close()
+
+
+def test_prefix_cache_hits_and_misses_mix_in_one_batch(tmp_path_factory):
+    path = make_model_dir(tmp_path_factory.mktemp("cached"), "qwen3", overrides=QWEN, seed=0)
+    engine = foretell.load(path)
+    engine.cache = CacheTier(load_codecs(engine.registry))
+    want = {p: alone(engine, p, max_tokens=10, ignore_eos=True, chat=False)[0] for p in PROMPTS[:2]}
+    scheduler = Scheduler(engine)
+    hit = scheduler.submit(PROMPTS[0], max_tokens=10, ignore_eos=True, chat=False)  # stored by alone()
+    miss = scheduler.submit("@@ nothing stored starts so", max_tokens=10, ignore_eos=True, chat=False)
+    tokens, _, stats = batched(hit)
+    assert stats.cached_tokens > 0
+    assert tokens == want[PROMPTS[0]]
+    assert batched(miss)[2].cached_tokens == 0
+    # What the batch stored serves the next request.
+    again = scheduler.submit("@@ nothing stored starts so", max_tokens=10, ignore_eos=True, chat=False)
+    assert batched(again)[2].cached_tokens > 0
+    scheduler.close()
+
+
+def test_a_hundred_requests_from_eight_threads_each_get_their_own_output(engine):
+    want = {p: alone(engine, p, max_tokens=6, ignore_eos=True)[0] for p in PROMPTS}
+    scheduler = Scheduler(engine, max_rows=8)
+    wrong: list[str] = []
+
+    def client(worker: int) -> None:
+        for i in range(worker, 100, 8):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            tokens = batched(scheduler.submit(prompt, max_tokens=6, ignore_eos=True))[0]
+            if tokens != want[prompt]:
+                wrong.append(f"request {i}: {tokens} != {want[prompt]}")
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert wrong == []
+    scheduler.close()
+
+
+def test_cancelling_mid_stream_frees_the_row_and_the_next_request_runs(engine):
+    scheduler = Scheduler(engine)
+    handle = scheduler.submit(PROMPTS[0], max_tokens=10_000, ignore_eos=True)
+    stream = iter(handle)
+    next(stream)
+    handle.cancel()
+    list(stream)  # ends: no stats for a cancelled request
+    follow = scheduler.submit(PROMPTS[2], max_tokens=5, ignore_eos=True)
+    assert batched(follow)[0] == alone(engine, PROMPTS[2], max_tokens=5, ignore_eos=True)[0]
+    assert scheduler.running == 0 and scheduler.live_kv_bytes() == 0
+    scheduler.close()
+
+
+class Recording(Scheduler):
+    """Records how many rows each decode step ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.widths: list[int] = []
+
+    def _step(self) -> None:
+        self.widths.append(len(self._rows))
+        super()._step()
+
+
+def test_over_the_kv_budget_admission_waits_and_every_request_completes(engine):
+    probe = Scheduler(engine)
+    one = probe._reserve_bytes(1, 256)  # one request of under 256 tokens
+    scheduler = Recording(engine, kv_budget_bytes=one)
+    handles = [scheduler.submit(p, max_tokens=8, ignore_eos=True) for p in PROMPTS[:3]]
+    for prompt, handle in zip(PROMPTS, handles):
+        assert batched(handle)[0] == alone(engine, prompt, max_tokens=8, ignore_eos=True)[0]
+    assert max(scheduler.widths) == 1
+    scheduler.close()
+    probe.close()
+
+
+def test_a_request_that_can_never_fit_is_refused_with_the_numbers(engine):
+    scheduler = Scheduler(engine, kv_budget_bytes=1024)
+    with pytest.raises(GenerationError, match=r"can never fit: \d+ tokens"):
+        scheduler.submit(PROMPTS[0], max_tokens=100)
+    scheduler.close()
