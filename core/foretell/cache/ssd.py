@@ -24,7 +24,7 @@ from foretell.cache.codecs import (
     entry_trimmable,
 )
 from foretell.cache.prefix import can_serve, match_rank, usable_length
-from foretell.store.entry import Entry, EntryHeader
+from foretell.store.entry import Entry, EntryHeader, LayerForm, form_mismatch
 from foretell.store.layout import ScanJournal, StorageLayout
 
 log = logging.getLogger("foretell.cache")
@@ -64,10 +64,13 @@ class SsdIndex:
     """Lookup, supersession and the byte cap for one layout; safe across threads."""
 
     def __init__(self, layout: StorageLayout, codecs: Sequence[CacheCodec], max_bytes: int,
-                 rescan_s: float = RESCAN_S):
+                 rescan_s: float = RESCAN_S, structure: Sequence[LayerForm] | None = None):
         self.layout = layout
         self.codecs = list(codecs)
         self.max_bytes = max_bytes
+        #: The form of the model's cache layers (``foretell.cache.tier.engine_structure``):
+        #: a read entry whose layers differ is deleted, never served. None: unchecked.
+        self.structure = tuple(structure) if structure is not None else None
         self.rescan_s = rescan_s
         self._scanned_at = float("-inf")
         self._rescan_cost = 0.0
@@ -200,6 +203,9 @@ class SsdIndex:
         """The entry's bytes, verified by the layout; a failed read drops it from the index.
         A layout that raises instead of returning None (a plugin's defect) fails the read
         the same way, with one warning: the cold tier never takes serving down (invariant 9).
+        An entry whose layers are not what the model's caches hold (:attr:`structure`) is
+        deleted as a damaged one is, with one warning: every byte may pass its checksum
+        and still be, say, float32 keys labelled int32.
         """
         key = stored.header.key
         try:
@@ -208,6 +214,13 @@ class SsdIndex:
             self.warn_once("layout read", f"storage layout {type(self.layout).__name__} "
                            f"failed to read an entry ({type(exc).__name__}: {exc}); serving "
                            "it from the prompt instead")
+            entry = None
+        why = (form_mismatch(entry.layers, self.structure)
+               if entry is not None and self.structure is not None else None)
+        if why is not None:
+            self.warn_once("structure", f"cache entry {key} is not what this model's caches "
+                           f"hold ({why}); deleted, not served")
+            self.layout.remove(key)
             entry = None
         with self._lock:
             if entry is None:

@@ -32,7 +32,7 @@ from foretell.cache.ssd import SsdIndex
 from foretell.errors import ConfigError
 from foretell.model.kvcache import trim_all
 from foretell.store import digest
-from foretell.store.entry import Entry, StoreIdentity
+from foretell.store.entry import Entry, LayerForm, StoreIdentity, forms_differ, layer_form
 from foretell.store.layout import KeepsRestoreReserve, RecordsDeviceDigests, StorageLayout
 
 log = logging.getLogger("foretell.cache")
@@ -69,16 +69,22 @@ class CacheTier:
         spill_duty: float | None = None,
         checkpoint_every: int = 64,
         identity: StoreIdentity | None = None,
+        structure: Sequence[LayerForm] | None = None,
     ):
         self.codecs = list(codecs)
         #: The model whose states this tier holds (its layout's identity, or the one
         #: :meth:`for_engine` gave a RAM-only tier): an engine of another model refuses it
         #: (:meth:`mismatch`). None: unchecked (a tier an integrator built by hand).
         self.identity = identity if identity is not None or layout is None else layout.identity
+        #: The form of the model's cache layers (:func:`engine_structure`): a restored entry
+        #: of another form is deleted, never served, and an engine whose caches differ is
+        #: refused. None: unchecked (a tier built by hand).
+        self.structure = tuple(structure) if structure is not None else None
         #: Resumable generations are checkpointed every this many generated tokens.
         self.checkpoint_every = checkpoint_every
         self.ram = PrefixCache(self.codecs, ram_bytes)
-        self.ssd = SsdIndex(layout, self.codecs, ssd_bytes) if layout is not None else None
+        self.ssd = (SsdIndex(layout, self.codecs, ssd_bytes, structure=self.structure)
+                    if layout is not None else None)
         #: Whether entries handed to the writer get device digests (the layout records them).
         # The Protocol's check sees the attribute, not its value: a layout may say False.
         self._digests = (isinstance(layout, RecordsDeviceDigests)
@@ -117,7 +123,8 @@ class CacheTier:
         config and weights, and its tokenizer hash name whose entries are served; or
         ``identity``, computed already). ``layout`` is a layout class (:meth:`for_engine`
         passes the configured default; without one, the single-file layout core ships);
-        ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes``.
+        ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes`` (and the tier's other
+        keywords: ``structure``...).
 
         :raises ConfigError: ``cache_dir`` names a file (a missing directory is made on
             first write; an unwritable one warns and generation goes on)."""
@@ -152,6 +159,7 @@ class CacheTier:
 
         registry = engine.registry if engine.registry is not None else load_plugins().registry
         codecs = load_codecs(registry)
+        options.setdefault("structure", engine_structure(engine, codecs))
         if cache_dir is None:
             options.pop("layout", None)
             options.pop("layout_config", None)
@@ -189,6 +197,11 @@ class CacheTier:
             if ours != other:
                 return (f"this cache tier holds states of {self.identity.model_id} "
                         f"({field} {ours}); the engine runs {theirs.model_id} ({field} {other})")
+        form = engine_structure(engine, self.codecs) if self.structure is not None else None
+        if form is not None and form != self.structure:  # e.g. another compute precision
+            why = forms_differ(self.structure, form) or (
+                f"{len(self.structure)} layers, the model has {len(form)}")
+            return f"this cache tier's states are not of the engine's form: {why}"
         return None
 
     # -- lookup -----------------------------------------------------------------------------
@@ -438,6 +451,35 @@ def engine_identity(engine: Any, codecs: Sequence[CacheCodec]) -> StoreIdentity 
 
 
 _ENGINE_IDENTITIES: weakref.WeakKeyDictionary[Any, dict[tuple, StoreIdentity]] = (
+    weakref.WeakKeyDictionary())
+
+
+def engine_structure(engine: Any, codecs: Sequence[CacheCodec]
+                     ) -> tuple[LayerForm, ...] | None:
+    """The form of each of ``engine``'s cache layers in its KV scheme: what the first
+    layers of an entry restored for it must hold (``foretell.store.entry.form_mismatch``).
+    Read from one token fed to fresh caches, built and never evaluated (MLX knows a lazy
+    array's shape and dtype without computing it). None where the model cannot be probed
+    so, or a cache has no codec (then restores go unchecked). Once per engine and scheme."""
+    from foretell.cache.codecs import codec_for
+    from foretell.cache.quantized import kv_scheme
+
+    scheme = kv_scheme(engine.kv_bits, engine.kv_group_size)
+    known = _ENGINE_STRUCTURES.setdefault(engine, {})
+    if scheme not in known:
+        try:
+            caches = engine.make_caches()
+            engine.model.forward(mx.array([[0]]), caches)
+            known[scheme] = tuple(layer_form(codec_for(cache, codecs).snapshot(cache)[0])
+                                  for cache in caches)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot be probed: unchecked
+            log.debug("cache layers of %s not probed (%s: %s); restores unchecked",
+                      engine.path, type(exc).__name__, exc)
+            known[scheme] = None
+    return known[scheme]
+
+
+_ENGINE_STRUCTURES: weakref.WeakKeyDictionary[Any, dict[str, Any]] = (
     weakref.WeakKeyDictionary())
 
 

@@ -193,6 +193,47 @@ class Entry:
         return sum(t.nbytes for layer in self.layers for t in layer.tensors.values())
 
 
+#: One layer's form as a model's caches give it: each tensor's name, dtype and shape, the
+#: token axis (the second-to-last, along which the block store cuts too) as -1, by name.
+LayerForm = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def layer_form(tensors: Mapping[str, Any]) -> LayerForm:
+    """The form of one layer's tensors (anything with a ``dtype`` and a ``shape``)."""
+    return tuple(sorted(
+        (name, str(t.dtype).rsplit(".", 1)[-1],
+         tuple(-1 if axis == len(t.shape) - 2 else size for axis, size in enumerate(t.shape)))
+        for name, t in tensors.items()))
+
+
+def form_mismatch(layers: Sequence[LayerState], model: Sequence[LayerForm]) -> str | None:
+    """Why an entry's layers are not what the model's caches hold (None: they are): fewer
+    layers than the model has, or one whose tensors' names, dtypes or shapes (the token
+    count aside) differ. A checksum cannot tell: an entry re-signed with a layer removed,
+    or float32 relabelled int32, passes every one. Layers past the model's (a drafter's
+    attachment, a generation checkpoint's mark) are for their readers to check."""
+    return forms_differ([layer_form(layer.tensors) for layer in layers], model)
+
+
+def forms_differ(found: Sequence[LayerForm], model: Sequence[LayerForm]) -> str | None:
+    """Why layers of the forms ``found`` are not what the model's caches hold, as
+    :func:`form_mismatch` says it; None when they are."""
+    if len(found) < len(model):
+        return f"{len(found)} layers, the model has {len(model)}"
+    for index, (have, want) in enumerate(zip(found, model)):
+        if have != want:
+            return f"layer {index} holds {describe_form(have)}, the model's {describe_form(want)}"
+    return None
+
+
+def describe_form(form: LayerForm) -> str:
+    """``keys float32[1,4,T,64], values ...``: a layer's form, T its token count."""
+    def dims(shape: tuple[int, ...]) -> str:
+        return "[" + ",".join("T" if size == -1 else str(size) for size in shape) + "]"
+
+    return ", ".join(f"{name} {dtype}{dims(shape)}" for name, dtype, shape in form) or "nothing"
+
+
 @attrs.frozen(kw_only=True)
 class LayerHeader:
     """A stored layer without its tensors: enough for a codec's ``header_trimmable``."""
