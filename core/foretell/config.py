@@ -222,6 +222,21 @@ def make_converter(registry: Registry) -> cattrs.Converter:
     conv.register_structure_hook(str, strict_str)
     conv.register_structure_hook(bool, strict_bool)
 
+    # A section given as a scalar (`sampling = 3`) must say so, not surface the generated
+    # code's "argument of type 'int' is not iterable". Registered first so the
+    # hand-written section hooks below take precedence.
+    def table_of(cls: type) -> Any:
+        fields_fn = cattrs.gen.make_dict_structure_fn(cls, conv)
+
+        def structure_table(body: Any, _t: type) -> Any:
+            if not isinstance(body, Mapping):
+                raise WrongType(f"expected a table, got {body!r}")
+            return fields_fn(body, _t)
+
+        return structure_table
+
+    conv.register_structure_hook_factory(attrs.has, table_of)
+
     # A predicate, not a class hook: class hooks also catch subclasses, and plugin config
     # classes structured inside would loop back here (reference/plugin-anchors.md §6.4).
     def structure_draft(body: Any, _t: type) -> DraftSection:
@@ -353,6 +368,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror or exc}"]) from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 by definition
+        raise ConfigError(str(path), [f"not UTF-8 text (byte {exc.start}: "
+                                      f"{exc.object[exc.start:exc.start + 1]!r}); TOML files "
+                                      "are UTF-8"]) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), [f"invalid TOML: {exc}"]) from exc
 

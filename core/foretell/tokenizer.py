@@ -8,7 +8,9 @@ end-of-sequence ids). Every error names the file it came from.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -98,20 +100,101 @@ def _chat_template(model_dir: Path, config: Mapping[str, Any]) -> tuple[str | No
 
 # -- the chat template -----------------------------------------------------------------------
 
+#: A rendered conversation may be this many characters longer than 4x its own text: far
+#: beyond any model's context, so only a template that loops or repeats without bound hits
+#: it (a downloaded template is untrusted code; the sandbox alone bounds neither).
+RENDER_HEADROOM_CHARS = 16 << 20
+#: How many times over a template may repeat the conversation's own text.
+RENDER_INPUT_FACTOR = 4
+
+
+class _TemplateOverflow(Exception):
+    """A render passed its size bound; the message says how."""
+
+
+def _check_sizes(values: Any, where: str) -> None:
+    """Refuse an integer argument beyond the bound: a width or count that would allocate it."""
+    for value in values:
+        if isinstance(value, int) and abs(value) > RENDER_HEADROOM_CHARS:
+            raise _TemplateOverflow(f"passes {value} to {where}, more than {RENDER_HEADROOM_CHARS}")
+
+
+def _check_format_widths(fmt: str, where: str) -> None:
+    """Refuse a format string whose width or precision is beyond the bound
+    (``'%10000000000d'``, ``'{:>10000000000}'``)."""
+    specs = re.findall(r"%(?:\([^)]*\))?[#0\- +]*(\d*)(?:\.(\d*))?", fmt)
+    specs += [(n,) for spec in re.findall(r"\{[^{}]*?:([^{}]*)\}", fmt)
+              for n in re.findall(r"\d+", spec)]
+    _check_sizes([int(n) for group in specs for n in group if n], where)
+
+
+def _bounded_sandbox(**options: Any) -> Any:
+    """An immutable Jinja sandbox whose one-step blow-ups are refused before they allocate:
+    ``'x' * 10**10``, ``10 ** 10**10``, ``'x'.ljust(10**10)``, ``'x'|center(10**10)``,
+    ``'%10000000000d' % 1`` (loops are bounded by counting the render's output instead)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "%"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if (isinstance(seq, (str, list, tuple)) and isinstance(times, int)
+                            and len(seq) * times > RENDER_HEADROOM_CHARS):
+                        raise _TemplateOverflow(
+                            f"repeats a sequence of {len(seq)} x {times}, more than "
+                            f"{RENDER_HEADROOM_CHARS} elements")
+            elif operator == "**":
+                if (isinstance(left, int) and isinstance(right, int) and right > 0
+                        and abs(left) > 1 and right * abs(left).bit_length() > 1 << 16):
+                    raise _TemplateOverflow(f"computes {left} ** {right}, a number of more "
+                                            f"than {1 << 16} bits")
+            elif isinstance(left, str):
+                _check_format_widths(left, "'%'")
+                _check_sizes(right if isinstance(right, tuple) else (right,), "'%'")
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            _check_sizes((*args, *kwargs.values()), getattr(__obj, "__name__", repr(__obj)))
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value: Any) -> Any:
+            wrapped = super().wrap_str_format(value)
+            if wrapped is not None:
+                _check_format_widths(value.__self__, f"str.{value.__name__}")
+            return wrapped
+
+    env = BoundedSandbox(**options)
+    # Filters are called directly by compiled templates, not through ``call``.
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _size_checked_filter(name, fn)
+    return env
+
+
+def _size_checked_filter(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)  # keeps jinja's pass_context/pass_environment marker
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        _check_sizes((*args, *kwargs.values()), f"the {name} filter")
+        if name == "format" and args and isinstance(args[0], str):
+            _check_format_widths(args[0], "the format filter")
+        return fn(*args, **kwargs)
+
+    return checked
+
 
 class ChatTemplate:
     """A Hugging Face chat template, rendered in a sandbox the way transformers renders it."""
 
     def __init__(self, source: str, origin: Path, variables: Mapping[str, Any]):
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.origin = origin
         self._variables = dict(variables)
-        env = ImmutableSandboxedEnvironment(
+        env = _bounded_sandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        env.filters["tojson"] = _tojson
+        env.filters["tojson"] = _size_checked_filter("tojson", _tojson)
         env.globals["raise_exception"] = self._raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -136,19 +219,48 @@ class ChatTemplate:
     ) -> str:
         import jinja2
 
+        messages = list(messages)
+        own_text = len(json.dumps([messages, extra], default=str, ensure_ascii=False))
+        limit = RENDER_HEADROOM_CHARS + RENDER_INPUT_FACTOR * own_text
+        pieces: list[str] = []
+        size = 0
         try:
-            return self._template.render(
+            # Streamed piece by piece so a looping template is stopped at the bound, not
+            # when memory runs out.
+            for piece in self._template.generate(
                 **self._variables,
-                messages=list(messages),
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **extra,
-            )
+            ):
+                size += len(piece)
+                if size > limit:
+                    raise _TemplateOverflow(
+                        f"produced more than {limit} characters ({RENDER_HEADROOM_CHARS} plus "
+                        f"{RENDER_INPUT_FACTOR}x the conversation's {own_text})"
+                    )
+                pieces.append(piece)
         except ChatTemplateError:
             raise
+        except _TemplateOverflow as exc:
+            raise ChatTemplateError(
+                f"{self.origin}: the chat template {exc}: it is broken or hostile; fix or "
+                "replace the template"
+            ) from None
+        except RecursionError:
+            raise ChatTemplateError(
+                f"{self.origin}: the chat template recurses without end (a macro that calls "
+                "itself?)"
+            ) from None
+        except MemoryError:
+            raise ChatTemplateError(
+                f"{self.origin}: the chat template ran out of memory while rendering"
+            ) from None
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(
                 f"{self.origin}: rendering the chat template failed: {exc}"
             ) from exc
+        return "".join(pieces)
 
 
 def _tojson(

@@ -16,7 +16,7 @@ import os
 import struct
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +193,10 @@ def read_weights(path: Path) -> tuple[dict[str, mx.array], dict[str, Path]]:
 
 
 def quantize_like_checkpoint(
-    model: nn.Module, config: dict[str, Any], weights: dict[str, mx.array]
+    model: nn.Module,
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    source: Mapping[str, Path] | None = None,
 ) -> None:
     """Turn the layers the checkpoint stores quantized into quantized layers.
 
@@ -201,6 +204,10 @@ def quantize_like_checkpoint(
     overrides (a dict of parameters, or ``false`` to keep that layer dense). A layer
     without an override is quantized when its ``.scales`` tensor is present, with the
     group size and bits read back from the stored shapes.
+
+    :param source: the file each tensor came from, named by errors about that tensor.
+    :raises ModelLoadError: a quantized layer's stored tensors are missing or do not have
+        the shapes of any supported quantization of that layer.
     """
     quantization = config.get("quantization")
     if quantization is None:
@@ -224,12 +231,17 @@ def quantize_like_checkpoint(
     def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
         if path in quantization:
             return quantization[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+        if not hasattr(module, "to_quantized"):
             return False
-        in_dims = module.weight.shape[-1]
-        group_size = in_dims // weights[f"{path}.scales"].shape[-1]
-        bits = weights[f"{path}.weight"].shape[-1] * 32 // in_dims
-        return {"group_size": group_size, "bits": bits}
+        if f"{path}.scales" not in weights:
+            packed = weights.get(f"{path}.weight")
+            if packed is not None and packed.dtype == mx.uint32:
+                raise ModelLoadError(
+                    f"{(source or {}).get(f'{path}.weight', 'the checkpoint')}: missing tensor "
+                    f"'{path}.scales' (its packed weight '{path}.weight' is there)")
+            return False
+        return _stored_quantization(path, module.weight.shape, weights, source or {},
+                                    quantization["group_size"], quantization["bits"])
 
     nn.quantize(
         model,
@@ -239,16 +251,67 @@ def quantize_like_checkpoint(
     )
 
 
+#: The group sizes and bit widths MLX's affine quantization supports.
+GROUP_SIZES = (32, 64, 128)
+BITS = (1, 2, 3, 4, 5, 6, 8)
+
+
+def _stored_quantization(
+    path: str,
+    dense_shape: tuple[int, ...],
+    weights: dict[str, mx.array],
+    source: Mapping[str, Path],
+    group_size: int,
+    bits: int,
+) -> dict[str, int]:
+    """The group size and bits a quantized layer was stored with, read back from the
+    shapes of its packed weight (``[out, in * bits / 32]``) and scales (``[out, in /
+    group_size]``); an error names the file, the tensor and the shape expected from
+    config.json's ``quantization`` against the one found."""
+    *outer, in_dims = dense_shape
+    weight_name, scales_name = f"{path}.weight", f"{path}.scales"
+    where = source.get(scales_name, "the checkpoint")
+    if weight_name not in weights:
+        raise ModelLoadError(f"{where}: missing tensor '{weight_name}' (its quantization "
+                             f"scales '{scales_name}' are there)")
+    stored, scales = weights[weight_name], weights[scales_name]
+    expected = {
+        weight_name: (*outer, in_dims * bits // 32),
+        scales_name: (*outer, in_dims // group_size),
+    }
+    found_bits = found_group = 0
+    if stored.ndim == len(dense_shape) and scales.ndim == len(dense_shape):
+        if (stored.shape[-1] * 32) % in_dims == 0:
+            found_bits = stored.shape[-1] * 32 // in_dims
+        if scales.shape[-1] and in_dims % scales.shape[-1] == 0:
+            found_group = in_dims // scales.shape[-1]
+    for name, ok in (
+        (weight_name, found_bits in BITS and tuple(stored.shape[:-1]) == tuple(outer)),
+        (scales_name, found_group in GROUP_SIZES and tuple(scales.shape[:-1]) == tuple(outer)),
+    ):
+        if not ok:
+            raise ModelLoadError(
+                f"{source.get(name, 'the checkpoint')}: tensor '{name}' has shape "
+                f"{tuple(weights[name].shape)}, expected {expected[name]} ({bits}-bit, groups "
+                f"of {group_size}, as config.json's 'quantization' says, for a layer of "
+                f"shape {tuple(dense_shape)}); is the tensor transposed or from another model?"
+            )
+    return {"group_size": found_group, "bits": found_bits}
+
+
 def _check_tensors(
     model: nn.Module, weights: dict[str, mx.array], source: dict[str, Path], where: Path
 ) -> None:
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     if missing:
-        shown = ", ".join(missing[:5]) + (
+        shown = ", ".join(f"'{name}'" for name in missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         )
-        raise ModelLoadError(f"{where}: missing tensor(s) the model needs: {shown}")
+        files = sorted({str(f) for f in source.values() if f.suffix == ".safetensors"})
+        files = files or [str(where)]
+        holder = files[0] if len(files) == 1 else f"{where} (none of {len(files)} weight files)"
+        raise ModelLoadError(f"{holder}: missing tensor(s) the model needs: {shown}")
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         name = unexpected[0]
@@ -364,7 +427,7 @@ def load_model(
     for name in set(weights) - names_before:
         source.setdefault(name, path)
     try:
-        quantize_like_checkpoint(model, config, weights)
+        quantize_like_checkpoint(model, config, weights, source)
     except (ValueError, KeyError) as exc:
         raise ModelLoadError(f"{config_file}: {exc}") from exc
     _check_tensors(model, weights, source, path)

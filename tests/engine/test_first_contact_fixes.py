@@ -1,0 +1,166 @@
+"""Inputs that gave tracebacks or misleading errors now give one line naming the file and
+the field or tensor (issue 48, item 8)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from foretell.cli import main
+from foretell.config import load_run_config
+from foretell.errors import ChatTemplateError, ConfigError, ModelLoadError
+from foretell.model import load_model
+from foretell.plugin import load_plugins
+from foretell.tokenizer import ChatTemplate
+from foretell.tools.synthetic import make_model_dir
+
+CONVERSATION = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_plugins().registry
+
+
+# -- the run configuration ---------------------------------------------------------------
+
+
+def test_a_config_file_that_is_not_utf8_is_named_in_one_line(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"max_tokens = 5\n# caf\xe9\n")
+    assert main(["run", "--config", str(path), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"foretell: error: {path}: not UTF-8 text (byte 20: b'\\xe9'); "
+                   "TOML files are UTF-8")
+
+
+@pytest.mark.parametrize("section", ["sampling", "cache"])
+def test_a_section_given_as_a_number_says_it_wants_a_table(registry, tmp_path, section):
+    path = tmp_path / "run.toml"
+    path.write_text(f"{section} = 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_run_config(registry, path)
+    assert str(info.value) == f"{path}: {section}: expected a table, got 3"
+
+
+# -- chat templates -------------------------------------------------------------------------
+
+ORIGIN = Path("model/tokenizer_config.json")
+
+
+def render(source: str) -> str:
+    return ChatTemplate(source, ORIGIN, {}).render(CONVERSATION)
+
+
+def test_a_recursing_chat_template_is_named(tmp_path):
+    with pytest.raises(ChatTemplateError) as info:
+        render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+    assert str(info.value) == (
+        f"{ORIGIN}: the chat template recurses without end (a macro that calls itself?)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 64 }}"
+         "{% endfor %}{% endfor %}", "produced more than"),
+        ("{{ 'x' * 10000000000 }}", "repeats a sequence of 1 x 10000000000"),
+        ("{{ messages * 100000000 }}", "repeats a sequence of 1 x 100000000"),
+        ("{{ 10 ** 10000000000 }}", "computes 10 ** 10000000000"),
+        ("{{ 'x'.ljust(10000000000) }}", "passes 10000000000 to ljust"),
+        ("{{ 'x' | center(10000000000) }}", "passes 10000000000 to the center filter"),
+        ("{{ messages | tojson(indent=10000000000) }}", "to the tojson filter"),
+        ("{{ '%10000000000d' | format(1) }}", "to the format filter"),
+        ("{{ '%10000000000d' % 1 }}", "passes 10000000000 to '%'"),
+        ("{{ '%*d' % (10000000000, 1) }}", "passes 10000000000 to '%'"),
+        ("{{ '{:>10000000000}'.format(1) }}", "to str.format"),
+    ],
+)
+def test_a_chat_template_that_would_blow_up_is_stopped_before_it_allocates(source, says):
+    with pytest.raises(ChatTemplateError) as info:
+        render(source)
+    message = str(info.value)
+    assert message.startswith(f"{ORIGIN}: the chat template ") and says in message
+    assert message.endswith("it is broken or hostile; fix or replace the template")
+
+
+def test_the_bounds_leave_ordinary_templates_alone():
+    source = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+              "{{ '-' * 3 }}{{ 2 ** 10 }}{{ '%05d' % 42 }}{{ '{:>4}'.format(7) }}"
+              "{{ 'x' | center(5) }}{{ '%s+%s' | format(1, 2) }}{{ 7 % 3 }}")
+    assert render(source) == "<user>hi---102400042   7  x  1+21"
+
+
+def test_a_long_conversation_is_not_mistaken_for_an_overflowing_template():
+    content = "y" * (20 << 20)  # longer than the fixed headroom alone
+    out = ChatTemplate("{{ messages[0].content }}", ORIGIN, {}).render(
+        [{"role": "user", "content": content}])
+    assert out == content
+
+
+# -- weights that do not match --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("q4") / "qwen3", "qwen3", quantize_bits=4)
+
+
+def broken_copy(quantized: Path, tmp_path: Path, edit) -> Path:
+    model_dir = shutil.copytree(quantized, tmp_path / "model")
+    file = model_dir / "model.safetensors"
+    weights = dict(mx.load(str(file)))
+    edit(weights)
+    mx.save_safetensors(str(file), weights)
+    return model_dir
+
+
+LAYER = "model.layers.0.self_attn.q_proj"
+
+
+def test_a_deleted_quantized_weight_is_named_with_its_file(quantized, tmp_path, registry):
+    model_dir = broken_copy(quantized, tmp_path, lambda w: w.pop(f"{LAYER}.weight"))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model_dir, registry)
+    assert str(info.value) == (
+        f"{model_dir / 'model.safetensors'}: missing tensor '{LAYER}.weight' (its "
+        f"quantization scales '{LAYER}.scales' are there)"
+    )
+
+
+def test_deleted_quantization_scales_are_named_with_their_file(quantized, tmp_path, registry):
+    model_dir = broken_copy(quantized, tmp_path, lambda w: w.pop(f"{LAYER}.scales"))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model_dir, registry)
+    assert str(info.value).startswith(
+        f"{model_dir / 'model.safetensors'}: missing tensor '{LAYER}.scales'")
+
+
+def test_a_deleted_dense_tensor_is_named_with_its_file(quantized, tmp_path, registry):
+    model_dir = broken_copy(quantized, tmp_path, lambda w: w.pop("model.norm.weight"))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model_dir, registry)
+    assert str(info.value) == (
+        f"{model_dir / 'model.safetensors'}: missing tensor(s) the model needs: "
+        "'model.norm.weight'"
+    )
+
+
+@pytest.mark.parametrize("part", ["weight", "scales"])
+def test_a_transposed_quantized_tensor_reports_expected_and_found_shapes(
+    quantized, tmp_path, registry, part
+):
+    name = f"{LAYER}.{part}"
+    stored = mx.load(str(quantized / "model.safetensors"))[name].shape
+    model_dir = broken_copy(quantized, tmp_path, lambda w: w.__setitem__(name, w[name].T))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model_dir, registry)
+    message = str(info.value)
+    assert message.startswith(
+        f"{model_dir / 'model.safetensors'}: tensor '{name}' has shape "
+        f"{tuple(reversed(stored))}, expected {tuple(stored)} (4-bit, groups of 64")
+    assert "bits 32" not in message and "is the tensor transposed" in message
