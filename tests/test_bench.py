@@ -112,12 +112,12 @@ def test_a_count_below_one_is_refused_naming_its_flag(flag, capsys):
     assert capsys.readouterr().err == f"foretell: error: {flag} must be >= 1\n"
 
 
-def test_a_cache_dir_that_cannot_be_written_is_one_error_naming_it(tmp_path, capsys):
+def test_a_models_dir_that_cannot_be_written_is_one_error_naming_it(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert cli_main(["bench", "--synthetic", "30m", "--cache-dir", str(blocker)]) == 1
+    assert cli_main(["bench", "--synthetic", "30m", "--models-dir", str(blocker)]) == 1
     err = capsys.readouterr().err
-    assert f"foretell: error: --cache-dir {blocker}: " in err and "Traceback" not in err
+    assert f"foretell: error: --models-dir {blocker}: " in err and "Traceback" not in err
 
 
 def test_a_json_file_that_cannot_be_written_is_one_error_naming_it(tiny_model, tmp_path, capsys):

@@ -164,3 +164,81 @@ def test_a_transposed_quantized_tensor_reports_expected_and_found_shapes(
         f"{model_dir / 'model.safetensors'}: tensor '{name}' has shape "
         f"{tuple(reversed(stored))}, expected {tuple(stored)} (4-bit, groups of 64")
     assert "bits 32" not in message and "is the tensor transposed" in message
+
+
+# -- the CLI's flags (issue 48, item 14) --------------------------------------------------
+
+
+def _subcommand_parsers():
+    import argparse
+
+    from foretell.cli import build_parser
+
+    def walk(parser, name):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from walk(child, f"{name} {sub}")
+
+    return list(walk(build_parser(), "foretell"))
+
+
+def _option_help(parser) -> dict[str, str]:
+    """Each option that takes a value, and its help as ``--help`` prints it."""
+    import argparse
+
+    formatter = parser._get_formatter()
+    return {
+        action.option_strings[0]: formatter._expand_help(action)
+        for action in parser._actions
+        if action.option_strings and action.nargs != 0 and not action.required
+        and action.help not in (None, argparse.SUPPRESS)
+    }
+
+
+def test_every_option_of_every_subcommand_states_its_default_in_help():
+    missing = [f"{name} {flag}" for name, parser in _subcommand_parsers()
+               for flag, text in _option_help(parser).items() if "default" not in text]
+    assert missing == []
+
+
+def test_run_flags_state_the_run_configs_own_defaults():
+    import functools
+    import re
+
+    from foretell.cli.run_cmd import _FLAG_FIELDS
+    from foretell.config import RunConfig
+
+    def config_default(dotted: str):
+        return functools.reduce(getattr, dotted.split("."), RunConfig())
+
+    parser = dict(_subcommand_parsers())["foretell run"]
+    helps = _option_help(parser)
+    checked = 0
+    for attr, field in _FLAG_FIELDS.items():
+        default = config_default(field)
+        if default is None or isinstance(default, bool):
+            continue  # stated in words ("none", "off"), not a value
+        stated = re.search(r"default: ([^,;)\s]+)", helps["--" + attr.replace("_", "-")])
+        assert stated is not None, attr
+        value = stated.group(1)
+        assert (value == default) if isinstance(default, str) else float(value) == default, attr
+        checked += 1
+    assert checked >= 8
+
+
+def test_bench_names_where_synthetic_models_go_models_dir():
+    parser = dict(_subcommand_parsers())["foretell bench"]
+    assert str(parser.parse_args(["--models-dir", "/somewhere"]).models_dir) == "/somewhere"
+    assert "--cache-dir" not in parser.format_help()
+    assert "~/.cache/foretell/bench" in _option_help(parser)["--models-dir"]
+
+
+def test_bench_cache_dir_says_what_it_became(capsys):
+    assert main(["bench", "--synthetic", "30m", "--cache-dir", "/x"]) == 1
+    assert capsys.readouterr().err == (
+        "foretell: error: --cache-dir /x: bench calls it --models-dir (where --synthetic models "
+        "are kept); --cache-dir names a KV cache directory in `foretell run`, `chat` and "
+        "`cache`\n"
+    )

@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import os
 import sys
+from typing import Any
 
 from foretell import __version__
 from foretell.errors import ForetellError
@@ -27,8 +28,28 @@ COMMANDS = (
 )
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` states every option's default: a value set in the parser is appended as
+    ``(default: X)``; options whose default is decided later (``None`` in the parser: the
+    run config's defaults, the shipped model) say it in their own help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if ("default" in help_text or not action.option_strings or action.required
+                or default is None or default is argparse.SUPPRESS
+                or isinstance(default, bool) or default in ([], "")):
+            return action.help
+        return f"{help_text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but bad input is one line on stderr, not a usage block."""
+    """argparse, but bad input is one line on stderr, not a usage block, and ``--help``
+    shows defaults (subcommands' parsers are made with this class too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {printable(message)} (see '{self.prog} --help')\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -21,13 +22,14 @@ def add_parser(sub) -> None:
         "prompt token ids and generated-token count; print median tok/s and ratios.",
     )
     p.add_argument("--model", action="append", default=[], metavar="PATH",
-                   help="a model directory (or shipped model name); repeatable; with neither "
-                        "this nor --synthetic, the shipped demo")
+                   help="a model directory (or shipped model name); repeatable (default: with "
+                        "no --synthetic either, the shipped demo)")
     p.add_argument("--synthetic", default="", metavar="SHAPES",
                    help="random-weight shapes the architecture plugins name, comma-separated "
-                        "(e.g. 30m,150m); MODEL_TYPE:SHAPE picks the architecture")
+                        "(e.g. 30m,150m); MODEL_TYPE:SHAPE picks the architecture (default: "
+                        "none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="dtype of synthetic weights (bfloat16 on a GPU; default float32)")
+                   help="dtype of synthetic weights (bfloat16 on a GPU)")
     p.add_argument("--prompt-tokens", type=int, default=128, metavar="N",
                    help="prompt length: random token ids, the same for both sides")
     p.add_argument("--generate", type=int, default=64, metavar="N", dest="max_tokens",
@@ -38,11 +40,12 @@ def add_parser(sub) -> None:
                    help="add the speculation rows: plain, two-model, self-draft, MTP, n-gram on "
                         "a code-editing prompt, sampled (vs mlx-lm's speculative decoding)")
     p.add_argument("--draft-model", default="demo-draft", metavar="PATH",
-                   help="the two-model rows' draft (default: the shipped demo-draft)")
+                   help="the two-model rows' draft, a directory or shipped model name")
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="N",
-                   help="draft tokens per round on both sides (default 4)")
+                   help="draft tokens per round on both sides")
     p.add_argument("--scenario", action="append", default=None, metavar="NAME",
-                   help="run only these rows (repeatable): greedy or a speculation row")
+                   help="run only these rows (repeatable): greedy or a speculation row "
+                        "(default: greedy, plus the speculation rows with --speculation)")
     p.add_argument("--sequential", action="store_true",
                    help="run one side after the other instead of alternating their timed "
                         "runs (holds one copy of the model in memory instead of two)")
@@ -56,14 +59,18 @@ def add_parser(sub) -> None:
                         "warmed up on a 32-token prompt, so its verify windows meet no kernel "
                         "plan an earlier run left (what a user's first request meets; "
                         "without it later rows reuse earlier rows' plans on a GPU)")
-    p.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
-                   help="where synthetic models are made once (default ~/.cache/foretell/bench)")
+    p.add_argument("--models-dir", type=Path, default=None, metavar="DIR",
+                   help="where --synthetic models are made once and kept (default: "
+                        "~/.cache/foretell/bench)")
+    # `--cache-dir` names a KV cache directory everywhere else (run, chat, cache): one name,
+    # one meaning. Kept only to say what it became.
+    p.add_argument("--cache-dir", dest="renamed_cache_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache", action="store_true",
                    help="the prefix-cache rows instead: TTFT cold / RAM hit / SSD restore in a "
                         "fresh process, restore vs dd, mlx-lm prompt-cache files, decode "
                         "during a background write (foretell.tools.bench_cache)")
     p.add_argument("--cache-prompt-tokens", type=int, default=4096, metavar="N",
-                   help="with --cache: the long prompt's length (default 4096)")
+                   help="with --cache: the long prompt's length")
     p.add_argument("--layout", default=None, metavar="NAME",
                    help="with --cache: the storage layout to measure, by its registered name "
                         "(`foretell plugins`; default: the tier's default, blocks)")
@@ -72,10 +79,11 @@ def add_parser(sub) -> None:
                         "reserve off (FORETELL_RESTORE_RESERVE_MB=0), taking turns with it on")
     p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8), metavar="N",
                    help="with --cache: run every phase with the KV quantized to N bits (4 or 8), "
-                        "as `foretell run --kv-bits N` does, so the entry holds that KV")
+                        "as `foretell run --kv-bits N` does, so the entry holds that KV "
+                        "(default: unquantized)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the full report (every run) as JSON: on stdout instead of the table, "
-                        "or, given FILE, written there beside the table")
+                        "or, given FILE, written there beside the table (default: the table only)")
     p.set_defaults(handler=run)
 
 
@@ -112,8 +120,13 @@ def run(args) -> int:
                        ("repeats", "--repeats"), ("num_draft_tokens", "--num-draft-tokens")):
         if getattr(args, name) < 1:
             raise BenchError(f"{flag} must be >= 1")
+    if args.renamed_cache_dir is not None:
+        raise BenchError(
+            f"--cache-dir {args.renamed_cache_dir}: bench calls it --models-dir (where "
+            "--synthetic models are kept); --cache-dir names a KV cache directory in `foretell "
+            "run`, `chat` and `cache`")
     models = [(Path(m).name or m, model_path(m)) for m in args.model]
-    cache_dir = args.cache_dir or measure.CACHE_DIR
+    models_dir = args.models_dir or measure.CACHE_DIR
     for preset in filter(None, (s.strip() for s in args.synthetic.split(","))):
         from foretell.tools.synthetic import presets
 
@@ -124,9 +137,9 @@ def run(args) -> int:
                 f"--synthetic {preset}: unknown shape "
                 f"(known: {', '.join(f'{n} ({t})' for n, t in shapes.items())})"
             )
-        print(f"synthetic {preset} ({args.dtype}) in {cache_dir}", file=sys.stderr)
-        with naming_the_file("--cache-dir", cache_dir):
-            models.append((name, measure.synthetic_model(preset, args.dtype, cache_dir)))
+        print(f"synthetic {preset} ({args.dtype}) in {models_dir}", file=sys.stderr)
+        with naming_the_file("--models-dir", models_dir):
+            models.append((name, measure.synthetic_model(preset, args.dtype, models_dir)))
     if not models:  # as `foretell run`: the shipped default
         from foretell.engine import DEFAULT_MODEL
 

@@ -43,9 +43,10 @@ def add_parser(sub: Any) -> None:
         a = actions.add_parser(name, help=summary)
         a.add_argument("--cache-dir", required=True, metavar="DIR", help="the cache directory")
         a.add_argument("--model", "-m", default=None,
-                       help="only this model's entries (directory or shipped name)")
+                       help="only this model's entries (directory or shipped name; default: "
+                            "every model's)")
         a.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
-                       help="with --model: the KV scheme's entries")
+                       help="with --model: the KV scheme's entries (default: unquantized KV)")
         a.add_argument("--layout", default=None,
                        help="with --model: the storage layout (default: [cache] layout's, "
                             "blocks)")
@@ -53,11 +54,13 @@ def add_parser(sub: Any) -> None:
         if name == "gc":
             a.add_argument("--max-gb", type=gigabytes, default=None,
                            help="evict least recently used entries down to this many GiB "
-                                "(per model and KV scheme, as --cache-max-gb caps them)")
+                                "(per model and KV scheme, as --cache-max-gb caps them; "
+                                "default: no eviction by size)")
             a.add_argument("--older-than", type=days, default=None, metavar="DAYS",
                            help="delete entries last used more than DAYS days ago, of every "
                                 "model and scheme (entries of weights since changed, or of "
-                                "a model no longer run, are never used again)")
+                                "a model no longer run, are never used again; default: none "
+                                "deleted by age)")
         a.set_defaults(handler=globals()[f"cmd_{name}"])
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 

@@ -37,7 +37,8 @@ HELP = "\n".join(f"  {name:<7} {what}" for name, what in COMMANDS.items())
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("chat", help="talk with a model: a multi-turn REPL")
     add_run_flags(p, resume=False)
-    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--system", default=None, help="a system message that opens the conversation "
+                   "(default: none)")
     p.set_defaults(handler=run)
 
 

@@ -55,7 +55,7 @@ def add_parser(sub: Any) -> None:
         default=[],
         metavar="TEXT",
         help="end generation at TEXT, which is not printed; \\n and \\t are unescaped "
-        "(repeatable)",
+        "(repeatable; default: none, the model's end-of-sequence tokens end it)",
     )
     p.add_argument("--json", action="store_true", help="print JSON lines: text events, then stats")
     p.set_defaults(handler=run)
@@ -69,7 +69,8 @@ def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
         "--model", "-m", default=None, help="model directory or shipped model name (default: demo)"
     )
     p.add_argument(
-        "--config", default=None, metavar="FILE", help="a TOML run config; flags override it"
+        "--config", default=None, metavar="FILE",
+        help="a TOML run config; flags override it (default: none, the defaults shown here)"
     )
     p.add_argument(
         "--max-tokens", type=int, default=None, help="most tokens to generate (default: 256)"
@@ -84,12 +85,14 @@ def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
         "--top-k", type=int, default=None, help="sample among the k most likely (default: 0, off)"
     )
     p.add_argument(
-        "--min-p", type=float, default=None, help="drop tokens below min-p x the top probability"
+        "--min-p", type=float, default=None,
+        help="drop tokens below min-p x the top probability (default: 0, off)"
     )
     p.add_argument(
         "--seed", type=int, default=None,
         help="random seed; the same seed reproduces a plain run (a sampled speculative one "
-             "only with --draft-option adaptive=false: docs/speculation.md)"
+             "only with --draft-option adaptive=false: docs/speculation.md) (default: none, "
+             "a fresh draw each run)"
     )
     p.add_argument(
         "--repetition-penalty",
@@ -108,20 +111,24 @@ def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
                    "'none' turns it off; default 'auto': the drafter measured best for the "
                    "model on this kind of machine, if it names one")
     p.add_argument("--draft-model", default=None, metavar="DIR",
-                   help="draft with this model (a directory or shipped name): --draft two-model")
+                   help="draft with this model (a directory or shipped name): --draft two-model "
+                   "(default: none)")
     p.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="the most tokens drafted per round (default: the model's measured "
                    "best in its speculation.json, else the drafter's own: two-model 4, mtp 6, "
                    "ngram 16; the adaptive length chooses below it)")
     p.add_argument("--draft-option", action="append", default=None, metavar="KEY=VALUE",
-                   help="an option of the draft provider, e.g. max_ngram=3 (repeatable)")
+                   help="an option of the draft provider, e.g. max_ngram=3 (repeatable; "
+                   "default: the provider's own)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="keep computed prompt prefixes on disk here and reuse them")
+                   help="keep computed prompt prefixes on disk here and reuse them (default: "
+                   "none, nothing is kept on disk)")
     p.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
                    help="byte cap of this model's entries in the cache directory (per KV scheme), "
                         "GiB (default: 32)")
     p.add_argument("--cache-layout", default=None, metavar="NAME",
-                   help="storage layout of the cache directory (see `foretell plugins`)")
+                   help="storage layout of the cache directory (see `foretell plugins`; "
+                   "default: blocks)")
     p.add_argument("--kv-bits", type=int, default=None, metavar="N",
                    help="quantize the KV cache to 4 or 8 bits (default: off)")
     if resume:
