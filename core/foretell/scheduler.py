@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import mlx.core as mx
@@ -30,7 +30,7 @@ from foretell.errors import GenerationError
 from foretell.model.batch import batch_caches
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler
-from foretell.stream import Event, StopMatcher, StreamCut
+from foretell.stream import Event, StopMatcher, StreamCut, TokenLogprobs
 
 if TYPE_CHECKING:
     from foretell.cache.request import RequestCache
@@ -42,6 +42,25 @@ _END = object()
 
 class QueueFull(GenerationError):
     """The scheduler's waiting queue is at its bound; retry later."""
+
+
+class TokenConstraint(Protocol):
+    """Limits which tokens a request may produce next (structured output: a grammar).
+
+    The scheduler asks :meth:`allowed` before each of the row's draws and reports the token
+    drawn with :meth:`accept`; once :meth:`complete` the request ends (finish reason
+    ``"stop"``). Called on the scheduler's thread only: make the arrays it returns there
+    (MLX streams belong to a thread)."""
+
+    def allowed(self) -> mx.array | None:
+        """``bool [vocab]`` (the model's logits width): True where a token may come next;
+        None: any token."""
+
+    def accept(self, token: int) -> None:
+        """The row's next token is ``token`` (one ``allowed`` permitted)."""
+
+    def complete(self) -> bool:
+        """Whether the output is whole (nothing more may follow)."""
 
 
 class RequestHandle:
@@ -110,6 +129,9 @@ class _Row:
     started: float = 0.0
     #: Prompt tokens still to prefill (all but the last, which heads the first step).
     todo: list[int] = attrs.Factory(list)
+    #: How many alternatives each token's logprobs list (None: no logprobs).
+    logprobs: int | None = None
+    constraint: TokenConstraint | None = None
 
     @property
     def pending(self) -> int:
@@ -168,15 +190,23 @@ class Scheduler:
 
     def submit(self, prompt: Prompt, *, max_tokens: int = 256,
                sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
-               chat: bool | None = None, ignore_eos: bool = False) -> RequestHandle:
+               chat: bool | None = None, ignore_eos: bool = False,
+               logprobs: int | None = None,
+               constraint: TokenConstraint | None = None) -> RequestHandle:
         """Queue a request; its events stream from the returned handle. Options as for
-        :meth:`foretell.Engine.generate`.
+        :meth:`foretell.Engine.generate`, and:
+
+        :param logprobs: report each token's log-probability and this many alternatives
+            (0-20) on its :class:`~foretell.stream.TextEvent`.
+        :param constraint: a :class:`TokenConstraint` every token must satisfy.
 
         :raises GenerationError: the request is invalid or its KV can never fit the budget.
         :raises QueueFull: ``max_waiting`` requests are already waiting.
         """
         if max_tokens < 1:
             raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            raise GenerationError(f"logprobs must be in 0..20, got {logprobs}")
         ids = self.engine.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
@@ -185,7 +215,8 @@ class Scheduler:
         handle = RequestHandle(self, len(ids))
         eos = frozenset() if ignore_eos else self.engine.tokenizer.eos_token_ids
         row = _Row(handle=handle, ids=ids, sampler=Sampler(sampling), stops=StopMatcher(stop),
-                   eos=eos, max_tokens=max_tokens, need=need)
+                   eos=eos, max_tokens=max_tokens, need=need, logprobs=logprobs,
+                   constraint=constraint)
         with self._lock:
             if self._closing:
                 raise GenerationError("the scheduler is closed")
@@ -367,19 +398,32 @@ class Scheduler:
         tokens = mx.array([[row.pending] for row in self._rows], dtype=mx.int32)
         hidden, _ = model.forward(tokens, self._batch)
         logits = model.logits(hidden[:, -1, :])
-        drawn = []
+        drawn, reported = [], {}
         for b, row in enumerate(self._rows):
             sequence = row.state.prompt + row.state.generated
             size = row.sampler.window
             window = mx.array([sequence[-size:]], dtype=mx.int32) if size else None
             key = row.keys.rows(len(sequence)) if row.keys is not None else None
-            drawn.append(row.sampler(logits[b : b + 1], window, key))
+            row_logits = logits[b : b + 1]
+            if row.logprobs is not None:
+                reported[b] = row_logits[0] - mx.logsumexp(row_logits[0])
+            allowed = row.constraint.allowed() if row.constraint is not None else None
+            if allowed is not None:
+                row_logits = mx.where(allowed, row_logits, mx.array(-mx.inf, row_logits.dtype))
+            drawn.append(row.sampler(row_logits, window, key))
         values = mx.concatenate(drawn).tolist()  # the step's one host sync
         finished = []
         for b, (row, token) in enumerate(zip(self._rows, values)):
             row.state.generated.append(token)
             event = row.cut.feed([token])
+            if row.constraint is not None:
+                row.constraint.accept(token)
+                if row.constraint.complete():
+                    row.cut.complete()
             if event is not None:
+                if b in reported:
+                    event = attrs.evolve(event, logprobs=(
+                        _token_logprobs(reported[b], token, row.logprobs),))
                 row.handle._put(event)
             if row.cut.done:
                 finished.append(b)
@@ -428,3 +472,12 @@ class Scheduler:
             row.handle._put(exc)
         if running:
             self._remove(running)
+
+
+def _token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
+    """``token``'s entry of a ``[vocab]`` log-probability row, with the ``top`` best."""
+    best = mx.argsort(-logprobs)[:top] if top else mx.array([], dtype=mx.int32)
+    values = logprobs.astype(mx.float32)
+    ids = best.tolist()
+    return TokenLogprobs(token, float(values[token].item()),
+                         tuple(zip(ids, values[best].tolist())) if ids else ())

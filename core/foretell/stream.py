@@ -29,9 +29,25 @@ class TextEvent:
     text: str
     tokens: tuple[int, ...]
     type: str = "text"
+    #: When the request asked for them: one :class:`TokenLogprobs` per token of ``tokens``.
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "text": self.text, "tokens": list(self.tokens)}
+        out = {"type": self.type, "text": self.text, "tokens": list(self.tokens)}
+        if self.logprobs:
+            out["logprobs"] = [attrs.asdict(lp) for lp in self.logprobs]
+        return out
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """A token's log-probability under the model (its raw distribution, before sampling's
+    temperature and truncation, as OpenAI's API reports it), and the most likely
+    alternatives as ``(token id, log-probability)``, best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -121,6 +137,7 @@ class StreamCut:
         self.state, self.stops, self.eos, self.max_tokens = state, stops, eos, max_tokens
         self.detok = tokenizer.detokenizer()
         self.finish: str | None = None
+        self._at_stop_string = False
         #: When the first step arrived (None until one did).
         self.first_at: float | None = None
 
@@ -144,16 +161,21 @@ class StreamCut:
             piece, hit = self.stops.feed(self.detok.add(token))
             text += piece
             if hit:
-                self.finish = "stop"
+                self.finish, self._at_stop_string = "stop", True
                 break
             if self.state.consumed >= self.max_tokens:
                 break
         return TextEvent(text, tuple(emitted)) if emitted else None
 
+    def complete(self) -> None:
+        """The output is whole (a grammar finished it): end here, finish reason ``"stop"``."""
+        if self.finish is None:
+            self.finish = "stop"
+
     def close(self) -> TextEvent | None:
         """The request ended: the text still held back, if any."""
         tail = ""
-        if self.finish != "stop":
+        if not self._at_stop_string:
             tail, hit = self.stops.feed(self.detok.flush())
             if hit:
                 self.finish = "stop"

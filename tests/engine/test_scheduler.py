@@ -169,3 +169,55 @@ def test_a_request_that_can_never_fit_is_refused_with_the_numbers(engine):
     with pytest.raises(GenerationError, match=r"can never fit: \d+ tokens"):
         scheduler.submit(PROMPTS[0], max_tokens=100)
     scheduler.close()
+
+
+def test_logprobs_report_each_tokens_log_probability_under_the_model(engine):
+    import mlx.core as mx
+
+    scheduler = Scheduler(engine)
+    events = [e for e in scheduler.submit(PROMPTS[0], max_tokens=4, ignore_eos=True,
+                                          logprobs=3, chat=False) if e.type == "text"]
+    first = events[0].logprobs[0]
+    assert first.token == events[0].tokens[0]
+    assert [t for t, _ in first.top][0] == first.token  # greedy takes the most likely
+    ids = engine.encode_prompt(PROMPTS[0], chat=False)
+    hidden, _ = engine.model.forward(mx.array([ids]), engine.make_caches())
+    logits = engine.model.logits(hidden[:, -1, :])[0]
+    want = (logits - mx.logsumexp(logits)).tolist()
+    assert first.logprob == pytest.approx(want[first.token], abs=1e-4)
+    assert [lp for _, lp in first.top] == pytest.approx(sorted(want, reverse=True)[:3], abs=1e-4)
+    scheduler.close()
+
+
+class OnlyThese:
+    """A constraint: tokens from ``allowed`` only, complete after ``length`` of them."""
+
+    def __init__(self, vocab: int, allowed: list[int], length: int):
+        self.vocab, self.ids, self.length, self.taken = vocab, allowed, length, []
+
+    def allowed(self):
+        import mlx.core as mx
+
+        mask = mx.zeros((self.vocab,), dtype=mx.bool_)  # made on the scheduler's thread
+        mask[mx.array(self.ids)] = True
+        return mask
+
+    def accept(self, token: int) -> None:
+        self.taken.append(token)
+
+    def complete(self) -> bool:
+        return len(self.taken) >= self.length
+
+
+def test_a_constraint_limits_every_token_and_ends_the_request_when_complete(engine):
+    allowed = [7, 11, 13]
+    constraint = OnlyThese(engine.model.vocab_size, allowed, 5)
+    scheduler = Scheduler(engine)
+    free = scheduler.submit(PROMPTS[1], max_tokens=12, ignore_eos=True)
+    tokens, _, stats = batched(scheduler.submit(PROMPTS[0], max_tokens=50, ignore_eos=True,
+                                                sampling=SamplingConfig(temp=1.0, seed=2),
+                                                constraint=constraint))
+    assert set(tokens) <= set(allowed) and len(tokens) == 5
+    assert stats.finish_reason == "stop"
+    assert batched(free)[0] == alone(engine, PROMPTS[1], max_tokens=12, ignore_eos=True)[0]
+    scheduler.close()
