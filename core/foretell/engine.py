@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,20 +79,110 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 _STREAM: Any = None
+#: Held while foretell drives MLX (a step of a generation, a load, a drafter's warm-up), on
+#: whichever thread: MLX is not made to be driven from two threads at once.
+_MLX_WORK = threading.RLock()
 
 
 def generation_stream() -> Any:
-    """The one stream all generation work runs on (as mlx-lm does), created on first use."""
+    """The one stream all generation work runs on (as mlx-lm does), created on first use.
+
+    A stream made by one thread is unknown to another ("There is no Stream(cpu, N)"), and so
+    is the work queued on it, so this one is made usable from any thread (MLX >= 0.31);
+    :func:`mlx_work` keeps its users to one at a time."""
     global _STREAM
     if _STREAM is None:
-        # Thread-local streams arrived in mlx 0.30; a plain stream serves one thread as well.
-        make = getattr(mx, "new_thread_local_stream", mx.new_stream)
+        make = getattr(mx, "new_thread_unsafe_stream", None) or getattr(
+            mx, "new_thread_local_stream", mx.new_stream)
         _STREAM = make(mx.default_device())
     return _STREAM
 
 
+class _ClearsStreamsAtExit:
+    """Kept in a thread's locals from its first MLX work on: as the thread ends, its MLX
+    streams end with it (MLX 0.32 otherwise aborts the process at exit, at random, over a
+    stream of a thread long gone)."""
+
+    def __del__(self) -> None:
+        mx.synchronize()
+        mx.clear_streams()
+
+
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def mlx_work() -> Iterator[None]:
+    """Drive MLX here: one thread at a time, on :func:`generation_stream`."""
+    with _MLX_WORK:
+        if (not hasattr(_THREAD, "streams") and hasattr(mx, "clear_streams")
+                and threading.current_thread() is not threading.main_thread()):
+            _THREAD.streams = _ClearsStreamsAtExit()
+        with mx.stream(generation_stream()):
+            yield
+
+
+class OneAtATime:
+    """An engine's lock, held across a whole generation (its drafter and its RAM state serve
+    one request at a time; a batched engine will lift this).
+
+    Any thread may step the generation that holds it. A thread that already runs a holder's
+    step (a drafter's warm-up generating inside :meth:`Engine.use_draft`) runs inside that
+    holder; a thread that would wait on a generation it left open itself is told so instead
+    of waiting forever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last_thread: int | None = None
+        self._here = threading.local()
+
+    def acquire(self) -> bool:
+        """Take the lock, waiting for the holder to finish; False when this thread runs a
+        holder's step now (the caller then runs inside it and must not release)."""
+        if getattr(self._here, "depth", 0):
+            return False
+        if not self._lock.acquire(blocking=False):
+            if self._last_thread == threading.get_ident():
+                raise GenerationError(
+                    "this thread left another generation of this engine open: an engine "
+                    "serves one request at a time, so finish or close() that one first")
+            self._lock.acquire()
+        self._last_thread = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        self._last_thread = None
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the lock (or run inside this thread's holder) for a section that ends here."""
+        taken = self.acquire()
+        try:
+            with self.running():
+                yield
+        finally:
+            if taken:
+                self.release()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """A step of the holder runs on this thread."""
+        self._last_thread = threading.get_ident()
+        self._here.depth = getattr(self._here, "depth", 0) + 1
+        try:
+            with mlx_work():
+                yield
+        finally:
+            self._here.depth -= 1
+
+
 class Engine:
-    """A loaded model and tokenizer, ready to serve requests one at a time."""
+    """A loaded model and tokenizer, ready to serve requests one at a time.
+
+    Any thread may use it: requests from several threads run one after another, each whole
+    (:class:`OneAtATime`), and a generation may be iterated on another thread than the one
+    that started it."""
 
     def __init__(
         self,
@@ -117,6 +208,7 @@ class Engine:
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         self._cache: CacheTier | None = None
+        self._one_at_a_time = OneAtATime()
         if isinstance(cache, (str, os.PathLike)):
             from foretell.cache.tier import CacheTier
 
@@ -168,19 +260,21 @@ class Engine:
         requests only; sampled ones decode plainly.
         """
         if kind is None:
-            self.speculator = None
+            with self._one_at_a_time.held():
+                self.speculator = None
             return None
         from foretell.spec import make_speculator
+        from foretell.spec.warmup import warm_up
 
         if self.registry is None:
             raise GenerationError("this engine has no plugin registry to find drafters in")
-        self.speculator = make_speculator(
-            self.registry, self.target, kind, options,
-            max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance, sampled=sampled,
-        )
-        from foretell.spec.warmup import warm_up
-
-        warm_up(self, self.speculator, progress)
+        # The warm-up generates on this engine, its cache set aside: not beside a request.
+        with self._one_at_a_time.held():
+            self.speculator = make_speculator(
+                self.registry, self.target, kind, options,
+                max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance, sampled=sampled,
+            )
+            warm_up(self, self.speculator, progress)
         return self.speculator
 
     # -- prompts --
@@ -266,13 +360,31 @@ class Engine:
         request = self._request_cache(speculator, resume, {
             "max_tokens": max_tokens, "sampling": attrs.asdict(sampler.config),
             "stop": list(StopMatcher(stop).stops), "eos": sorted(eos)})
-        return self._run(
+        return self._one_by_one(self._run(
             ids, max_tokens, sampler, StopMatcher(stop), prefill_progress, eos, speculator, request
-        )
+        ))
 
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
         """The whole completion as one string; ``options`` as for :meth:`generate`."""
         return "".join(e.text for e in self.generate(prompt, **options) if e.type == "text")
+
+    def _one_by_one(self, events: Generator[Event, None, None]) -> Iterator[Event]:
+        """``events`` with the engine's lock taken at the first pull and held to the end, each
+        step run on the generation stream by whichever thread pulls it."""
+        one = self._one_at_a_time
+        taken = one.acquire()
+        try:
+            while True:
+                with one.running():
+                    event = next(events, None)
+                if event is None:
+                    return
+                yield event
+        finally:
+            with one.running():
+                events.close()  # an abandoned request still finishes on the stream, locked
+            if taken:
+                one.release()
 
     def _run(
         self,
@@ -290,31 +402,30 @@ class Engine:
         mx.reset_peak_memory()
         state = self._open_request(ids, request)
         spec_stats = None
-        with mx.stream(generation_stream()):
-            if state.generated and speculator is None:  # resumed: replay, then go on decoding
-                steps = resumed_steps(self.model, state, sampler, max_tokens)
-            elif speculator is None:
-                prefill(self.model, ids[state.cached : -1], state.caches, progress)
-                if request is not None:
-                    request.after_prefill(state.held_tokens(), state.caches, state.cached)
-                steps = plain_steps(self.model, state, sampler, max_tokens)
-            else:
-                from foretell.spec import SpeculationStats, speculative_steps
+        if state.generated and speculator is None:  # resumed: replay, then go on decoding
+            steps = resumed_steps(self.model, state, sampler, max_tokens)
+        elif speculator is None:
+            prefill(self.model, ids[state.cached : -1], state.caches, progress)
+            if request is not None:
+                request.after_prefill(state.held_tokens(), state.caches, state.cached)
+            steps = plain_steps(self.model, state, sampler, max_tokens)
+        else:
+            from foretell.spec import SpeculationStats, speculative_steps
 
-                spec_stats = SpeculationStats(drafter=speculator.kind)
-                steps = speculative_steps(
-                    self.target, speculator, state, sampler, max_tokens, spec_stats, progress,
-                    after_prefill=request.after_prefill if request is not None else None,
-                    link=request.draft_link(speculator) if request is not None else None,
-                )
-            if request is not None:
-                steps = request.steps(steps, state)
-            with _wired_memory():
-                events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
-                first_at = yield from events
-            stats = self._stats(state, started, first_at)
-            if request is not None:
-                request.finish(state.held_tokens(), state.caches, completed=True)
+            spec_stats = SpeculationStats(drafter=speculator.kind)
+            steps = speculative_steps(
+                self.target, speculator, state, sampler, max_tokens, spec_stats, progress,
+                after_prefill=request.after_prefill if request is not None else None,
+                link=request.draft_link(speculator) if request is not None else None,
+            )
+        if request is not None:
+            steps = request.steps(steps, state)
+        with _wired_memory():
+            events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
+            first_at = yield from events
+        stats = self._stats(state, started, first_at)
+        if request is not None:
+            request.finish(state.held_tokens(), state.caches, completed=True)
         if spec_stats is not None:
             stats = attrs.evolve(stats, speculation=spec_stats.to_dict())
         yield stats
@@ -439,7 +550,8 @@ def load(
 
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)
-    model_ = load_model(path, registry, progress=progress)
-    if cuda is not None:
-        cuda.kernels.precompile(model_)  # started now, waited for by the first request
+    with mlx_work():  # what loading leaves lazy lives on the stream every thread can use
+        model_ = load_model(path, registry, progress=progress)
+        if cuda is not None:
+            cuda.kernels.precompile(model_)  # started now, waited for by the first request
     return Engine(model_, tokenizer, registry=registry, path=path, **engine_options)

@@ -1,0 +1,139 @@
+"""An engine used from several threads: requests run one at a time, each whole, each giving
+what it gives alone; a generation may be iterated on another thread than its caller's; and
+the process exits cleanly after (MLX streams are per thread, docs/generation.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from foretell.errors import GenerationError
+
+PROMPTS = [[3 + i, 40 + 2 * i, 17, 90 + i, 5] for i in range(6)]
+
+
+def tokens(events) -> list[int]:
+    return [t for e in events if e.type == "text" for t in e.tokens]
+
+
+def alone(engine, prompt, n=12) -> list[int]:
+    return tokens(engine.generate(prompt, max_tokens=n, ignore_eos=True))
+
+
+def test_a_generation_started_on_one_thread_continues_on_another(engine):
+    expected = alone(engine, PROMPTS[0])
+    stream = engine.generate(PROMPTS[0], max_tokens=12, ignore_eos=True)
+    first = next(stream)
+    rest: list = []
+    failed: list = []
+
+    def finish() -> None:
+        try:
+            rest.extend(stream)
+        except Exception as exc:  # reported below, not lost in the thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=finish)
+    worker.start()
+    worker.join()
+    assert failed == []
+    assert tokens([first, *rest]) == expected
+
+
+def test_a_second_thread_waits_until_the_first_generation_ends(engine):
+    log: list[str] = []
+    b_started = threading.Event()
+    outputs: dict[str, list[int]] = {}
+
+    def second() -> None:
+        b_started.set()
+        stream = engine.generate(PROMPTS[1], max_tokens=6, ignore_eos=True)
+        first = next(stream)
+        log.append("B's first event")
+        outputs["B"] = tokens([first, *stream])
+
+    stream = engine.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
+    first = next(stream)  # A now holds the engine
+    thread = threading.Thread(target=second)
+    thread.start()
+    b_started.wait()
+    thread.join(1.0)  # without the lock, B runs to its end meanwhile
+    outputs["A"] = tokens([first, *stream])
+    log.append("A ended")
+    thread.join()
+    assert log == ["A ended", "B's first event"]
+    assert outputs == {"A": alone(engine, PROMPTS[0], 6), "B": alone(engine, PROMPTS[1], 6)}
+
+
+def test_a_thread_that_left_a_generation_open_is_told_instead_of_waiting_forever(engine):
+    stream = engine.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
+    next(stream)
+    with pytest.raises(GenerationError, match="left another generation of this engine open"):
+        engine.generate_text(PROMPTS[1], max_tokens=2)
+    stream.close()  # releases the engine
+    assert alone(engine, PROMPTS[1], 2) == alone(engine, PROMPTS[1], 12)[:2]
+
+
+SCRIPT = """
+import json, sys, threading
+import foretell
+
+engine = foretell.load(sys.argv[1])
+prompts = {prompts}
+
+def run(prompt):
+    events = engine.generate(prompt, max_tokens=16, ignore_eos=True)
+    return [t for e in events if e.type == "text" for t in e.tokens]
+
+alone = [run(p) for p in prompts]
+together = {{}}
+failures = []
+start = threading.Barrier(len(prompts))
+
+def worker(i):
+    try:
+        start.wait()
+        together[i] = run(prompts[i])
+    except Exception as exc:
+        failures.append(repr(exc))
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+same = [together.get(i) == alone[i] for i in range(len(prompts))]
+
+# One generation handed from this thread to another halfway.
+stream = engine.generate(prompts[0], max_tokens=16, ignore_eos=True)
+handed = list(next(stream).tokens)
+def finish():
+    try:
+        handed.extend(t for e in stream if e.type == "text" for t in e.tokens)
+    except Exception as exc:
+        failures.append(repr(exc))
+
+finisher = threading.Thread(target=finish)
+finisher.start()
+finisher.join()
+print(json.dumps({{"failures": failures, "same": same, "handed": handed == alone[0]}}))
+"""
+
+
+def test_threads_at_once_get_what_each_gets_alone_and_the_process_exits_cleanly(
+        tmp_path):
+    from foretell.tools import make_model_dir
+
+    model = make_model_dir(tmp_path / "qwen3", "qwen3")
+    script = textwrap.dedent(SCRIPT.format(prompts=PROMPTS))
+    done = subprocess.run([sys.executable, "-c", script, str(model)], capture_output=True,
+                          text=True, timeout=600)
+    # A thread's MLX streams outliving it once aborted the process at exit (status 134).
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"failures": [], "same": [True] * len(PROMPTS), "handed": True}
