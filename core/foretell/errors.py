@@ -108,6 +108,13 @@ class ForeignEntry(StoreError):
     """Intact, but written for another model, tokenizer or codec: never serve it."""
 
 
+class NotAFile(StoreError):
+    """A path named like a store file that is not a regular file (a FIFO, a device, a
+    directory, a socket): it is never read (a FIFO's open waits for a writer forever, a
+    device reads without end) and never deleted (it is not something a layout wrote).
+    Layouts skip it and say so (``foretell.store.ReportsSkipped``)."""
+
+
 # -- tools --------------------------------------------------------------------------------
 
 

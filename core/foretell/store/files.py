@@ -16,16 +16,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from foretell.errors import CorruptEntry, StoreError
+from foretell.errors import CorruptEntry, NotAFile
 
 log = logging.getLogger("foretell.store")
-
-
-class NotAFile(StoreError):
-    """A path named like a store file that is not a regular file (a FIFO, a device, a
-    directory, a socket): it is never read (a FIFO's open waits for a writer forever, a
-    device reads without end) and never deleted (it is not something a layout wrote).
-    Layouts skip it and say so (``ReportsSkipped``)."""
 
 
 def _kind(mode: int) -> str:
@@ -34,7 +27,7 @@ def _kind(mode: int) -> str:
                        (st.S_ISSOCK, "a socket")):
         if test(mode):
             return name
-    return "not a regular file"
+    return "of another kind"
 
 
 def not_a_file(mode: int) -> str | None:
@@ -118,6 +111,7 @@ class RootGuard:
                 folder, self.root, real)
         self._warned = True
         return False
+
 
 #: What tells a scan that a file changed: inode, size, mtime (ns).
 FileVersion = tuple[int, int, int]

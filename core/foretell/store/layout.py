@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 from foretell.errors import (  # noqa: F401 (defined there, raised by layouts)
     CorruptEntry,
     ForeignEntry,
+    NotAFile,
     StoreError,
     UnknownVersion,
 )
