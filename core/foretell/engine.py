@@ -279,16 +279,14 @@ class Engine:
 
     # -- prompts --
 
-    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = False) -> list[int]:
         """Token ids for a prompt: text, a list of chat messages, or ids as they are.
 
-        ``chat=None`` applies the chat template to text when the tokenizer has one (mlx-lm's
-        default); messages always go through the template.
+        Text goes in raw, as mlx-lm's Python ``generate`` takes it, unless ``chat`` is true
+        (``None`` is read as false); messages always go through the chat template.
         """
         tok = self.tokenizer
         if isinstance(prompt, str):
-            if chat is None:
-                chat = tok.has_chat_template
             if chat:
                 return self._encode_chat([{"role": "user", "content": prompt}])
             # A prompt that spells out BOS itself must not get a second one.
@@ -323,7 +321,7 @@ class Engine:
         max_tokens: int = 256,
         sampling: SamplingConfig | None = None,
         stop: Sequence[str] = (),
-        chat: bool | None = None,
+        chat: bool | None = False,
         prefill_progress: Progress | None = None,
         ignore_eos: bool = False,
         speculate: bool | Speculator = True,
@@ -335,7 +333,8 @@ class Engine:
         :param max_tokens: the most tokens to generate (EOS counts).
         :param sampling: how tokens are chosen; default greedy.
         :param stop: strings that end generation; never emitted.
-        :param chat: apply the chat template to a text prompt (None: if the tokenizer has one).
+        :param chat: apply the chat template to a text prompt (default: raw text, as mlx-lm's
+            Python ``generate``; chat messages always use the template).
         :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill chunk.
         :param ignore_eos: keep generating through EOS to ``max_tokens`` (benchmarks).
         :param speculate: use the engine's drafter (True), decode plainly (False), or use
@@ -349,6 +348,7 @@ class Engine:
         ids = self.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
+        self._check_fits(len(ids))
         cuda = device.cuda_backend()
         if cuda is not None:
             cuda.kernels.wait()  # for kernels compiling in parallel since load
@@ -429,6 +429,41 @@ class Engine:
         if spec_stats is not None:
             stats = attrs.evolve(stats, speculation=spec_stats.to_dict())
         yield stats
+
+    @functools.cached_property
+    def context_length(self) -> int | None:
+        """The positions the model was trained for: ``max_position_embeddings`` of its
+        ``config.json`` (or its ``text_config``), as far as a RoPE scaling factor extends it;
+        None when the engine has no model directory or its config does not say."""
+        import json
+
+        try:
+            config = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+        except (TypeError, OSError, ValueError):  # no path, no file, no JSON
+            return None
+        if not isinstance(config, dict):
+            return None
+        text = config.get("text_config")
+        config = {**(text if isinstance(text, dict) else {}), **config}
+        positions = config.get("max_position_embeddings")
+        if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+            return None
+        scaling = config.get("rope_scaling") or {}
+        factor = scaling.get("factor") if isinstance(scaling, Mapping) else None
+        if isinstance(factor, (int, float)) and factor > 1:
+            original = scaling.get("original_max_position_embeddings") or positions
+            positions = max(positions, int(original * factor))
+        return positions
+
+    def _check_fits(self, prompt_tokens: int) -> None:
+        """Refuse, before anything is allocated, a prompt longer than the model's context:
+        its prefill would run out of memory long before the output meant anything."""
+        limit = self.context_length
+        if limit is not None and prompt_tokens > limit:
+            raise GenerationError(
+                f"a {prompt_tokens:,}-token prompt does not fit the model's {limit:,}-token "
+                f"context (max_position_embeddings in {self.path / 'config.json'}): at most "
+                f"{limit:,} prompt tokens fit; shorten the prompt")
 
     @functools.cached_property
     def compute_dtype(self) -> str:
