@@ -7,6 +7,15 @@ import pytest
 # importable without installation, as on the GPU host (PYTHONPATH=contrib/foretell-demo-train)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+try:  # foretell is optional here; where it is installed, its engine runs in these tests
+    from foretell.platform import blas
+except ImportError:
+    pass
+else:
+    # Bound before any test imports mlx, as foretell.load() would: else a run of this folder
+    # alone (.ci/run's) drafts on MLX's reference BLAS and warns (docs/blas.md).
+    blas.preload()
+
 
 @pytest.fixture(scope="session")
 def produced(tmp_path_factory):
