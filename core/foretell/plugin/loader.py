@@ -13,7 +13,7 @@ Environment switches (comma-separated entry-point names):
 
 A plugin contributing a name an earlier one holds (without a declared ``replaces=True`` of a
 built-in) is disabled, named in a warning and in ``foretell plugins``; the earlier holder
-keeps the name, so installing a clashing plugin never breaks what worked before.
+keeps the name, so a third party never displaces a built-in it does not say it replaces.
 """
 
 from __future__ import annotations
