@@ -4,9 +4,10 @@ under an address-space limit, then prints what happened as one JSON line.
 
     python hostile_reader.py LAYOUT ROOT IDENTITY_JSON KEY
 
-``LAYOUT`` is ``module:Class``. The limit (what the process holds once the layout opened,
-plus :data:`HEADROOM`) turns a read of a huge or endless file into a MemoryError and a
-non-zero exit instead of a machine driven out of memory; a hang is the caller's timeout.
+``LAYOUT`` is ``module:Class``. On Linux the limit (what the process holds once the layout
+opened, plus :data:`HEADROOM`) turns a read of a huge or endless file into a MemoryError
+and a non-zero exit instead of a machine driven out of memory; a hang is the caller's
+timeout.
 """
 
 from __future__ import annotations
@@ -20,12 +21,21 @@ import sys
 HEADROOM = 2 << 30
 
 
-def _virtual_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+def _virtual_bytes() -> int | None:
+    """The process's address space (Linux); None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes / KiB
 
 
 def main(layout: str, root: str, identity_json: str, key: str) -> None:
@@ -39,18 +49,18 @@ def main(layout: str, root: str, identity_json: str, key: str) -> None:
 
     fmt.io_pool().submit(int).result()
     fmt.write_pool().submit(int).result()
-    limit = _virtual_bytes() + HEADROOM
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    held = _virtual_bytes()
+    if held is not None:  # elsewhere the peak below is the only guard
+        resource.setrlimit(resource.RLIMIT_AS, (held + HEADROOM, held + HEADROOM))
+    rss_before = _peak_rss_mb()
     scanned = [h.key for h in store.scan()]
     served = store.read(key) is not None
     store.collect()
     discover = getattr(factory, "stored_identities", None)
     if discover is not None:
         discover(root, sorted(store.identity.codec_providers))
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     print(json.dumps({"scanned": scanned, "served": served, "skipped": store.skipped,
-                      "rss_growth_mb": grown / 1024}))
+                      "rss_growth_mb": _peak_rss_mb() - rss_before}))
 
 
 if __name__ == "__main__":
