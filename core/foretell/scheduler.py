@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from foretell.cache.request import RequestCache
     from foretell.config import SamplingConfig
     from foretell.engine import Engine, Prompt
+    from foretell.spec import Speculator
+    from foretell.spec.batch import DraftGroup
 
 _END = object()
 
@@ -132,6 +134,12 @@ class _Row:
     #: How many alternatives each token's logprobs list (None: no logprobs).
     logprobs: int | None = None
     constraint: TokenConstraint | None = None
+    #: The drafter this row speculates with (None: plain decoding), and what its drafter
+    #: has not heard yet: tokens and, for drafters reading them, the target's hidden states.
+    speculator: Speculator | None = None
+    feed_tokens: list[int] = attrs.Factory(list)
+    feed_hidden: list[mx.array] = attrs.Factory(list)
+    spec_stats: Any = None
 
     @property
     def pending(self) -> int:
@@ -180,6 +188,7 @@ class Scheduler:
         self._prefilling: collections.deque[_Row] = collections.deque()
         self._rows: list[_Row] = []
         self._batch: list[Any] | None = None
+        self._groups: dict[str, DraftGroup] = {}
         self._lock = threading.Lock()
         self._queued = 0
         self._thread: threading.Thread | None = None
@@ -192,13 +201,18 @@ class Scheduler:
                sampling: SamplingConfig | None = None, stop: Sequence[str] = (),
                chat: bool | None = None, ignore_eos: bool = False,
                logprobs: int | None = None,
-               constraint: TokenConstraint | None = None) -> RequestHandle:
+               constraint: TokenConstraint | None = None,
+               speculate: bool | Speculator = True) -> RequestHandle:
         """Queue a request; its events stream from the returned handle. Options as for
         :meth:`foretell.Engine.generate`, and:
 
         :param logprobs: report each token's log-probability and this many alternatives
             (0-20) on its :class:`~foretell.stream.TextEvent`.
         :param constraint: a :class:`TokenConstraint` every token must satisfy.
+        :param speculate: the engine's drafter (True), plain decoding (False) or this
+            :class:`~foretell.spec.Speculator` (:meth:`speculator` builds one by name). A row
+            speculates by itself, verified in the batch's one forward; rows reporting
+            logprobs or under a constraint decode plainly.
 
         :raises GenerationError: the request is invalid or its KV can never fit the budget.
         :raises QueueFull: ``max_waiting`` requests are already waiting.
@@ -217,6 +231,11 @@ class Scheduler:
         row = _Row(handle=handle, ids=ids, sampler=Sampler(sampling), stops=StopMatcher(stop),
                    eos=eos, max_tokens=max_tokens, need=need, logprobs=logprobs,
                    constraint=constraint)
+        speculator = self.engine.speculator if speculate is True else (speculate or None)
+        if speculator is not None and (logprobs is not None or constraint is not None or (
+                not row.sampler.greedy and not speculator.sampled)):
+            speculator = None
+        row.speculator = speculator
         with self._lock:
             if self._closing:
                 raise GenerationError("the scheduler is closed")
@@ -356,26 +375,38 @@ class Scheduler:
     def _open(self, row: _Row) -> None:
         engine = self.engine
         row.started = time.perf_counter()
-        row.request = engine._request_cache(None, False, {
+        kind = row.speculator.kind if row.speculator is not None else None
+        row.request = engine._request_cache(row.speculator, False, {
             "max_tokens": row.max_tokens, "sampling": attrs.asdict(row.sampler.config),
             "stop": list(row.stops.stops), "eos": sorted(row.eos)})
         row.state = engine._open_request(row.ids, row.request)
+        if kind is not None and row.speculator.wants_hidden and row.state.cached:
+            # The cached prefix's hidden states are gone; its drafter cannot start from them.
+            row.speculator = None
         row.todo = row.ids[row.state.cached : -1]
         row.keys = row.sampler.keys()
         row.state.keys = row.keys
         row.cut = StreamCut(row.state, engine.tokenizer, row.stops, row.eos, row.max_tokens)
+        if row.speculator is not None:
+            from foretell.spec import SpeculationStats
+
+            row.spec_stats = SpeculationStats(drafter=row.speculator.kind)
 
     def _prefill_one_chunk(self) -> None:
         """One chunk of the oldest admitted prompt; rows whose prompt is in join the batch."""
         if self._prefilling and self._prefilling[0].todo:
             row = self._prefilling[0]
             chunk, row.todo = row.todo[:PREFILL_CHUNK], row.todo[PREFILL_CHUNK:]
+            hidden_kept = row.speculator is not None and row.speculator.wants_hidden
             try:
-                prefill(self.engine.model, chunk, row.state.caches)
+                hidden = prefill(self.engine.model, chunk, row.state.caches,
+                                 keep_hidden=hidden_kept)
             except Exception as exc:  # noqa: BLE001
                 self._prefilling.popleft()
                 self._fail([row], exc)
                 return
+            if hidden is not None:
+                row.feed_hidden.append(hidden)
         joining = []
         while self._prefilling and not self._prefilling[0].todo:
             row = self._prefilling.popleft()
@@ -384,46 +415,78 @@ class Scheduler:
                                           row.state.cached)
             joining.append(row)
         if joining:
-            if self._batch is None:
-                self._batch = batch_caches(self.engine.model)
-            for layer, cache in enumerate(self._batch):
-                cache.append([row.state.caches[layer] for row in joining])
-            for row in joining:
-                row.state.caches = []  # the batch holds them now
-            self._rows.extend(joining)
+            self._join(joining)
+
+    def _join(self, joining: list[_Row]) -> None:
+        if self._batch is None:
+            self._batch = batch_caches(self.engine.model)
+        for layer, cache in enumerate(self._batch):
+            cache.append([row.state.caches[layer] for row in joining])
+        for row in joining:
+            row.state.caches = []  # the batch holds them now
+            if row.speculator is not None:
+                try:
+                    self._group(row.speculator).add(row)
+                except Exception as exc:  # noqa: BLE001 - the row decodes plainly instead
+                    import logging
+
+                    logging.getLogger("foretell.scheduler").warning(
+                        "%s: %s; this request decodes plainly", row.speculator.label(), exc)
+                    row.speculator = row.spec_stats = None
+            row.feed_tokens, row.feed_hidden = [], []
+        self._rows.extend(joining)
+
+    def _group(self, speculator: Speculator) -> DraftGroup:
+        group = self._groups.get(speculator.kind)
+        if group is None or group.speculator is not speculator:
+            from foretell.spec.batch import DraftGroup
+
+            group = DraftGroup(speculator, self.engine.target)
+            self._groups[speculator.kind] = group
+        return group
 
     def _step(self) -> None:
-        """One decode forward over every running row, one token drawn per row."""
-        model = self.engine.model
-        tokens = mx.array([[row.pending] for row in self._rows], dtype=mx.int32)
-        hidden, _ = model.forward(tokens, self._batch)
-        logits = model.logits(hidden[:, -1, :])
-        drawn, reported = [], {}
-        for b, row in enumerate(self._rows):
+        """One forward over every running row: each speculating row's draft verified, each
+        other row's plain step; the step's one host sync; per-row commit and streaming."""
+        from foretell.spec.batch import RowRule, combined_draft, verify_rows
+
+        rows = self._rows
+        lengths = [self._draft_length(row) for row in rows]
+        draft, lengths = combined_draft(self._groups.values(), rows, lengths,
+                                        self.engine.model.vocab_size)
+        rules = []
+        for row in rows:
             sequence = row.state.prompt + row.state.generated
-            size = row.sampler.window
-            window = mx.array([sequence[-size:]], dtype=mx.int32) if size else None
-            key = row.keys.rows(len(sequence)) if row.keys is not None else None
-            row_logits = logits[b : b + 1]
-            if row.logprobs is not None:
-                reported[b] = row_logits[0] - mx.logsumexp(row_logits[0])
-            allowed = row.constraint.allowed() if row.constraint is not None else None
-            if allowed is not None:
-                row_logits = mx.where(allowed, row_logits, mx.array(-mx.inf, row_logits.dtype))
-            drawn.append(row.sampler(row_logits, window, key))
-        values = mx.concatenate(drawn).tolist()  # the step's one host sync
+            speculator, sampler = row.speculator, row.sampler
+            rules.append(RowRule(
+                sampler=sampler, keys=row.keys, position=len(sequence),
+                recent=sequence[-sampler.window :] if sampler.window else (),
+                token_match=sampler.config.seed is not None or (
+                    speculator is not None and speculator.acceptance == "token-match"),
+                allowed=row.constraint.allowed() if row.constraint is not None else None,
+                logprobs=row.logprobs is not None))
+        done = verify_rows(self.engine.model, self._batch, [row.pending for row in rows],
+                           draft, lengths, rules)
+        for group in self._groups.values():
+            group.commit(rows, done.accepted, lengths)
         finished = []
-        for b, (row, token) in enumerate(zip(self._rows, values)):
-            row.state.generated.append(token)
-            event = row.cut.feed([token])
+        for b, (row, kept) in enumerate(zip(rows, done.kept)):
+            row.state.generated.extend(kept)
+            if row.speculator is not None:
+                row.feed_tokens.extend(kept)
+                if row.speculator.wants_hidden:
+                    row.feed_hidden.append(done.hidden[b : b + 1, : len(kept)])
+                if lengths[b]:
+                    row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
+            event = row.cut.feed(kept)
             if row.constraint is not None:
-                row.constraint.accept(token)
+                row.constraint.accept(kept[0])
                 if row.constraint.complete():
                     row.cut.complete()
             if event is not None:
-                if b in reported:
+                if b in done.logprobs:
                     event = attrs.evolve(event, logprobs=(
-                        _token_logprobs(reported[b], token, row.logprobs),))
+                        _token_logprobs(done.logprobs[b], kept[0], row.logprobs),))
                 row.handle._put(event)
             if row.cut.done:
                 finished.append(b)
@@ -431,6 +494,14 @@ class Scheduler:
             for b in finished:
                 self._finish(b)
             self._remove(finished)
+
+    def _draft_length(self, row: _Row) -> int:
+        """How many tokens the row drafts this round: the drafter's length, never past
+        ``max_tokens`` (0: a plain step)."""
+        if row.speculator is None:
+            return 0
+        remaining = row.max_tokens - row.state.consumed - 1
+        return max(0, min(row.speculator.max_tokens, remaining))
 
     def _finish(self, b: int) -> None:
         row = self._rows[b]
@@ -440,6 +511,8 @@ class Scheduler:
         state = row.state
         state.caches = [cache.extract(b) for cache in self._batch]
         stats = self.engine._stats(state, row.started, row.cut.first_at)
+        if row.spec_stats is not None:
+            stats = attrs.evolve(stats, speculation=row.spec_stats.to_dict())
         if row.request is not None:
             try:
                 row.request.finish(state.held_tokens(), state.caches, completed=True)
@@ -452,8 +525,10 @@ class Scheduler:
         row.handle._put(_END)
 
     def _remove(self, indices: Sequence[int]) -> None:
-        gone = set(indices)
-        keep = [b for b in range(len(self._rows)) if b not in gone]
+        gone = {id(self._rows[b]) for b in indices}
+        keep = [b for b, row in enumerate(self._rows) if id(row) not in gone]
+        for group in self._groups.values():
+            group.leave(gone)
         self._rows = [self._rows[b] for b in keep]
         if self._batch is not None:
             if keep:
@@ -481,3 +556,4 @@ def _token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
     ids = best.tolist()
     return TokenLogprobs(token, float(values[token].item()),
                          tuple(zip(ids, values[best].tolist())) if ids else ())
+

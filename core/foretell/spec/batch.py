@@ -1,0 +1,274 @@
+"""Per-row speculation over a batch: one target forward verifies every row's draft.
+
+:func:`verify_rows` runs the target over ``[pending, drafts...]`` for every row (a shorter
+draft padded), judges each row by its own request's rule (greedy or token-match with the
+row's position keys, or rejection sampling), rolls each row's KV back to its accepted
+prefix and hands back each row's kept tokens; a row with no draft gets exactly its plain
+decoding step. :class:`SourceRows` lets a per-request (plugin API 1) drafter serve rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+
+from foretell.sampling import RandomKeys, Sampler, repetition_windows
+from foretell.spec.acceptance import accept_or_resample, match_drafts
+from foretell.spec.contract import Draft, DraftState, Feed, Target, checked_draft
+from foretell.spec.rows import RowDraft, RowStart, checked_lengths
+
+
+@attrs.frozen(kw_only=True)
+class RowRule:
+    """How one row's draft is judged: its request's sampler and random keys, the sequence
+    position its first draft would take, and its recent tokens (the repetition penalty's)."""
+
+    sampler: Sampler
+    keys: RandomKeys | None
+    position: int
+    recent: Sequence[int] = ()
+    token_match: bool = False
+    #: ``bool [vocab]``: the only tokens a row without a draft may take (a constraint's).
+    allowed: mx.array | None = None
+    #: Report the row's raw log-probabilities (rows without a draft).
+    logprobs: bool = False
+
+
+@attrs.frozen
+class RowsVerified:
+    """Each row's kept tokens (accepted drafts, then the target's), its accepted count, and
+    the target's hidden states ``[B, 1 + n_max, H]`` (row ``b``'s first ``accepted[b] + 1``
+    are the states that predicted its kept tokens)."""
+
+    kept: list[list[int]]
+    accepted: list[int]
+    hidden: mx.array
+    #: Rows where a draft id lay outside the vocabulary or a q was no distribution.
+    distrusted: list[bool]
+    #: Row -> its ``[vocab]`` raw log-probabilities, for rows whose rule asked.
+    logprobs: dict[int, mx.array] = attrs.Factory(dict)
+
+
+def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: RowDraft,
+                lengths: Sequence[int], rules: Sequence[RowRule]) -> RowsVerified:
+    """Verify ``draft`` (its rows capped at ``lengths``) after each row's ``pending`` token
+    in one forward through the batch ``caches``, then roll every row back to what it kept."""
+    width = draft.tokens.shape[1] if lengths and max(lengths) else 0
+    tokens = draft.tokens[:, :width].astype(mx.int64)
+    vocab = model.vocab_size
+    usable = mx.logical_and(tokens >= 0, tokens < vocab)
+    window = mx.concatenate([mx.array(pending, dtype=mx.int32)[:, None],
+                             mx.where(usable, tokens, 0).astype(mx.int32)], axis=1)
+    hidden, _ = model.forward(window, caches)
+    logits = model.logits(hidden)  # [B, 1 + width, V]
+    results, reported = [], {}
+    for b, rule in enumerate(rules):
+        n = lengths[b]
+        drafts, ok = window[b : b + 1, 1 : 1 + n], usable[b : b + 1, :n]
+        sampler = rule.sampler
+        windows = None
+        if sampler.window:
+            windows = repetition_windows(mx.array(list(rule.recent), dtype=mx.int32),
+                                         drafts[0], sampler.window)
+        row_logits = logits[b, : n + 1]
+        if rule.logprobs:
+            reported[b] = row_logits[0] - mx.logsumexp(row_logits[0])
+        if rule.allowed is not None and n == 0:
+            row_logits = mx.where(rule.allowed, row_logits,
+                                  mx.array(-mx.inf, row_logits.dtype))
+        scores = sampler.scores(row_logits, windows)[None]
+        bad = mx.any(mx.logical_not(ok)) if n else mx.array(False)
+        if sampler.greedy or rule.token_match:
+            keys = rule.keys.rows(rule.position, n + 1) if rule.keys is not None else None
+            accepted, chosen = match_drafts(sampler, scores, drafts, ok, keys)
+        else:
+            q = draft.q[b : b + 1, :n] if draft.q is not None else None
+            accepted, chosen, bad_q = accept_or_resample(
+                sampler.probabilities(scores), drafts, q,
+                rule.keys.rows(rule.position, 1, salt=1)[0], ok)
+            bad = mx.logical_or(bad, bad_q[0])
+        results.append(mx.concatenate([accepted, chosen, bad.astype(mx.int32)[None],
+                                       drafts[0]]))
+    mx.eval(results)  # the round's one host sync
+    values = [r.tolist() for r in results]
+    accepted = [v[0] for v in values]
+    kept = [v[3 : 3 + v[0]] + [v[1]] for v in values]
+    for cache in caches:
+        cache.trim([width - a for a in accepted])
+    return RowsVerified(kept, accepted, hidden, [bool(v[2]) for v in values], reported)
+
+
+class SourceRows:
+    """A per-request drafter (plugin API 1: ``provider.open(target, sampler)`` sources)
+    serving rows: each row drafts with its own source, one after another."""
+
+    def __init__(self, provider: Any, target: Target, label: str) -> None:
+        self.provider, self.target, self.label = provider, target, label
+        self.sources: list[Any] = []
+        self._drafted: list[int] = []
+
+    def append(self, rows: Sequence[RowStart]) -> None:
+        for row in rows:
+            source = self.provider.open(self.target, row.sampler)
+            if row.state is not None and hasattr(source, "restore"):
+                source.restore(row.state, list(row.state_tokens))
+                rest = list(row.feed.tokens[len(row.state_tokens) :])
+                if rest:
+                    source.prefill(Feed(rest, row.feed.hidden))
+            else:
+                source.prefill(row.feed)
+            self.sources.append(source)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        kept = set(keep)
+        for i, source in enumerate(self.sources):
+            if i not in kept:
+                source.close()
+        self.sources = [self.sources[i] for i in keep]
+
+    def draft(self, feeds: Sequence[Feed], lengths: Sequence[int]) -> RowDraft:
+        drafts: list[Draft | None] = []
+        self._drafted = []
+        for b, (source, feed, n) in enumerate(zip(self.sources, feeds, lengths)):
+            if n == 0:
+                drafts.append(None)
+                continue
+            draft = checked_draft(source.draft(feed, n), n, self.target.model.vocab_size,
+                                  self.label)
+            self._drafted.append(b)
+            drafts.append(draft)
+        width = max((d.size for d in drafts if d is not None), default=0)
+        rows, qs = [], []
+        sampled = any(d is not None and d.q is not None for d in drafts)
+        for d in drafts:
+            size = 0 if d is None else d.size
+            tokens = d.tokens[:1] if d is not None else mx.zeros((1, 0), mx.int32)
+            rows.append(mx.pad(tokens.astype(mx.int32), [(0, 0), (0, width - size)]))
+            if sampled:
+                qs.append(_row_q(d, width, self.target.model.vocab_size))
+        tokens = mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 0), mx.int32)
+        q = mx.concatenate(qs, axis=0) if sampled else None
+        return RowDraft(tokens, tuple(0 if d is None else d.size for d in drafts), q)
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        for b in self._drafted:
+            self.sources[b].commit(accepted[b])
+        self._drafted = []
+
+    def capture(self, row: int) -> DraftState | None:
+        capture = getattr(self.sources[row], "capture", None)
+        return capture() if capture is not None else None
+
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+        self.sources = []
+
+
+def _row_q(draft: Draft | None, width: int, vocab: int) -> mx.array:
+    """``[1, width, vocab]``: the draft's q, a point mass where it chose deterministically,
+    zeros past its length (never read: lengths cap every row)."""
+    if draft is None or draft.size == 0:
+        return mx.zeros((1, width, vocab), mx.float32)
+    q = draft.q[:1] if draft.q is not None else (
+        mx.arange(vocab)[None, None, :] == draft.tokens[:1, :, None]).astype(mx.float32)
+    return mx.pad(q.astype(mx.float32), [(0, 0), (0, width - draft.size), (0, 0)])
+
+class DraftGroup:
+    """The rows of a batch one drafter serves, in batch order: its :class:`DraftRows` row
+    ``i`` is ``members[i]``, a request row with ``state`` (prompt, generated), ``sampler``
+    and what its drafter has not heard yet (``feed_tokens``, ``feed_hidden``)."""
+
+    def __init__(self, speculator: Any, target: Any) -> None:
+        self.speculator = speculator
+        provider = speculator.provider
+        label = speculator.label()
+        opener = getattr(provider, "open_rows", None)
+        self.rows = opener(target) if opener is not None else SourceRows(provider, target, label)
+        self.members: list[Any] = []
+        self._drafted = False
+
+    def add(self, row: Any) -> None:
+        from foretell.spec.verifier import draft_keys
+
+        hidden = None
+        if self.speculator.wants_hidden:
+            hidden = _joined(row.feed_hidden)
+        start = RowStart(feed=Feed(list(row.state.prompt), hidden), sampler=row.sampler,
+                         keys=draft_keys(row.sampler))
+        self.rows.append([start])
+        self.members.append(row)
+
+    def draft(self, rows: Sequence[Any], lengths: list[int]
+              ) -> dict[int, tuple[mx.array, mx.array | None, int]]:
+        """``{batch row: (tokens [1, n], q [1, n, V] or None, n)}`` for this group's rows."""
+        where = {id(row): b for b, row in enumerate(rows)}
+        index = [where[id(member)] for member in self.members]
+        asked = [lengths[b] for b in index]
+        self._drafted = any(asked)
+        if not self._drafted:
+            return {}
+        feeds = []
+        for member in self.members:
+            hidden = _joined(member.feed_hidden) if self.speculator.wants_hidden else None
+            feeds.append(Feed(list(member.feed_tokens), hidden,
+                              len(member.state.prompt) + len(member.state.generated)))
+        draft = self.rows.draft(feeds, asked)
+        got = checked_lengths(draft, asked, self.speculator.label())
+        for member, n in zip(self.members, asked):
+            if n:
+                member.feed_tokens, member.feed_hidden = [], []
+        return {b: (draft.tokens[i : i + 1],
+                    draft.q[i : i + 1] if draft.q is not None else None, n)
+                for i, (b, n) in enumerate(zip(index, got))}
+
+    def commit(self, rows: Sequence[Any], accepted: Sequence[int],
+               lengths: Sequence[int]) -> None:
+        if not self._drafted:
+            return
+        where = {id(row): b for b, row in enumerate(rows)}
+        self.rows.commit([accepted[where[id(m)]] if lengths[where[id(m)]] else 0
+                          for m in self.members])
+        self._drafted = False
+
+    def leave(self, gone: set[int]) -> None:
+        keep = [i for i, member in enumerate(self.members) if id(member) not in gone]
+        if len(keep) != len(self.members):
+            self.rows.filter(keep)
+            self.members = [self.members[i] for i in keep]
+
+
+def _joined(parts: list[mx.array]) -> mx.array | None:
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def combined_draft(groups: Any, rows: Sequence[Any], lengths: list[int], vocab: int
+                   ) -> tuple[RowDraft, list[int]]:
+    """Every group's draft for its rows as one ``[B, n_max]`` :class:`RowDraft` over the
+    batch's ``rows`` (a row no group drafted for: length 0), and the lengths drafted."""
+    parts: dict[int, tuple[mx.array, mx.array | None]] = {}
+    lengths = list(lengths)
+    for group in groups:
+        for b, (row_tokens, row_q, n) in group.draft(rows, lengths).items():
+            parts[b] = (row_tokens, row_q)
+            lengths[b] = n
+    lengths = [n if b in parts else 0 for b, n in enumerate(lengths)]
+    width = max(lengths, default=0)
+    if not width:
+        return RowDraft(mx.zeros((len(rows), 0), mx.int32), tuple(lengths)), lengths
+    sampled = any(q is not None for _, q in parts.values())
+    token_rows, q_rows = [], []
+    for b, n in enumerate(lengths):
+        row_tokens, row_q = parts.get(b, (mx.zeros((1, 0), mx.int32), None))
+        row_tokens = row_tokens[:, :n].astype(mx.int32)
+        token_rows.append(mx.pad(row_tokens, [(0, 0), (0, width - n)]))
+        if sampled:
+            q_rows.append(_row_q(Draft(row_tokens, row_q[:, :n] if row_q is not None else None),
+                                 width, vocab))
+    q = mx.concatenate(q_rows, axis=0) if sampled else None
+    return RowDraft(mx.concatenate(token_rows, axis=0), tuple(lengths), q), lengths
