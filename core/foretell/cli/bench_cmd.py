@@ -81,6 +81,14 @@ def add_parser(sub) -> None:
                    help="with --cache: run every phase with the KV quantized to N bits (4 or 8), "
                         "as `foretell run --kv-bits N` does, so the entry holds that KV "
                         "(default: unquantized)")
+    p.add_argument("--batch", default=None, metavar="SIZES",
+                   help="the batch rows instead: B requests at once for each B of SIZES "
+                        "(e.g. 1,2,4,8,16,32), foretell's scheduler vs mlx-lm's BatchGenerator "
+                        "(on the CPU on a float32 copy of the weights, same BLAS): aggregate "
+                        "decode tok/s, TTFT p50/p99 (foretell.tools.bench_batch)")
+    p.add_argument("--batch-drafts", default="none", metavar="NAMES",
+                   help="with --batch: foretell sides to run, comma-separated drafter names or "
+                        "none (plain), e.g. none,two-model,mtp")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the full report (every run) as JSON: on stdout instead of the table, "
                         "or, given FILE, written there beside the table (default: the table only)")
@@ -152,6 +160,8 @@ def run(args) -> int:
         raise BenchError("--reserve-ab compares restores of --cache; add --cache")
     if args.kv_bits is not None and not args.cache:
         raise BenchError("--kv-bits quantizes the KV of --cache's runs; add --cache")
+    if args.batch is not None:
+        return _run_batch(args, models, to_file)
     if args.cache:
         from foretell.tools import bench_cache
 
@@ -194,4 +204,34 @@ def run(args) -> int:
     except RuntimeError as exc:
         raise BenchError(str(exc)) from exc
     print(json.dumps(measure.portable(report), indent=2) if args.json == "-" else bench.render(report))
+    return 0
+
+
+def _run_batch(args, models: list, to_file: Path | None) -> int:
+    from foretell.cli.run_cmd import model_path
+    from foretell.platform.device import on_cpu
+    from foretell.tools import bench_batch, measure
+
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        raise BenchError(f"--batch {args.batch}: batch sizes are integers, e.g. 1,2,4,8") from None
+    if not batches or min(batches) < 1:
+        raise BenchError(f"--batch {args.batch}: batch sizes are integers >= 1")
+    drafts = [None if d.strip() == "none" else d.strip() for d in args.batch_drafts.split(",")]
+    reports = []
+    for _, path in models:
+        report = bench_batch.run_batch_bench(
+            path, batches=batches, prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens, repeats=args.repeats, drafts=drafts,
+            draft_model=str(model_path(args.draft_model, "--draft-model")),
+            k=args.num_draft_tokens, float32_mlx_lm=on_cpu(),
+            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        reports.append(report)
+        print(json.dumps(measure.portable(report), indent=2) if args.json == "-"
+              else bench_batch.render(report))
+    if to_file is not None:
+        with naming_the_file("--json", to_file):
+            to_file.parent.mkdir(parents=True, exist_ok=True)
+            to_file.write_text(json.dumps(measure.portable(reports), indent=2))
     return 0
