@@ -9,6 +9,8 @@ the rest of the section into that contribution's own config class.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import sys
 from collections.abc import Iterator, Mapping
@@ -151,9 +153,14 @@ def _kv_bits(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _a_directory(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     # A missing directory is created on first use; an unwritable one warns and generation
     # goes on (a full disk never stops it). A path that names a file is a mistake to refuse.
+    # A URL (redis://...) is its layout's to check: the layout registered for its scheme.
     if value is not None and not str(value).strip():  # an unset shell variable, most likely
         raise FieldError(attribute.name, "is empty: give a directory, or leave it out for "
                                          "no persistent cache")
+    from foretell.store.layout import url_scheme
+
+    if url_scheme(value) is not None:
+        return
     path = Path(value).expanduser() if value is not None else None
     if path is not None and path.exists() and not path.is_dir():
         raise FieldError(attribute.name, f"{value} is a file, not a directory")
@@ -163,7 +170,7 @@ def _a_directory(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 class CacheSection:
     """``[cache]``: the prefix cache tier (docs/cache-storage.md)."""
 
-    dir: str | None = attrs.field(default=None, validator=_a_directory, metadata={"help": "cache directory (the SSD tier); unset: no persistent cache"})
+    dir: str | None = attrs.field(default=None, validator=_a_directory, metadata={"help": "cache directory (the SSD tier), or a URL a storage layout serves (redis://HOST:PORT/DB with foretell-redis, which then is the layout); unset: no persistent cache"})
     max_gb: float = attrs.field(default=32.0, validator=at_least(0.0), metadata={"help": "byte cap of the SSD tier, GiB, per model and KV scheme in the directory"})
     ram_gb: float = attrs.field(default=4.0, validator=at_least(0.0), metadata={"help": "byte cap of the RAM prefix cache, GiB"})
     layout: str = attrs.field(default=DEFAULT_LAYOUT, metadata={"help": "storage layout of the SSD tier (see `foretell plugins`); `blocks` shares blocks between entries (docs/block-store.md)"})
@@ -185,6 +192,68 @@ class RunConfig:
     sampling: SamplingConfig = attrs.Factory(SamplingConfig)
     draft: DraftSection | None = None
     cache: CacheSection = attrs.Factory(CacheSection)
+
+
+# -- one engine's path choices ----------------------------------------------------------
+
+
+def _one_of(*choices: str):
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"engine setting {attribute.name!r}",
+                              [f"{value!r} is not one of {', '.join(choices)}"])
+
+    return check
+
+
+def _a_flag(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"engine setting {attribute.name!r}",
+                          [f"{value!r} is not True, False or None"])
+
+
+def _duty(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value <= 1):
+        raise ConfigError(f"engine setting {attribute.name!r}",
+                          [f"{value!r} is not a number in (0, 1]"])
+
+
+@attrs.frozen(kw_only=True)
+class EngineSettings:
+    """Path choices one engine makes, so two engines in one process may differ
+    (``foretell.load(path, attention="fused")``). ``"auto"`` / None leaves the choice to
+    the operator's environment variable where it is set, else to the device
+    (docs/environment.md). They apply to what runs for the engine: its load, its requests,
+    its drafter's load and warm-up, and the cache tier it opens from a directory."""
+
+    attention: str = attrs.field(default="auto", validator=_one_of("auto", "fused", "matmul", "matmul-float32", "matmul-all"), metadata={"help": "attention of a few-token query by matmuls or by MLX's fused kernel (FORETELL_ATTENTION)"})
+    fixed_shapes: str = attrs.field(default="auto", validator=_one_of("auto", "on", "off"), metadata={"help": "verify windows run compiled forwards of fixed shapes (FORETELL_FIXED_SHAPES)"})
+    sliding_window: str = attrs.field(default="auto", validator=_one_of("auto", "copy", "view"), metadata={"help": "a sliding-window cache past its window hands attention a copy or a view (FORETELL_SLIDING_WINDOW)"})
+    quantized_products: str = attrs.field(default="auto", validator=_one_of("auto", "quantized", "dequantized"), metadata={"help": "attention over quantized KV calls quantized matmuls or dequantizes (FORETELL_QUANTIZED_PRODUCTS)"})
+    cpu_unpack: bool | None = attrs.field(default=None, validator=_a_flag, metadata={"help": "quantized weights run unpacked to float32 on the CPU (FORETELL_CPU_UNPACK)"})
+    spill_duty: float | None = attrs.field(default=None, validator=_duty, metadata={"help": "the share of its time the spill worker may write (FORETELL_SPILL_DUTY)"})
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """These settings decide for the work run inside (on this thread, in this context)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+
+_ACTIVE: contextvars.ContextVar[EngineSettings | None] = contextvars.ContextVar(
+    "foretell_engine_settings", default=None)
+
+
+def engine_choice(name: str) -> Any:
+    """The choice of the engine whose work runs now for setting ``name``, or None where the
+    process default decides (``"auto"``, None, or no engine's work running)."""
+    settings = _ACTIVE.get()
+    value = None if settings is None else getattr(settings, name)
+    return None if value == "auto" else value
 
 
 # -- the converter -------------------------------------------------------------------------
@@ -270,6 +339,12 @@ def make_converter(registry: Registry) -> cattrs.Converter:
             raise WrongType(f"expected a table, got {body!r}")
         section = structure_cache_keys({k: v for k, v in body.items() if k in own_cache_keys},
                                        CacheSection)
+        serving = _layout_at(registry, section.dir)
+        if serving is not None:  # a URL decides its layout; naming another is a mistake
+            if "layout" in body and section.layout != serving.name:
+                raise FieldError("layout", f"'{section.layout}' does not store at "
+                                           f"{section.dir}: layout '{serving.name}' does")
+            section = attrs.evolve(section, layout=serving.name)
         rest = {k: v for k, v in body.items() if k not in own_cache_keys}
         if not rest:
             return section
@@ -293,6 +368,16 @@ def make_converter(registry: Registry) -> cattrs.Converter:
                    **(conv.unstructure(d.options) if d.options is not None else {})},
     )
     return conv
+
+
+def _layout_at(registry: Registry, location: str | None) -> Any:
+    """The layout registered for ``location``'s URL scheme (None for a directory).
+
+    :raises FieldError: ``dir``: a URL no installed layout serves."""
+    try:
+        return registry.layout_for(location)
+    except ForetellError as exc:
+        raise FieldError("dir", str(exc)) from exc
 
 
 def _structure_selected(

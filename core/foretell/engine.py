@@ -27,6 +27,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.concurrency import OneAtATime, generation_stream, mlx_work
+from foretell.config import EngineSettings
 from foretell.errors import ConfigError, GenerationError, ModelNotFound
 from foretell.platform import device
 from foretell.request import Progress, RequestState, plain_steps, prefill, resumed_steps
@@ -96,11 +97,13 @@ class Engine:
         cache: CacheTier | str | os.PathLike[str] | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        settings: EngineSettings | None = None,
     ):
         """``cache``: a tier (engines of one model may share one), or a cache directory to
         open one in for this engine (``CacheTier.for_engine``: the default layout, RAM and
         SSD caps), so an integrator need not import the tier (which imports MLX) before
-        :func:`load` binds the CPU's BLAS."""
+        :func:`load` binds the CPU's BLAS. ``settings``: this engine's path choices
+        (default: the environment's and the device's)."""
         self.model = model
         self.tokenizer = tokenizer
         self.registry = registry
@@ -110,10 +113,14 @@ class Engine:
         self.kv_group_size = kv_group_size
         self._cache: CacheTier | None = None
         self._one_at_a_time = OneAtATime()
+        #: Path choices for this engine's work (:class:`~foretell.config.EngineSettings`).
+        self.settings = settings if settings is not None else EngineSettings()
         if isinstance(cache, (str, os.PathLike)):
             from foretell.cache.tier import CacheTier
 
-            cache = CacheTier.for_engine(self, cache)
+            duty = self.settings.spill_duty
+            cache = CacheTier.for_engine(self, cache,
+                                         **({"spill_duty": duty} if duty is not None else {}))
         self.cache = cache
         #: The drafter requests use by default (None: plain decoding); see :meth:`use_draft`.
         self.speculator = speculator
@@ -170,7 +177,7 @@ class Engine:
         if self.registry is None:
             raise GenerationError("this engine has no plugin registry to find drafters in")
         # The warm-up generates on this engine, its cache set aside: not beside a request.
-        with self._one_at_a_time.held():
+        with self._one_at_a_time.held(), self.settings.active():
             self.speculator = make_speculator(
                 self.registry, self.target, kind, options,
                 max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance, sampled=sampled,
@@ -277,13 +284,13 @@ class Engine:
         taken = one.acquire()
         try:
             while True:
-                with one.running():
+                with one.running(), self.settings.active():
                     event = next(events, None)
                 if event is None:
                     return
                 yield event
         finally:
-            with one.running():
+            with one.running(), self.settings.active():
                 events.close()  # an abandoned request still finishes on the stream, locked
             if taken:
                 one.release()
@@ -472,11 +479,16 @@ def load(
     :param registry: the plugin registry to find the architecture in; by default plugins
         are discovered and loaded.
     :param progress: called ``(bytes read, bytes total)`` while the weights load.
-    :param engine_options: passed to :class:`Engine` (``cache=``, ``kv_bits=``, ...).
+    :param engine_options: passed to :class:`Engine` (``cache=``, ``kv_bits=``,
+        ``settings=``, ...); a field of :class:`~foretell.config.EngineSettings` may be
+        given by name (``attention="fused"``, ``cpu_unpack=False``), over ``settings``.
     """
     from foretell.model.loading import load_model
     from foretell.platform import blas
 
+    named = {f.name for f in attrs.fields(EngineSettings)} & set(engine_options)
+    settings = attrs.evolve(engine_options.pop("settings", None) or EngineSettings(),
+                            **{name: engine_options.pop(name) for name in named})
     blas.warn_if_bound_too_late(mx.default_device() == mx.cpu)
     cuda = device.cuda_backend()
     if cuda is not None:
@@ -487,8 +499,10 @@ def load(
 
         registry = load_plugins().registry
     tokenizer = Tokenizer.from_dir(path)
-    with mlx_work():  # what loading leaves lazy lives on the stream every thread can use
+    # What loading leaves lazy lives on the stream every thread can use.
+    with mlx_work(), settings.active():
         model_ = load_model(path, registry, progress=progress)
         if cuda is not None:
             cuda.kernels.precompile(model_)  # started now, waited for by the first request
-    return Engine(model_, tokenizer, registry=registry, path=path, **engine_options)
+    return Engine(model_, tokenizer, registry=registry, path=path, settings=settings,
+                  **engine_options)

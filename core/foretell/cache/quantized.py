@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from foretell.config import engine_choice
 from foretell.errors import CodecError, GenerationError
 from foretell.model.attention import Mask, softmax_rows
 from foretell.model.kvcache import KVCache
@@ -139,9 +140,13 @@ def products_dequantized() -> bool:
     products instead of calling ``mx.quantized_matmul``: on CUDA, whose MLX build (0.32.4)
     has no kernel for attention's batched products ("No implementation for problem shape",
     for mlx-lm's quantized KV too). The cache and what it stores stay quantized; the output
-    differs only by rounding in the products' accumulation.
-    ``FORETELL_QUANTIZED_PRODUCTS=quantized|dequantized`` forces either, for measuring."""
+    differs only by rounding in the products' accumulation. An engine's
+    ``quantized_products`` setting (``quantized``/``dequantized``) forces either for its
+    work; ``FORETELL_QUANTIZED_PRODUCTS`` is the process's default."""
     global _PRODUCTS_MODE
+    chosen = engine_choice("quantized_products")
+    if chosen is not None:
+        return chosen == "dequantized"
     if _PRODUCTS_MODE is None:
         _PRODUCTS_MODE = device_mode("FORETELL_QUANTIZED_PRODUCTS", cuda="dequantized",
                                      elsewhere="quantized", choices=("quantized", "dequantized"))

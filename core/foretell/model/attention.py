@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from foretell.config import engine_choice
 from foretell.platform.device import on_cpu
 
 Mask = mx.array | str | None
@@ -94,20 +95,25 @@ def use_matmul_attention(n_queries: int, n_keys: int, heads: int,
     The CPU takes matmuls for every float32 query: MLX has no CPU kernel, and its fallback
     is the same matmuls around a slower softmax (docs/blas.md, "Softmax"); a bfloat16 model
     there keeps the fallback, whose rounding is mlx-lm's. Metal keeps the fused kernel.
-    ``FORETELL_ATTENTION=fused|matmul|matmul-float32|matmul-all`` forces a rule.
+    An engine's ``attention`` setting (:class:`~foretell.config.EngineSettings`) forces a
+    rule for its work: ``fused``, ``matmul``, ``matmul-float32`` or ``matmul-all``;
+    ``FORETELL_ATTENTION`` is the process's default.
     """
     global _MATMUL_MODE
-    if _MATMUL_MODE is None:
-        from foretell.platform.device import device_mode
+    mode = engine_choice("attention")
+    if mode is None:
+        if _MATMUL_MODE is None:
+            from foretell.platform.device import device_mode
 
-        _MATMUL_MODE = device_mode(
-            "FORETELL_ATTENTION", cuda="matmul", cpu="matmul-float32", elsewhere="fused",
-            choices=("fused", "matmul", "matmul-float32", "matmul-all"))
-    if _MATMUL_MODE == "fused":
+            _MATMUL_MODE = device_mode(
+                "FORETELL_ATTENTION", cuda="matmul", cpu="matmul-float32", elsewhere="fused",
+                choices=("fused", "matmul", "matmul-float32", "matmul-all"))
+        mode = _MATMUL_MODE
+    if mode == "fused":
         return False
-    if _MATMUL_MODE == "matmul-all":
+    if mode == "matmul-all":
         return True
-    if _MATMUL_MODE == "matmul-float32":
+    if mode == "matmul-float32":
         return dtype == mx.float32
     return 1 < n_queries < FULL_CHUNK and heads * n_queries * n_keys <= MATMUL_MAX_SCORES
 

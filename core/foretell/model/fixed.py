@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from foretell.config import engine_choice
 from foretell.model.kvcache import KVCache
 
 log = logging.getLogger(__name__)
@@ -140,9 +141,13 @@ _MODE: str | None = None
 def fixed_shapes_on() -> bool:
     """Whether verify windows take fixed-shape compiled forwards: on CUDA by default, where a
     round is bound by the host's graph building; the CPU and Metal keep the ordinary
-    forward (their rounds are bound by compute). ``FORETELL_FIXED_SHAPES=on|off`` forces
-    either (``on`` is how the CPU tests exercise this path)."""
+    forward (their rounds are bound by compute). An engine's ``fixed_shapes`` setting
+    (``on``/``off``) forces either for its requests; ``FORETELL_FIXED_SHAPES`` is the
+    process's default (``on`` is how the CPU tests exercise this path)."""
     global _MODE
+    chosen = engine_choice("fixed_shapes")
+    if chosen is not None:
+        return chosen == "on"
     if _MODE is None:
         from foretell.platform.device import device_mode
 

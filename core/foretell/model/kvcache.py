@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from foretell.config import engine_choice
 from foretell.model.attention import Mask, causal_mask
 
 
@@ -310,13 +311,17 @@ def window_copies() -> bool:
 
     On CUDA it must: MLX-CUDA 0.32.4's fused single-token attention misreads a key view that
     starts past its buffer's start (NaN), so a sliding-window model speculating past its
-    window computed garbage (docs/decisions.md). The CPU and Metal take the view;
-    ``FORETELL_SLIDING_WINDOW=copy|view`` forces either. Only the cache knows its window
+    window computed garbage (docs/decisions.md). The CPU and Metal take the view. An
+    engine's ``sliding_window`` setting (``copy``/``view``) forces either for its work;
+    ``FORETELL_SLIDING_WINDOW`` is the process's default. Only the cache knows its window
     starts past its buffer's start, so the copy is made here, not in attention.
     ``tests/spec/test_sliding_reserve.py``, run on CUDA, re-checks the kernel after an MLX
     upgrade.
     """
     global _WINDOW_MODE
+    chosen = engine_choice("sliding_window")
+    if chosen is not None:
+        return chosen == "copy"
     if _WINDOW_MODE is None:
         from foretell.platform.device import device_mode
 

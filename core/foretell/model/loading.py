@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from foretell.config import engine_choice
 from foretell.errors import ModelLoadError, UnknownContribution
 from foretell.model.contract import Model
 from foretell.plugin.registry import Kind, Registry
@@ -351,14 +352,18 @@ def should_unpack_quantized(model: nn.Module) -> bool:
     """Whether to run this quantized model from float32 weights instead.
 
     MLX's CPU backend has no BLAS path for quantized matmuls, so packed weights decode an
-    order of magnitude slower there (docs/decisions.md). GPUs keep the packed weights.
-    ``FORETELL_CPU_UNPACK=0`` keeps them packed on the CPU too.
+    order of magnitude slower there (docs/decisions.md). GPUs keep the packed weights. An
+    engine's ``cpu_unpack=False`` keeps them packed on the CPU too, for what it loads;
+    ``FORETELL_CPU_UNPACK=0`` is the process's default.
 
     Unpacked, the model computes in float32. With bfloat16/float16 scales mlx-lm computes
     in that dtype through MLX's quantized kernel, which no dense matmul reproduces, so only
     the packed path is mlx-lm bit for bit (docs/decisions.md has the measurements).
     """
-    if mx.default_device() != mx.cpu or os.environ.get("FORETELL_CPU_UNPACK", "1") == "0":
+    unpack = engine_choice("cpu_unpack")
+    if unpack is None:
+        unpack = os.environ.get("FORETELL_CPU_UNPACK", "1") != "0"
+    if mx.default_device() != mx.cpu or not unpack:
         return False
     packed = [m for _, m in model.named_modules() if isinstance(m, _PACKED)]
     unpacked_bytes = sum(4 * m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits for m in packed)
