@@ -77,6 +77,12 @@ class TwoModelProvider:
     def open(self, target: Target, sampler: Any) -> TwoModelSource:
         return TwoModelSource(self.model, sampler)
 
+    def open_rows(self, target: Target) -> Any:
+        """Plugin API 2: every row of a batch drafted in one forward per token."""
+        from foretell_two_model.rows import TwoModelRows
+
+        return TwoModelRows(self.model)
+
 
 class TwoModelSource:
     def __init__(self, model: Any, sampler: Any):

@@ -80,6 +80,9 @@ def test_rows_with_different_drafters_and_none_share_one_batch(engines, model_di
                for p, n, s in zip(PROMPTS, LENGTHS, drafters)]
     for prompt, n, handle in zip(PROMPTS, LENGTHS, handles):
         assert _streamed(handle)[0] == _alone(engine, prompt, max_tokens=n, ignore_eos=True)
+    # The two-model drafter serves its rows natively (plugin API 2), n-gram through its
+    # per-request sources.
+    assert type(scheduler._groups["two-model"].rows).__name__ == "TwoModelRows"
     scheduler.close()
 
 

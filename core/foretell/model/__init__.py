@@ -25,6 +25,8 @@ _WHERE = {
     "can_trim": "foretell.model.kvcache",
     "stay_trimmable": "foretell.model.kvcache",
     "trim_all": "foretell.model.kvcache",
+    "BatchKVCache": "foretell.model.batch",
+    "batch_caches": "foretell.model.batch",
     "Mask": "foretell.model.attention",
     "attend": "foretell.model.attention",
     "attention_mask": "foretell.model.attention",
