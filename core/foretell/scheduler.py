@@ -292,7 +292,7 @@ class Scheduler:
     # -- the worker --------------------------------------------------------------------
 
     def _work(self) -> None:
-        from foretell.engine import mlx_work
+        from foretell.concurrency import mlx_work
 
         while True:
             idle = not (self._rows or self._prefilling or self._waiting)
@@ -344,7 +344,7 @@ class Scheduler:
     def _token_bytes_now(self) -> int:
         """KV bytes one token takes in every layer (measured once, by one forward)."""
         if self._token_bytes is None:
-            from foretell.engine import mlx_work
+            from foretell.concurrency import mlx_work
 
             with mlx_work():
                 caches = self.engine.make_caches()

@@ -16,8 +16,15 @@ import mlx.core as mx
 
 from foretell.model import BatchKVCache, batch_caches
 from foretell.request import prefill
-from foretell.spec import CATCH_UP_MAX, Drafting, DraftState, Feed, resumed_keys
-from foretell.spec.rows import RowDraft, RowStart
+from foretell.spec import (
+    CATCH_UP_MAX,
+    Drafting,
+    DraftState,
+    Feed,
+    RowDraft,
+    RowStart,
+    resumed_keys,
+)
 
 
 class _Row:
