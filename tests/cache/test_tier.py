@@ -242,7 +242,7 @@ def test_a_state_larger_than_the_ssd_cap_is_kept_in_ram_and_is_no_failure(layout
             tier.store(range(start, start + 64), [filled_kv(64)])
         report = tier.flush(10)
     assert report.durable and report.failed == report.missing == 0
-    assert sum("larger than the SSD cap" in r.message for r in caplog.records) == 1
+    assert sum("larger than the cache's cap" in r.message for r in caplog.records) == 1
     assert tier.lookup([*range(64), 1]).tier == "ram" and tier.ssd.entries() == []
 
 

@@ -1,4 +1,5 @@
-"""The SSD tier's index and policy over any storage layout.
+"""The persistent tier's index and policy over any storage layout (a directory's, or one
+over a service such as Redis: nothing here knows where the bytes are).
 
 The layout stores and verifies bytes (:class:`foretell.store.layout.StorageLayout`); this
 index decides: which stored entry serves a prompt (the same :func:`usable_length` as RAM),
@@ -25,7 +26,7 @@ from foretell.cache.codecs import (
 )
 from foretell.cache.prefix import can_serve, match_rank, usable_length
 from foretell.store.entry import Entry, EntryHeader, LayerForm, form_mismatch
-from foretell.store.layout import ScanJournal, StorageLayout
+from foretell.store.layout import FindsPrefixes, LimitsCapacity, ScanJournal, StorageLayout
 
 log = logging.getLogger("foretell.cache")
 
@@ -150,12 +151,47 @@ class SsdIndex:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def find(self, prompt: Sequence[int], namespace: str, prefer: str | None = None
-             ) -> tuple[Stored | None, int]:
-        """The stored entry serving ``prompt`` best (:func:`match_rank`; index only, no
-        bytes read) and how many tokens it serves."""
-        best, length, rank = None, 0, match_rank(0, ())
+    def find(self, prompt: Sequence[int], namespace: str, prefer: str | None = None, *,
+             beyond: int = 0) -> tuple[Stored | None, int]:
+        """The stored entry serving ``prompt`` best (:func:`match_rank`; no bytes read) and
+        how many tokens it serves. From the index; a layout that finds prefixes itself
+        (:class:`~foretell.store.layout.FindsPrefixes`: one shared by other processes) is
+        asked too when the best it could add serves more than ``beyond`` tokens (what RAM
+        serves) and the index's, and what it returns joins the index."""
         prompt = tuple(prompt)
+        best, length = self._best(prompt, namespace, prefer)
+        if (isinstance(self.layout, FindsPrefixes)
+                and max(beyond, length) < len(prompt) - 1 and self._learn(
+                    prompt, namespace, max(beyond, length))):
+            best, length = self._best(prompt, namespace, prefer)
+        return best, length
+
+    def _learn(self, prompt: tuple[int, ...], namespace: str, beyond: int) -> bool:
+        """Index the entries the layout says may serve more than ``beyond`` tokens of
+        ``prompt``; True if any is new or changed. A layout that raises (a plugin's defect)
+        is said once, and the index answers alone (invariant 9)."""
+        try:
+            headers = self.layout.prefixes(prompt, namespace, beyond)
+        except Exception as exc:  # noqa: BLE001 - any plugin's failure, reported once
+            self.warn_once("layout prefixes", f"storage layout {type(self.layout).__name__} "
+                           f"failed to find stored prefixes ({type(exc).__name__}: {exc}); "
+                           "using what its last scan found")
+            return False
+        learned = False
+        with self._lock:
+            for header in headers:
+                known = self._index.get(header.key)
+                if known is not None and known.header.tokens == header.tokens:
+                    continue
+                stored = self._stored(header)
+                if stored is not None:
+                    self._put(stored)
+                    learned = True
+        return learned
+
+    def _best(self, prompt: tuple[int, ...], namespace: str, prefer: str | None
+              ) -> tuple[Stored | None, int]:
+        best, length, rank = None, 0, match_rank(0, ())
         with self._lock:
             for stored in self._index.values():
                 if stored.header.namespace != namespace:
@@ -240,14 +276,26 @@ class SsdIndex:
         log.log(logging.DEBUG if kind in self._warned else logging.WARNING, message)
         self._warned.add(kind)
 
+    def cap(self) -> int:
+        """The byte cap in force: ``max_bytes``, or less where the layout's store has a
+        limit of its own (:class:`~foretell.store.layout.LimitsCapacity`), so this index
+        evicts before the store would (a Redis server's ``maxmemory``)."""
+        if isinstance(self.layout, LimitsCapacity):
+            limit = self.layout.capacity()
+            if limit is not None:
+                return min(self.max_bytes, limit)
+        return self.max_bytes
+
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` can be stored under the cap at all; one that
         cannot is the cap's doing, not a failed write: said once, kept in RAM only."""
-        if nbytes <= self.max_bytes:
+        cap = self.cap()
+        if nbytes <= cap:
             return True
         self.warn_once("over cap", f"a cache entry of {nbytes / 2**20:.1f} MiB is larger than "
-                       f"the SSD cap ({self.max_bytes / 2**20:.1f} MiB): kept in RAM only "
-                       "(raise --cache-max-gb to store such prompts)")
+                       f"the cache's cap ({cap / 2**20:.1f} MiB): kept in RAM only "
+                       "(raise --cache-max-gb, or the store's own limit, to store such "
+                       "prompts)")
         return False
 
     # -- writes -----------------------------------------------------------------------------
@@ -302,9 +350,9 @@ class SsdIndex:
         with self._lock:
             # The layout's figure, re-read after each removal: an entry sharing blocks with
             # others frees only what no other entry uses.
-            total = self.layout.bytes()
+            total, cap = self.layout.bytes(), self.cap()
             for stored in sorted(self._index.values(), key=lambda s: s.header.last_used):
-                if total <= self.max_bytes:
+                if total <= cap:
                     break
                 if stored.header.key in keep:
                     continue

@@ -3,12 +3,13 @@
     tier = CacheTier.open("~/.cache/foretell", model_dir, codecs=codecs)
     engine = Engine(model, tokenizer, cache=tier)   # engines of one model may share a tier
 
-RAM first (:mod:`foretell.cache.prefix`), then the SSD index (:mod:`foretell.cache.ssd`),
-which wins only with a strictly longer usable prefix; a restored entry is promoted into RAM.
-Every stored state goes to RAM at once and to disk through the spill queue
+RAM first (:mod:`foretell.cache.prefix`), then the persistent tier's index
+(:mod:`foretell.cache.ssd`, over any storage layout: a directory, or a URL a plugin's layout
+serves), which wins only with a strictly longer usable prefix; a restored entry is promoted
+into RAM. Every stored state goes to RAM at once and to the layout through the spill queue
 (:mod:`foretell.cache.spill`, write-behind on a worker thread). ``flush`` is the durability
 coordinator: it waits for the queue, rewrites from RAM what was dropped or failed, and says
-"durable" only when every stored state is on disk. Disk trouble never stops generation.
+"durable" only when every stored state is stored. Storage trouble never stops generation.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from foretell.errors import ConfigError
 from foretell.model.kvcache import trim_all
 from foretell.store import digest
 from foretell.store.entry import Entry, LayerForm, StoreIdentity, forms_differ, layer_form
-from foretell.store.layout import KeepsRestoreReserve, RecordsDeviceDigests, StorageLayout
+from foretell.store.layout import (
+    KeepsRestoreReserve,
+    RecordsDeviceDigests,
+    StorageLayout,
+    url_scheme,
+)
 
 log = logging.getLogger("foretell.cache")
 
@@ -121,21 +127,31 @@ class CacheTier:
     ) -> CacheTier:
         """A tier over ``cache_dir`` for the model in ``model_dir`` (its fingerprint, of
         config and weights, and its tokenizer hash name whose entries are served; or
-        ``identity``, computed already). ``layout`` is a layout class (:meth:`for_engine`
-        passes the configured default; without one, the single-file layout core ships);
-        ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes`` (and the tier's other
-        keywords: ``structure``...).
+        ``identity``, computed already). ``cache_dir`` is a directory, or a URL
+        (``redis://host:6379/0``) that the layout registered for its scheme stores at.
+        ``layout`` is a layout class (:meth:`for_engine` passes the configured default;
+        without one, the single-file layout core ships for a directory, the installed
+        plugins' layout for a URL); ``caps``: ``ram_bytes``, ``ssd_bytes``, ``spill_bytes``
+        (and the tier's other keywords: ``structure``...).
 
         :raises ConfigError: ``cache_dir`` names a file (a missing directory is made on
-            first write; an unwritable one warns and generation goes on)."""
+            first write; an unwritable one warns and generation goes on).
+        :raises UnknownContribution: a URL no installed layout stores at."""
         from foretell.store.single_file import SingleFileLayout
 
         if not str(cache_dir).strip():  # Path("") is the current directory: not what was meant
             raise ConfigError("cache_dir", ["is empty: give a directory, or None for no "
                                              "persistent cache"])
-        root = Path(cache_dir).expanduser()
-        if root.exists() and not root.is_dir():  # as the CLI's --cache-dir refuses it
-            raise ConfigError("cache_dir", [f"{cache_dir} is a file, not a directory"])
+        if url_scheme(cache_dir) is not None:
+            root: str | Path = str(cache_dir).strip()
+            if layout is None:
+                from foretell.plugin.loader import load_plugins
+
+                layout = load_plugins().registry.layout_for(root).load()
+        else:
+            root = Path(cache_dir).expanduser()
+            if root.exists() and not root.is_dir():  # as the CLI's --cache-dir refuses it
+                raise ConfigError("cache_dir", [f"{cache_dir} is a file, not a directory"])
         if identity is None:
             model_dir = Path(model_dir)
             identity = StoreIdentity.for_model_dir(
@@ -151,7 +167,11 @@ class CacheTier:
         """A tier for ``engine``'s model and KV scheme, with every codec its plugins
         registered; RAM only when ``cache_dir`` is None. Attach it with ``engine.cache =``.
         ``layout``: a layout class or a registered layout's name (default: ``[cache]
-        layout``'s), with ``layout_config`` (default: the layout's defaults)."""
+        layout``'s; for a URL, the layout registered for its scheme), with
+        ``layout_config`` (default: the layout's defaults).
+
+        :raises ConfigError: ``layout`` names a layout that does not store at the URL
+            ``cache_dir``."""
         from foretell.cache.codecs import load_codecs
         from foretell.config import DEFAULT_LAYOUT
         from foretell.plugin.loader import load_plugins
@@ -166,6 +186,13 @@ class CacheTier:
             options.pop("ssd_bytes", None)
             return cls(codecs, identity=engine_identity(engine, codecs), **options)
         layout = options.get("layout", DEFAULT_LAYOUT)
+        serving = registry.layout_for(cache_dir)
+        if serving is not None and isinstance(layout, str):
+            # A URL decides its layout; the default name only means none was chosen.
+            if layout not in (DEFAULT_LAYOUT, serving.name):
+                raise ConfigError("layout", [f"'{layout}' does not store at {cache_dir}: "
+                                             f"layout '{serving.name}' does"])
+            layout = options["layout"] = serving.name
         if isinstance(layout, str):
             contribution = registry.get(Kind.LAYOUT, layout)
             options["layout"] = contribution.load()
@@ -216,7 +243,7 @@ class CacheTier:
         ram_rank = match_rank(length, entry.tokens if entry is not None else (),
                               entry.attachment if entry is not None else None, prefer)
         while self.ssd is not None:
-            stored, disk_length = self.ssd.find(prompt, namespace, prefer)
+            stored, disk_length = self.ssd.find(prompt, namespace, prefer, beyond=length)
             if stored is None or match_rank(disk_length, stored.tokens, stored.attachment,
                                             prefer) <= ram_rank:
                 break
@@ -423,7 +450,7 @@ class CacheTier:
         if self.ssd is not None:
             out["ssd"] = {
                 "entries": len(self.ssd.entries()), "bytes": self.ssd.bytes(),
-                "max_bytes": self.ssd.max_bytes, "hits": self.ssd_hits,
+                "max_bytes": self.ssd.cap(), "hits": self.ssd_hits,
                 "restores": self.ssd.restores, "restore_failures": self.ssd.restore_failures,
                 "writes": self.ssd.writes, "evictions": self.ssd.evictions,
                 "io_failures": self.ssd.layout.io_failures, "pending": self._spill.pending(),

@@ -1,8 +1,10 @@
-"""``foretell cache ls|stats|verify|gc|clear --cache-dir DIR``: look after a cache directory.
+"""``foretell cache ls|stats|verify|gc|clear --cache-dir DIR``: look after a cache directory,
+or the store a URL names (``redis://HOST:PORT/DB``: the layout registered for its scheme).
 
 Without ``--model`` every single-file entry under the directory is examined under the
 identity it claims (model, tokenizer, KV scheme), so one directory shared by several models
-is listed whole; with ``--model`` only that model's entries (in ``--layout``) are.
+is listed whole, and so is every identity a URL's layout says it holds
+(``stored_identities``); with ``--model`` only that model's entries (in ``--layout``) are.
 ``verify`` reads every entry back with every checksum and reports the bad ones (they are
 deleted, as a read during serving would); it exits 1 if any was bad. ``--json`` prints one
 JSON object.
@@ -41,7 +43,8 @@ def add_parser(sub: Any) -> None:
         ("clear", "delete every entry and the storage it used"),
     ):
         a = actions.add_parser(name, help=summary)
-        a.add_argument("--cache-dir", required=True, metavar="DIR", help="the cache directory")
+        a.add_argument("--cache-dir", required=True, metavar="DIR",
+                       help="the cache directory, or the URL of a store (redis://HOST:PORT/DB)")
         a.add_argument("--model", "-m", default=None,
                        help="only this model's entries (directory or shipped name; default: "
                             "every model's)")
@@ -109,8 +112,8 @@ def layouts(args: argparse.Namespace) -> list[Any]:
 
     if not args.cache_dir.strip():  # Path("") is the current directory: not what was meant
         raise ForetellError("--cache-dir is empty: give the cache directory")
-    root = Path(args.cache_dir).expanduser()
-    if not root.is_dir():
+    root = cache_root(args)
+    if isinstance(root, Path) and not root.is_dir():
         raise ForetellError(f"--cache-dir {args.cache_dir}: no such directory")
     if args.model is None and (args.kv_bits is not None or args.layout is not None):
         flag = "--kv-bits" if args.kv_bits is not None else "--layout"
@@ -120,6 +123,10 @@ def layouts(args: argparse.Namespace) -> list[Any]:
     providers = [c.provider_id for c in load_codecs(registry)]
     for name in registry.names(Kind.LAYOUT):
         _LAYOUT_NAMES.setdefault(registry.get(Kind.LAYOUT, name).load(), name)
+    serving = registry.layout_for(root)  # a URL's layout; None for a directory
+    if serving is not None and args.layout not in (None, serving.name):
+        raise ForetellError(f"--layout {args.layout} does not store at {root}: layout "
+                            f"'{serving.name}' does")
     if args.model is not None:
         from foretell.cache.quantized import kv_scheme
         from foretell.cli.run_cmd import model_path
@@ -134,9 +141,17 @@ def layouts(args: argparse.Namespace) -> list[Any]:
         except ValueError as exc:  # config.json that is not UTF-8 JSON
             raise ForetellError(
                 f"--model {args.model}: {path / 'config.json'}: not JSON ({exc})") from None
-        contribution = registry.get(Kind.LAYOUT, args.layout or DEFAULT_LAYOUT)
+        contribution = serving or registry.get(Kind.LAYOUT, args.layout or DEFAULT_LAYOUT)
         config = contribution.config() if contribution.config is not None else None
         return [contribution.load()(root, config, identity=identity)]
+    if serving is not None:
+        factory = serving.load()
+        discover = getattr(factory, "stored_identities", None)
+        if discover is None:
+            raise ForetellError(f"layout '{serving.name}' cannot say which models' entries "
+                                f"{root} holds: give --model")
+        config = serving.config() if serving.config is not None else None
+        return [factory(root, config, identity=i) for i in discover(root, providers)]
     found = [SingleFileLayout(root, identity=identity)
              for identity in claimed_identities(root, providers)]
     # Other layouts (the block store) say which identities they hold under the root.
@@ -144,10 +159,19 @@ def layouts(args: argparse.Namespace) -> list[Any]:
         contribution = registry.get(Kind.LAYOUT, name)
         factory = contribution.load()
         discover = getattr(factory, "stored_identities", None)
-        if discover is not None:
+        if discover is not None and not contribution.schemes:  # URL layouts: not directories
             config = contribution.config() if contribution.config is not None else None
             found += [factory(root, config, identity=i) for i in discover(root, providers)]
     return found
+
+
+def cache_root(args: argparse.Namespace) -> Path | str:
+    """``--cache-dir``: a directory's path, or a URL as given (``redis://...``)."""
+    from foretell.store.layout import url_scheme
+
+    if url_scheme(args.cache_dir) is not None:
+        return args.cache_dir.strip()
+    return Path(args.cache_dir).expanduser()
 
 
 def claimed_identities(root: Path, providers: list[str]) -> list[Any]:
@@ -228,11 +252,14 @@ def _say_skipped(skipped: list[dict[str, str]]) -> None:
         print(f"  {n} × {reason}")
 
 
-def _orphans(root: Path) -> list[Path]:
+def _orphans(root: Path | str) -> list[Path]:
     """Interrupted single-file writes under ``root``; none in a directory that leads
-    outside it (a symbolic link to elsewhere: those files are not this cache's)."""
+    outside it (a symbolic link to elsewhere: those files are not this cache's), nor at a
+    URL (its layout reaps its own at ``collect``)."""
     from foretell.store.files import outside_root
 
+    if not isinstance(root, Path):
+        return []
     return sorted(p for p in root.glob("*/*.tmp") if outside_root(root, p.parent) is None)
 
 
@@ -281,7 +308,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                        "entries": len(headers), "bytes": logical, "disk_bytes": disk,
                        "dedup_ratio": round(logical / disk, 3) if disk else 1.0,
                        "tokens": sum(len(h.tokens) for h in headers)})
-    root = Path(args.cache_dir).expanduser()
+    root = cache_root(args)
     summary = {"cache_dir": str(root), "models": groups,
                "entries": sum(g["entries"] for g in groups),
                "bytes": sum(g["bytes"] for g in groups),
@@ -306,7 +333,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from foretell.store import format as fmt
     from foretell.store.layout import ReportsDropped
 
-    root = Path(args.cache_dir).expanduser()
+    root = cache_root(args)
     found = layouts(args)
     good, bad = 0, []
     for layout in found:
@@ -323,7 +350,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 bad.append({"key": h.key, "path": location(layout, h.key), "reason": reason})
     skipped = skipped_entries(found)
     strays = []
-    if args.model is None:
+    if args.model is None and isinstance(root, Path):
         # Single-file entries no identity claimed (core's own layout, which claimed_identities
         # reads): kept, and said so, as other skipped files are.
         said = {s["path"] for s in skipped} | {b["path"] for b in bad} | {
@@ -414,7 +441,7 @@ def cmd_clear(args: argparse.Namespace) -> int:
         freed += layout.collect()  # what no entry used already
         gone, still, gone_bytes = _left_the_disk(layout, _remove_unused)
         removed, kept, freed = removed + gone, kept + still, freed + gone_bytes
-    root = Path(args.cache_dir).expanduser()
+    root = cache_root(args)
     if args.model is None:
         for orphan in _orphans(root):
             with contextlib.suppress(OSError):

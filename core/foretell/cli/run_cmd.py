@@ -121,8 +121,9 @@ def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
                    help="an option of the draft provider, e.g. max_ngram=3 (repeatable; "
                    "default: the provider's own)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="keep computed prompt prefixes on disk here and reuse them (default: "
-                   "none, nothing is kept on disk)")
+                   help="keep computed prompt prefixes on disk here and reuse them; a URL "
+                   "(redis://HOST:PORT/DB with foretell-redis) keeps them in the store it "
+                   "names, shared with other processes (default: none, nothing is kept)")
     p.add_argument("--cache-max-gb", type=float, default=None, metavar="N",
                    help="byte cap of this model's entries in the cache directory (per KV scheme), "
                         "GiB (default: 32)")

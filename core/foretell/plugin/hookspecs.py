@@ -81,9 +81,11 @@ def foretell_register_storage_layouts(register: Registrar) -> None:
     Called once per plugin when plugins load.
 
     :param register: call ``register(name, "package.module:Layout", config=ConfigCls,
-        summary=..., min_api=1, replaces=False)``; the factory is called as
+        summary=..., min_api=1, replaces=False, schemes=())``; the factory is called as
         ``Layout(root, config, *, identity=...)`` and builds a
         :class:`foretell.store.layout.StorageLayout` (atomic ``write``, verified ``read``,
-        ``scan``, ``headers``, ``remove``, ``collect``, ``bytes``, ``key_for``).
+        ``scan``, ``headers``, ``remove``, ``collect``, ``bytes``, ``key_for``). A layout
+        that stores at URLs names their schemes (``schemes=("redis",)``): a cache location
+        ``redis://host:6379/0`` then selects it, and ``root`` is that URL.
     :returns: nothing; contributions go through ``register``.
     """

@@ -37,6 +37,8 @@ class Kind(str, enum.Enum):
 
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+#: A URL scheme a layout may claim (foretell.store.layout.url_scheme reads it from a location).
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+$")
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +69,9 @@ class Contribution:
     #: Architectures only: ``"module:attr"`` naming a :class:`foretell.tools.SyntheticSpec`,
     #: how to make a tiny random-weight checkpoint of this architecture for tests and bench.
     synthetic: str | None = None
+    #: Layouts only: the URL schemes whose cache locations this layout stores at
+    #: (``redis`` for ``--cache-dir redis://host:6379/0``); empty: a directory's.
+    schemes: tuple[str, ...] = ()
     origin: Origin
 
     @property
@@ -113,6 +118,7 @@ class Registrar:
         min_api: int = 1,
         replaces: bool = False,
         synthetic: str | None = None,
+        schemes: tuple[str, ...] | list[str] = (),
     ) -> None:
         where = f"{self._origin.describe()} registering {self._kind.value} '{name}'"
         if not isinstance(name, str) or not name:
@@ -128,6 +134,13 @@ class Registrar:
                 )
         if config is not None and not attrs.has(config):
             raise PluginError(f"{where}: config must be an attrs class, got {config!r}")
+        if schemes:
+            if self._kind is not Kind.LAYOUT:
+                raise PluginError(f"{where}: schemes= is for storage layouts only")
+            if isinstance(schemes, str) or not all(
+                    isinstance(s, str) and _SCHEME.match(s) for s in schemes):
+                raise PluginError(f"{where}: schemes must be a list of URL schemes such as "
+                                  f"['redis'], got {schemes!r}")
         if min_api > PLUGIN_API:
             raise PluginError(
                 f"{where}: needs plugin API {min_api}, this foretell provides {PLUGIN_API}; "
@@ -143,6 +156,7 @@ class Registrar:
                 min_api=min_api,
                 replaces=replaces,
                 synthetic=synthetic,
+                schemes=tuple(s.lower() for s in schemes),
                 origin=self._origin,
             )
         )
@@ -223,6 +237,36 @@ class Registry:
 
     def names(self, kind: Kind) -> list[str]:
         return sorted(name for k, name in self._items if k is kind)
+
+    def layout_for(self, location: Any) -> Contribution | None:
+        """The storage layout registered for the scheme of ``location`` when it is a URL
+        (``redis://host:6379/0``: the one with ``schemes=("redis",)``); None for a directory.
+
+        :raises UnknownContribution: a URL no installed layout serves, or one two layouts
+            claim (naming both).
+        """
+        from foretell.store.layout import url_scheme
+
+        scheme = url_scheme(location)
+        if scheme is None:
+            return None
+        serving = [c for c in self if c.kind is Kind.LAYOUT and scheme in c.schemes]
+        if len(serving) == 1:
+            return serving[0]
+        if serving:
+            raise UnknownContribution(
+                f"{scheme}:// URLs are claimed by two storage layouts: "
+                + " and ".join(f"'{c.name}' of {c.origin.describe()}" for c in serving)
+                + f"; disable one with FORETELL_DISABLE_PLUGINS={serving[-1].origin.plugin}")
+        known = sorted({s for c in self if c.kind is Kind.LAYOUT for s in c.schemes})
+        message = (f"no storage layout stores at {scheme}:// URLs (installed layouts serve "
+                   f"{', '.join(f'{s}://' for s in known) or 'directories only'}); install "
+                   f"the plugin that does (foretell-redis for redis://), see `foretell plugins`")
+        failed = [f for f in self.failures if f.error is not None]
+        if failed:
+            message += "; " + "; ".join(f"plugin '{f.name}' failed to load: {f.error}"
+                                        for f in failed)
+        raise UnknownContribution(message)
 
     def get(self, kind: Kind, name: str) -> Contribution:
         """The contribution selected by ``name``; errors explain why it is not available."""

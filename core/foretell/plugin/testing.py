@@ -5,6 +5,8 @@
 - :func:`write_distribution` / :func:`fake_distributions`: real installed distributions
   (``.dist-info`` with entry points, plus modules) on ``sys.path``, so discovery runs as
   after ``pip install`` (the ``fake_distribution`` fixture).
+- :func:`check_storage_layout`: a storage layout keeps the promises of
+  :class:`foretell.store.layout.StorageLayout`, in one call from its own tests.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import importlib
 import sys
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +101,128 @@ def fake_distributions(root: Path, monkeypatch: Any) -> Iterator[Any]:
             top = module.split(".")[0]
             for loaded in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
                 del sys.modules[loaded]
+
+
+def check_storage_layout(open_layout: Callable[[Any], Any], *,
+                         damage: Callable[[Any, str], None] | None = None) -> None:
+    """Check that a storage layout keeps the contract of
+    :class:`foretell.store.layout.StorageLayout`, raising ``AssertionError`` at the first
+    promise it breaks (a layout that stores nothing fails).
+
+    ``open_layout(identity)`` opens the layout under test over one store, the same store
+    at every call (a directory, a server's database), empty at the first; it is called
+    again to see what another process opening that store would, and with another identity
+    (another tokenizer) whose layout must neither serve nor delete the first's entries.
+    ``damage(layout, key)`` changes the stored bytes of the entry under ``key`` as a fault
+    would (a flipped byte of its tensor data); a read must then refuse it, return None, and
+    no later scan may list it.
+
+    Checked: ``key_for`` (equal states, equal keys; namespace and tokens tell keys apart),
+    ``write`` (True, listed by ``headers``/``scan`` with its tokens, namespace, layers and
+    bytes, seen by another instance over the store), ``read`` (every tensor back bit for bit;
+    None for an absent key; marks the entry used), rewriting one state (still one entry),
+    identities (another's layout serves none of them and deletes none), ``remove`` (True once,
+    then False; never served again), ``collect`` and ``bytes`` (freed once an entry is
+    removed, never a servable entry), and with ``damage`` a verified read.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    from foretell.cache.codecs import StandardKVCodec, snapshot_entry
+    from foretell.model import KVCache
+    from foretell.store.entry import StoreIdentity
+
+    codec = StandardKVCodec()
+    mine = StoreIdentity(model_fingerprint="c0nf0rm4nc3c4fe0", model_id="conformance/tiny",
+                         tokenizer_hash="tokenizer-a", codec_providers=[codec.provider_id])
+    theirs = StoreIdentity(model_fingerprint=mine.model_fingerprint, model_id=mine.model_id,
+                           tokenizer_hash="tokenizer-b", codec_providers=[codec.provider_id])
+
+    def state(n: int, seed: int, namespace: str = "") -> Any:
+        cache = KVCache()
+        keys = mx.random.normal((1, 2, n, 8), key=mx.random.key(seed))
+        cache.update_and_fetch(keys, keys * 2 + 1)
+        return snapshot_entry(range(n), [cache], [codec], namespace)
+
+    def same(read: Any, written: Any, what: str) -> None:
+        assert read is not None, f"{what}: read() returned None for an entry just written"
+        assert tuple(read.tokens) == tuple(written.tokens), f"{what}: tokens differ"
+        assert read.namespace == written.namespace, f"{what}: namespace differs"
+        assert len(read.layers) == len(written.layers), f"{what}: layer count differs"
+        for got, want in zip(read.layers, written.layers):
+            assert (got.codec, got.provider, dict(got.meta)) == (
+                want.codec, want.provider, dict(want.meta)), f"{what}: a layer's codec or meta differs"
+            assert set(got.tensors) == set(want.tensors), f"{what}: tensor names differ"
+            for name, tensor in want.tensors.items():
+                back = got.tensors[name]
+                assert (back.dtype, tuple(back.shape)) == (tensor.dtype, tuple(tensor.shape)), (
+                    f"{what}: tensor {name} came back as {back.dtype}{tuple(back.shape)}")
+                assert np.array_equal(np.asarray(back.view(mx.uint8)),
+                                      np.asarray(tensor.view(mx.uint8))), (
+                    f"{what}: tensor {name}'s bytes differ")
+
+    layout = open_layout(mine)
+    assert layout.identity == mine, "the layout's identity is not the one it was opened with"
+    assert isinstance(layout.io_failures, int), "io_failures must be an int"
+    assert layout.scan() == [] and layout.headers() == [], "a new store lists entries"
+    assert layout.bytes() == 0, "a new store counts bytes"
+
+    first, longer, other = state(12, 1), state(20, 2), state(12, 1, namespace="adapter-b")
+    key = layout.key_for(first.tokens, first.namespace)
+    assert key == layout.key_for(list(first.tokens), ""), "key_for differs for equal states"
+    assert key != layout.key_for(other.tokens, other.namespace), "namespaces share keys"
+    assert key != layout.key_for(longer.tokens), "different tokens share a key"
+    assert layout.read(key) is None, "read() of an absent key returned an entry"
+
+    assert layout.write(first) is True, "write() of an entry did not return True"
+    listed = layout.headers()
+    assert [h.key for h in listed] == [key], (
+        "headers() does not list the written entry under key_for's key")
+    header = listed[0]
+    assert (tuple(header.tokens), header.namespace) == (first.tokens, ""), (
+        "headers() lists the entry with other tokens or another namespace")
+    assert [(la.codec, la.provider) for la in header.layers] == [
+        (la.codec, la.provider) for la in first.layers], "the header's layers differ"
+    assert header.nbytes >= first.tensor_bytes, "the header counts fewer bytes than it holds"
+    assert layout.bytes() >= first.tensor_bytes, "bytes() counts less than the entry holds"
+    same(layout.read(key), first, "read")
+
+    again = open_layout(mine)
+    assert [h.key for h in again.scan()] == [key], "another instance over the store lists " \
+        "other entries than were written"
+    same(again.read(key), first, "read by another instance")
+
+    foreign = open_layout(theirs)
+    assert foreign.scan() == [], "another identity's layout lists this identity's entries"
+    assert foreign.read(key) is None, "another identity's layout serves this identity's entry"
+    foreign.collect()
+    same(layout.read(key), first, "read after another identity's scan and collect")
+
+    assert layout.write(first) is True, "rewriting an entry did not return True"
+    assert [h.key for h in layout.scan()] == [key], "rewriting one state added an entry"
+
+    longer_key = layout.key_for(longer.tokens)
+    assert layout.write(longer) is True and layout.write(other) is True
+    assert {h.key for h in layout.scan()} == {key, longer_key, layout.key_for(
+        other.tokens, other.namespace)}, "scan() does not list every written entry"
+    before = {h.key: h.last_used for h in layout.headers()}
+    same(layout.read(key), first, "read among others")
+    after = {h.key: h.last_used for h in layout.scan()}
+    assert after[key] >= max(before.values()), "a read did not mark its entry used"
+    assert [h.last_used for h in layout.scan()] == sorted(after.values()), (
+        "scan() is not least recently used first")
+
+    held = layout.bytes()
+    assert layout.remove(key) is True, "remove() of a stored entry did not return True"
+    assert layout.read(key) is None, "a removed entry is still served"
+    assert key not in {h.key for h in layout.scan()}, "a removed entry is still listed"
+    assert layout.remove(key) is False, "remove() of an absent entry returned True"
+    assert isinstance(layout.collect(), int), "collect() must return the bytes it freed"
+    assert layout.bytes() < held, "bytes() did not drop once an entry was removed"
+    same(layout.read(longer_key), longer, "read after another entry's removal and collect")
+
+    if damage is not None:
+        damage(layout, longer_key)
+        assert layout.read(longer_key) is None, "a damaged entry was served"
+        assert longer_key not in {h.key for h in open_layout(mine).scan()}, (
+            "a damaged entry is still listed after a read refused it")

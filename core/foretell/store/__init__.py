@@ -23,17 +23,21 @@ from foretell.store.entry import (
     weights_digest,
 )
 from foretell.store.layout import (
+    FindsPrefixes,
     KeepsRestoreReserve,
+    LimitsCapacity,
     LocatesEntries,
     RecordsDeviceDigests,
     ReportsDropped,
     ReportsSkipped,
     StorageLayout,
     StoreError,
+    url_scheme,
 )
 from foretell.store.reserve import BufferReserve
 
-__all__ = ["BufferReserve", "Entry", "EntryHeader", "KeepsRestoreReserve", "LayerHeader",
-           "LocatesEntries", "RecordsDeviceDigests", "ReportsDropped", "ReportsSkipped",
-           "LayerState", "StorageLayout", "StoreError", "StoreIdentity", "config_fingerprint",
-           "files_digest", "model_fingerprint", "weights_digest"]
+__all__ = ["BufferReserve", "Entry", "EntryHeader", "FindsPrefixes", "KeepsRestoreReserve",
+           "LayerHeader", "LimitsCapacity", "LocatesEntries", "RecordsDeviceDigests",
+           "ReportsDropped", "ReportsSkipped", "LayerState", "StorageLayout", "StoreError",
+           "StoreIdentity", "config_fingerprint", "files_digest", "model_fingerprint",
+           "url_scheme", "weights_digest"]

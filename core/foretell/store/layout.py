@@ -14,6 +14,7 @@ Imported when plugins register: attrs and the standard library only.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -33,14 +34,17 @@ class StorageLayout(Protocol):
     """One model's stored entries under ``root``. Must be safe to call from two threads
     (the tier's spill worker writes while the request thread reads).
 
-    Constructed as ``Layout(root, config, *, identity)``: ``config`` is an instance of the
-    attrs class the layout registered (``None`` means its defaults); ``identity`` says whose
-    entries it serves, and a layout never returns an entry of another identity, format
-    version or unloaded codec provider (invariant 7).
+    Constructed as ``Layout(root, config, *, identity)``: ``root`` is the cache location as
+    the user gave it, a directory, or a URL for a layout registered for its scheme
+    (``register(..., schemes=("redis",))``: :func:`url_scheme`); ``config`` is an instance
+    of the attrs class the layout registered (``None`` means its defaults); ``identity``
+    says whose entries it serves, and a layout never returns an entry of another identity,
+    format version or unloaded codec provider (invariant 7).
 
     The tier and ``foretell cache`` use this contract and the optional ones below
     (:class:`KeepsRestoreReserve`, :class:`RecordsDeviceDigests`, :class:`ReportsSkipped`,
-    :class:`LocatesEntries`, :class:`ReportsDropped`), nothing else of a layout.
+    :class:`LocatesEntries`, :class:`ReportsDropped`, :class:`FindsPrefixes`,
+    :class:`LimitsCapacity`), nothing else of a layout.
     """
 
     identity: StoreIdentity
@@ -139,6 +143,47 @@ class ReportsDropped(Protocol):
 
     #: Entry key -> why it was deleted, since the last ``scan`` began.
     dropped: dict[str, str]
+
+
+@runtime_checkable
+class FindsPrefixes(Protocol):
+    """A layout that several processes share and that can say, in one round trip, which
+    stored entry holds the most leading tokens of a prompt, among those any process stored
+    (another replica's, written after this process's last ``scan``). The tier's lookup asks
+    it whenever it may serve more than RAM does, and matches what it returns with the same
+    rules as its index (the layout proposes, the tier decides)."""
+
+    def prefixes(self, prompt: Sequence[int], namespace: str, beyond: int
+                 ) -> list[EntryHeader]:
+        """Headers of stored entries of ``namespace`` that may serve more than ``beyond``
+        leading tokens of ``prompt`` (at the layout's granularity: whole blocks), longest
+        first; ``[]`` when none does or the store cannot be reached (never raises for I/O)."""
+
+
+@runtime_checkable
+class LimitsCapacity(Protocol):
+    """A layout over a store with a size limit of its own (a Redis server's ``maxmemory``):
+    the tier's byte cap is the smaller of its own and ``capacity()``, so the tier evicts
+    least recently used entries before the store has to evict anything of its own accord."""
+
+    def capacity(self) -> int | None:
+        """The most bytes this layout's entries should take (None: no limit of its own).
+        Cheap: the value as of the last ``scan``."""
+
+
+#: ``scheme://`` at the start of a cache location: a URL, not a directory (a scheme of
+#: two letters at least: ``C://`` is a Windows drive).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+
+def url_scheme(location: str | Path | None) -> str | None:
+    """The scheme of a cache location given as a URL (``redis://host:6379/0`` ->
+    ``"redis"``, lowercased); None for a directory. A layout registered for that scheme
+    serves it (``Registry.layout_for``)."""
+    if location is None or isinstance(location, Path):
+        return None
+    found = _URL.match(str(location).strip())
+    return found.group(1).lower() if found else None
 
 
 class ScanJournal:
