@@ -74,6 +74,10 @@ class GenerationError(ForetellError):
     """A request cannot be served as given (empty prompt, bad token ids, ...)."""
 
 
+class QueueFull(GenerationError):
+    """The batch scheduler's waiting queue is at its bound: retry later (a server's 429)."""
+
+
 # -- speculative decoding -------------------------------------------------------------------
 
 

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import mlx.core as mx
 
-from foretell.errors import GenerationError
+from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler
+from foretell.spec.batch_policy import BatchDraftPolicy
 from foretell.stream import Event, StopMatcher, StreamCut, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -40,10 +41,6 @@ if TYPE_CHECKING:
     from foretell.spec.batch import DraftGroup
 
 _END = object()
-
-
-class QueueFull(GenerationError):
-    """The scheduler's waiting queue is at its bound; retry later."""
 
 
 class TokenConstraint(Protocol):
@@ -189,6 +186,7 @@ class Scheduler:
         self._rows: list[_Row] = []
         self._batch: list[Any] | None = None
         self._groups: dict[str, DraftGroup] = {}
+        self._policy = BatchDraftPolicy()
         self._lock = threading.Lock()
         self._queued = 0
         self._thread: threading.Thread | None = None
@@ -298,7 +296,7 @@ class Scheduler:
             idle = not (self._rows or self._prefilling or self._waiting)
             if not self._take_new(block=idle):
                 return
-            with mlx_work():
+            with mlx_work(), self.engine.settings.active():
                 self._drop_cancelled()
                 self._admit()
                 self._prefill_one_chunk()
@@ -346,7 +344,7 @@ class Scheduler:
         if self._token_bytes is None:
             from foretell.concurrency import mlx_work
 
-            with mlx_work():
+            with mlx_work(), self.engine.settings.active():
                 caches = self.engine.make_caches()
                 self.engine.model.forward(mx.array([[0]], dtype=mx.int32), caches)
                 mx.eval([c.state for c in caches])
@@ -451,7 +449,8 @@ class Scheduler:
         from foretell.spec.batch import RowRule, combined_draft, verify_rows
 
         rows = self._rows
-        lengths = [self._draft_length(row) for row in rows]
+        started = time.perf_counter()
+        lengths = self._choose_lengths(rows)
         draft, lengths = combined_draft(self._groups.values(), rows, lengths,
                                         self.engine.model.vocab_size)
         rules = []
@@ -467,6 +466,7 @@ class Scheduler:
                 logprobs=row.logprobs is not None))
         done = verify_rows(self.engine.model, self._batch, [row.pending for row in rows],
                            draft, lengths, rules)
+        self._policy.observe(len(rows), max(lengths, default=0), time.perf_counter() - started)
         for group in self._groups.values():
             group.commit(rows, done.accepted, lengths)
         finished = []
@@ -495,13 +495,23 @@ class Scheduler:
                 self._finish(b)
             self._remove(finished)
 
-    def _draft_length(self, row: _Row) -> int:
-        """How many tokens the row drafts this round: the drafter's length, never past
-        ``max_tokens`` (0: a plain step)."""
-        if row.speculator is None:
-            return 0
-        remaining = row.max_tokens - row.state.consumed - 1
-        return max(0, min(row.speculator.max_tokens, remaining))
+    def _choose_lengths(self, rows: Sequence[_Row]) -> list[int]:
+        """Each row's draft length this step: at most its drafter's, never past
+        ``max_tokens``; the batch policy picks among those unless every speculating row
+        asked for a fixed length (``adaptive=False``)."""
+        caps, rates, adaptive = [], [], False
+        for row in rows:
+            speculator = row.speculator
+            if speculator is None:
+                caps.append(0)
+                rates.append(None)
+                continue
+            remaining = row.max_tokens - row.state.consumed - 1
+            caps.append(max(0, min(speculator.max_tokens, remaining)))
+            stats = row.spec_stats
+            rates.append(self._policy.rate(stats.drafted, stats.accepted))
+            adaptive = adaptive or speculator.adaptive
+        return self._policy.choose(caps, rates) if adaptive else caps
 
     def _finish(self, b: int) -> None:
         row = self._rows[b]

@@ -1,0 +1,68 @@
+"""The batch's draft-length policy decides from what it measured: acceptance per row (with a
+prior, so a few early rejections do not condemn a drafter) and cost per batch shape (median,
+so one noisy step moves nothing); plain decoding wins where drafts cannot pay, and a shape
+not measured lately is tried again."""
+
+from __future__ import annotations
+
+from foretell.spec.batch_policy import REPROBE, BatchDraftPolicy, expected_tokens
+
+
+def run(policy: BatchDraftPolicy, caps, rates, cost, steps: int) -> list[int]:
+    """``steps`` decisions against a machine whose step over ``(rows, width)`` costs
+    ``cost(rows, width)``; the widths chosen."""
+    chosen = []
+    for _ in range(steps):
+        lengths = policy.choose(caps, rates)
+        width = max(lengths)
+        policy.observe(len(caps), width, cost(len(caps), width))
+        chosen.append(width)
+    return chosen
+
+
+def test_expected_tokens_counts_the_target_token_and_each_kept_draft():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == 1.75
+
+
+def test_drafting_that_pays_is_kept_after_the_probes():
+    policy = BatchDraftPolicy()
+    # Verifying 4 drafts costs 1.3 plain steps; rows keep 80% of drafts: 3.4 tokens a step.
+    chosen = run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 40)
+    assert chosen[-20:].count(4) >= 19
+
+
+def test_drafting_that_cannot_pay_goes_off_at_a_large_batch():
+    policy = BatchDraftPolicy()
+    # A large batch: verifying 4 drafts per row costs 3x a plain step; 40% acceptance.
+    chosen = run(policy, [4] * 16, [0.4] * 16, lambda rows, w: 1.0 + 0.5 * w, 40)
+    assert chosen[-20:].count(0) >= 19
+
+
+def test_early_rejections_move_a_rows_rate_only_partway():
+    rate = BatchDraftPolicy.rate(drafted=4, accepted=0)  # four rejections in a row
+    assert 0.3 < rate < 0.6
+    assert BatchDraftPolicy.rate(drafted=400, accepted=0) < 0.02
+
+
+def test_one_noisy_step_does_not_flip_the_choice():
+    policy = BatchDraftPolicy()
+    cost = lambda rows, w: 1.0 + 0.075 * w  # noqa: E731
+    run(policy, [4, 4], [0.8, 0.8], cost, 30)
+    policy.observe(2, 4, 50.0)  # a one-off stall on the drafted shape
+    assert max(policy.choose([4, 4], [0.8, 0.8])) == 4
+
+
+def test_a_width_not_taken_lately_is_measured_again():
+    policy = BatchDraftPolicy()
+    chosen = run(policy, [4], [0.1], lambda rows, w: 1.0 + 0.5 * w, 2 * REPROBE + 10)
+    # Mostly plain, but the drafted width comes back for a look every REPROBE steps.
+    assert chosen.count(0) > 0.9 * len(chosen)
+    assert chosen[20:].count(4) >= 1
+
+
+def test_rows_without_a_drafter_never_draft():
+    policy = BatchDraftPolicy()
+    lengths = policy.choose([4, 0, 4], [0.9, None, 0.9])
+    assert lengths[1] == 0
