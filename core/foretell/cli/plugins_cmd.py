@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from foretell.plugin.loader import LOADED, PluginSet, load_plugins
+from foretell.plugin.registry import Kind
 
 
 def add_parser(sub) -> None:
@@ -14,7 +15,9 @@ def add_parser(sub) -> None:
 
 
 def describe(plugins: PluginSet) -> dict:
-    replaced = {(r.replaced.kind, r.replaced.name): r for r in plugins.registry.replacements}
+    registry = plugins.registry
+    replaced = {(r.replaced.kind, r.replaced.name): r for r in registry.replacements}
+    shadowed = {id(s.fallback): s.native for s in registry.shadowed}
     rows = []
     for record in plugins.records:
         contributes = []
@@ -25,6 +28,10 @@ def describe(plugins: PluginSet) -> dict:
                 entry["replaces"] = swap.replaced.origin.plugin
             elif swap is not None and swap.replaced is item:
                 entry["replaced_by"] = swap.winner.origin.plugin
+            if item.fallback:
+                entry["fallback"] = True
+                if id(item) in shadowed:
+                    entry["served_by"] = shadowed[id(item)].origin.plugin
             contributes.append(entry)
         rows.append(
             {
@@ -37,8 +44,11 @@ def describe(plugins: PluginSet) -> dict:
                 "contributes": contributes,
             }
         )
-    conflicts = [c.message() for c in plugins.registry.conflicts.values()]
-    return {"plugins": rows, "conflicts": conflicts}
+    conflicts = [c.message() for c in registry.conflicts.values()]
+    # Which plugin a model directory of each model_type gets (a native one over a fallback).
+    serves = {name: {"plugin": item.origin.plugin, "fallback": item.fallback}
+              for name, item in registry.served_by(Kind.ARCHITECTURE).items()}
+    return {"plugins": rows, "conflicts": conflicts, "model_types": serves}
 
 
 def render(listing: dict) -> str:
@@ -55,10 +65,21 @@ def render(listing: dict) -> str:
                 note = f"  (replaces built-in from '{c['replaces']}')"
             elif "replaced_by" in c:
                 note = f"  (replaced by '{c['replaced_by']}')"
+            elif "served_by" in c:
+                note = f"  (fallback; '{c['served_by']}' serves it natively)"
+            elif c.get("fallback"):
+                note = "  (fallback)"
             summary = f" - {c['summary']}" if c["summary"] else ""
             lines.append(f"    {c['kind']}:{c['name']}{summary}{note}")
     for message in listing["conflicts"]:
         lines.append(f"CONFLICT: {message}")
+    by_plugin: dict[str, list[str]] = {}
+    for model_type, served in sorted(listing["model_types"].items()):
+        by_plugin.setdefault(served["plugin"], []).append(model_type)
+    if by_plugin:
+        lines.append("model types, by the plugin that serves them:")
+        for plugin, types in by_plugin.items():
+            lines.append(f"    {plugin}: {', '.join(types)}")
     return "\n".join(lines)
 
 

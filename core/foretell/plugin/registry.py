@@ -66,6 +66,10 @@ class Contribution:
     summary: str = ""
     min_api: int = 1
     replaces: bool = False
+    #: A fallback serves its name only where no other plugin registers that name: a native
+    #: implementation, whichever plugin and load order, wins without a conflict (the mlx-lm
+    #: adapter registers every mlx-lm ``model_type`` this way).
+    fallback: bool = False
     #: Architectures only: ``"module:attr"`` naming a :class:`foretell.tools.SyntheticSpec`,
     #: how to make a tiny random-weight checkpoint of this architecture for tests and bench.
     synthetic: str | None = None
@@ -119,6 +123,7 @@ class Registrar:
         replaces: bool = False,
         synthetic: str | None = None,
         schemes: tuple[str, ...] | list[str] = (),
+        fallback: bool = False,
     ) -> None:
         where = f"{self._origin.describe()} registering {self._kind.value} '{name}'"
         if not isinstance(name, str) or not name:
@@ -132,6 +137,9 @@ class Registrar:
                 raise PluginError(
                     f"{where}: synthetic must be a 'module:attr' string, got {synthetic!r}"
                 )
+        if not isinstance(fallback, bool) or (fallback and replaces):
+            raise PluginError(f"{where}: fallback must be True or False, and a fallback "
+                              "cannot also replace a built-in")
         if config is not None and not attrs.has(config):
             raise PluginError(f"{where}: config must be an attrs class, got {config!r}")
         if schemes:
@@ -155,6 +163,7 @@ class Registrar:
                 summary=summary,
                 min_api=min_api,
                 replaces=replaces,
+                fallback=fallback,
                 synthetic=synthetic,
                 schemes=tuple(s.lower() for s in schemes),
                 origin=self._origin,
@@ -193,6 +202,14 @@ class Replacement:
     replaced: Contribution
 
 
+@attrs.define
+class Shadowed:
+    """A fallback's name that a native contribution holds: ``native`` serves it."""
+
+    native: Contribution
+    fallback: Contribution
+
+
 class Registry:
     """Every loaded contribution, by kind and name; the only place the engine looks them up."""
 
@@ -202,6 +219,8 @@ class Registry:
         #: earlier holder keeps the name and the later plugin is disabled.
         self.conflicts: dict[tuple[Kind, str, str], Conflict] = {}
         self.replacements: list[Replacement] = []
+        #: Fallbacks whose names a native contribution serves instead.
+        self.shadowed: list[Shadowed] = []
         #: Filled by the loader: plugins that failed, consulted when a lookup misses.
         self.failures: list[Any] = []
         #: Filled by the loader: installed plugins that are not loaded, with why.
@@ -218,6 +237,10 @@ class Registry:
         current = self._items.get(key)
         if current is None:
             self._items[key] = item
+        elif item.fallback != current.fallback:
+            native, fallback = (current, item) if item.fallback else (item, current)
+            self._items[key] = native
+            self.shadowed.append(Shadowed(native=native, fallback=fallback))
         elif _replaces(item, current):
             self._items[key] = item
             self.replacements.append(Replacement(winner=item, replaced=current))
@@ -228,7 +251,8 @@ class Registry:
         """The conflict adding ``item`` would make, or None when its name is free or the
         two are a declared replacement of a built-in."""
         current = self._items.get((item.kind, item.name))
-        if current is None or _replaces(item, current) or _replaces(current, item):
+        if (current is None or current.fallback != item.fallback or _replaces(item, current)
+                or _replaces(current, item)):
             return None
         return Conflict(first=current, second=item)
 
@@ -237,6 +261,11 @@ class Registry:
 
     def names(self, kind: Kind) -> list[str]:
         return sorted(name for k, name in self._items if k is kind)
+
+    def served_by(self, kind: Kind) -> dict[str, Contribution]:
+        """``{name: the contribution a run selecting it gets}`` for ``kind``: natives over
+        fallbacks, as :meth:`get` resolves them."""
+        return {name: self._items[(kind, name)] for name in self.names(kind)}
 
     def layout_for(self, location: Any) -> Contribution | None:
         """The storage layout registered for the scheme of ``location`` when it is a URL
