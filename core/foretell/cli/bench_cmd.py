@@ -85,7 +85,8 @@ def add_parser(sub) -> None:
                    help="the batch rows instead: B requests at once for each B of SIZES "
                         "(e.g. 1,2,4,8,16,32), foretell's scheduler vs mlx-lm's BatchGenerator "
                         "(on the CPU on a float32 copy of the weights, same BLAS): aggregate "
-                        "decode tok/s, TTFT p50/p99 (foretell.tools.bench_batch)")
+                        "decode tok/s, TTFT p50/p99 (foretell.tools.bench_batch; default: "
+                        "none, no batch rows)")
     p.add_argument("--batch-drafts", default="none", metavar="NAMES",
                    help="with --batch: foretell sides to run, comma-separated drafter names or "
                         "none (plain), e.g. none,two-model,mtp")
