@@ -187,16 +187,14 @@ class Engine:
 
     # -- prompts --
 
-    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = None) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, *, chat: bool | None = False) -> list[int]:
         """Token ids for a prompt: text, a list of chat messages, or ids as they are.
 
-        ``chat=None`` applies the chat template to text when the tokenizer has one (mlx-lm's
-        default); messages always go through the template.
+        Text goes in raw, as mlx-lm's Python ``generate`` takes it, unless ``chat`` is true
+        (``None`` is read as false); messages always go through the chat template.
         """
         tok = self.tokenizer
         if isinstance(prompt, str):
-            if chat is None:
-                chat = tok.has_chat_template
             if chat:
                 return self._encode_chat([{"role": "user", "content": prompt}])
             # A prompt that spells out BOS itself must not get a second one.
@@ -231,7 +229,7 @@ class Engine:
         max_tokens: int = 256,
         sampling: SamplingConfig | None = None,
         stop: Sequence[str] = (),
-        chat: bool | None = None,
+        chat: bool | None = False,
         prefill_progress: Progress | None = None,
         ignore_eos: bool = False,
         speculate: bool | Speculator = True,
@@ -243,7 +241,8 @@ class Engine:
         :param max_tokens: the most tokens to generate (EOS counts).
         :param sampling: how tokens are chosen; default greedy.
         :param stop: strings that end generation; never emitted.
-        :param chat: apply the chat template to a text prompt (None: if the tokenizer has one).
+        :param chat: apply the chat template to a text prompt (default: raw text, as mlx-lm's
+            Python ``generate``; chat messages always use the template).
         :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill chunk.
         :param ignore_eos: keep generating through EOS to ``max_tokens`` (benchmarks).
         :param speculate: use the engine's drafter (True), decode plainly (False), or use

@@ -3,7 +3,8 @@
 A model directory carries ``tokenizer.json`` (read by the ``tokenizers`` library),
 ``tokenizer_config.json`` (bos/eos tokens, ``add_bos_token``, the chat template) and
 optionally ``chat_template.jinja``, ``config.json`` and ``generation_config.json`` (more
-end-of-sequence ids). Every error names the file it came from.
+end-of-sequence ids; ``stop_strings``, the text the model's authors end a completion at).
+Every error names the file it came from.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 #: Files whose ``eos_token_id`` (an int or a list of ints) also ends generation.
 EOS_ID_FILES = ("config.json", "generation_config.json")
+#: Where a model declares its stop strings (transformers' ``GenerationConfig.stop_strings``).
+GENERATION_CONFIG_FILE = "generation_config.json"
 #: ``Tokenizer(decoder=...)`` default: read the decoder from the backend itself.
 _FROM_BACKEND: Any = object()
 
@@ -69,6 +72,18 @@ def _eos_ids_field(data: Mapping[str, Any], path: Path) -> list[int]:
             f"{path}: eos_token_id must be a token id or a list of token ids, got {value!r}"
         )
     return list(values)
+
+
+def _stop_strings_field(data: Mapping[str, Any], path: Path) -> tuple[str, ...]:
+    value = data.get("stop_strings")
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise TokenizerError(
+            f"{path}: stop_strings must be a non-empty string or a list of them, got {value!r}"
+        )
+    return tuple(values)
 
 
 def _chat_template(model_dir: Path, config: Mapping[str, Any]) -> tuple[str | None, Path]:
@@ -291,6 +306,7 @@ class Tokenizer:
         eos_token: str | None = None,
         add_bos_token: bool | None = None,
         eos_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
         chat_template: ChatTemplate | None = None,
         decoder: Any = _FROM_BACKEND,
     ):
@@ -301,6 +317,9 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self._add_bos_token = add_bos_token
         self.eos_token_ids = frozenset(eos_token_ids)
+        #: Text the model's generation_config.json ends completions at (``stop_strings``).
+        #: The CLI applies them; the Python API, like mlx-lm's, only when passed as ``stop``.
+        self.stop_strings = tuple(stop_strings)
         self.chat_template = chat_template
         self._decoder = decoder
         self._streaming: tuple[Any, list[str | None]] | None = None
@@ -341,6 +360,8 @@ class Tokenizer:
         for name in EOS_ID_FILES:
             path = model_dir / name
             eos_ids += _eos_ids_field(_read_json(path, required=False), path)
+        generation_file = model_dir / GENERATION_CONFIG_FILE
+        stops = _stop_strings_field(_read_json(generation_file, required=False), generation_file)
 
         source, origin = _chat_template(model_dir, config)
         template = None
@@ -360,6 +381,7 @@ class Tokenizer:
             eos_token=eos,
             add_bos_token=add_bos,
             eos_token_ids=eos_ids,
+            stop_strings=stops,
             chat_template=template,
             decoder=raw.get("decoder"),
         )

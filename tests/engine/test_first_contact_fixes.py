@@ -242,3 +242,85 @@ def test_bench_cache_dir_says_what_it_became(capsys):
         "are kept); --cache-dir names a KV cache directory in `foretell run`, `chat` and "
         "`cache`\n"
     )
+
+
+# -- the demo: completion, not chat (issue 48, items 12 and 15) ---------------------------
+
+
+def run_json(argv, capsys):
+    import json
+
+    assert main(["run", "--json", *argv]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    text = "".join(e["text"] for e in lines if e["type"] == "text")
+    return text, lines[-1]
+
+
+def test_the_default_run_ends_the_function_instead_of_repeating_it(capsys):
+    from foretell.cli.run_cmd import DEFAULT_PROMPT
+
+    text, stats = run_json([], capsys)
+    assert stats["finish_reason"] == "stop" and stats["generated_tokens"] < 256
+    assert "def " not in text and text.strip()  # one body, no second def
+    # The same greedy run without the model's stop strings repeats the function.
+    more, stats = run_json(["--no-model-stops", "--max-tokens", "120"], capsys)
+    assert stats["finish_reason"] == "length" and more.startswith(text)
+    assert (DEFAULT_PROMPT + more).count(DEFAULT_PROMPT) > 1
+
+
+def test_the_demo_declares_stop_strings_the_python_api_applies_only_when_passed():
+    import foretell
+
+    engine = foretell.load("demo")
+    assert engine.tokenizer.stop_strings == ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+    assert not engine.tokenizer.has_chat_template
+    plain = engine.generate_text("def fibonacci(n):", max_tokens=80, speculate=False)
+    assert "\ndef " in plain  # mlx-lm's API has no model stop strings: neither has ours
+    stopped = engine.generate_text("def fibonacci(n):", max_tokens=80, speculate=False,
+                                   stop=engine.tokenizer.stop_strings)
+    assert plain.startswith(stopped) and len(stopped) < len(plain)
+
+
+def test_stop_strings_that_are_not_strings_are_refused_naming_the_file(tmp_path):
+    import json
+
+    from foretell.errors import TokenizerError
+    from foretell.tokenizer import Tokenizer
+
+    model_dir = make_model_dir(tmp_path / "m", "qwen3")
+    (model_dir / "generation_config.json").write_text(json.dumps({"stop_strings": [3]}))
+    with pytest.raises(TokenizerError) as info:
+        Tokenizer.from_dir(model_dir)
+    assert str(info.value) == (f"{model_dir / 'generation_config.json'}: stop_strings must be "
+                               "a non-empty string or a list of them, got [3]")
+
+
+def test_chat_on_a_model_without_a_template_says_so_and_continues_the_transcript(
+    capsys, monkeypatch
+):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n"))
+    assert main(["chat", "--max-tokens", "40", "--draft", "none"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(
+        "demo has no chat template: it completes text rather than following instructions.")
+    # The reply continues the message as code (the old template made it a '# comment').
+    import foretell
+
+    expected = foretell.load("demo").generate_text(
+        "def add(a, b):", max_tokens=40, speculate=False,
+        stop=("\nclass", "\ndef", "\n#", "\nif", "\nprint"))
+    assert captured.out == expected + "\n"
+
+
+def test_a_transcript_starts_each_message_on_a_new_line_and_continues_each_reply():
+    from foretell.cli.chat_cmd import transcript
+
+    history = [{"role": "system", "content": "import math"},
+               {"role": "user", "content": "def area(r):"},
+               {"role": "assistant", "content": "\n    return math.pi * r * r\n"},
+               {"role": "user", "content": "def side(a):"},
+               {"role": "assistant", "content": " return a"}]
+    assert transcript(history) == ("import math\ndef area(r):\n    return math.pi * r * r\n"
+                                   "def side(a): return a")

@@ -230,13 +230,14 @@ def test_a_seed_reproduces_a_sampled_generation(engine):
 # -- prompts -------------------------------------------------------------------------------
 
 
-def test_text_prompts_use_the_chat_template_when_there_is_one(engine):
-    chat = engine.encode_prompt("hi")
-    assert chat == engine.tokenizer.encode(
+def test_text_prompts_go_in_raw_unless_chat_is_asked_for_as_in_mlx_lm(engine):
+    # mlx-lm's Python generate() encodes text as it is, whatever template the tokenizer has.
+    assert engine.tokenizer.has_chat_template
+    assert engine.encode_prompt("hi") == engine.tokenizer.encode("hi")
+    assert engine.encode_prompt("hi", chat=True) == engine.tokenizer.encode(
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]),
         add_special_tokens=False,
     )
-    assert engine.encode_prompt("hi", chat=False) == engine.tokenizer.encode("hi")
 
 
 def test_bad_prompts_are_refused_before_generating(engine):

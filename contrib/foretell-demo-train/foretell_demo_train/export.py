@@ -41,9 +41,13 @@ def state_numpy(module: torch.nn.Module | dict) -> dict[str, np.ndarray]:
     return {k: v.detach().float().cpu().numpy() for k, v in sd.items()}
 
 
+#: HumanEval's stop sequences: a completion ends with the top-level unit it is in.
+STOP_STRINGS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+
+
 def generation_config(eos_id: int) -> dict:
     return {"eos_token_id": eos_id, "pad_token_id": eos_id, "bos_token_id": None,
-            "do_sample": False, "max_new_tokens": 256}
+            "do_sample": False, "max_new_tokens": 256, "stop_strings": STOP_STRINGS}
 
 
 def _write_common(out: Path, config: dict, tokenizer, eos_id: int) -> None:

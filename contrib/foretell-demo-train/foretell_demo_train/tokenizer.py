@@ -17,20 +17,6 @@ from .corpus import read_text
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS]
 
-# Chat template for a raw code model: system/user turns become a Python comment block
-# that the assistant's turn continues as code; each assistant turn ends with EOS.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{{ message['content'] }}{{ eos_token }}\n"
-    "{%- else -%}"
-    "{%- for line in message['content'].split('\\n') -%}"
-    "# {{ line }}\n"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
-
 
 def train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     # ignore_merges: a word already in the vocabulary is one token (same ids, ~40% faster)
@@ -135,7 +121,8 @@ def save_hf(tok: Tokenizer, out: Path, model_max_length: int) -> None:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
-        "chat_template": CHAT_TEMPLATE,
+        # No chat template: a code-completion model answers messages made into comments with
+        # nonsense; `foretell chat` continues a transcript on a model without one.
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(

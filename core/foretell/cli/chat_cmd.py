@@ -1,6 +1,9 @@
 """``foretell chat``: a multi-turn conversation at the terminal.
 
-The whole history goes through the model's chat template each turn. A line starting
+The whole history goes through the model's chat template each turn. A model without a
+chat template completes text (the demo models: Python source): chat says so at the start,
+and each turn the model continues the transcript, every message starting a new line, each
+reply ending at the model's stop strings (docs/decisions.md). A line starting
 with ``/`` is a command, never sent to the model: ``/help``, ``/reset`` (start over),
 ``/exit`` (or end of input, Ctrl-D); an unknown one-word ``/name`` is refused with the
 list (start the line with a space to send it as a message). Ctrl-C
@@ -18,12 +21,13 @@ from foretell.cli import text
 from foretell.cli.run_cmd import (
     add_run_flags,
     apply_draft,
+    model_stops,
     open_engine,
     run_config,
     speculation_line,
     warn_past_context,
 )
-from foretell.errors import ChatTemplateError, ForetellError
+from foretell.errors import ForetellError
 
 PROMPT_MARKER = ">> "
 COMMANDS = {
@@ -57,16 +61,32 @@ def run(args: argparse.Namespace) -> int:
         return converse(args, config, engine)
 
 
+def transcript(history: list[dict[str, str]]) -> str:
+    """A conversation as a model without a chat template sees it: one text in which each
+    message starts a new line and each reply continues the message before it."""
+    out = ""
+    for message in history:
+        if message["role"] != "assistant" and out and not out.endswith("\n"):
+            out += "\n"
+        out += message["content"]
+    return out
+
+
 def converse(args: argparse.Namespace, config: Any, engine: Any) -> int:
-    if not engine.tokenizer.has_chat_template:
-        raise ChatTemplateError(
-            f"{engine.path}: this model has no chat template, so it cannot chat; "
-            "use `foretell run --no-chat` to complete plain text"
-        )
+    templated = engine.tokenizer.has_chat_template
+    stops = model_stops(engine, args)
     system = text.unescape(text.checked(args.system, "--system")) if args.system else None
     opening = [{"role": "system", "content": system}] if system else []
     history = list(opening)
     err = sys.stderr
+    if not templated:
+        err.write(
+            f"{engine.path.name} has no chat template: it completes text rather than following "
+            "instructions. Each message goes on a new line of one growing text that the model "
+            "continues"
+            + (f" up to its stop strings ({', '.join(map(repr, stops))})" if stops else "")
+            + "; /reset starts over.\n"
+        )
     err.write("Type a message. /help lists the commands; /exit or Ctrl-D quits.\n")
     warned = False
     while True:
@@ -102,11 +122,12 @@ def converse(args: argparse.Namespace, config: Any, engine: Any) -> int:
         history.append({"role": "user", "content": message})
         reply = []
         try:
+            prompt = history if templated else transcript(history)
             if not warned:
-                ids = engine.encode_prompt(history)
+                ids = engine.encode_prompt(prompt)
                 warned = warn_past_context(engine, ids, config.max_tokens)
             for event in engine.generate(
-                history, max_tokens=config.max_tokens, sampling=config.sampling
+                prompt, max_tokens=config.max_tokens, sampling=config.sampling, stop=stops
             ):
                 if event.type == "text":
                     reply.append(event.text)

@@ -106,6 +106,13 @@ def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
         default=None,
         help="how many recent tokens the penalty sees (default: 20)",
     )
+    p.add_argument(
+        "--model-stops",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end each completion at the stop strings the model declares (stop_strings in its "
+        "generation_config.json; the demo models end one top-level Python unit; default: on)",
+    )
     p.add_argument("--draft", default=None, metavar="KIND",
                    help="speculative decoding with this draft provider (see `foretell plugins`); "
                    "'none' turns it off; default 'auto': the drafter measured best for the "
@@ -313,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
     stops = [text.unescape(text.checked(s, "--stop")) for s in args.stop]
     registry, config = run_config(args)
     engine = open_engine(config.model, registry, quiet=args.json, cache=config.cache)
+    stops += model_stops(engine, args)
     apply_draft(engine, config.draft, registry, quiet=args.json)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
     from foretell.cli.progress import ProgressLine
@@ -355,7 +363,17 @@ def run(args: argparse.Namespace) -> int:
         out.write("\n")
         out.flush()
         report(stats)
+        if stats.finish_reason == "stop" and not args.stop and model_stops(engine, args):
+            from foretell.tokenizer import GENERATION_CONFIG_FILE
+
+            print(f"Stopped at a stop string of {engine.path / GENERATION_CONFIG_FILE} "
+                  "(--no-model-stops goes on to --max-tokens)", file=sys.stderr)
     return 0
+
+
+def model_stops(engine: Any, args: argparse.Namespace) -> list[str]:
+    """The stop strings the model declares, unless ``--no-model-stops``."""
+    return list(engine.tokenizer.stop_strings) if args.model_stops else []
 
 
 #: ANSI faint / normal intensity: the echoed prompt reads apart from the completion.
