@@ -186,8 +186,8 @@ class CacheTier:
             options.pop("ssd_bytes", None)
             return cls(codecs, identity=engine_identity(engine, codecs), **options)
         layout = options.get("layout", DEFAULT_LAYOUT)
-        serving = registry.layout_for(cache_dir)
-        if serving is not None and isinstance(layout, str):
+        serving = registry.layout_for(cache_dir) if isinstance(layout, str) else None
+        if serving is not None:
             # A URL decides its layout; the default name only means none was chosen.
             if layout not in (DEFAULT_LAYOUT, serving.name):
                 raise ConfigError("layout", [f"'{layout}' does not store at {cache_dir}: "
