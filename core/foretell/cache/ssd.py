@@ -50,8 +50,8 @@ class Stored:
         return self.header.tokens
 
 
-#: How old this process's view of the directory may be when a write evicts, at least: other
-#: processes sharing the directory write entries it has not indexed, and the cap holds over
+#: How old this process's view of the store may be when a write evicts, at least: other
+#: processes sharing the store write entries it has not indexed, and the cap holds over
 #: them too (0: a write re-reads whenever re-reading stays within :data:`RESCAN_SHARE`).
 RESCAN_S = 0.0
 #: Re-reads take at most this share of the time: a write re-reads the directory only when
@@ -87,7 +87,7 @@ class SsdIndex:
     # -- the index --------------------------------------------------------------------------
 
     def scan(self) -> list[Stored]:
-        """Rebuild the index from the layout (reaps orphans, drops corrupt files), evict
+        """Rebuild the index from the layout (reaps orphans, drops corrupt entries), evict
         down to the cap, then collect what no entry uses any more (so what another process
         left over this cap is freed as the tier opens, not at its first write)."""
         self._reindex()
@@ -338,7 +338,7 @@ class SsdIndex:
             self._remove(key)
 
     def forget(self, key: str) -> None:
-        """Stop serving an entry in this process, leaving its file (until a re-read)."""
+        """Stop serving an entry in this process, leaving it stored (until a re-read)."""
         with self._lock:
             self._drop(key)
 

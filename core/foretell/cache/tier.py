@@ -99,7 +99,7 @@ class CacheTier:
         self._spill = (SpillQueue(self._write, spill_bytes, self._written, spill_duty)
                        if self.ssd is not None else None)
         self._lock = threading.Lock()
-        #: States handed to ``store`` and not yet known to be on disk.
+        #: States handed to ``store`` and not yet known to be stored by the layout.
         self._dirty: set[Key] = set()
         self._failed = 0
         #: Checkpoints of completed generations still queued: deleted as they land.
@@ -284,14 +284,14 @@ class CacheTier:
     # -- storing ----------------------------------------------------------------------------
 
     def store(self, tokens: Sequence[int], caches: Sequence[Any], namespace: str = "") -> None:
-        """Keep the state of ``caches`` after ``tokens`` in RAM now and on disk soon (the
+        """Keep the state of ``caches`` after ``tokens`` in RAM now and stored soon (the
         caller keeps using its caches: everything held is a zero-copy clone).
 
         :raises CodecError: a cache has no codec (nothing is stored then).
         """
         tokens = tuple(tokens)
         # The same tokens give the same state: a repeat (a RAM hit that computed only the
-        # last prompt token) is already held, and rewriting it would only cost disk time.
+        # last prompt token) is already held, and rewriting it would only cost write time.
         held = self.ram.exact(tokens, namespace)
         on_disk = self.ssd is not None and self.ssd.find_exact(tokens, namespace) is not None
         if held and (self.ssd is None or on_disk or self._is_dirty(namespace, tokens)):
@@ -377,7 +377,7 @@ class CacheTier:
             self.ssd.remove(stored.header.key)
 
     def _supersede_checkpoints(self, entry: Entry) -> None:
-        # Only after the newer one is on disk: a crash before that keeps the prior point.
+        # Only after the newer one is stored: a crash before that keeps the prior point.
         for stored in self.ssd.in_namespace(entry.namespace):
             if len(stored.tokens) < len(entry.tokens):
                 self.ssd.remove(stored.header.key)
@@ -385,10 +385,10 @@ class CacheTier:
     # -- durability ---------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> FlushReport:
-        """Wait (up to ``timeout`` seconds) until every stored state is on disk.
+        """Wait (up to ``timeout`` seconds) until the layout holds every stored state.
 
         Dropped or failed writes are retried from RAM; a state that is neither in RAM nor
-        covered on disk is ``missing``. ``durable`` only when nothing is left.
+        covered by the layout is ``missing``. ``durable`` only when nothing is left.
         """
         if self._spill is None:
             return FlushReport(durable=False, pending=0, dropped=0, failed=0, missing=0)
@@ -400,7 +400,7 @@ class CacheTier:
                 break
             donor = next((e for e in self.ram.entries()
                           if e.namespace == namespace and e.tokens == tokens), None)
-            # A state with a drafter's attachment is covered only by itself on disk.
+            # A state with a drafter's attachment is covered only by itself, stored.
             if self.ssd.covers(tokens, namespace, attached=donor is not None and donor.attached):
                 self._clean((namespace, tokens))
                 continue
@@ -422,7 +422,7 @@ class CacheTier:
 
     def close(self, timeout: float | None = None) -> FlushReport:
         """Flush (bounded) and stop the spill worker; then, if this tier wrote and all of it
-        is durable, re-read the directory and evict to the cap over everything in it, so
+        is durable, re-read the store and evict to the cap over everything in it, so
         processes that wrote there at once leave it within the cap as they exit (each
         indexed only what it found when it opened, docs/cache-storage.md)."""
         report = self.flush(timeout)
