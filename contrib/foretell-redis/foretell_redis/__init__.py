@@ -11,7 +11,7 @@ SCHEMES = ("redis", "rediss", "valkey", "valkeys")
 
 @foretell.hookimpl
 def foretell_register_storage_layouts(register):
-    from foretell_redis.layout import RedisConfig
+    from foretell_redis.config import RedisConfig
 
     register(
         "redis",

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from foretell.store import format as fmt
 from foretell.store.entry import LayerState
 from foretell_blockstore import manifest as mf
@@ -51,8 +53,6 @@ def place_block(value: bytes | None, ref: mf.BlockRef, group: mf.Group, begin: i
     ``verify``, each piece's checksum over the bytes copied (``mf.block_checksum``).
 
     :raises BadBlock: missing, of another size or header, or failing its checksum."""
-    import numpy as np
-
     if value is None:
         raise BadBlock(ref.id, f"block {ref.id[:16]} is missing (evicted by the server?)")
     if len(value) != ref.nbytes:
