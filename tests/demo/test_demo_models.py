@@ -117,7 +117,7 @@ def test_default_cpu_path_is_mlx_lm_on_the_float32_dequantized_checkpoint(
     name, shipped, tmp_path, monkeypatch
 ):
     """What the fast CPU default is: mlx-lm running the checkpoint with its quantized layers
-    dequantized to float32 (written here with mx.dequantize, read by mlx-lm's own loader),
+    dequantized exactly in float32 (written here with mx.dequantize, read by mlx-lm's own loader),
     but for attention's rounding (matmuls and numpy's softmax on the CPU): logits within
     1e-5, the same greedy tokens, and bit for bit with the fused kernel forced. It is not
     mlx-lm on the bf16 checkpoint, which computes in bf16 (docs/generation.md)."""
@@ -140,8 +140,8 @@ def test_default_cpu_path_is_mlx_lm_on_the_float32_dequantized_checkpoint(
 
 
 def write_float32_checkpoint(source, target):
-    """The model directory ``source`` with its quantized layers dequantized to float32
-    (mx.dequantize) and every other tensor as stored."""
+    """The model directory ``source`` with its quantized layers dequantized in float32
+    (mx.dequantize of float32 scales and biases: exact) and every other tensor as stored."""
     config = json.loads((source / "config.json").read_text())
     quantization = config.pop("quantization")
     config.pop("quantization_config", None)
@@ -153,9 +153,10 @@ def write_float32_checkpoint(source, target):
             dense[name] = tensor
         elif name.endswith(".weight"):
             dense[name] = mx.dequantize(
-                tensor, weights[f"{prefix}.scales"], weights[f"{prefix}.biases"],
+                tensor, weights[f"{prefix}.scales"].astype(mx.float32),
+                weights[f"{prefix}.biases"].astype(mx.float32),
                 quantization["group_size"], quantization["bits"],
-            ).astype(mx.float32)
+            )
     target.mkdir(parents=True)
     for file in source.iterdir():
         if file.suffix == ".json" and file.name != "config.json":

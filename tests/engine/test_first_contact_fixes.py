@@ -324,3 +324,34 @@ def test_a_transcript_starts_each_message_on_a_new_line_and_continues_each_reply
                {"role": "assistant", "content": " return a"}]
     assert transcript(history) == ("import math\ndef area(r):\n    return math.pi * r * r\n"
                                    "def side(a): return a")
+
+
+# -- the CPU's unpacked quantized path (issue 48, item 18) ---------------------------------
+
+
+@pytest.mark.parametrize(("bits", "dtype"), [(4, "bfloat16"), (8, "float16")])
+def test_unpacking_dequantizes_exactly_not_in_the_scales_dtype(tmp_path, registry, bits, dtype):
+    """scales * q + biases is exact in float32 (a 16-bit scale times a <= 8-bit integer plus a
+    16-bit bias), so the unpacked model is the checkpoint's own, not its weights rounded to
+    the scales' dtype (which moved logits ~3% from the float64 model)."""
+    import mlx.nn as nn
+    import numpy as np
+
+    from foretell.model import unpack_quantized
+
+    model_dir = make_model_dir(tmp_path / "m", "qwen3", quantize_bits=bits, dtype=dtype)
+    stored = mx.load(str(model_dir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    packed = stored[f"{name}.weight"]
+    words = np.array(packed).astype(np.uint64)[..., None]
+    shifts = np.arange(32 // bits, dtype=np.uint64) * bits
+    q = ((words >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1, 64)
+    scales, biases = (np.array(stored[f"{name}.{part}"].astype(mx.float32), dtype=np.float64)
+                      for part in ("scales", "biases"))
+    exact = (q * scales[..., None] + biases[..., None]).reshape(packed.shape[0], -1)
+    model = load_model(model_dir, registry, lazy=True)
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()):
+        unpack_quantized(model)  # a GPU, or FORETELL_CPU_UNPACK=0, kept them packed
+    weight = dict(model.named_modules())[name].weight
+    assert weight.dtype == mx.float32
+    assert np.array_equal(np.array(weight, dtype=np.float64), exact)

@@ -356,9 +356,11 @@ def should_unpack_quantized(model: nn.Module) -> bool:
     engine's ``cpu_unpack=False`` keeps them packed on the CPU too, for what it loads;
     ``FORETELL_CPU_UNPACK=0`` is the process's default.
 
-    Unpacked, the model computes in float32. With bfloat16/float16 scales mlx-lm computes
-    in that dtype through MLX's quantized kernel, which no dense matmul reproduces, so only
-    the packed path is mlx-lm bit for bit (docs/decisions.md has the measurements).
+    Unpacked, the model computes in float32 from exactly dequantized weights. With
+    bfloat16/float16 scales mlx-lm computes in that dtype through MLX's quantized kernel,
+    which no dense matmul reproduces, so only the packed path is mlx-lm bit for bit; the
+    unpacked one is the closer to the checkpoint's exact (float64) model (docs/decisions.md
+    has the measurements).
     """
     unpack = engine_choice("cpu_unpack")
     if unpack is None:
@@ -374,14 +376,20 @@ _PACKED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
 def unpack_quantized(model: nn.Module, dtype: mx.Dtype = mx.float32) -> None:
-    """Replace quantized layers by plain ones holding the dequantized weights."""
+    """Replace quantized layers by plain ones holding the dequantized weights.
+
+    The dequantization itself runs in ``dtype``: ``mx.dequantize`` computes in the scales'
+    dtype, and ``scales * q + biases`` rounded to bfloat16 is a different model from the
+    checkpoint's, where in float32 it is exact (bfloat16 or float16 scale times a <= 8-bit
+    integer, plus a bias: docs/decisions.md)."""
 
     def unpack(layer: Any) -> Any:
         if not isinstance(layer, _PACKED):
             return layer
         weight = mx.dequantize(
-            layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits
-        ).astype(dtype)
+            layer.weight, layer.scales.astype(dtype), layer.biases.astype(dtype),
+            layer.group_size, layer.bits,
+        )
         if isinstance(layer, nn.QuantizedEmbedding):
             plain = nn.Embedding(*weight.shape)
         else:
