@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -72,6 +72,8 @@ class RequestHandle:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self.prompt_tokens = prompt_tokens
+        #: Set while :meth:`events` awaits: wakes its event loop after each item is queued.
+        self._wakeup: Callable[[], None] | None = None
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -83,16 +85,36 @@ class RequestHandle:
             yield item
 
     async def events(self) -> AsyncIterator[Event]:
-        """The events, awaited without blocking the event loop."""
+        """The events, awaited without blocking the event loop or holding a thread (a
+        server streams many requests at once; a thread per waiting stream would exhaust
+        the loop's executor)."""
         import asyncio
 
-        while True:
-            item = await asyncio.to_thread(self._queue.get)
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wakeup() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop closed while this request ran on
+                pass
+
+        self._wakeup = wakeup
+        try:
+            while True:
+                ready.clear()  # before the check: an item queued after it sets it again
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._wakeup = None
 
     def text(self) -> str:
         return "".join(e.text for e in self if e.type == "text")
@@ -107,6 +129,9 @@ class RequestHandle:
 
     def _put(self, item: Any) -> None:
         self._queue.put(item)
+        wakeup = self._wakeup
+        if wakeup is not None:
+            wakeup()
 
 
 @attrs.define(eq=False)
@@ -309,9 +334,10 @@ class Scheduler:
     def _take_new(self, block: bool) -> bool:
         """Move submissions into the waiting queue; False when the worker should end."""
         try:
-            item = self._inbox.get(block=block)
+            # Once closing, no submission may come to wake a blocked worker: never wait then.
+            item = self._inbox.get(block=block and not self._closing)
         except queue.Empty:
-            return True
+            item = None
         while True:
             if item is not None:
                 with self._lock:
