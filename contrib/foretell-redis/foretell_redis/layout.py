@@ -46,6 +46,7 @@ import attrs
 import xxhash
 
 from foretell.store import format as fmt
+from foretell.store import reserve as rsv
 from foretell.store.entry import Entry, EntryHeader, LayerState, StoreIdentity, entry_key
 from foretell.store.layout import (
     CorruptEntry,
@@ -83,14 +84,17 @@ class _Indexed:
     header: EntryHeader
     manifest_bytes: int
     blocks: tuple[mf.BlockRef, ...]
+    #: What a read of it takes from the restore reserve (mf.buffer_bytes).
+    buffer_bytes: int = 0
 
 
 class RedisLayout:
     """One model's entries on one Redis or Valkey server; safe to share between threads,
     processes and machines. Conforms to :class:`foretell.store.layout.StorageLayout`, finds
     the entries other processes stored (``FindsPrefixes``), keeps the tier under the
-    server's ``maxmemory`` (``LimitsCapacity``), names entries by URL (``LocatesEntries``)
-    and says what it skipped and dropped (``ReportsSkipped``, ``ReportsDropped``)."""
+    server's ``maxmemory`` (``LimitsCapacity``), keeps a restore reserve
+    (``KeepsRestoreReserve``), names entries by URL (``LocatesEntries``) and says what it
+    skipped and dropped (``ReportsSkipped``, ``ReportsDropped``)."""
 
     records_device_digests = False
 
@@ -124,6 +128,10 @@ class RedisLayout:
         self._retry_at = 0.0
         #: Warned that the server is full (refusing writes): until a write succeeds.
         self._warned_full = False
+        # Parsed now, so a bad FORETELL_RESTORE_RESERVE_MB fails as the store opens.
+        self._reserve_cap = rsv.env_cap()
+        #: Buffers filled before a restore needs them (replenish); None until the first.
+        self.reserve: rsv.BufferReserve | None = None
         #: Failed requests since this layout opened (unreachable, full, read-only server).
         self.io_failures = 0
         #: Entry location -> why it is passed over (another model's, another version).
@@ -379,7 +387,7 @@ class RedisLayout:
             raise _Unreachable(str(exc)) from None
         self._answered()
         try:
-            layers = assemble(manifest, values, verify=verify)
+            layers = assemble(manifest, values, verify=verify, reserve=self.reserve)
         except BadBlock as bad:
             bad.judged = raw
             raise
@@ -664,6 +672,23 @@ class RedisLayout:
         unique = {ref.id: ref.nbytes for i in indexed for ref in i.blocks}
         return sum(i.manifest_bytes for i in indexed) + sum(unique.values())
 
+    def replenish(self) -> None:
+        """Fill the restore reserve up to the largest indexed entry's buffers (within its
+        cap: ``FORETELL_RESTORE_RESERVE_MB``, else the block store's CPU default), the first
+        time and after a restore took from it (``KeepsRestoreReserve``: the tier calls it
+        where MLX runs and no request waits). A restore then copies its blocks into filled
+        memory instead of zeroing fresh buffers first."""
+        indexed = self._indexed()
+        with self._lock:
+            if self.reserve is None:
+                cap = self._reserve_cap if self._reserve_cap is not None else (
+                    rsv.default_cap(False))
+                if cap == 0:
+                    return
+                self.reserve = rsv.BufferReserve(cap)
+        if self.reserve.used_since_fill():
+            self.reserve.refill(max((i.buffer_bytes for i in indexed), default=0))
+
     def capacity(self) -> int | None:
         """``memory_share`` of the server's ``maxmemory`` as of the last scan; None when it
         sets none (``LimitsCapacity``)."""
@@ -681,7 +706,8 @@ class RedisLayout:
             header=EntryHeader(key=key, tokens=manifest.tokens, namespace=manifest.namespace,
                                layers=manifest.layers,
                                nbytes=len(raw) + manifest.tensor_bytes, last_used=last_used),
-            manifest_bytes=len(raw), blocks=tuple(manifest.blocks))
+            manifest_bytes=len(raw), blocks=tuple(manifest.blocks),
+            buffer_bytes=mf.buffer_bytes(group for group, _refs in manifest.groups))
 
     def _drop(self, key: str, reason: str, judged: bytes | None, *,
               bad_block: str | None = None) -> None:

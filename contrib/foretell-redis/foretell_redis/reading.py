@@ -11,22 +11,26 @@ import numpy as np
 
 from foretell.store import format as fmt
 from foretell.store.entry import LayerState
+from foretell.store.reserve import BufferReserve
 from foretell_blockstore import manifest as mf
 from foretell_blockstore.blockfile import BadBlock
 
 
-def assemble(manifest: mf.Manifest, values: Sequence[bytes | None], *, verify: bool = True
-             ) -> list[LayerState]:
+def assemble(manifest: mf.Manifest, values: Sequence[bytes | None], *, verify: bool = True,
+             reserve: BufferReserve | None = None) -> list[LayerState]:
     """The entry's layers from its blocks' values (in ``manifest.blocks`` order), each block
     checked (its size, its header, and with ``verify`` its checksum) as its pieces are
-    copied into MLX-owned buffers; every check passes before anything is returned.
+    copied into MLX-owned buffers (taken from ``reserve`` where it holds enough, so they are
+    not zero-filled first: ``mf.host_buffers``); every check passes before anything is
+    returned.
 
     :raises BadBlock: a block missing, of another size or header, or failing its checksum.
     """
     import mlx.core as mx
 
     specs = manifest.specs
-    buffers = dict(zip(((s.layer, s.name) for s in specs), mf.host_buffers(specs)))
+    buffers = dict(zip(((s.layer, s.name) for s in specs),
+                       mf.host_buffers(specs, reserve=reserve)))
     at = 0
     for group, refs in manifest.groups:
         for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):

@@ -233,3 +233,15 @@ def test_a_full_server_refuses_writes_with_one_warning_and_still_serves(
     full = [r for r in caplog.records if r.levelno == logging.WARNING and "full" in r.message]
     assert len(full) == 1 and layout.io_failures == 4
     assert layout.write(entry(24, seed=5))  # room again: stored
+
+
+def test_a_restore_lands_in_the_reserve_filled_before_it(redis_url):
+    layout = layout_at(redis_url)
+    assert layout.write(entry(24))
+    reader = layout_at(redis_url)
+    reader.replenish()
+    assert reader.reserve.held() > 0 and not reader.reserve.used_since_fill()
+    restored = reader.read(reader.key_for(range(24)))
+    assert reader.reserve.used_since_fill()  # its buffers came from the reserve
+    np.testing.assert_array_equal(np.asarray(restored.layers[0].tensors["values"]),
+                                  np.asarray(entry(24).layers[0].tensors["values"]))
