@@ -194,9 +194,6 @@ class Scheduler:
 
     def __init__(self, engine: Engine, *, max_rows: int = 32,
                  kv_budget_bytes: int | None = None, max_waiting: int = 1024) -> None:
-        if engine.kv_bits is not None:
-            raise GenerationError("the batch scheduler does not run quantized KV yet "
-                                  "(kv_bits): generate() serves such an engine")
         if max_rows < 1 or max_waiting < 0:
             raise GenerationError(f"max_rows must be >= 1 and max_waiting >= 0, got "
                                   f"{max_rows}, {max_waiting}")
@@ -262,8 +259,10 @@ class Scheduler:
         with self._lock:
             if self._closing:
                 raise GenerationError("the scheduler is closed")
-            if self._queued >= self.max_waiting:
-                raise QueueFull(f"{self._queued} requests are waiting (the bound); retry later")
+            # Submissions in transit and those the worker holds unadmitted both wait.
+            waiting = self._queued + len(self._waiting)
+            if waiting >= self.max_waiting:
+                raise QueueFull(f"{waiting} requests are waiting (the bound); retry later")
             self._queued += 1
             self._start()
         self._inbox.put(row)
@@ -322,14 +321,14 @@ class Scheduler:
             if not self._take_new(block=idle):
                 return
             with mlx_work(), self.engine.settings.active():
-                self._drop_cancelled()
-                self._admit()
-                self._prefill_one_chunk()
-                if self._rows:
-                    try:
+                try:
+                    self._drop_cancelled()
+                    self._admit()
+                    self._prefill_one_chunk()
+                    if self._rows:
                         self._step()
-                    except Exception as exc:  # noqa: BLE001 - the rows fail, the worker lives
-                        self._fail(list(self._rows), exc)
+                except Exception as exc:  # noqa: BLE001 - the rows fail, the worker lives on
+                    self._fail([*self._rows, *self._prefilling], exc)
 
     def _take_new(self, block: bool) -> bool:
         """Move submissions into the waiting queue; False when the worker should end."""
@@ -340,9 +339,9 @@ class Scheduler:
             item = None
         while True:
             if item is not None:
+                self._waiting.append(item)  # first: submit() counts it waiting throughout
                 with self._lock:
                     self._queued -= 1
-                self._waiting.append(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -442,10 +441,16 @@ class Scheduler:
             self._join(joining)
 
     def _join(self, joining: list[_Row]) -> None:
-        if self._batch is None:
-            self._batch = batch_caches(self.engine.model)
-        for layer, cache in enumerate(self._batch):
-            cache.append([row.state.caches[layer] for row in joining])
+        try:
+            if self._batch is None:
+                self._batch = batch_caches(self.engine.model, bits=self.engine.kv_bits,
+                                           group_size=self.engine.kv_group_size)
+            for layer, cache in enumerate(self._batch):
+                cache.append([row.state.caches[layer] for row in joining])
+        except Exception as exc:  # noqa: BLE001 - a half-joined batch cannot go on
+            self._fail([*self._rows, *joining], exc)
+            self._rows, self._batch, self._groups = [], None, {}
+            return
         for row in joining:
             row.state.caches = []  # the batch holds them now
             if row.speculator is not None:
@@ -581,8 +586,17 @@ class Scheduler:
         running = [b for b, row in enumerate(self._rows) if row in rows]
         for row in rows:
             row.handle._put(exc)
+            if row in self._prefilling:
+                self._prefilling.remove(row)
         if running:
-            self._remove(running)
+            try:
+                self._remove(running)
+            except Exception:  # noqa: BLE001 - the batch itself is broken: start it over
+                self._rows = [row for row in self._rows if row not in rows]
+                self._batch, self._groups = None, {}
+                for row in self._rows:
+                    row.handle._put(exc)
+                self._rows = []
 
 
 def _token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:

@@ -221,3 +221,56 @@ def test_a_constraint_limits_every_token_and_ends_the_request_when_complete(engi
     assert stats.finish_reason == "stop"
     assert batched(free)[0] == alone(engine, PROMPTS[1], max_tokens=12, ignore_eos=True)[0]
     scheduler.close()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_rows_stream_what_each_streams_alone(tmp_path_factory, bits):
+    path = make_model_dir(tmp_path_factory.mktemp(f"q{bits}"), "qwen3",
+                          overrides={**QWEN, "head_dim": 64}, seed=0)
+    engine = foretell.load(path, kv_bits=bits)
+    scheduler = Scheduler(engine)
+    handles = [scheduler.submit(p, max_tokens=n, ignore_eos=True)
+               for p, n in zip(PROMPTS, [20, 9, 14, 6])]
+    for prompt, n, handle in zip(PROMPTS, [20, 9, 14, 6], handles):
+        assert batched(handle)[0] == alone(engine, prompt, max_tokens=n, ignore_eos=True)[0]
+    scheduler.close()
+
+
+def test_a_failing_step_fails_its_requests_and_the_worker_serves_the_next(engine, monkeypatch):
+    scheduler = Scheduler(engine)
+    list(scheduler.submit(PROMPTS[2], max_tokens=2, ignore_eos=True))  # the worker is up
+    forward = engine.model.forward
+    calls = {"n": 0}
+
+    def broken_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("the device fell over")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", broken_once)
+    with pytest.raises(GenerationError, match="the device fell over"):
+        list(scheduler.submit(PROMPTS[0], max_tokens=5, ignore_eos=True))
+    monkeypatch.setattr(engine.model, "forward", forward)
+    follow = scheduler.submit(PROMPTS[1], max_tokens=5, ignore_eos=True)
+    assert batched(follow)[0] == alone(engine, PROMPTS[1], max_tokens=5, ignore_eos=True)[0]
+    scheduler.close()
+
+
+def test_a_row_that_cannot_join_the_batch_fails_and_the_worker_serves_the_next(engine,
+                                                                              monkeypatch):
+    import foretell.scheduler as scheduler_module
+
+    scheduler = Scheduler(engine)
+    real = scheduler_module.batch_caches
+
+    def broken(*args, **kwargs):
+        raise TypeError("a layer the batch cannot hold")
+
+    monkeypatch.setattr(scheduler_module, "batch_caches", broken)
+    with pytest.raises(GenerationError, match="cannot hold"):
+        list(scheduler.submit(PROMPTS[0], max_tokens=5, ignore_eos=True))
+    monkeypatch.setattr(scheduler_module, "batch_caches", real)
+    follow = scheduler.submit(PROMPTS[1], max_tokens=5, ignore_eos=True)
+    assert batched(follow)[0] == alone(engine, PROMPTS[1], max_tokens=5, ignore_eos=True)[0]
+    scheduler.close()

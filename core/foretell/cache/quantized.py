@@ -179,6 +179,8 @@ def quantized_attend(queries: mx.array, keys: Triple, values: Triple, *, scale: 
         if isinstance(mask, str):
             n_q, n_k = scores.shape[-2:]
             mask = mx.arange(n_k - n_q, n_k)[:, None] >= mx.arange(n_k)[None]
+        if repeats > 1 and mask.ndim == 4:  # a batch's per-row mask [B, 1, L, S]
+            mask = mx.expand_dims(mask, 2)
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:

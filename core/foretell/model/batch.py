@@ -28,16 +28,22 @@ def _capacity(tokens: int, step: int) -> int:
 
 
 class BatchKVCache:
-    """One layer's keys and values for a batch of rows (see the module docstring)."""
+    """One layer's keys and values for a batch of rows (see the module docstring).
+
+    Keys and values are each kept as parts: one array, or for quantized KV (``bits``) the
+    packed words, scales and biases that :func:`mx.quantize` makes; every part runs along
+    the token axis alike, so rows, slots and trims treat them the same."""
 
     step = 256
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, window: int | None = None, *, bits: int | None = None,
+                 group_size: int = 64) -> None:
         if window is not None and window < 1:
             raise ValueError(f"BatchKVCache window must be positive, got {window}")
         self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.bits, self.group_size = bits, group_size
+        self._k: tuple[mx.array, ...] | None = None
+        self._v: tuple[mx.array, ...] | None = None
         self.starts: list[int] = []
         self.lengths: list[int] = []
 
@@ -52,26 +58,27 @@ class BatchKVCache:
         """Each row's next position, ``int32 [B]`` (RoPE's per-row offset)."""
         return mx.array([s + n for s, n in zip(self.starts, self.lengths)], dtype=mx.int32)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Write ``n`` new tokens after each row's last and return the slots every row's
-        queries may need (``[B, kv_heads, max(lengths) + n, dim]``)."""
+        queries may need (``[B, kv_heads, max(lengths) + n, dim]``, or quantized triples)."""
         if keys.shape[0] != self.rows:
             raise ValueError(f"BatchKVCache holds {self.rows} rows, got keys for {keys.shape[0]}")
         n = keys.shape[2]
         end = max(self.lengths) + n
-        self._ensure(end, keys)
+        new_k, new_v = self._parts(keys), self._parts(values)
+        self._ensure(end, new_k, new_v)
         if len(set(self.lengths)) == 1:
             start = self.lengths[0]
-            self.keys[..., start : start + n, :] = keys
-            self.values[..., start : start + n, :] = values
+            for stored, new in zip((*self._k, *self._v), (*new_k, *new_v)):
+                stored[..., start : start + n, :] = new
         else:
             rows = mx.arange(self.rows)[:, None]
             slots = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(n)[None]
-            # Advanced indices around a slice put their dims first: [B, n, heads, dim].
-            self.keys[rows, :, slots] = keys.swapaxes(1, 2)
-            self.values[rows, :, slots] = values.swapaxes(1, 2)
+            for stored, new in zip((*self._k, *self._v), (*new_k, *new_v)):
+                # Advanced indices around a slice put their dims first: [B, n, heads, dim].
+                stored[rows, :, slots] = new.swapaxes(1, 2)
         self.lengths = [length + n for length in self.lengths]
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self._fetch(self._k, end), self._fetch(self._v, end)
 
     def mask(self, n_queries: int) -> mx.array | None:
         """``bool [B, 1, n_queries, max(lengths) + n_queries]`` for the next update: row
@@ -102,50 +109,64 @@ class BatchKVCache:
         self.lengths = [length - n for length, n in zip(self.lengths, counts)]
 
     def append(self, caches: Sequence[Any]) -> None:
-        """Add one row per single-request cache (``KVCache``, ``RotatingKVCache`` or
-        ``SlidingKVCache`` of batch 1, or None for an empty row); their arrays are copied in,
-        so the donors stay as they were."""
-        states = [_row_state(cache) for cache in caches]
+        """Add one row per single-request cache (``KVCache``, ``QuantizedKVCache``,
+        ``RotatingKVCache`` or ``SlidingKVCache`` of batch 1, or None for an empty row);
+        their arrays are copied in, so the donors stay as they were."""
+        states = [self._row_state(cache) for cache in caches]
         filled = [(k, v) for _, k, v in states if k is not None]
-        like = (self.keys, self.values) if self.keys is not None else (filled[0] if filled else None)
+        like = (self._k, self._v) if self._k is not None else (filled[0] if filled else None)
         if like is not None:
-            longest = max([0, *self.lengths, *(k.shape[2] for k, _ in filled)])
+            longest = max([0, *self.lengths, *(k[0].shape[2] for k, _ in filled)])
             capacity = _capacity(longest, self.step)
-            old_keys, old_values = self._resized(capacity)
-            rows_k = [_row_buffer(k, like[0], capacity) for _, k, _ in states]
-            rows_v = [_row_buffer(v, like[1], capacity) for _, _, v in states]
-            self.keys = mx.concatenate([*old_keys, *rows_k], axis=0)
-            self.values = mx.concatenate([*old_values, *rows_v], axis=0)
+            self._resize(capacity)
+            old = (self._k, self._v) if self._k is not None else ((), ())
+            joined = []
+            for which in (0, 1):
+                parts = []
+                for i, part in enumerate(like[which]):
+                    rows = [_row_buffer(None if (k, v)[which] is None else (k, v)[which][i],
+                                        part, capacity) for _, k, v in states]
+                    parts.append(mx.concatenate([*old[which][i : i + 1], *rows], axis=0))
+                joined.append(tuple(parts))
+            self._k, self._v = joined
         self.starts += [start for start, _, _ in states]
-        self.lengths += [0 if keys is None else keys.shape[2] for _, keys, _ in states]
+        self.lengths += [0 if keys is None else keys[0].shape[2] for _, keys, _ in states]
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (indices, in the new order)."""
         keep = list(keep)
         self.starts = [self.starts[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
-        if self.keys is None:
+        if self._k is None:
             return
         if not keep:
-            self.keys = self.values = None
+            self._k = self._v = None
             return
         index = mx.array(keep, dtype=mx.int32)
         width = _capacity(max(self.lengths), self.step)
-        self.keys = mx.take(self.keys, index, axis=0)[..., :width, :]
-        self.values = mx.take(self.values, index, axis=0)[..., :width, :]
+        self._k, self._v = (tuple(mx.take(x, index, axis=0)[..., :width, :] for x in parts)
+                            for parts in (self._k, self._v))
 
     def extract(self, row: int) -> Any:
         """Row ``row`` as a single-request cache holding exactly its tokens (a copy): a
-        ``KVCache``, or for a sliding-window layer a ``RotatingKVCache`` of its newest
-        window, as the model's own ``make_caches`` would have built them."""
+        ``KVCache`` (quantized with ``bits``), or for a sliding-window layer a
+        ``RotatingKVCache`` of its newest window, as the model's ``make_caches`` (and
+        ``kv_bits``) would have built them."""
         length, start = self.lengths[row], self.starts[row]
-        if self.keys is None or length == 0:
+        if self._k is None or length == 0:
             if start:
                 raise ValueError(f"row {row} holds no tokens past position {start}")
             keys = values = None
         else:
-            keys = mx.array(self.keys[row : row + 1, :, :length, :])
-            values = mx.array(self.values[row : row + 1, :, :length, :])
+            keys, values = (tuple(mx.array(x[row : row + 1, :, :length, :]) for x in parts)
+                            for parts in (self._k, self._v))
+        if self.bits is not None:
+            from foretell.cache.quantized import QuantizedKVCache
+
+            state = () if keys is None else (*keys, *values)
+            return QuantizedKVCache.from_state(state, {"offset": length, "bits": self.bits,
+                                                       "group_size": self.group_size})
+        keys, values = (None, None) if keys is None else (keys[0], values[0])
         if self.window is None:
             cache = KVCache()
             cache.state = () if keys is None else (keys, values)
@@ -168,35 +189,55 @@ class BatchKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self._k is None else sum(x.nbytes for x in (*self._k, *self._v))
 
     # -- internals -----------------------------------------------------------------------
 
-    def _ensure(self, end: int, like: mx.array) -> None:
-        if self.keys is None:
-            B, heads, _, dim = like.shape
-            capacity = _capacity(end, self.step)
-            self.keys = mx.zeros((B, heads, capacity, dim), like.dtype)
-            self.values = mx.zeros((B, heads, capacity, dim), like.dtype)
-        elif end > self.keys.shape[2]:
-            old_keys, old_values = self._resized(_capacity(end, self.step))
-            self.keys, self.values = old_keys[0], old_values[0]
+    def _parts(self, x: mx.array) -> tuple[mx.array, ...]:
+        if self.bits is None:
+            return (x,)
+        if x.shape[-1] % self.group_size:
+            from foretell.errors import GenerationError
 
-    def _resized(self, capacity: int) -> tuple[list[mx.array], list[mx.array]]:
-        """The current buffers, padded with zero slots to ``capacity`` (as one-item lists,
-        empty when there are none)."""
-        if self.keys is None:
-            return [], []
-        have = self.keys.shape[2]
-        if have >= capacity:
-            return [self.keys], [self.values]
+            raise GenerationError(f"kv bits {self.bits}: head_dim {x.shape[-1]} is not a "
+                                  f"multiple of the group size {self.group_size}")
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def _fetch(self, parts: tuple[mx.array, ...], end: int) -> Any:
+        fetched = tuple(x[..., :end, :] for x in parts)
+        return fetched if self.bits is not None else fetched[0]
+
+    def _row_state(self, cache: Any) -> tuple[int, Any, Any]:
+        if cache is not None and self.bits is not None and cache.keys is not None \
+                and isinstance(cache.keys, tuple):
+            state = cache.state
+            return (0, tuple(state[:3]), tuple(state[3:])) if state else (0, None, None)
+        start, keys, values = _row_state(cache)
+        if keys is None:
+            return start, None, None
+        return start, self._parts(keys), self._parts(values)
+
+    def _ensure(self, end: int, like_k: tuple[mx.array, ...],
+                like_v: tuple[mx.array, ...]) -> None:
+        if self._k is None:
+            capacity = _capacity(end, self.step)
+            self._k, self._v = (tuple(mx.zeros((x.shape[0], x.shape[1], capacity, x.shape[3]),
+                                               x.dtype) for x in like)
+                                for like in (like_k, like_v))
+        elif end > self._k[0].shape[2]:
+            self._resize(_capacity(end, self.step))
+
+    def _resize(self, capacity: int) -> None:
+        """Pad the buffers with zero slots to ``capacity`` (none when there are none)."""
+        if self._k is None or self._k[0].shape[2] >= capacity:
+            return
+        have = self._k[0].shape[2]
 
         def pad(x: mx.array) -> mx.array:
             B, heads, _, dim = x.shape
             return mx.concatenate([x, mx.zeros((B, heads, capacity - have, dim), x.dtype)], axis=2)
 
-        return [pad(self.keys)], [pad(self.values)]
-
+        self._k, self._v = (tuple(pad(x) for x in parts) for parts in (self._k, self._v))
 
 
 def _row_buffer(x: mx.array | None, like: mx.array, capacity: int) -> mx.array:
@@ -228,13 +269,17 @@ def _row_state(cache: Any) -> tuple[int, mx.array | None, mx.array | None]:
                     "(full-attention and sliding-window KV caches only)")
 
 
-def batch_caches(model: Any) -> list[BatchKVCache]:
-    """Empty batch caches, one per layer of ``model``, with each layer's window."""
+def batch_caches(model: Any, *, bits: int | None = None,
+                 group_size: int = 64) -> list[BatchKVCache]:
+    """Empty batch caches, one per layer of ``model``, with each layer's window; with
+    ``bits``, full-attention layers hold their KV quantized (sliding-window layers stay
+    unquantized, as a single request's do)."""
     caches = []
     for cache in model.make_caches():
         window = getattr(cache, "max_size", None)
         if not isinstance(cache, (KVCache, RotatingKVCache, SlidingKVCache)):
             raise TypeError(f"{model.model_type}: a batch cannot hold a "
                             f"{type(cache).__name__} layer")
-        caches.append(BatchKVCache(window))
+        caches.append(BatchKVCache(window, bits=bits if window is None else None,
+                                   group_size=group_size))
     return caches
