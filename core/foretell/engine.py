@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from foretell.config import SamplingConfig
     from foretell.model import Model
     from foretell.plugin.registry import Registry
+    from foretell.scheduler import RequestHandle, Scheduler
     from foretell.spec import Speculator, Target
 
 #: The shipped model ``--model`` means when none is named.
@@ -271,6 +272,23 @@ class Engine:
         return self._one_by_one(self._run(
             ids, max_tokens, sampler, StopMatcher(stop), prefill_progress, eos, speculator, request
         ))
+
+    def submit(self, prompt: Prompt, **options: Any) -> RequestHandle:
+        """Queue a request beside others: many requests decode together in one forward on
+        one worker thread (:mod:`foretell.scheduler`), each with its own drafter, sampling
+        and stop rules. Returns a :class:`~foretell.scheduler.RequestHandle` that yields the
+        events :meth:`generate` yields (from any thread, or ``async for`` over
+        ``handle.events()``) and can be cancelled. ``options`` as for :meth:`generate` (but
+        ``resume`` and ``prefill_progress``), plus ``logprobs`` and ``constraint``."""
+        return self.scheduler.submit(prompt, **options)
+
+    @functools.cached_property
+    def scheduler(self) -> Scheduler:
+        """This engine's batch scheduler (made on first use; ``Scheduler(engine, ...)``
+        makes one with other limits)."""
+        from foretell.scheduler import Scheduler
+
+        return Scheduler(self)
 
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
         """The whole completion as one string; ``options`` as for :meth:`generate`."""

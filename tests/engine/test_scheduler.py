@@ -274,3 +274,18 @@ def test_a_row_that_cannot_join_the_batch_fails_and_the_worker_serves_the_next(e
     follow = scheduler.submit(PROMPTS[1], max_tokens=5, ignore_eos=True)
     assert batched(follow)[0] == alone(engine, PROMPTS[1], max_tokens=5, ignore_eos=True)[0]
     scheduler.close()
+
+
+def test_engine_submit_from_several_threads_streams_what_generate_streams(engine):
+    want = {p: alone(engine, p, max_tokens=8, ignore_eos=True)[0] for p in PROMPTS}
+    got: dict[str, list[int]] = {}
+
+    def client(prompt: str) -> None:
+        got[prompt] = batched(engine.submit(prompt, max_tokens=8, ignore_eos=True))[0]
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got == want
