@@ -62,3 +62,17 @@ def test_closing_while_requests_run_drains_them_and_returns(engine):
     assert not closer.is_alive(), "close() never returned"
     want = alone(engine, "def f(x):", 24)
     assert [h.text() for h in handles[1:]] == [want, want]
+
+
+def test_requests_waiting_for_admission_count_against_the_waiting_bound(engine):
+    from foretell.scheduler import QueueFull
+
+    scheduler = Scheduler(engine, max_rows=1, max_waiting=2)
+    running = scheduler.submit("def f(x):", max_tokens=10_000, ignore_eos=True)
+    next(iter(running))  # admitted: the one row is taken
+    waiting = [scheduler.submit("x = 1", max_tokens=4, ignore_eos=True) for _ in range(2)]
+    with pytest.raises(QueueFull, match="2 requests are waiting"):
+        scheduler.submit("x = 1", max_tokens=4, ignore_eos=True)
+    running.cancel()
+    assert [h.text() for h in waiting] == [alone(engine, "x = 1", 4)] * 2
+    scheduler.close()
