@@ -78,6 +78,7 @@ def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, mo
     import mlx.core as mx
 
     from foretell.spec import CATCH_UP_MAX, verifier
+    from foretell.spec.policy import PLAIN_STRETCH
     from foretell.spec.warmup import ScriptedPolicy
 
     speculator = demo.use_draft("mtp", max_tokens=3, adaptive=False)
@@ -115,7 +116,7 @@ def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, mo
     assert text == demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,
                                       speculate=False)
     feed, singles = max(feeds, key=lambda pair: len(pair[1]))
-    assert len(singles) >= 6 * verifier.PLAIN_STRETCH
+    assert len(singles) >= 6 * PLAIN_STRETCH
     held = feed.hidden.shape[1]
     assert CATCH_UP_MAX <= held < CATCH_UP_MAX + verifier.HIDDEN_PACK < len(feed.tokens)
     assert longest[0] <= verifier.HIDDEN_PACK + CATCH_UP_MAX // verifier.HIDDEN_PACK

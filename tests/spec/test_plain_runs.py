@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from foretell.spec.verifier import PLAIN_STRETCH
+from foretell.spec.policy import PLAIN_STRETCH
 
 
 def _use_other_draft(engine, model_dirs, registry):

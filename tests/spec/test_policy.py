@@ -1,61 +1,63 @@
 """The adaptive draft length follows what the drafter and the machine measure: a drafter
-that does not pay is switched off (plain steps), one that pays drafts long."""
+that does not pay is switched off (plain steps), one that pays drafts long, a few bad rounds
+do not condemn a drafter, and no decision hinges on one noisy time.
+
+The simulations drive the policy as the verifier does: a round the policy answers 0 to is a
+plain stretch of ``policy.stretch`` steps reporting the time of one of them, a drafted round
+its own time. Speeds are computed from the true costs, never timed."""
 
 from __future__ import annotations
 
 import random
+import statistics
 
 from foretell.spec.policy import (
+    EXPLORE_ALLOWANCE,
+    EXPLORE_SHARE,
     PLAIN_STRETCH,
-    PROBE_BUDGET,
     PROBE_EVERY,
-    PROBE_EVERY_MAX,
-    PROBE_EVERY_MIN,
     DraftLengthPolicy,
 )
 
 
 def _simulate(acceptance: float, plain_s: float, draft_token_s: float, verify_s: float,
-              rounds: int = 400, seed: int = 0) -> list[int]:
-    """Run the policy against a simulated drafter; return the k it chose per round."""
+              rounds: int = 400, seed: int = 0) -> list[tuple[int, int]]:
+    """Run the policy against a simulated drafter; return ``(k, tokens)`` per round."""
     rng = random.Random(seed)
     policy = DraftLengthPolicy(6)
     chosen = []
     for _ in range(rounds):
         k = policy.choose(100)
-        chosen.append(k)
         if k == 0:
+            chosen.append((0, policy.stretch))
             policy.observe(0, 0, plain_s)
             continue
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
+        chosen.append((k, 1 + accepted))
         policy.observe(k, accepted, verify_s + k * draft_token_s)
     return chosen
 
 
-def _tokens_per_second(acceptance, plain_s, draft_token_s, verify_s, chosen):
+def _speed_over_plain(plain_s, draft_token_s, verify_s, chosen) -> float:
     tokens = seconds = 0.0
-    for k in chosen:
-        if k == 0:
-            tokens, seconds = tokens + 1, seconds + plain_s
-        else:
-            expected = sum(acceptance**j for j in range(1, k + 1)) + 1
-            tokens, seconds = tokens + expected, seconds + verify_s + k * draft_token_s
-    return tokens / seconds
+    for k, made in chosen:
+        tokens += made
+        seconds += made * plain_s if k == 0 else verify_s + k * draft_token_s
+    return tokens / seconds * plain_s
 
 
 def test_a_drafter_that_never_agrees_is_switched_off_within_five_percent():
     chosen = _simulate(acceptance=0.0, plain_s=0.010, draft_token_s=0.004, verify_s=0.012)
     late = chosen[100:]
-    assert sum(k == 0 for k in late) / len(late) > 1 - 2 / PROBE_EVERY
-    speed = _tokens_per_second(0.0, 0.010, 0.004, 0.012, late)
-    assert speed >= 0.95 * (1 / 0.010)
+    assert sum(k == 0 for k, _ in late) / len(late) > 1 - 2 / PROBE_EVERY
+    assert _speed_over_plain(0.010, 0.004, 0.012, late) >= 0.95
 
 
 def test_a_cheap_accurate_drafter_drafts_long():
     chosen = _simulate(acceptance=0.95, plain_s=0.010, draft_token_s=0.001, verify_s=0.012)
-    late = chosen[100:]
+    late = [k for k, _ in chosen[100:]]
     assert sorted(late)[len(late) // 2] >= 5
 
 
@@ -63,7 +65,8 @@ def test_a_costly_drafter_is_used_only_where_it_pays():
     # Drafting one token costs as much as a plain step: even 80% acceptance cannot pay.
     chosen = _simulate(acceptance=0.8, plain_s=0.010, draft_token_s=0.010, verify_s=0.011)
     late = chosen[100:]
-    assert sum(k == 0 for k in late) / len(late) > 0.8
+    assert sum(k == 0 for k, _ in late) / len(late) > 0.8
+    assert _speed_over_plain(0.010, 0.010, 0.011, late) >= 0.95
 
 
 def test_without_adaptation_the_policy_drafts_the_most_it_may():
@@ -97,7 +100,8 @@ def _simulate_with_stalls(stall_s: dict[int, float], stall_rounds: dict[int, flo
 def test_kernels_compiled_on_a_lengths_first_round_do_not_switch_that_length_off():
     # Measured on the H200: a window shape's first round compiled kernels for seconds,
     # and a policy that timed it drafted under one token a round at 88% acceptance.
-    assert _simulate_with_stalls({k: 2.0 for k in range(7)}, {}) == _simulate_with_stalls({}, {})
+    # (A plain stretch's first step, where its kernels compile, is never timed.)
+    assert _simulate_with_stalls({k: 2.0 for k in range(1, 7)}, {}) == _simulate_with_stalls({}, {})
 
 
 def test_a_stalled_round_does_not_switch_a_good_length_off_for_good():
@@ -140,9 +144,10 @@ def _self_drafting_on_a_swinging_host(seed: int, swing: float = 0.3, rounds: int
     for r in range(rounds):
         k = policy.choose(100)
         if k == 0:
-            steps = [plain * rng.lognormvariate(0, swing) for _ in range(PLAIN_STRETCH)]
-            policy.observe(0, 0, sum(steps) / PLAIN_STRETCH)
-            made, cost = PLAIN_STRETCH, PLAIN_STRETCH * plain
+            made = policy.stretch
+            steps = [plain * rng.lognormvariate(0, swing) for _ in range(made)]
+            policy.observe(0, 0, sum(steps) / made)
+            cost = made * plain
         else:
             accepted = 0
             while accepted < k and rng.random() < 0.95:
@@ -177,8 +182,9 @@ def test_a_plain_step_timed_in_a_slow_moment_does_not_keep_drafting_on():
         k = policy.choose(100)
         if k == 0:
             slow += 1
+            made = policy.stretch
             policy.observe(0, 0, 2.0 if slow <= 5 else 1.0)  # the first five in a slow moment
-            made, spent = PLAIN_STRETCH, PLAIN_STRETCH * 1.0
+            spent = made * 1.0
         else:
             policy.observe(k, k, 0.5 + 1.8 * k)  # the Xeon's self-drafting rounds
             made, spent = k + 1, 0.5 + 1.8 * k
@@ -206,7 +212,8 @@ def _losing_drafter_on_a_host_in_phases(seed: int, slow: float = 1.8, rounds: in
         time = factor * rng.lognormvariate(0, 0.1)
         if k == 0:
             policy.observe(0, 0, time)
-            made, spent = PLAIN_STRETCH, PLAIN_STRETCH * time
+            made = policy.stretch
+            spent = made * time
         else:
             accepted = 0
             while accepted < k and rng.random() < 0.7:
@@ -236,47 +243,55 @@ def test_the_policy_keeps_what_it_was_told_and_how_it_used_each_time():
     policy = DraftLengthPolicy(4)
     policy.observe(4, 4, 0.030)  # a length's first round: not timed (it compiles on CUDA)
     policy.observe(4, 2, 0.020)
-    policy.observe(0, 0, 0.010)  # the first plain stretch: not timed either
+    policy.observe(0, 0, 0.010)  # a plain stretch: timed (its first step never is)
     policy.observe(0, 0, 0.011)
     policy.observe(4, 3, 0.050)  # right after plain steps: a switch back, not timed
     policy.observe(4, 1, 0.021, one_off=True)
     assert [(k, kept, round(s, 3), use) for k, kept, s, use, _at in policy.told] == [
-        (4, 4, 0.03, "first"), (4, 2, 0.02, "timed"), (0, 0, 0.01, "first"),
+        (4, 4, 0.03, "first"), (4, 2, 0.02, "timed"), (0, 0, 0.01, "timed"),
         (0, 0, 0.011, "timed"), (4, 3, 0.05, "untimed"), (4, 1, 0.021, "untimed")]
     ats = [at for *_rest, at in policy.told]
     assert ats == sorted(ats)
     # Only the timed ones made the estimates.
-    assert policy.measured() == {0: 0.011, 4: 0.020}
+    assert policy.measured() == {0: 0.010, 4: 0.020}
     for _ in range(2 * TOLD_KEPT):
         policy.observe(0, 0, 0.012)
     assert len(policy.told) == TOLD_KEPT and policy.told[0][2] == 0.012
 
 
-def test_probes_of_a_switched_off_drafter_cost_about_one_percent():
-    # A failed probe of prompt lookup costs a longer verify than a plain step (0.6 of a
-    # step here): probed every few stretches, it costs ~1% and is back soon once it pays.
-    chosen = _simulate(acceptance=0.0, plain_s=0.010, draft_token_s=0.0, verify_s=0.016)
-    late = chosen[100:]
-    assert sum(k > 0 for k in late) >= 300 // (PROBE_EVERY_MIN * 2 * 4)  # probed, often
-    speed = _tokens_per_second(0.0, 0.010, 0.0, 0.016, late)
-    # Each policy round is a stretch of PLAIN_STRETCH plain tokens, a probe one round.
-    plain_tokens = sum(PLAIN_STRETCH if k == 0 else 0 for k in late)
-    probe_loss = sum(0.016 - 0.010 for k in late if k > 0)
-    assert probe_loss / (plain_tokens * 0.010) <= 2 * PROBE_BUDGET
-    assert speed >= 0.9 * (1 / 0.010)
-
-
-def test_a_costly_probe_backs_off_to_the_longest_interval():
-    # A model drafter's probe also catches up on every plain token since its last draft
-    # (here 30 plain steps' worth): 0.92x plain measured when probed every 16 stretches.
-    policy = DraftLengthPolicy(4)
-    chosen = []
-    for _ in range(400):
+def _exploring_loss(verify_s: float, rounds: int = 400) -> tuple[float, int, int]:
+    """A drafter that never agrees, each round costing ``verify_s`` against a 10 ms plain
+    step: what drafting lost after the warm-up, in plain steps, the tokens, and the drafted
+    rounds."""
+    policy, lost, tokens, drafted = DraftLengthPolicy(4), 0.0, 0, 0
+    for r in range(rounds):
         k = policy.choose(100)
-        chosen.append(k)
-        policy.observe(k, 0, 0.010 if k == 0 else 0.012 + 0.004 * k + 0.3)
-    late = chosen[100:]
-    assert sum(k > 0 for k in late) <= 300 // PROBE_EVERY_MAX + 2
+        if k == 0:
+            tokens += policy.stretch
+            policy.observe(0, 0, 0.010)
+            continue
+        tokens += 1
+        policy.observe(k, 0, verify_s)
+        if r >= 3:
+            lost, drafted = lost + verify_s / 0.010 - 1, drafted + 1
+    return lost, tokens, drafted
+
+
+def test_probes_of_a_switched_off_drafter_cost_at_most_the_budget():
+    # A failed probe of prompt lookup costs a longer verify than a plain step (0.6 of a
+    # step here): probed every few stretches, it costs its budget and is back soon once it
+    # pays.
+    lost, tokens, drafted = _exploring_loss(0.016)
+    assert drafted >= 40  # probed, often
+    assert lost <= EXPLORE_ALLOWANCE + EXPLORE_SHARE * tokens + 0.6 * 2
+
+
+def test_a_costly_probe_is_rare():
+    # A model drafter's probe also catches up on every plain token since its last draft
+    # (here 30 plain steps' worth a round): the budget pays for one every ~1,500 tokens.
+    lost, tokens, drafted = _exploring_loss(0.31)
+    assert lost <= EXPLORE_ALLOWANCE + EXPLORE_SHARE * tokens + 30 * 2
+    assert drafted <= 2 + EXPLORE_SHARE * tokens / 30 * 2
 
 
 def test_drafting_comes_back_once_it_pays_after_probes_backed_off():
@@ -313,7 +328,7 @@ def test_a_drafter_whose_switch_back_is_costly_is_judged_by_its_rounds_while_dra
         k = policy.choose(100)
         chosen.append(k)
         if k == 0:
-            since_draft += PLAIN_STRETCH
+            since_draft += policy.stretch
             policy.observe(0, 0, plain_s)
             continue
         accepted = 0
@@ -336,12 +351,12 @@ def test_drafted_rounds_that_were_never_timed_lead_to_a_timed_one_not_an_error()
     for n in (4, 3, 2):
         assert policy.choose(100) == 4
         policy.observe(n, 0, 0.01)
-    for _ in range(2):  # plain steps are timed first (their first stretch is not timed)
-        assert policy.choose(100) == 0
-        policy.observe(0, 0, 0.005)
+    assert policy.choose(100) == 0  # plain steps are timed first, in a short stretch
+    assert policy.stretch < PLAIN_STRETCH
+    policy.observe(0, 0, 0.005)
     assert policy.choose(100) == 4
     policy.observe(1, 1, 0.02)  # a switch back, at a new length: not timed
-    assert policy.round_time(1) is None and policy.choose(100) == 4
+    assert policy.round_time(1) is None and policy.choose(100) >= 1
     policy.observe(1, 1, 0.012)
     assert policy.round_time(1) is not None and policy.measured() == {0: 0.005, 1: 0.012}
 
@@ -360,11 +375,14 @@ def test_a_round_that_paid_a_one_off_cost_is_not_timed_and_a_probe_runs_again():
     # Switched off by a drafter that stops agreeing, then a probe from plain steps.
     for _ in range(20):
         if policy.choose(100) == 0:
-            policy.observe(0, 0, 0.001)
+            policy.observe(0, 0, 0.002)
         else:
             policy.observe(4, 0, 0.004)
-    while (k := policy.choose(100)) == 0:
-        policy.observe(0, 0, 0.001)
+    for _ in range(200):
+        if (k := policy.choose(100)) != 0:
+            break
+        policy.observe(0, 0, 0.002)
+    assert k > 0  # the budget paid for a probe
     policy.observe(k, 0, 0.004)  # the switch back: untimed, the probe goes on
     again = policy.choose(100)
     assert again == k
@@ -387,7 +405,7 @@ def _late_bloomer(seed: int, tokens: int = 256) -> float:
             chosen.append(k)
             if k == 0:
                 policy.observe(0, 0, 0.0012)
-                produced += PLAIN_STRETCH
+                produced += policy.stretch
                 continue
             rate, accepted = (0.3 if produced < 20 else 0.92), 0
             while accepted < k and rng.random() < rate:
@@ -405,3 +423,118 @@ def test_a_drafter_switched_off_early_comes_back_once_it_agrees():
     token, whose fixed verify cost cannot pay, left it off (a share of ~0.12)."""
     shares = [_late_bloomer(seed) for seed in range(8)]
     assert sum(shares) / len(shares) > 0.5
+
+
+# -- issue 48: a drafter that pays is not given up on; none hinges on one timing -----------
+
+#: The demo's two-model drafter on the 2-core CPU, as outside testing measured it on a
+#: held-out code prompt: plain 44 tok/s, fixed k = 3 at 1.87x (60 of 106 drafts kept). A
+#: round drafting k costs 1.07 + 0.125 k plain steps; each draft agrees with probability
+#: 0.74 (whether it does is a fact of the text position, as greedy drafts are).
+CPU_ROUND = (1.07, 0.125)
+AGREES = 0.74
+
+
+def _request(policy, agrees, tokens: int = 100, round_cost=CPU_ROUND, seed: int = 0,
+             noise: float = 0.1, catch_up: float = 0.02, first_plain=1.0, first_drafted=1.0,
+             drafted_at=None):
+    """One greedy request of ``tokens`` driven by ``policy`` (None: plain decoding); returns
+    its speed over plain decoding's, from the true costs. ``agrees(p)``: the chance a draft
+    at position p agrees; a switch back from plain steps also catches the drafter up
+    (``catch_up`` plain steps a token since its last draft, at most 32 tokens);
+    ``first_plain`` / ``first_drafted`` scale what the first timed plain stretch and the
+    first timed drafted round report (a busy moment). ``drafted_at`` (a list) gets the
+    position of every drafted round that kept a draft."""
+    text, rng = random.Random(1000 + seed), random.Random(seed)
+    match = [text.random() < agrees(p) for p in range(tokens + 64)]
+    base, per_token = round_cost
+    produced, spent, behind, timed_plain, timed_drafted = 0, 0.0, 0, 0, 0
+    while produced < tokens:
+        k = policy.choose(tokens - produced - 1) if policy is not None else 0
+        if k == 0:
+            steps = min(policy.stretch if policy is not None else tokens, tokens - produced)
+            timed_plain += 1
+            if policy is not None:
+                seen = rng.lognormvariate(0, noise) * (first_plain if timed_plain == 1 else 1)
+                policy.observe(0, 0, seen)
+            produced, spent, behind = produced + steps, spent + steps, behind + steps
+            continue
+        accepted = 0
+        while accepted < k and match[produced + accepted]:
+            accepted += 1
+        cost = base + per_token * k + catch_up * min(behind, 32)
+        timed_drafted += 1
+        stall = first_drafted if timed_drafted == 2 else 1.0  # the first timed one
+        policy.observe(k, accepted, cost * rng.lognormvariate(0, noise) * stall)
+        if drafted_at is not None and accepted:
+            drafted_at.append(produced)
+        produced, spent, behind = produced + accepted + 1, spent + cost, 0
+    return produced / spent
+
+
+def _fixed(k: int):
+    class Fixed(DraftLengthPolicy):
+        def choose(self, limit):
+            return min(k, limit)
+    return Fixed(k, adaptive=False)
+
+
+def _share_of_best_fixed(agrees, seeds=range(24), **options) -> float:
+    """The adaptive policy's mean speed over the best fixed length's, request by request."""
+    best = max(range(1, 5), key=lambda k: sum(_request(_fixed(k), agrees, seed=s, **options)
+                                              for s in seeds))
+    return statistics.mean(_request(DraftLengthPolicy(4), agrees, seed=s, **options)
+                           / _request(_fixed(best), agrees, seed=s, **options) for s in seeds)
+
+
+def test_a_drafter_that_pays_from_the_start_reaches_nine_tenths_of_the_best_fixed_length():
+    """The issue's default run: the warm-up's rounds, timing plain steps and the first
+    probes are all it gives away (0.85 of the best fixed length before, on this model)."""
+    assert _share_of_best_fixed(lambda p: AGREES) >= 0.9
+
+
+def test_a_few_rejected_rounds_at_a_request_s_start_do_not_condemn_a_drafter():
+    """The issue's failing run: the first drafts of a continuation mostly miss (here for its
+    first 25 tokens), the warm-up keeps one of twelve, and the policy switched drafting off
+    for the rest of the request. Before, 7 requests of these 24 kept drafting off to their
+    end; now every one drafts again within 80 tokens."""
+    def bad_start(p):
+        return 0.1 if p < 25 else AGREES
+
+    assert _share_of_best_fixed(bad_start) >= 0.9
+    assert _share_of_best_fixed(lambda p: 0.1 if p < 20 else AGREES, tokens=256) >= 0.9
+    for seed in range(24):
+        kept: list[int] = []
+        _request(DraftLengthPolicy(4), bad_start, seed=seed, drafted_at=kept)
+        assert any(25 < p < 80 for p in kept), (seed, kept)
+
+
+def test_no_decision_hinges_on_one_noisy_time():
+    """The first timed drafted round stalled tenfold: drafting still pays its way. (The
+    first plain stretch timed in a slow moment, with a drafter that cannot pay:
+    test_where_drafting_cannot_pay_a_request_keeps_at_least_95_percent_of_plain.)"""
+    assert _share_of_best_fixed(lambda p: AGREES, first_drafted=10.0) >= 0.9
+
+
+def _plain_share(agrees, round_cost, tokens=256, seeds=range(24), **options) -> float:
+    return statistics.mean(_request(DraftLengthPolicy(4), agrees, tokens, round_cost, seed=s,
+                                    **options) for s in seeds)
+
+
+def test_where_drafting_cannot_pay_a_request_keeps_at_least_95_percent_of_plain():
+    """Warm-up and budgeted probes included, over a whole request of 256 tokens: a drafter
+    that never agrees (the CPU's costs), prompt lookup that finds nothing (a failed round
+    costs a longer verify), and the demo draft on a GPU (0.72-0.76x plain at any fixed
+    length: 68% agreement, a round costing 1.8 + 0.3 k plain steps)."""
+    assert _plain_share(lambda p: 0.0, CPU_ROUND) >= 0.95
+    assert _plain_share(lambda p: 0.0, (1.3, 0.02)) >= 0.95
+    assert _plain_share(lambda p: 0.68, (1.8, 0.3)) >= 0.95
+
+
+def test_a_plain_stretch_timed_in_a_busy_moment_misleads_the_policy_for_a_few_rounds_only():
+    """The first plain stretch timed at twice what plain steps cost: drafting looks like a
+    gain until plain steps are timed again, eight rounds on, and the request keeps most of
+    plain decoding's speed (0.91x for the GPU draft when they were timed again only after
+    sixteen rounds, with the other probes)."""
+    assert _plain_share(lambda p: 0.0, CPU_ROUND, first_plain=2.0) >= 0.93
+    assert _plain_share(lambda p: 0.68, (1.8, 0.3), first_plain=2.0) >= 0.93

@@ -34,10 +34,10 @@ _WHERE = {
     "RowsProvider": "foretell.spec.rows",
     "files_fingerprint": "foretell.spec.attach",
     "resumed_keys": "foretell.spec.attach",
-    "Drafting": "foretell.spec.verifier",
+    "Drafting": "foretell.spec.drafting",
     "SpeculationStats": "foretell.spec.verifier",
     "Speculator": "foretell.spec.verifier",
-    "draft_keys": "foretell.spec.verifier",
+    "draft_keys": "foretell.spec.drafting",
     "make_speculator": "foretell.spec.verifier",
     "speculative_steps": "foretell.spec.verifier",
 }

@@ -192,7 +192,7 @@ class DraftGroup:
         self._drafted = False
 
     def add(self, row: Any) -> None:
-        from foretell.spec.verifier import draft_keys
+        from foretell.spec.drafting import draft_keys
 
         hidden = None
         if self.speculator.wants_hidden:

@@ -2,39 +2,49 @@
 
 A round that drafts ``k`` tokens costs ``T(k)`` seconds and yields ``E(k) = 1 + sum over
 j <= k of prod over i <= j of a_i`` tokens, where ``a_i`` is the measured chance that
-draft position ``i`` is accepted once every earlier one was. The policy picks the ``k`` in
+draft position ``i`` is accepted once every earlier one was. The policy drafts the ``k`` in
 ``0..max_k`` with the best ``E(k) / T(k)``; ``k = 0`` is a plain decoding step, so a drafter
 that does not pay is switched off rather than slowing the request down.
 
-``T(0)`` is the typical time of the recent plain steps (:func:`typical`); ``T(k)`` for
-``k >= 1`` a robust line (Theil-Sen) through the typical recent round time of each draft
-length seen (n = tokens actually drafted), so the model tracks what the machine does now
-(a GPU where verifying 8 tokens costs little more than 1, a CPU where drafting costs the
-draft model's compute). The first round of each length is not timed (it compiles that
-shape's kernels on CUDA), nor a round the verifier flags as having paid a one-off cost (a
-fixed-shape forward traced for a new window length or cache capacity,
-:mod:`foretell.model.fixed`), and the typical time lets good rounds outvote a stall instead
-of a stall switching a good length off. The first drafted rounds draft ``max_k``, then plain
-stretches are timed; afterwards the policy probes now and then, alternately a neighbour of
-the best ``k`` and the length timed longest ago among those that could still pay, so no
-estimate goes stale for good (while drafting, a plain stretch once the plain-step estimate
-is ``STALE_ROUNDS`` old), as often as a budget of about 1% of the decoding time allows
-(``PROBE_BUDGET``): cheap probes often, costly ones rarely. A drafted round right after
-plain steps is not timed, as it also pays for switching back (a model drafter catches up
-on the plain tokens); so a probe from plain steps is two rounds, the second one timed. The
-other way round, the verifier never times a plain run's first step (nor the lone step taken
-when a drafter had nothing): it starts with nothing queued ahead of it (measured, each
-stretch's first step on the 2-core Xeon: 1.8 plain steps; on the H200 the policy's
-plain-step estimate read 2.03 ms against plain decoding's 1.12, and sampled MTP drafted on
-at 0.80x plain).
+**Costs.** ``T(0)`` is the typical time of the recent plain steps (:func:`typical`); ``T(k)``
+for ``k >= 1`` a robust line (Theil-Sen) through the typical recent round time of each draft
+length seen, so the model tracks what the machine does now (a GPU where verifying 8 tokens
+costs little more than 1, a CPU where drafting costs the draft model's compute). Not timed:
+a length's first round (it compiles that shape's kernels on CUDA), a round the verifier flags
+as having paid a one-off cost (a fixed-shape forward traced, :mod:`foretell.model.fixed`),
+and a drafted round right after plain steps (it also pays for switching back: a model
+drafter catches up on the plain tokens), so a probe from plain steps is two rounds, the
+second one timed; the verifier likewise never times a plain run's first step, and times
+plain steps from a short stretch (:data:`TIMING_STRETCH`) while drafting pays. No decision
+rests on one time: each length's estimate is the median of its last few rounds, and a length
+timed once does not shape the line while others were timed more often.
 
-Drafting that went off comes back once it pays (a drafter may disagree at the start of a
-continuation and agree later: MTP on the demo's code prompt accepted ~1 of 6 drafts over
-the first 20 tokens, ~4.5 after): a probe from plain steps drafts the most it may, so it
-hears of every position; the evidence from before the plain steps weighs less the longer
-they ran (never under ``AGED_ROUNDS`` rounds, so a drafter that never agrees stays judged
-by that); and a probe that paid drafts on for ``TRIAL_ROUNDS`` rounds before the policy
-chooses again.
+**Acceptance.** Per position, decayed counts with a prior (the position before it), so
+what a drafter did lately weighs most. Whether drafting pays is judged on their mean; which
+length to draft, once it does, on a slightly optimistic bound (:data:`LENGTH_OPTIMISM`), so
+a position whose few rounds went badly is drafted to again. Whether drafting *might* pay is
+judged on an optimistic bound (:data:`OPTIMISM` standard errors above the mean,
+:meth:`DraftLengthPolicy.acceptance`), wide while the evidence is thin: a few rejected rounds
+at a request's start (the start of a continuation is the hardest to guess) do not switch a
+drafter off for good. While the mean says no and the bound says maybe, the policy explores
+(drafts the length the bound favours), paid from a budget: what drafting after the warm-up
+has lost against plain steps, net, may not pass :data:`EXPLORE_SHARE` of the tokens seen
+plus :data:`EXPLORE_ALLOWANCE` plain steps, and rounds that paid earn it back. The budget
+grows with the tokens, so exploring is paced through the request, and a drafter that
+disagrees at the start is probed again later. While drafting is off its evidence fades, so
+the bound widens and the budget alone says how often it is probed: a cheap probe (prompt
+lookup) often, a costly one (a model drafter catching up) rarely, and a drafter that cannot
+pay even when it always agrees (its round costs more than its tokens) never. A probe whose
+timed round paid by itself drafts on :data:`TRIAL_ROUNDS` more rounds, enough fresh times to
+outvote what a busy moment left in the estimates. Once drafting as a whole has lost more than
+the budget, a length is drafted only where the estimates say it gains :data:`CLEAR_GAIN`.
+The budget counts each round's own time, capped at :data:`LOSS_CAP` times its length's
+estimate, so one stall cannot spend it.
+
+While drafting, plain steps are timed again soon while their estimate rests on one stretch
+and then whenever it is :data:`STALE_ROUNDS` old, and every :data:`PROBE_EVERY` rounds
+another length is tried, alternately a neighbour of the best and the length timed longest
+ago among those that could still pay: no estimate goes stale for good.
 """
 
 from __future__ import annotations
@@ -45,50 +55,60 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-#: Weight kept by old acceptance observations per new one (a memory of about 50 rounds).
+#: Weight kept by old acceptance observations per new drafted round (a memory of about 50).
 DECAY = 0.98
 #: Round times kept per draft length; its estimate is :func:`typical` of them, so a stall
 #: (a kernel compiled on first use by a shape the drafter builds, a busy host) is outvoted
 #: (measured on the H200: one 61 ms round kept an MTP length, really ~2 ms, switched off
 #: under a running mean); a lasting slow-down shows within TIME_SAMPLES rounds.
 TIME_SAMPLES = 5
-#: Weight kept by the acceptance observations per plain stretch while drafting is off (as
-#: many tokens as about four drafted rounds produce).
-STRETCH_DECAY = DECAY**4
-#: Rounds drafted at full length after a probe from plain steps that paid, before the
-#: policy chooses again: two rounds cannot outvote the evidence that switched drafting off.
-TRIAL_ROUNDS = 4
-#: Aging never takes a position's evidence below this many rounds, so a drafter that never
-#: agrees does not drift back to its prior and look worth probing again.
-AGED_ROUNDS = 4.0
+#: Fading never takes a position's evidence below this many rounds. A drafter that never
+#: agrees drifts back towards its prior: how often it is probed again is the budget's to say.
+AGED_ROUNDS = 1.0
 #: Strength of each draft position's prior, in rounds.
 PRIOR_ROUNDS = 2.0
-#: Every this many rounds, try a k other than the best one (see ``choose``).
+#: Standard errors above the mean acceptance that the optimistic bound lies: with the
+#: warm-up's three rounds all rejected, position 0's bound is still ~0.5.
+OPTIMISM = 1.5
+#: Standard errors above the mean acceptance at which the length to draft is chosen, once
+#: drafting pays: longer drafts reach positions whose evidence is thin.
+LENGTH_OPTIMISM = 1.0
+#: The most exploring may cost: this share of the tokens seen, in plain steps lost against
+#: plain decoding ...
+EXPLORE_SHARE = 0.02
+#: ... plus this many plain steps.
+EXPLORE_ALLOWANCE = 1.0
+#: A round counts against the budget at most this many times its length's estimated time
+#: (a stall, a busy host), so one slow round cannot block exploring for a whole run.
+LOSS_CAP = 2.0
+#: Rounds a probe from plain steps drafts on after a timed round that paid by itself.
+TRIAL_ROUNDS = 3
+#: While drafting, every this many rounds, try a k other than the best one (see ``choose``).
 PROBE_EVERY = 16
 #: Plain decoding steps the verifier runs between two questions to the policy while drafting
 #: is off (one "round" of the policy's count).
 PLAIN_STRETCH = 8
-#: While plain steps are best, probes may cost about this share of the decoding time: a
-#: probe round that lost ``L`` plain steps' worth of time against plain decoding (its time
-#: minus its tokens at a plain step's cost) waits ``L / (PROBE_BUDGET * PLAIN_STRETCH)``
-#: rounds before the next probe, within [PROBE_EVERY_MIN, PROBE_EVERY_MAX]; one that would
-#: have paid brings the next back after PROBE_EVERY. So a cheap probe (prompt lookup, whose
-#: failed round costs a longer verify: 0.6 of a plain step on the CPU, 0.7 on the H200) is
-#: repeated every few stretches and catches a drafter that starts paying mid-request, while
-#: a costly one (a model drafter catching up on every plain token since its last draft: the
-#: 6-layer self-draft probed every 16 stretches decoded at 0.92x plain on the CPU) backs off
-#: to one per PROBE_EVERY_MAX rounds (512 tokens).
-PROBE_BUDGET = 0.01
-PROBE_EVERY_MIN = 4
-PROBE_EVERY_MAX = 64
-#: Drafted rounds timed before the first choice; the very first is a warm-up, not timed.
+#: Weight kept by the acceptance evidence per plain stretch (what as many drafted rounds
+#: keep), so a switched-off drafter's evidence fades as the text moves on and the optimistic
+#: bound widens: how often it is probed again is then the budget's to say.
+STRETCH_DECAY = DECAY**PLAIN_STRETCH
+#: The stretch that times plain steps while drafting (the first time, and when the estimate
+#: is stale): the verifier never times a run's first step, so three are timed, and a drafter
+#: that pays loses little time to learning what a plain step costs.
+TIMING_STRETCH = 4
+#: Drafted rounds (at the most tokens) before the first choice; the first is not timed.
 WARMUP_ROUNDS = 3
-#: While drafting, every other probe times a plain stretch once the plain-step estimate is
-#: this many rounds old: a host's speed drifts, and drafting weighed against a plain step
-#: timed in a slow moment looked like a gain for good (2-core Xeon, 2026-12-03: the estimate
-#: read 65.6 ms against plain decoding's ~37 ms, and self-drafting, which cannot pay on a
-#: CPU, drafted at 0.75x plain). Starting the plain samples over at such a probe was tried
-#: and dropped: the swinging-host simulation then drafted at a loss (0.93x on one seed).
+#: Standard errors of the times by which drafting must beat plain steps to be chosen ...
+CONFIDENCE = 1.0
+#: ... taking a length timed fewer than three times to be this uncertain (relative).
+THIN_SPREAD = 0.05
+#: Once drafting has lost more than the exploring budget, a length is drafted only if it
+#: beats plain steps by this share on the mean estimates (they were wrong somewhere).
+CLEAR_GAIN = 0.1
+#: While drafting, plain steps are timed again once their estimate is this many rounds old:
+#: a host's speed drifts, and drafting weighed against a plain step timed in a slow moment
+#: looked like a gain for good (docs/decisions.md: self-drafting, which cannot pay on a CPU,
+#: drafted at 0.75x plain).
 STALE_ROUNDS = 128
 #: Observations the policy keeps as it was told them (:attr:`DraftLengthPolicy.told`), for a
 #: benchmark to show what its estimates came from: a request of 512 tokens, every one.
@@ -113,47 +133,55 @@ class DraftLengthPolicy:
         self._timed_at: dict[int, int] = {}
         self._drafted_rounds = 0
         self._rounds = 0
-        self._best = max_k
         self._probes = 0
-        self._probe_every = PROBE_EVERY
         self._next_probe = PROBE_EVERY
-        self._probing = False
         #: The last observation was a plain stretch (the next drafted round switches back).
         self._after_plain = False
         #: A probe's second round: the length its first, untimed round drafted.
         self._probe_again = 0
-        #: Plain steps' worth of time a probe has lost so far.
-        self._probe_lost = 0.0
-        #: Plain stretches since the last drafted round.
-        self._stretches_off = 0
-        #: Rounds still to draft at full length after a probe that paid.
+        #: The length the last exploring round drafted (0: none), and how many more rounds
+        #: of it a probe that paid gets.
+        self._exploring = 0
         self._trial = 0
+        #: Plain steps drafting after the warm-up has gained against plain decoding, net
+        #: (negative: lost).
+        self._balance = 0.0
+        #: Tokens produced so far, plain and drafted.
+        self._tokens = 0
+        #: Drafted rounds ``(drafted, accepted, seconds or None: a length's first)`` the
+        #: balance has yet to count.
+        self._unaccounted: list[tuple[int, int, float | None]] = []
         #: The newest TOLD_KEPT observations, oldest first: ``(drafted, accepted, seconds,
         #: use, at)``, ``use`` being how the time was used ("timed"; "untimed": a switch back
         #: or a one-off cost; "first": a length's first round) and ``at`` its
         #: ``time.perf_counter()``. Only read by benchmarks; it steers nothing.
         self.told: deque[tuple[int, int, float, str, float]] = deque(maxlen=TOLD_KEPT)
+        #: Plain steps the verifier runs before asking again, once ``choose`` said 0.
+        self.stretch = PLAIN_STRETCH
 
     # -- the model --------------------------------------------------------------------
 
-    def acceptance(self) -> list[float]:
+    def acceptance(self, optimism: float = 0.0) -> list[float]:
         """Per position, the chance a draft is kept once every earlier one was. Each
         position's prior is the position before it (2 rounds' worth; the first: 1/2), so a
         position rarely reached borrows from its neighbour instead of sitting at 1/2, which
-        would keep a good drafter from ever trying longer drafts."""
+        would keep a good drafter from ever trying longer drafts. ``optimism`` > 0: that many
+        standard errors higher (at most 1), wide while the evidence is thin."""
         rates, prior = [], 0.5
         for accepted, offered in zip(self._accepted, self._offered):
             prior = (accepted + PRIOR_ROUNDS * prior) / (offered + PRIOR_ROUNDS)
-            rates.append(prior)
+            spread = math.sqrt(prior * (1.0 - prior) / (offered + PRIOR_ROUNDS))
+            rates.append(min(1.0, prior + optimism * spread))
         return rates
 
     def expected_tokens(self, k: int) -> float:
-        return self._expected()[k]
+        return self._expected(self.acceptance())[k]
 
-    def _expected(self) -> list[float]:
-        """``E(k)`` for every ``k`` in ``0..max_k``, in one pass over the acceptance."""
+    @staticmethod
+    def _expected(rates: list[float]) -> list[float]:
+        """``E(k)`` for every ``k`` in ``0..max_k``, in one pass over ``rates``."""
         totals, total, chain = [1.0], 1.0, 1.0
-        for rate in self.acceptance():
+        for rate in rates:
             chain *= rate
             total += chain
             totals.append(total)
@@ -171,17 +199,27 @@ class DraftLengthPolicy:
         return times[n] if times is not None else None
 
     def _round_times(self) -> list[float] | None:
-        """``T(k)`` for every ``k`` in ``0..max_k``, from one fit, or None before a plain
-        and a drafted round were timed. A plain step (``k = 0``) is its own estimate; a
-        drafted round is the Theil-Sen line through the drafted lengths' estimates (through
-        the plain step and the one drafted length while only one is known), never below a
-        plain step. Fitting the plain steps into the same line let one slow drafted round
-        raise the plain estimate threefold on a busy CPU (measured), so self-drafting
-        drafted on at a loss."""
+        """``T(k)`` for every ``k`` in ``0..max_k``, or None before a plain and a drafted
+        round were timed. A plain step (``k = 0``) and a length timed three times or more
+        are their own estimates; any other length comes from the Theil-Sen line through the
+        drafted lengths' estimates (through the plain step and the one drafted length while
+        only one is known), never below a plain step. Fitting the plain steps into the same
+        line let one slow drafted round raise the plain estimate threefold on a busy CPU
+        (measured), so self-drafting drafted on at a loss; and a line through old estimates
+        of other lengths kept a length drafted for hundreds of rounds at a loss its own
+        recent rounds showed. The plain step is never taken to cost more than the cheapest
+        drafted round."""
         if 0 not in self._time or len(self._time) < 2:
             return None
-        plain = self._time[0]
         drafted = {x: y for x, y in self._time.items() if x > 0}
+        # A drafted round runs the target over two tokens or more, which costs at least a
+        # plain step: a plain stretch timed in a slow moment cannot make drafting look
+        # cheaper than that.
+        plain = min(self._time[0], *drafted.values())
+        # A length timed once may have stalled that once: while others were timed more
+        # often, it waits for its second round before it shapes the line.
+        trusted = {x: y for x, y in drafted.items() if len(self._samples[x]) > 1}
+        drafted = trusted or drafted
         if len(drafted) == 1:
             ((x1, y1),) = drafted.items()
             slope, intercept = (y1 - plain) / x1, plain
@@ -193,7 +231,17 @@ class DraftLengthPolicy:
                 (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
                 for x2, y2 in points[i + 1 :]), 0.0)
             intercept = statistics.median(y - slope * x for x, y in points)
-        return [plain] + [max(intercept + slope * k, plain) for k in range(1, self.max_k + 1)]
+        # A length timed often enough is its own estimate: the line, through the lengths'
+        # estimates whenever they were taken, is for the lengths it has to stand in for.
+        return [plain] + [self._time[k] if len(self._samples.get(k, ())) >= 3
+                          else max(intercept + slope * k, plain) for k in range(1, self.max_k + 1)]
+
+    def exploring_allowed(self) -> bool:
+        """Whether the budget allows a round that may lose against plain steps: drafting's
+        net loss so far stays within EXPLORE_SHARE of the tokens seen (plus
+        EXPLORE_ALLOWANCE). It grows with the tokens, so exploring is paced: a drafter that
+        disagrees at a request's start is probed again as the request goes on."""
+        return -self._balance < EXPLORE_ALLOWANCE + EXPLORE_SHARE * self._tokens
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -203,36 +251,95 @@ class DraftLengthPolicy:
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
+        self.stretch = PLAIN_STRETCH
         if not self.adaptive or self._drafted_rounds < WARMUP_ROUNDS:
             return limit
         if 0 not in self._time:
+            self.stretch = TIMING_STRETCH
             return 0
         if self._probe_again:
             k, self._probe_again = self._probe_again, 0
             return min(k, limit)
-        if self._trial:
-            self._trial -= 1
-            return limit
         times = self._round_times()
         if times is None:  # no drafted round timed yet (each was a length's first, say)
             return limit
-        expected = self._expected()
+        expected = self._expected(self.acceptance())
         rates = [e / t for e, t in zip(expected, times)]
-        self._best = max(range(self.max_k + 1), key=rates.__getitem__)
-        k = self._best
+        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        # Drafting must beat plain steps by more than the times' own noise (a rolling median
+        # that dips by luck would keep a break-even drafter on), and by CLEAR_GAIN once it
+        # has lost more than the budget.
+        margin = CONFIDENCE * math.hypot(self._spread(best), self._spread(0))
+        if not self.exploring_allowed():
+            margin = max(margin, CLEAR_GAIN)
+        if best and rates[best] < (1 + margin) * rates[0]:
+            best = 0
+        if best == 0:
+            self._exploring = self._explore(times)
+            if self._exploring and self._plain_stale():
+                return 0
+            return min(self._exploring, limit)
+        self._exploring = self._trial = 0
+        # Drafting pays: how long, among the lengths that pay, judged optimistically, so a
+        # position whose few rounds went badly is reached again instead of never drafted
+        # to (its evidence then never changes).
+        hopeful = self._expected(self.acceptance(LENGTH_OPTIMISM))
+        paying = [n for n in range(1, self.max_k + 1) if rates[n] >= (1 + margin) * rates[0]]
+        k = best = max(paying, key=lambda n: hopeful[n] / times[n])
+        if self._plain_stale():
+            return 0
         if self._rounds >= self._next_probe:
-            self._next_probe = self._rounds + self._probe_every
+            self._next_probe = self._rounds + PROBE_EVERY
             self._probes += 1
             if self._probes % 2:
-                k = self._best - 1 if self._best == self.max_k else self._best + 1
-                if self._best == 0:  # from plain steps: the most, to hear of every position
-                    k = self.max_k
-            elif self._best > 0 and self._rounds - self._timed_at.get(0, 0) > STALE_ROUNDS:
-                k = 0  # a plain stretch: what drafting is weighed against, timed now
+                k = best - 1 if best == self.max_k else best + 1
             else:
                 k = self._stale_probe(rates, expected) or k
-        self._probing = self._best == 0 and k > 0
         return min(k, limit)
+
+    def _spread(self, n: int) -> float:
+        """The relative standard error of length ``n``'s time estimate: from its samples'
+        median absolute deviation once there are three, else :data:`THIN_SPREAD`."""
+        recent = self._samples.get(n, ())
+        if len(recent) < 3:
+            return THIN_SPREAD
+        middle = statistics.median(recent)
+        deviation = statistics.median(abs(x - middle) for x in recent)
+        # 1.4826 MAD estimates a standard deviation; a median's error is ~1.25x a mean's.
+        return 1.25 * 1.4826 * deviation / middle / math.sqrt(len(recent))
+
+    def _plain_stale(self) -> bool:
+        """Whether to time plain steps instead of drafting now (setting the stretch): soon
+        while their estimate rests on one short stretch (which may have been timed in a slow
+        moment), then whenever it is STALE_ROUNDS old."""
+        after = PROBE_EVERY // 2 if len(self._samples.get(0, ())) < 2 else STALE_ROUNDS
+        if self._rounds - self._timed_at.get(0, 0) <= after:
+            return False
+        self.stretch = TIMING_STRETCH
+        return True
+
+    def _explore(self, times: list[float]) -> int:
+        """Plain steps pay best on the mean estimates. Within the budget: more rounds of a
+        probe whose timed round paid by itself (TRIAL_ROUNDS: enough fresh times to outvote
+        what a busy moment left in the estimates); else the length that pays best on the
+        optimistic acceptance, if that beats plain steps; else, every PROBE_EVERY rounds, a
+        length whose time may be out of date (a busy moment switched drafting off:
+        :meth:`_stale_probe`); else 0."""
+        if not self.exploring_allowed():
+            return 0
+        if self._trial:
+            self._trial -= 1
+            return self._exploring
+        hopeful = self._expected(self.acceptance(OPTIMISM))
+        rates = [e / t for e, t in zip(hopeful, times)]
+        k = max(range(1, self.max_k + 1), key=rates.__getitem__)
+        if rates[k] > rates[0]:
+            return k
+        if self._rounds >= self._next_probe:
+            self._next_probe = self._rounds + PROBE_EVERY
+            mean = self._expected(self.acceptance())
+            return self._stale_probe([e / t for e, t in zip(mean, times)], mean) or 0
+        return 0
 
     def _stale_probe(self, rates: list[float], expected: list[float]) -> int | None:
         """The length timed longest ago among those that would beat the best one by a
@@ -244,7 +351,8 @@ class DraftLengthPolicy:
 
     def observe(self, drafted: int, accepted: int, seconds: float, *,
                 one_off: bool = False) -> None:
-        """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``;
+        """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``
+        (for a plain stretch, ``drafted = 0`` and the seconds of one of its steps);
         ``one_off``: it paid a one-off cost besides (a graph traced for a new shape, say), so
         its time says nothing of what the length costs, and a probe runs another round.
 
@@ -252,50 +360,32 @@ class DraftLengthPolicy:
         back (a model drafter catches up on every plain token since its last draft, the
         pipeline refills), which the rounds after it do not. So a probe from plain steps
         runs two rounds, the second timed, and a drafter whose switch-back is costly is
-        still judged by what its rounds cost while it drafts; the probe budget counts what
-        both rounds lost."""
+        still judged by what its rounds cost while it drafts; the budget counts what both
+        rounds lost."""
         switching = bool(drafted) and self._after_plain
         self._after_plain = not drafted
         untimed = switching or (one_off and bool(drafted))
-        if self._probing:
-            plain = self._time.get(0)
-            if drafted and plain and not one_off:
-                self._probe_lost += (seconds - (1 + accepted) * plain) / plain
-            if untimed:
-                self._probe_again = drafted
-            else:
-                self._probing = False
-                lost, self._probe_lost = self._probe_lost, 0.0
-                paid = seconds <= (1 + accepted) * plain if plain else False
-                if paid:  # a probe that paid drafts on a while: its evidence outweighs the past
-                    self._trial = TRIAL_ROUNDS
-                if lost > 0:
-                    wait = math.ceil(lost / (PROBE_BUDGET * PLAIN_STRETCH))
-                    self._probe_every = min(max(wait, PROBE_EVERY_MIN), PROBE_EVERY_MAX)
-                else:
-                    self._probe_every = PROBE_EVERY
-        if not drafted:
-            self._stretches_off += 1
-        elif self._stretches_off:  # the text moved on while drafting was off: what was
-            # seen before weighs less than now, though never less than AGED_ROUNDS rounds
-            fade = STRETCH_DECAY**self._stretches_off
-            for i, offered in enumerate(self._offered):
-                scale = max(fade, min(1.0, AGED_ROUNDS / offered)) if offered else 1.0
-                self._offered[i] *= scale
-                self._accepted[i] *= scale
-            self._stretches_off = 0
-        for i in range(drafted):
-            self._offered[i] = self._offered[i] * DECAY + 1.0
-            self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
-            if i >= accepted:
-                break
+        # A plain stretch's first step is never timed (the verifier's doing), so nothing of
+        # a first use is left in its time.
+        first = bool(drafted) and drafted not in self._seen and not untimed
+        if untimed and self._drafted_rounds >= WARMUP_ROUNDS:
+            self._probe_again = drafted
         if drafted:
+            self._tokens += 1 + accepted
+            if not one_off and self._drafted_rounds >= WARMUP_ROUNDS:
+                # A length's first round (which may have compiled kernels) counts at its
+                # estimate. The warm-up is the price of trying a drafter at all.
+                self._unaccounted.append((drafted, accepted, None if first else seconds))
+            self._learn(drafted, accepted)
             self._drafted_rounds += 1
+        else:
+            self._tokens += self.stretch
+            self._fade()
         if untimed:
             self._seen.add(drafted)  # it paid this length's first-use costs too
             self.told.append((drafted, accepted, seconds, "untimed", time.perf_counter()))
             return
-        if drafted not in self._seen:
+        if first:
             # A length's first round pays its one-off costs: on CUDA, MLX compiles the
             # kernels of each new window shape on first use (seconds, measured on the H200),
             # which once kept a drafter at 88% acceptance drafting under one token a round.
@@ -303,10 +393,49 @@ class DraftLengthPolicy:
             self.told.append((drafted, accepted, seconds, "first", time.perf_counter()))
             return
         self.told.append((drafted, accepted, seconds, "timed", time.perf_counter()))
+        if drafted and drafted == self._exploring and not self._trial:
+            plain = self._time.get(0)
+            self._trial = TRIAL_ROUNDS if plain and seconds <= (1 + accepted) * plain else 0
         self._timed_at[drafted] = self._rounds
         recent = self._samples.setdefault(drafted, deque(maxlen=TIME_SAMPLES))
         recent.append(seconds)
         self._time[drafted] = typical(recent)
+        self._account()
+
+    def _learn(self, drafted: int, accepted: int) -> None:
+        for i in range(drafted):
+            self._offered[i] = self._offered[i] * DECAY + 1.0
+            self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
+            if i >= accepted:
+                break
+
+    def _fade(self) -> None:
+        """A plain stretch: the text moved on, so what the drafter did before weighs less,
+        though never less than AGED_ROUNDS rounds."""
+        for i, offered in enumerate(self._offered):
+            if offered > AGED_ROUNDS:
+                scale = max(STRETCH_DECAY, AGED_ROUNDS / offered)
+                self._offered[i] *= scale
+                self._accepted[i] *= scale
+
+    def _account(self) -> None:
+        """The drafted rounds not yet counted into the balance, against the plain-step
+        estimate of the moment, once there is one. Each counts at its own time (what
+        drafting really cost, not what the estimates that chose it said), at most LOSS_CAP
+        times its length's estimate (a stall); a length's first round at the estimate."""
+        times = self._round_times()
+        if times is None:
+            return
+        plain = times[0]
+        for drafted, accepted, seconds in self._unaccounted:
+            # The length's own estimate once timed twice: the fit never goes below a plain
+            # step, which would make a round that yields one token look free.
+            estimate = times[min(drafted, self.max_k)]
+            if len(self._samples.get(drafted, ())) > 1:
+                estimate = self._time[drafted]
+            cost = estimate if seconds is None else min(seconds, LOSS_CAP * estimate)
+            self._balance += 1 + accepted - cost / plain
+        self._unaccounted.clear()
 
 
 def typical(recent: Sequence[float]) -> float:
@@ -318,6 +447,5 @@ def typical(recent: Sequence[float]) -> float:
     swings the least drafted round is the luckier draw, and drafting that merely breaks even
     looks like a gain. Simulated (``tests/spec/test_policy.py``, a target drafting for
     itself at 95% acceptance, every time swinging ±30%): the least of five drafted at a loss,
-    0.91-0.99x plain over eight seeds; the median 0.97-0.99x. On the 2-core Xeon, busy,
-    the ``self`` row had run 0.79x and 0.89x plain paired (docs/benchmarks.md)."""
+    0.91-0.99x plain over eight seeds; the median 0.97-0.99x (docs/decisions.md)."""
     return min(recent) if len(recent) < 3 else statistics.median(recent)

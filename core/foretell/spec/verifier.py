@@ -18,10 +18,11 @@ target decides every token (DESIGN.md invariant 1):
   samples each position itself, with the noise of that position's key (``RandomKeys.rows``,
   as plain decoding draws), and a draft is kept while it equals that sample. Exact, and the
   token at each position is then plain sampling's with that seed, whatever the drafter and
-  the draft schedule: a seed reproduces the run. Drafters built on :class:`Drafting` draw
-  a seeded request's drafts with the same noise, so they agree as often as a drafter that
-  does not see ``p`` can (Daliri et al. 2024, "drafter-invariant speculative decoding");
-  rejection sampling accepts more, but its output depends on where drafts were offered.
+  the draft schedule: a seed reproduces the run. Drafters built on
+  :class:`~foretell.spec.Drafting` draw a seeded request's drafts with the same noise, so
+  they agree as often as a drafter that does not see ``p`` can (Daliri et al. 2024,
+  "drafter-invariant speculative decoding"); rejection sampling accepts more, but its
+  output depends on where drafts were offered.
 
 One host sync per round: the accepted count, the target's token and the drafts come back
 together. A round whose caches could not roll back (a wrapped ring without a reserve) is a
@@ -40,25 +41,18 @@ import mlx.core as mx
 
 from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.sampling import (
-    RandomKeys,
-    Sampler,
-    decode_step,
-    position_keys,
-    repetition_windows,
-)
+from foretell.sampling import Sampler, decode_step, repetition_windows
 from foretell.spec.acceptance import accept_or_resample, match_drafts
 from foretell.spec.attach import start_source
 from foretell.spec.contract import (
     CATCH_UP_MAX,
     PORT_HIDDEN,
-    Draft,
     DraftError,
     Feed,
     Target,
     checked_draft,
 )
-from foretell.spec.policy import PLAIN_STRETCH, DraftLengthPolicy
+from foretell.spec.policy import DraftLengthPolicy
 
 if TYPE_CHECKING:
     from foretell.request import Progress, RequestState
@@ -440,7 +434,7 @@ def _rounds(
         # the queued one follow before the next round.
         k = choose(limit - produced - 3)
         chosen = k or None
-        return 0 if k else PLAIN_STRETCH
+        return 0 if k else v.policy.stretch
 
     try:
         while produced < limit:
@@ -454,7 +448,8 @@ def _rounds(
                 # its first stretch is a single step when the drafter merely had nothing
                 # (prompt lookup without a match may have one next token).
                 timed, last = 0, time.perf_counter()
-                run = v.plain_run(limit - produced, 1 if wanted else PLAIN_STRETCH, after_stretch)
+                run = v.plain_run(limit - produced, 1 if wanted else v.policy.stretch,
+                                  after_stretch)
                 for tokens in run:
                     produced += 1
                     if not timed:  # the run's first step: time from here on
@@ -511,53 +506,6 @@ def _call(speculator: Speculator, what: str, fn: Any, *args: Any) -> Any:
         raise DraftError(
             f"{speculator.label()} failed in {what}(): {type(exc).__name__}: {exc}"
         ) from exc
-
-
-class Drafting:
-    """Collects one draft token by token for a source that drafts autoregressively:
-    ``add(logits)`` picks the next token with the request's sampling settings (the argmax
-    when greedy; a draw from the processed distribution, recorded as ``q``, when sampling)
-    and returns it as ``[B]``; ``draft()`` is the :class:`Draft` so far.
-
-    Given ``position`` (the feed's, :class:`~foretell.spec.Feed`), a seeded request's
-    drafts are drawn with the noise the verifier draws those positions' tokens with (still
-    draws from ``q``), so a draft is kept whenever the drafter's distribution picks what the
-    target's does; otherwise, and unseeded, with ``keys``, a stream of the drafter's own."""
-
-    def __init__(self, sampler: Sampler, keys: RandomKeys | None, position: int | None = None):
-        self.sampler, self.keys = sampler, keys
-        seed = sampler.config.seed
-        self._at = position if position is not None and seed is not None else None
-        self._tokens: list[mx.array] = []
-        self._q: list[mx.array] = []
-
-    def add(self, logits: mx.array) -> mx.array:
-        scores = self.sampler.scores(logits)
-        if self.sampler.greedy:
-            key = None
-        elif self._at is not None:
-            key = position_keys(self.sampler.config.seed, self._at + len(self._tokens))
-            key = mx.broadcast_to(key, (scores.shape[0], 2))
-        else:
-            key = self.keys.next() if self.keys is not None else None
-        token = self.sampler.sample(scores, key)
-        if not self.sampler.greedy:
-            self._q.append(self.sampler.probabilities(scores))
-        self._tokens.append(token)
-        return token
-
-    def draft(self) -> Draft:
-        q = mx.stack(self._q, axis=1) if self._q else None
-        return Draft(mx.stack(self._tokens, axis=1), q)
-
-
-def draft_keys(sampler: Sampler) -> RandomKeys | None:
-    """A random stream for a drafter's own sampling, independent of the verifier's draws
-    (sharing them would correlate acceptance with the draft and bias the output)."""
-    if sampler.greedy:
-        return None
-    seed = sampler.config.seed
-    return RandomKeys(None if seed is None else (seed * 2654435761 + 97) % (1 << 63))
 
 
 def make_speculator(
