@@ -90,9 +90,8 @@ def add_run_flags(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
     )
     p.add_argument(
         "--seed", type=int, default=None,
-        help="random seed; the same seed reproduces a plain run (a sampled speculative one "
-             "only with --draft-option adaptive=false: docs/speculation.md) (default: none, "
-             "a fresh draw each run)"
+        help="random seed; the same seed reproduces the run, with any drafter or none "
+             "(docs/speculation.md) (default: none, a fresh draw each run)"
     )
     p.add_argument(
         "--repetition-penalty",
