@@ -226,3 +226,11 @@ def check_storage_layout(open_layout: Callable[[Any], Any], *,
         assert layout.read(longer_key) is None, "a damaged entry was served"
         assert longer_key not in {h.key for h in open_layout(mine).scan()}, (
             "a damaged entry is still listed after a read refused it")
+
+
+# The conformance suites of the other plugin kinds (one line each from a plugin's tests).
+from foretell.plugin.conformance import (  # noqa: E402, F401
+    check_architecture,
+    check_cache_codec,
+    check_draft_provider,
+)
