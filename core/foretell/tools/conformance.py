@@ -11,6 +11,8 @@ plugin that does nothing fails. Exported by :mod:`foretell.plugin.testing`:
 - :func:`check_architecture`: caches, forward/logits/embed shapes, incremental decoding,
   rollback, ports.
 - ``check_storage_layout`` (in :mod:`foretell.plugin.testing`).
+
+Imported through :mod:`foretell.plugin.testing`, which names all four.
 """
 
 from __future__ import annotations
