@@ -125,3 +125,8 @@ class NotAFile(StoreError):
 class BenchError(ForetellError):
     """``foretell bench`` cannot run as asked (no model named, a side failed, a missing
     dependency, ...)."""
+
+
+class TemplateOverflow(ForetellError):
+    """A chat template's render passed its size bound (the message says how); the tokenizer
+    reports it as an error naming the template's file."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
@@ -239,6 +239,25 @@ def repetition_windows(context: mx.array, appended: mx.array, size: int) -> mx.a
     starts = mx.maximum(ends - size, 0)
     positions = mx.maximum(ends - width + mx.arange(width)[None, :], starts)
     return seq[positions]
+
+
+class TokenConstraint(Protocol):
+    """Limits which tokens a request may produce next (structured output: a grammar).
+
+    The scheduler asks :meth:`allowed` before each of the row's draws and reports the token
+    drawn with :meth:`accept`; once :meth:`complete` the request ends (finish reason
+    ``"stop"``). Called on the scheduler's thread only: make the arrays it returns there
+    (MLX streams belong to a thread)."""
+
+    def allowed(self) -> mx.array | None:
+        """``bool [vocab]`` (the model's logits width): True where a token may come next;
+        None: any token."""
+
+    def accept(self, token: int) -> None:
+        """The row's next token is ``token`` (one ``allowed`` permitted)."""
+
+    def complete(self) -> bool:
+        """Whether the output is whole (nothing more may follow)."""
 
 
 def decode_step(model: Any, caches: list[Any], sampler: Sampler, keys: RandomKeys | None,

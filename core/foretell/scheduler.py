@@ -20,8 +20,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
@@ -29,9 +29,9 @@ import mlx.core as mx
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
-from foretell.sampling import RandomKeys, Sampler
+from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
-from foretell.stream import Event, StopMatcher, StreamCut, TokenLogprobs
+from foretell.stream import END, RequestHandle, StopMatcher, StreamCut, TokenLogprobs
 
 if TYPE_CHECKING:
     from foretell.cache.request import RequestCache
@@ -40,98 +40,6 @@ if TYPE_CHECKING:
     from foretell.spec import Speculator
     from foretell.spec.batch import DraftGroup
 
-_END = object()
-
-
-class TokenConstraint(Protocol):
-    """Limits which tokens a request may produce next (structured output: a grammar).
-
-    The scheduler asks :meth:`allowed` before each of the row's draws and reports the token
-    drawn with :meth:`accept`; once :meth:`complete` the request ends (finish reason
-    ``"stop"``). Called on the scheduler's thread only: make the arrays it returns there
-    (MLX streams belong to a thread)."""
-
-    def allowed(self) -> mx.array | None:
-        """``bool [vocab]`` (the model's logits width): True where a token may come next;
-        None: any token."""
-
-    def accept(self, token: int) -> None:
-        """The row's next token is ``token`` (one ``allowed`` permitted)."""
-
-    def complete(self) -> bool:
-        """Whether the output is whole (nothing more may follow)."""
-
-
-class RequestHandle:
-    """One submitted request: iterate it (from any thread, or ``async for`` over
-    :meth:`events`) for its events; :meth:`cancel` ends it and frees its KV at the worker's
-    next step."""
-
-    def __init__(self, scheduler: Scheduler, prompt_tokens: int) -> None:
-        self._scheduler = scheduler
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._cancelled = threading.Event()
-        self.prompt_tokens = prompt_tokens
-        #: Set while :meth:`events` awaits: wakes its event loop after each item is queued.
-        self._wakeup: Callable[[], None] | None = None
-
-    def __iter__(self) -> Iterator[Event]:
-        while True:
-            item = self._queue.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    async def events(self) -> AsyncIterator[Event]:
-        """The events, awaited without blocking the event loop or holding a thread (a
-        server streams many requests at once; a thread per waiting stream would exhaust
-        the loop's executor)."""
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-
-        def wakeup() -> None:
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the loop closed while this request ran on
-                pass
-
-        self._wakeup = wakeup
-        try:
-            while True:
-                ready.clear()  # before the check: an item queued after it sets it again
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    await ready.wait()
-                    continue
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self._wakeup = None
-
-    def text(self) -> str:
-        return "".join(e.text for e in self if e.type == "text")
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._scheduler._wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def _put(self, item: Any) -> None:
-        self._queue.put(item)
-        wakeup = self._wakeup
-        if wakeup is not None:
-            wakeup()
 
 
 @attrs.define(eq=False)
@@ -246,7 +154,7 @@ class Scheduler:
             raise GenerationError("the prompt is empty: there is no token to start from")
         need = len(ids) + max_tokens
         self._check_fits(need)
-        handle = RequestHandle(self, len(ids))
+        handle = RequestHandle(self._wake, len(ids))
         eos = frozenset() if ignore_eos else self.engine.tokenizer.eos_token_ids
         row = _Row(handle=handle, ids=ids, sampler=Sampler(sampling), stops=StopMatcher(stop),
                    eos=eos, max_tokens=max_tokens, need=need, logprobs=logprobs,
@@ -357,11 +265,11 @@ class Scheduler:
         for pool in (self._waiting, self._prefilling):
             for row in [r for r in pool if r.handle.cancelled]:
                 pool.remove(row)
-                row.handle._put(_END)
+                row.handle._put(END)
         gone = [b for b, row in enumerate(self._rows) if row.handle.cancelled]
         if gone:
             for b in gone:
-                self._rows[b].handle._put(_END)
+                self._rows[b].handle._put(END)
             self._remove(gone)
 
     def _token_bytes_now(self) -> int:
@@ -563,7 +471,7 @@ class Scheduler:
                 logging.getLogger("foretell.scheduler").warning("not cached: %s", exc)
         state.caches = []
         row.handle._put(stats)
-        row.handle._put(_END)
+        row.handle._put(END)
 
     def _remove(self, indices: Sequence[int]) -> None:
         gone = {id(self._rows[b]) for b in indices}

@@ -7,8 +7,10 @@ speculative verifier) into text: it cuts a step's tokens at EOS, a stop string o
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -208,3 +210,79 @@ def stream_events(
     if tail is not None:
         yield tail
     return cut.first_at
+
+
+#: What a :class:`RequestHandle`'s queue holds after a request's last event.
+END = object()
+
+
+class RequestHandle:
+    """One submitted request: iterate it (from any thread, or ``async for`` over
+    :meth:`events`) for its events; :meth:`cancel` ends it and frees its KV at the worker's
+    next step."""
+
+    def __init__(self, wake: Callable[[], None], prompt_tokens: int) -> None:
+        self._wake = wake
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self.prompt_tokens = prompt_tokens
+        #: Set while :meth:`events` awaits: wakes its event loop after each item is queued.
+        self._wakeup: Callable[[], None] | None = None
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            item = self._queue.get()
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The events, awaited without blocking the event loop or holding a thread (a
+        server streams many requests at once; a thread per waiting stream would exhaust
+        the loop's executor)."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wakeup() -> None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop closed while this request ran on
+                pass
+
+        self._wakeup = wakeup
+        try:
+            while True:
+                ready.clear()  # before the check: an item queued after it sets it again
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    continue
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._wakeup = None
+
+    def text(self) -> str:
+        return "".join(e.text for e in self if e.type == "text")
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def _put(self, item: Any) -> None:
+        self._queue.put(item)
+        wakeup = self._wakeup
+        if wakeup is not None:
+            wakeup()

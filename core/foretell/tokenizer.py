@@ -23,7 +23,7 @@ from foretell.detokenizer import (
     compile_decoder,
     token_table,
 )
-from foretell.errors import ChatTemplateError, TokenizerError
+from foretell.errors import ChatTemplateError, TemplateOverflow, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -123,15 +123,11 @@ RENDER_HEADROOM_CHARS = 16 << 20
 RENDER_INPUT_FACTOR = 4
 
 
-class _TemplateOverflow(Exception):
-    """A render passed its size bound; the message says how."""
-
-
 def _check_sizes(values: Any, where: str) -> None:
     """Refuse an integer argument beyond the bound: a width or count that would allocate it."""
     for value in values:
         if isinstance(value, int) and abs(value) > RENDER_HEADROOM_CHARS:
-            raise _TemplateOverflow(f"passes {value} to {where}, more than {RENDER_HEADROOM_CHARS}")
+            raise TemplateOverflow(f"passes {value} to {where}, more than {RENDER_HEADROOM_CHARS}")
 
 
 def _check_format_widths(fmt: str, where: str) -> None:
@@ -157,13 +153,13 @@ def _bounded_sandbox(**options: Any) -> Any:
                 for seq, times in ((left, right), (right, left)):
                     if (isinstance(seq, (str, list, tuple)) and isinstance(times, int)
                             and len(seq) * times > RENDER_HEADROOM_CHARS):
-                        raise _TemplateOverflow(
+                        raise TemplateOverflow(
                             f"repeats a sequence of {len(seq)} x {times}, more than "
                             f"{RENDER_HEADROOM_CHARS} elements")
             elif operator == "**":
                 if (isinstance(left, int) and isinstance(right, int) and right > 0
                         and abs(left) > 1 and right * abs(left).bit_length() > 1 << 16):
-                    raise _TemplateOverflow(f"computes {left} ** {right}, a number of more "
+                    raise TemplateOverflow(f"computes {left} ** {right}, a number of more "
                                             f"than {1 << 16} bits")
             elif isinstance(left, str):
                 _check_format_widths(left, "'%'")
@@ -250,14 +246,14 @@ class ChatTemplate:
             ):
                 size += len(piece)
                 if size > limit:
-                    raise _TemplateOverflow(
+                    raise TemplateOverflow(
                         f"produced more than {limit} characters ({RENDER_HEADROOM_CHARS} plus "
                         f"{RENDER_INPUT_FACTOR}x the conversation's {own_text})"
                     )
                 pieces.append(piece)
         except ChatTemplateError:
             raise
-        except _TemplateOverflow as exc:
+        except TemplateOverflow as exc:
             raise ChatTemplateError(
                 f"{self.origin}: the chat template {exc}: it is broken or hostile; fix or "
                 "replace the template"

@@ -25,7 +25,7 @@ def wheel(tmp_path_factory):
 @pytest.mark.slow
 def test_wheel_contains_core_and_builtin_plugins(wheel):
     names = set(wheel.namelist())
-    assert {"foretell/__init__.py", "foretell/hookspecs.py", "foretell/cli/__init__.py"} <= names
+    assert {"foretell/__init__.py", "foretell/plugin/hookspecs.py", "foretell/cli/__init__.py"} <= names
     for package in BUILTINS.values():
         assert f"{package}/__init__.py" in names
 
