@@ -1,4 +1,4 @@
-"""The reference CLI: ``foretell run | chat | bench | plugins | cache``.
+"""The reference CLI: ``foretell run | chat | serve | bench | plugins | cache``.
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser
 it adds carries ``handler(args) -> int``. Errors a user can hit exit non-zero with one
@@ -22,6 +22,7 @@ from foretell.errors import ForetellError
 COMMANDS = (
     "foretell.cli.run_cmd",
     "foretell.cli.chat_cmd",
+    "foretell.cli.serve_cmd",
     "foretell.cli.bench_cmd",
     "foretell.cli.plugins_cmd",
     "foretell.cli.cache_cmd",
