@@ -126,10 +126,12 @@ def tools_of(body: Mapping[str, Any]) -> tuple[list[Tool], str | None]:
                       param="tool_choice.type")
 
 
-def _prompt(backend: Backend, body: Mapping[str, Any]) -> tuple[list[int], list[Tool], Any]:
+def _prompt(backend: Backend, body: Mapping[str, Any]) -> tuple[list[int], bool, Any]:
+    """The prompt's ids, whether to parse tool calls out of the reply, and the grammar a
+    forced ``tool_choice`` imposes. ``none`` still offers the tools (the prompt, and so the
+    cached prefix, stays the same across an agent's turns)."""
     tools, choice = tools_of(body)
-    offered = [] if choice == "none" else tools
-    ids = backend.chat_ids(conversation(body), offered)
+    ids = backend.chat_ids(conversation(body), tools)
     grammar = None
     if choice not in (None, "none"):
         if not tools:
@@ -137,7 +139,7 @@ def _prompt(backend: Backend, body: Mapping[str, Any]) -> tuple[list[int], list[
         forced = tools if choice == "required" else [t for t in tools if t.name == choice]
         grammar = tool_call_grammar(backend.grammars, [
             {"name": t.name, "parameters": t.parameters} for t in forced], OPEN, CLOSE, "tools")
-    return ids, offered, grammar
+    return ids, bool(tools) and choice != "none", grammar
 
 
 async def count_tokens(backend: Backend, body: dict[str, Any], receive: Any) -> Response:
@@ -150,7 +152,7 @@ async def count_tokens(backend: Backend, body: dict[str, Any], receive: Any) -> 
 async def messages(backend: Backend, body: dict[str, Any], receive: Any) -> Response:
     refuse_unknown(body, MESSAGES_FIELDS)
     model = model_name(body, backend.served)
-    ids, offered, grammar = _prompt(backend, body)
+    ids, parse, grammar = _prompt(backend, body)
     requested = number(body, "max_tokens", lo=-2**31, hi=2**31, integer=True)
     if requested is None:
         raise bad_request("'max_tokens' is required", param="max_tokens")
@@ -169,10 +171,10 @@ async def messages(backend: Backend, body: dict[str, Any], receive: Any) -> Resp
     handle = await backend.start(job)
     message_id = "msg_" + uuid.uuid4().hex
     if stream:
-        return StreamingResponse(_stream(backend, handle, message_id, model, bool(offered),
+        return StreamingResponse(_stream(backend, handle, message_id, model, parse,
                                          stops), media_type="text/event-stream")
     reply = await backend.collect(handle, receive)
-    text, calls = split_calls(reply.text) if offered else (reply.text, [])
+    text, calls = split_calls(reply.text) if parse else (reply.text, [])
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
     content += [_tool_use(c) for c in calls]
     reason, sequence = _stop(backend, reply, calls, stops)

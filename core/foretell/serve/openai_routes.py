@@ -35,7 +35,9 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "strea
            "user", "metadata", "store", EXTENSION)
 CHAT_FIELDS = (*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                "tools", "tool_choice", "parallel_tool_calls", "response_format")
-COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix")
+#: ``response_format`` on completions is vLLM's extension (OpenAI's takes it on chat only).
+COMPLETION_FIELDS = (*_COMMON, "prompt", "logprobs", "echo", "best_of", "suffix",
+                     "response_format")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "refusal",
                   "annotations", "audio", "function_call")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -187,7 +189,6 @@ async def chat_completions(backend: Backend, body: dict[str, Any], receive: Any)
     model = model_name(body, backend.served)
     messages = chat_messages(body.get("messages"))
     tools, choice = chat_tools(body)
-    offered = [] if choice == "none" else tools
     grammar = response_format_grammar(backend.grammars, body.get("response_format"))
     if choice not in (None, "none"):
         if grammar is not None:
@@ -206,11 +207,13 @@ async def chat_completions(backend: Backend, body: dict[str, Any], receive: Any)
     stream, include_usage = _streaming(body)
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    ids = backend.chat_ids(messages, offered)
+    ids = backend.chat_ids(messages, tools)
     job = await _job(backend, body, ids, max_param, grammar, logprobs)
     handle = await backend.start(job)
     reply_id = "chatcmpl-" + uuid.uuid4().hex
-    parse = bool(offered)
+    # "none" still offers the tools (the prompt, and so the cached prefix, stays the same
+    # across an agent's turns) but leaves any call the model writes as text.
+    parse = bool(tools) and choice != "none"
     if stream:
         return StreamingResponse(_chat_stream(backend, handle, reply_id, model, parse,
                                               include_usage, logprobs is not None),
@@ -308,7 +311,8 @@ async def completions(backend: Backend, body: dict[str, Any], receive: Any) -> R
     ids = backend.text_ids(body["prompt"])
     logprobs = number(body, "logprobs", lo=0, hi=20, integer=True)
     stream, include_usage = _streaming(body)
-    job = await _job(backend, body, ids, "max_tokens", None, logprobs)
+    grammar = response_format_grammar(backend.grammars, body.get("response_format"))
+    job = await _job(backend, body, ids, "max_tokens", grammar, logprobs)
     handle = await backend.start(job)
     reply_id = "cmpl-" + uuid.uuid4().hex
     if stream:
