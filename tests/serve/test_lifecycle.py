@@ -61,6 +61,19 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row_and_the_next_request
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] >= 1
 
 
+def test_a_client_that_disconnects_before_a_whole_reply_frees_its_row(server, api_key,
+                                                                      model_id):
+    before = server.metrics()["foretell_requests_cancelled_total"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    connection.request("POST", "/v1/completions", json.dumps({
+        "model": model_id, "prompt": "import sys", "max_tokens": 2000,
+        "foretell": {"ignore_eos": True}}), {"Authorization": f"Bearer {api_key}"})
+    wait_for(lambda: server.metrics()["foretell_running_requests"] == 1, "it ran")
+    connection.close()  # before any of the reply came
+    wait_for(lambda: server.metrics()["foretell_running_requests"] == 0, "its row was freed")
+    assert server.metrics()["foretell_requests_cancelled_total"] == before + 1
+
+
 def test_past_the_waiting_bound_a_request_gets_429_with_retry_after(tiny_model, tmp_path):
     server = Server("--model", str(tiny_model), "--max-rows", "1", "--max-waiting", "1",
                     cwd=tmp_path)
