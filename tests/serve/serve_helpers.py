@@ -18,8 +18,9 @@ from pathlib import Path
 class Server:
     """A ``foretell serve`` process: its URL, its log, and how to stop it."""
 
-    def __init__(self, *args: str, cwd: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "FORETELL_API_KEY"}
+    def __init__(self, *args: str, cwd: Path, env: dict[str, str] | None = None) -> None:
+        env = {**{k: v for k, v in os.environ.items() if k != "FORETELL_API_KEY"},
+               **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "foretell", "serve", "--port", "0", "--draft", "none",
              "--no-access-log", *args],

@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("command line", problems)
     missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        raise ForetellError(f"foretell serve needs {', '.join(missing)}: pip install "
-                            "'foretell[serve]'")
+        raise ForetellError(f"foretell serve needs {', '.join(missing)}: install the serve "
+                            "extra (pip install '.[serve]' in foretell's checkout)")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     registry, config = run_config(args)
     if config.cache.resume:

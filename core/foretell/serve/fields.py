@@ -82,7 +82,7 @@ def number(body: Mapping[str, Any], name: str, *, lo: float, hi: float, where: s
     """A number in ``[lo, hi]`` (an integer when ``integer``)."""
     path = f"{where}.{name}" if where else name
     value = field(body, name, int if integer else float, where=where, default=default)
-    if value is not None and value is not default and not lo <= value <= hi:
+    if value is not None and body.get(name) is not None and not lo <= value <= hi:
         raise bad_request(f"'{path}' must be between {lo:g} and {hi:g}, got {value}",
                           param=path)
     return value
