@@ -89,7 +89,7 @@ def _foretell_side(model: str, draft: str | None, draft_model: str | None,
         if config is not None:
             options = config(model=draft_model) if draft == "two-model" else config()
         speculate = make_speculator(engine.registry, engine.target, draft, options,
-                                    max_tokens=k, adaptive=False)
+                                    max_tokens=k)
     scheduler = Scheduler(engine, max_rows=64)
 
     def run(prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
