@@ -15,8 +15,12 @@ from foretell import errors
 #: Never reach a user as themselves: the config structurer renders the first two into a
 #: ConfigError; the store's FileReplaced and the CUDA staging's CudaCopyError are OSErrors,
 #: handled like any failed read (not served, nothing dropped); the CLI's Terminated is
-#: SIGTERM unwinding as Ctrl-C does, which the CLI turns into exit status 143.
+#: SIGTERM unwinding as Ctrl-C does, which the CLI turns into exit status 143; the server's
+#: APIError is rendered as the API's own error JSON with its 4xx, and ClientGone is a
+#: disconnect unwinding a reply.
 INTERNAL = {
+    "foretell.serve.errors.APIError",
+    "foretell.serve.generation.ClientGone",
     "foretell.config.FieldError",
     "foretell.config.WrongType",
     "foretell.store.format.FileReplaced",
