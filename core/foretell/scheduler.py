@@ -324,27 +324,32 @@ class Scheduler:
             row.spec_stats = SpeculationStats(drafter=row.speculator.kind)
 
     def _prefill_one_chunk(self) -> None:
-        """One chunk of the oldest admitted prompt; rows whose prompt is in join the batch."""
-        if self._prefilling and self._prefilling[0].todo:
-            row = self._prefilling[0]
-            chunk, row.todo = row.todo[:PREFILL_CHUNK], row.todo[PREFILL_CHUNK:]
+        """Up to one chunk's worth of admitted prompts, oldest first (several short prompts
+        arriving together all start this step, so the last of them does not wait a step per
+        prompt ahead of it); rows whose prompt is in join the batch."""
+        budget = PREFILL_CHUNK
+        for row in list(self._prefilling):
+            if budget <= 0:
+                break
+            if not row.todo:
+                continue
+            chunk, row.todo = row.todo[:budget], row.todo[budget:]
+            budget -= len(chunk)
             hidden_kept = row.speculator is not None and row.speculator.wants_hidden
             try:
                 hidden = prefill(self.engine.model, chunk, row.state.caches,
                                  keep_hidden=hidden_kept)
-            except Exception as exc:  # noqa: BLE001
-                self._prefilling.popleft()
+            except Exception as exc:  # noqa: BLE001 - this request fails, not the others
                 self._fail([row], exc)
-                return
+                continue
             if hidden is not None:
                 row.feed_hidden.append(hidden)
-        joining = []
-        while self._prefilling and not self._prefilling[0].todo:
-            row = self._prefilling.popleft()
+        joining = [row for row in self._prefilling if not row.todo]
+        for row in joining:
+            self._prefilling.remove(row)
             if row.request is not None:
                 row.request.after_prefill(row.state.held_tokens(), row.state.caches,
                                           row.state.cached)
-            joining.append(row)
         if joining:
             self._join(joining)
 

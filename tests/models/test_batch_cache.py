@@ -129,3 +129,16 @@ def test_trimming_more_than_a_row_holds_is_refused():
     cache.append([None, None])
     with pytest.raises(ValueError, match="cannot trim"):
         cache.trim([1, 0])
+
+
+def test_rows_that_joined_empty_keep_their_place_when_a_filled_row_joins(model):
+    batch = batch_caches(model)
+    for cache in batch:
+        cache.append([None])  # a 1-token prompt: nothing prefilled
+    filled = prefilled(model, PROMPTS[1][:-1])
+    for layer, cache in enumerate(batch):
+        cache.append([filled[layer]])
+    hidden, _ = model.forward(mx.array([[9], [PROMPTS[1][-1]]]), batch)
+    logits = model.logits(hidden)[:, -1]
+    close(logits[0], alone(model, [9])[1])
+    close(logits[1], alone(model, PROMPTS[1])[1])

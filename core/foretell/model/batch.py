@@ -119,6 +119,9 @@ class BatchKVCache:
             longest = max([0, *self.lengths, *(k[0].shape[2] for k, _ in filled)])
             capacity = _capacity(longest, self.step)
             self._resize(capacity)
+            if self._k is None and self.rows:  # rows that joined empty get their slots now
+                self._k, self._v = (tuple(mx.zeros((self.rows, x.shape[1], capacity, x.shape[3]),
+                                                   x.dtype) for x in parts) for parts in like)
             old = (self._k, self._v) if self._k is not None else ((), ())
             joined = []
             for which in (0, 1):
