@@ -159,7 +159,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=120)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        from foretell.tools.measure import portable
+
+        # No machine-local paths in a report that may be committed to docs/bench-data.
+        Path(args.json).write_text(json.dumps(portable(report), indent=2))
     for row in report["rows"]:
         if row["server"] == "foretell":
             theirs = next((r for r in report["rows"] if r["server"] == "mlx-lm"
