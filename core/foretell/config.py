@@ -60,6 +60,26 @@ def at_least(lo: float):
     return check
 
 
+def whole_number(lo: int = 1):
+    """A validator for plugin configs: an int (not a bool) of at least ``lo``."""
+
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise FieldError(attribute.name, f"must be a whole number >= {lo}, got {value!r}")
+
+    return check
+
+
+def number(lo: float = 0):
+    """A validator for plugin configs: an int or float (not a bool) of at least ``lo``."""
+
+    def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
+            raise FieldError(attribute.name, f"must be a number >= {lo}, got {value!r}")
+
+    return check
+
+
 def greater_than(lo: float):
     def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is not None and value <= lo:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import xxhash
 
+from foretell.config import number, whole_number
 from foretell.platform import device
 from foretell.store import digest
 from foretell.store import format as fmt
@@ -85,18 +86,7 @@ KEY_VERSION = 102
 STORE_DIR = "blocks-v4"
 
 
-def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        from foretell.config import FieldError  # cattrs only on failure
-
-        raise FieldError(attribute.name, f"must be a whole number >= 1, got {value!r}")
-
-
-def _non_negative(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        from foretell.config import FieldError
-
-        raise FieldError(attribute.name, f"must be a number >= 0, got {value!r}")
+_positive, _non_negative = whole_number(1), number(0)
 
 
 def _megabytes_or_none(inst: Any, attribute: attrs.Attribute, value: Any) -> None:

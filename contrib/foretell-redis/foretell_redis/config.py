@@ -7,19 +7,9 @@ from typing import Any
 
 import attrs
 
+from foretell.config import number, whole_number
 
-def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        from foretell.config import FieldError  # cattrs only on failure
-
-        raise FieldError(attribute.name, f"must be a whole number >= 1, got {value!r}")
-
-
-def _non_negative(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        from foretell.config import FieldError
-
-        raise FieldError(attribute.name, f"must be a number >= 0, got {value!r}")
+_positive, _non_negative = whole_number(1), number(0)
 
 
 def _share(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
