@@ -119,8 +119,9 @@ def test_a_url_selects_the_layout_registered_for_its_scheme_and_a_directory_none
 
 
 def test_a_url_no_installed_layout_serves_is_refused_naming_its_scheme(memkv):
+    # The list names every installed layout's schemes (CI runs this with foretell-redis too).
     with pytest.raises(UnknownContribution, match=r"no storage layout stores at nosuch:// URLs "
-                                                  r"\(installed layouts serve memkv://\)"):
+                                                  r"\(installed layouts serve [^)]*memkv://"):
         load_plugins().registry.layout_for("nosuch://h/0")
 
 
