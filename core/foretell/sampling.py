@@ -61,12 +61,44 @@ def position_keys(seed: int, position: int, count: int = 1, salt: int = 0) -> mx
     """``[count, 2]`` PRNG keys of sequence positions ``position ... position + count - 1``,
     each a function of ``(seed, position, salt)`` only (``salt`` separates uses of one
     position). Hashed on the host (splitmix64) into one small upload: no graph ops, no sync."""
+    return mx.array(_key_rows(seed, position, count, salt), dtype=mx.uint32).reshape(count, 2)
+
+
+def _key_rows(seed: int, position: int, count: int = 1, salt: int = 0) -> list[list[int]]:
     base = _splitmix64(_splitmix64(seed & _MASK64) ^ (salt * 0x9E3779B97F4A7C15 & _MASK64))
     rows = []
     for i in range(position, position + count):
         h = _splitmix64(base ^ i)
         rows.append([h >> 32, h & 0xFFFFFFFF])
-    return mx.array(rows, dtype=mx.uint32).reshape(count, 2)
+    return rows
+
+
+def draw_rows(logits: mx.array, rows: Sequence[tuple[Sampler, RandomKeys | None, int]]
+              ) -> mx.array:
+    """One plain step's tokens for a batch: ``logits [B, V]``, row ``b`` drawn by
+    ``rows[b] = (sampler, keys, position)`` exactly as that request's own plain step draws
+    (:func:`decode_step`: its sampler, the key of its position). Rows sharing sampling
+    settings are drawn in one call. Returns ``int32 [B]``."""
+    groups: dict[Any, list[int]] = {}
+    for b, (sampler, _, _) in enumerate(rows):
+        groups.setdefault(sampler.config, []).append(b)
+    parts, order = [], []
+    for members in groups.values():
+        sampler = rows[members[0]][0]
+        whole = len(members) == len(rows)
+        part = logits if whole else logits[mx.array(members, dtype=mx.int32)]
+        keys = None
+        if not sampler.greedy:
+            keys = mx.array([_key_rows(rows[b][1].seed, rows[b][2])[0] for b in members],
+                            dtype=mx.uint32)
+        parts.append(sampler(part, None, keys))
+        order.extend(members)
+    if len(parts) == 1:
+        return parts[0]
+    where = [0] * len(order)
+    for i, b in enumerate(order):
+        where[b] = i
+    return mx.concatenate(parts)[mx.array(where, dtype=mx.int32)]
 
 
 _MASK64 = (1 << 64) - 1

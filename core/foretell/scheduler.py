@@ -70,11 +70,23 @@ class _Row:
     feed_tokens: list[int] = attrs.Factory(list)
     feed_hidden: list[mx.array] = attrs.Factory(list)
     spec_stats: Any = None
+    #: The row's pending token was drawn on the device by a pipelined step and is not yet in
+    #: ``state.generated`` (the scheduler's ``_tokens`` holds it); the hidden state that
+    #: predicted it, for a drafter reading them.
+    unread: bool = False
+    unread_hidden: mx.array | None = None
 
     @property
     def pending(self) -> int:
         """The sequence's last token: fed at the next step, not yet in the KV."""
         return (self.state.generated or self.state.prompt)[-1]
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the row's next plain step may be drawn before its last token is read:
+        nothing it decides needs that token on the host (logprobs, a grammar, a repetition
+        penalty's window do)."""
+        return self.logprobs is None and self.constraint is None and not self.sampler.window
 
 
 def default_kv_budget() -> int:
@@ -115,6 +127,9 @@ class Scheduler:
         self._prefilling: collections.deque[_Row] = collections.deque()
         self._rows: list[_Row] = []
         self._batch: list[Any] | None = None
+        #: ``int32 [B]``: each running row's pending token, on the device, while a pipelined
+        #: step drew some of them (rows marked ``unread``); None when all are on the host.
+        self._tokens: mx.array | None = None
         self._groups: dict[str, DraftGroup] = {}
         self._policy = BatchDraftPolicy()
         self._lock = threading.Lock()
@@ -362,8 +377,11 @@ class Scheduler:
                 cache.append([row.state.caches[layer] for row in joining])
         except Exception as exc:  # noqa: BLE001 - a half-joined batch cannot go on
             self._fail([*self._rows, *joining], exc)
-            self._rows, self._batch, self._groups = [], None, {}
+            self._rows, self._batch, self._groups, self._tokens = [], None, {}, None
             return
+        if self._tokens is not None:
+            self._tokens = mx.concatenate([self._tokens, mx.array(
+                [row.pending for row in joining], dtype=mx.int32)])
         for row in joining:
             row.state.caches = []  # the batch holds them now
             if row.speculator is not None:
@@ -388,13 +406,22 @@ class Scheduler:
         return group
 
     def _step(self) -> None:
-        """One forward over every running row: each speculating row's draft verified, each
-        other row's plain step; the step's one host sync; per-row commit and streaming."""
+        """One forward over every running row. While no row drafts and none needs its last
+        token on the host, the step is pipelined (:meth:`_plain_step`); otherwise each
+        speculating row's draft is verified and each other row takes its plain step, with the
+        step's one host sync, then per-row commit and streaming."""
         from foretell.spec.batch import RowRule, combined_draft, verify_rows
 
+        lengths = self._choose_lengths(self._rows)
+        if not any(lengths) and all(row.pipelined for row in self._rows):
+            self._plain_step()
+            return
+        self._settle()
         rows = self._rows
-        started = time.perf_counter()
+        if not rows:
+            return
         lengths = self._choose_lengths(rows)
+        started = time.perf_counter()
         draft, lengths = combined_draft(self._groups.values(), rows, lengths,
                                         self.engine.model.vocab_size)
         rules = []
@@ -415,25 +442,84 @@ class Scheduler:
             group.commit(rows, done.accepted, lengths)
         finished = []
         for b, (row, kept) in enumerate(zip(rows, done.kept)):
-            row.state.generated.extend(kept)
-            if row.speculator is not None:
-                row.feed_tokens.extend(kept)
-                if row.speculator.wants_hidden:
-                    row.feed_hidden.append(done.hidden[b : b + 1, : len(kept)])
-                if lengths[b]:
-                    row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
-            event = row.cut.feed(kept)
-            if row.constraint is not None:
-                row.constraint.accept(kept[0])
-                if row.constraint.complete():
-                    row.cut.complete()
-            if event is not None:
-                if b in done.logprobs:
-                    event = attrs.evolve(event, logprobs=(
-                        _token_logprobs(done.logprobs[b], kept[0], row.logprobs),))
-                row.handle._put(event)
-            if row.cut.done:
+            hidden = done.hidden[b : b + 1, : len(kept)] if row.speculator is not None \
+                and row.speculator.wants_hidden else None
+            if lengths[b]:
+                row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
+            logprobs = done.logprobs.get(b)
+            if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
+        self._end(finished)
+
+    def _plain_step(self) -> None:
+        """A plain step for every row, pipelined as single-request decoding is: the next
+        tokens are drawn on the device (``async_eval``) before this step's tokens are read
+        and streamed, so the host's streaming overlaps the model's compute. A row finishing
+        here already has its last token in the KV (:meth:`RequestState.held_tokens` says so)."""
+        from foretell.sampling import draw_rows
+
+        rows = self._rows
+        started = time.perf_counter()
+        tokens = self._tokens if self._tokens is not None else mx.array(
+            [row.pending for row in rows], dtype=mx.int32)
+        hidden, _ = self.engine.model.forward(tokens[:, None], self._batch)
+        logits = self.engine.model.logits(hidden[:, -1, :])
+        drawn = draw_rows(logits, [
+            (row.sampler, row.keys,
+             len(row.state.prompt) + len(row.state.generated) + row.unread)
+            for row in rows])
+        mx.async_eval(drawn)
+        values = tokens.tolist() if any(row.unread for row in rows) else None
+        finished = []
+        for b, row in enumerate(rows):
+            if row.unread:
+                if self._commit(row, [values[b]], row.unread_hidden):
+                    finished.append(b)
+            row.unread = True
+            row.unread_hidden = hidden[b : b + 1] if row.speculator is not None \
+                and row.speculator.wants_hidden else None
+        self._tokens = drawn
+        self._policy.observe(len(rows), 0, time.perf_counter() - started)
+        self._end(finished)
+
+    def _settle(self) -> None:
+        """Read and commit the tokens pipelined steps drew: every row's pending token is on
+        the host after this."""
+        if self._tokens is None:
+            return
+        values = self._tokens.tolist()
+        finished = []
+        for b, row in enumerate(self._rows):
+            if row.unread:
+                row.unread = False
+                if self._commit(row, [values[b]], row.unread_hidden):
+                    finished.append(b)
+                row.unread_hidden = None
+        self._tokens = None
+        self._end(finished)
+
+    def _commit(self, row: _Row, kept: list[int], hidden: mx.array | None,
+                logprobs: mx.array | None = None) -> bool:
+        """Row ``row`` gained ``kept`` (and the hidden states that predicted them): its
+        sequence, its drafter's feed, its stream. Returns whether the row is done."""
+        row.state.generated.extend(kept)
+        if row.speculator is not None:
+            row.feed_tokens.extend(kept)
+            if hidden is not None:
+                row.feed_hidden.append(hidden)
+        event = row.cut.feed(kept)
+        if row.constraint is not None:
+            row.constraint.accept(kept[0])
+            if row.constraint.complete():
+                row.cut.complete()
+        if event is not None:
+            if logprobs is not None:
+                event = attrs.evolve(event, logprobs=(
+                    _token_logprobs(logprobs, kept[0], row.logprobs),))
+            row.handle._put(event)
+        return row.cut.done
+
+    def _end(self, finished: list[int]) -> None:
         if finished:
             for b in finished:
                 self._finish(b)
@@ -484,6 +570,9 @@ class Scheduler:
         for group in self._groups.values():
             group.leave(gone)
         self._rows = [self._rows[b] for b in keep]
+        if self._tokens is not None:
+            unread = any(row.unread for row in self._rows)
+            self._tokens = self._tokens[mx.array(keep, dtype=mx.int32)] if unread else None
         if self._batch is not None:
             if keep:
                 for cache in self._batch:
@@ -506,7 +595,7 @@ class Scheduler:
                 self._remove(running)
             except Exception:  # noqa: BLE001 - the batch itself is broken: start it over
                 self._rows = [row for row in self._rows if row not in rows]
-                self._batch, self._groups = None, {}
+                self._batch, self._groups, self._tokens = None, {}, None
                 for row in self._rows:
                     row.handle._put(exc)
                 self._rows = []

@@ -289,3 +289,44 @@ def test_engine_submit_from_several_threads_streams_what_generate_streams(engine
     for t in threads:
         t.join(timeout=300)
     assert got == want
+
+
+def test_pipelined_rows_with_different_sampling_and_a_row_forcing_synchronous_steps(engine):
+    """Rows under different settings are drawn together in pipelined steps; a row that
+    needs its tokens on the host (logprobs) joining midway makes the steps synchronous
+    until it leaves: every row still draws exactly what it draws alone."""
+    import time
+
+    settings = [None, SamplingConfig(temp=0.8, seed=3), None,
+                SamplingConfig(temp=1.0, top_k=20, seed=9)]
+    lengths = [30, 22, 14, 26]
+    scheduler = Scheduler(engine)
+    handles = [scheduler.submit(p, max_tokens=n, ignore_eos=True, sampling=s)
+               for p, n, s in zip(PROMPTS, lengths, settings)]
+    time.sleep(0.05)
+    reporting = scheduler.submit(PROMPTS[2], max_tokens=5, ignore_eos=True, logprobs=2)
+    for prompt, n, s, handle in zip(PROMPTS, lengths, settings, handles):
+        assert batched(handle)[0] == alone(engine, prompt, max_tokens=n, ignore_eos=True,
+                                           sampling=s)[0]
+    events = [e for e in reporting if e.type == "text"]
+    assert [t for e in events for t in e.tokens] == \
+        alone(engine, PROMPTS[2], max_tokens=5, ignore_eos=True)[0]
+    assert all(e.logprobs for e in events)
+    scheduler.close()
+
+
+def test_a_row_ending_in_a_pipelined_step_stores_what_its_kv_holds(tmp_path_factory):
+    """A pipelined row ends with its last token already in the KV: the entry it stores
+    says so, and a follow-up prompt extending the output reuses it and decodes as cold."""
+    path = make_model_dir(tmp_path_factory.mktemp("piped"), "qwen3", overrides=QWEN, seed=0)
+    engine = foretell.load(path)
+    engine.cache = CacheTier(load_codecs(engine.registry))
+    scheduler = Scheduler(engine)
+    ids = engine.encode_prompt(PROMPTS[1])
+    tokens, _, _ = batched(scheduler.submit(ids, max_tokens=12, ignore_eos=True))
+    follow = ids + tokens + tokens[:3]
+    got, _, stats = batched(scheduler.submit(follow, max_tokens=8, ignore_eos=True))
+    assert stats.cached_tokens >= len(ids) + len(tokens) - 1
+    engine.cache = None
+    assert got == alone(engine, follow, max_tokens=8, ignore_eos=True)[0]
+    scheduler.close()
