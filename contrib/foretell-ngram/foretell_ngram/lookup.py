@@ -8,13 +8,18 @@ the history is (a rescan grew with it).
 How far to trust a match is read from its depth, since deeper matches are kept far more
 often (docs/decisions.md): a suffix matched ``s < max_ngram`` tokens deep proposes at most
 ``tokens_per_match * s`` tokens, a full-depth match (a copy span) all the verifier asks for.
+
+One request drafts through an :class:`NgramSource` (plugin API 1), the rows of a batch
+through one :class:`NgramRows` (plugin API 2); both keep an :class:`NgramIndex` per sequence.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
-from foretell.spec import Draft, DraftState, Feed
+from foretell.spec import Draft, DraftState, Feed, RowDraft, RowStart
 
 
 class NgramProvider:
@@ -39,6 +44,10 @@ class NgramProvider:
     def open(self, target=None, sampler=None) -> NgramSource:
         c = self.config
         return NgramSource(c.max_ngram, c.min_ngram, c.tokens_per_match)
+
+    def open_rows(self, target=None) -> NgramRows:
+        c = self.config
+        return NgramRows(c.max_ngram, c.min_ngram, c.tokens_per_match)
 
 
 class NgramIndex:
@@ -65,14 +74,23 @@ class NgramIndex:
                     table[tuple(h[end - size : end])] = end
             h.append(token)
 
-    def followers(self) -> dict[int, list[int]]:
-        """Per n-gram size, the follower positions the index holds; with the history they
-        are the whole index (each key is the n-gram just before its position)."""
-        return {size: sorted(table.values()) for size, table in self._follow.items()}
+    def capture(self) -> DraftState:
+        """The index as a state: per n-gram size the follower positions it holds, which with
+        the history are the whole index (each key is the n-gram just before its position)."""
+        # Empty tables are left out: a zero-length tensor carries nothing.
+        tensors = {f"follow.{size}": mx.array(sorted(table.values()), dtype=mx.int32)
+                   for size, table in self._follow.items() if table}
+        return DraftState(tensors=tensors, meta={"tokens": len(self.history)})
 
-    def restore(self, history: list[int], followers: dict[int, list[int]]) -> None:
-        """Become the index of ``history`` whose :meth:`followers` were ``followers``."""
-        h = list(history)
+    def restore(self, state: DraftState, tokens: list[int]) -> None:
+        """Become the index :meth:`capture` returned ``state`` of, over ``tokens`` (the
+        history it was captured at), without re-indexing them."""
+        if len(tokens) != state.meta["tokens"]:
+            raise ValueError(f"the stored index covers {state.meta['tokens']} tokens, "
+                             f"restore was given {len(tokens)}")
+        followers = {int(name.split(".")[1]): t.tolist() for name, t in state.tensors.items()
+                     if name.startswith("follow.")}
+        h = list(tokens)
         self._follow = {size: {tuple(h[p - size : p]): p for p in followers.get(size, ())}
                         for size in self.sizes}
         self.history = h
@@ -112,18 +130,54 @@ class NgramSource:
         pass
 
     def capture(self) -> DraftState:
-        # Empty tables are left out: a zero-length tensor carries nothing.
-        tensors = {f"follow.{size}": mx.array(positions, dtype=mx.int32)
-                   for size, positions in self.index.followers().items() if positions}
-        return DraftState(tensors=tensors, meta={"tokens": len(self.history)})
+        return self.index.capture()
 
     def restore(self, state: DraftState, tokens: list[int]) -> None:
-        if len(tokens) != state.meta["tokens"]:
-            raise ValueError(f"the stored index covers {state.meta['tokens']} tokens, "
-                             f"restore was given {len(tokens)}")
-        followers = {int(name.split(".")[1]): t.tolist() for name, t in state.tensors.items()
-                     if name.startswith("follow.")}
-        self.index.restore(tokens, followers)
+        self.index.restore(state, tokens)
 
     def close(self) -> None:
         self.index = NgramIndex(1, 1)
+
+
+class NgramRows:
+    """The rows of a batch (:class:`foretell.spec.DraftRows`): an :class:`NgramIndex` per row,
+    all on the host, so a round is a few dictionary lookups per row and one small array."""
+
+    def __init__(self, max_ngram: int, min_ngram: int, tokens_per_match: int = 0):
+        self._sizes = (max_ngram, min_ngram, tokens_per_match)
+        self.rows: list[NgramIndex] = []
+
+    def append(self, starts: Sequence[RowStart]) -> None:
+        # Every new row is built before any joins: a state that does not fit raises with the
+        # rows as they were, and the core appends that row again without it.
+        joined = []
+        for start in starts:
+            index = NgramIndex(*self._sizes)
+            tokens = list(start.feed.tokens)
+            if start.state is not None:
+                index.restore(start.state, list(start.state_tokens))
+                tokens = tokens[len(start.state_tokens) :]
+            index.extend(tokens)
+            joined.append(index)
+        self.rows.extend(joined)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+
+    def draft(self, feeds: Sequence[Feed], lengths: Sequence[int]) -> RowDraft:
+        proposals = []
+        for index, feed, n in zip(self.rows, feeds, lengths):
+            index.extend(feed.tokens)
+            proposals.append(index.propose(n) if n else [])
+        return RowDraft.of(proposals)
+
+    def commit(self, accepted: Sequence[int]) -> None:
+        # Each index holds only fed tokens, never proposals: the accepted ones and the
+        # target's correction arrive in the next feed, so there is nothing to roll back.
+        pass
+
+    def capture(self, row: int) -> DraftState:
+        return self.rows[row].capture()
+
+    def close(self) -> None:
+        self.rows = []
