@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -202,9 +203,80 @@ class CacheSection:
     layout_options: Any = attrs.field(default=None, metadata={"internal": True})
 
 
+def _a_host(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not value.strip() or value != value.strip():
+        raise FieldError(attribute.name, f"must be an address or host name without spaces, "
+                                         f"got {value!r}")
+
+
+def _a_model_name(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not value.strip() or value != value.strip()):
+        raise FieldError(attribute.name, f"must be a name without surrounding spaces, got {value!r}")
+
+
+def _api_key_problem(key: str) -> str | None:
+    """What is wrong with ``key`` as an API key, or None. Never quotes the key (a secret)."""
+    if not key or key != key.strip() or not (key.isascii() and key.isprintable()):
+        return ("must be printable ASCII, not empty, without surrounding spaces (clients "
+                "send it in an HTTP header)")
+    return None
+
+
+def _an_api_key(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (problem := _api_key_problem(value)) is not None:
+        raise FieldError(attribute.name, problem)
+
+
+def _an_env_name(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value) is None:
+        raise FieldError(attribute.name, f"must name an environment variable (letters, digits "
+                                         f"and _, without '$'), got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ServeSection:
+    """``[serve]``: where ``foretell serve`` listens, who may call it and how much it takes
+    at once (docs/serve.md); ``run`` and ``chat`` ignore it. Each key is also a flag."""
+
+    host: str = attrs.field(default="127.0.0.1", validator=_a_host, metadata={"help": "the address to listen on (--host); 0.0.0.0 opens it to the network"})
+    port: int = attrs.field(default=8080, validator=[at_least(0), at_most(65535)], metadata={"help": "the port (--port); 0 picks a free one"})
+    api_key: str | None = attrs.field(default=None, validator=_an_api_key, metadata={"help": "every /v1 request must carry this key (--api-key); $FORETELL_API_KEY or --api-key replaces it (and api_key_env); unset: no key needed"})
+    api_key_env: str | None = attrs.field(default=None, validator=_an_env_name, metadata={"help": "instead of api_key: the environment variable holding the key, read at start (the file then holds no secret); unset or empty at start is an error, never a server without a key"})
+    served_model_name: str | None = attrs.field(default=None, validator=_a_model_name, metadata={"help": "the model id clients send and /v1/models lists (--served-model-name); unset: the model directory's name"})
+    max_rows: int = attrs.field(default=32, validator=[at_least(1), at_most(INT32_MAX)], metadata={"help": "the most requests decoding together (--max-rows)"})
+    max_waiting: int = attrs.field(default=256, validator=[at_least(0), at_most(INT32_MAX)], metadata={"help": "requests that may wait for a row (--max-waiting); beyond, a 429 with Retry-After"})
+    kv_budget_gb: float | None = attrs.field(default=None, validator=greater_than(0.0), metadata={"help": "KV cache the running requests may hold, GiB (--kv-budget-gb); unset: 40% of the device's memory"})
+    access_log: bool = attrs.field(default=True, metadata={"help": "log each HTTP request (--access-log / --no-access-log)"})
+
+    def __attrs_post_init__(self) -> None:
+        if self.api_key is not None and self.api_key_env is not None:
+            raise FieldError("api_key_env", "give the key or the variable holding it, not both "
+                                            "(api_key is also set)")
+
+
+def serve_api_key(section: ServeSection, source: str, environ: Mapping[str, str]) -> str | None:
+    """The key ``foretell serve`` requires: ``api_key``, or the value of the variable
+    ``api_key_env`` names; None: no key.
+
+    :raises ConfigError: the variable is unset or empty, or holds no usable key (a server
+        the operator meant to lock must not start open)."""
+    if section.api_key_env is None:
+        return section.api_key
+    name = section.api_key_env
+    key = environ.get(name, "")
+    if not key:
+        raise ConfigError(source, [f"serve.api_key_env: ${name} is not set or is empty in the "
+                                   "server's environment: export the key in it, or leave "
+                                   "api_key_env out to serve without a key"])
+    if (problem := _api_key_problem(key)) is not None:
+        raise ConfigError(source, [f"serve.api_key_env: the key in ${name} {problem}"])
+    return key
+
+
 @attrs.frozen(kw_only=True)
 class RunConfig:
-    """What ``foretell run`` does; every field is also a CLI flag."""
+    """What ``foretell run`` does (``chat`` and ``serve`` too); every field is also a CLI
+    flag."""
 
     model: str | None = attrs.field(default=None, metadata={"help": "model directory or shipped model name"})
     max_tokens: int = attrs.field(default=256, validator=at_least(1), metadata={"help": "most tokens to generate"})
@@ -212,6 +284,7 @@ class RunConfig:
     sampling: SamplingConfig = attrs.Factory(SamplingConfig)
     draft: DraftSection | None = None
     cache: CacheSection = attrs.Factory(CacheSection)
+    serve: ServeSection = attrs.Factory(ServeSection)
 
 
 # -- one engine's path choices ----------------------------------------------------------
@@ -508,6 +581,9 @@ def load_run_config(
     kind = (overrides or {}).get("draft.kind", (None, ""))[0]
     if kind is not None and isinstance(data.get("draft"), dict):
         data["draft"] = _draft_table_for(data["draft"], kind)
+    if ((overrides or {}).get("serve.api_key", (None, ""))[0] is not None
+            and isinstance(data.get("serve"), dict)):
+        data["serve"].pop("api_key_env", None)  # a key given at start replaces the file's
     flags: dict[str, str] = {}
     for dotted, (value, flag) in (overrides or {}).items():
         if value is None:

@@ -120,7 +120,8 @@ def test_problems_in_several_sections_are_reported_together(registry, tmp_path):
     assert _errors(registry, tmp_path, text).splitlines() == [
         "run.toml: sampling.top_k: must be >= 0, got -1",
         "run.toml: draft.model: required field missing",
-        "run.toml: bogus: unknown field (known: cache, chat, draft, max_tokens, model, sampling)",
+        "run.toml: bogus: unknown field (known: cache, chat, draft, max_tokens, model, sampling, "
+        "serve)",
     ]
 
 

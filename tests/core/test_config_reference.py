@@ -22,7 +22,7 @@ def test_every_key_of_every_section_is_documented_with_its_help():
     page = render_config()
     for cls in (config.RunConfig, config.SamplingConfig):
         for field in attrs.fields(cls):
-            if attrs.has(field.type) or field.name in ("draft", "cache", "sampling"):
+            if attrs.has(field.type) or field.name in ("draft", "cache", "sampling", "serve"):
                 assert f"## `[{field.name}]`" in page
                 continue
             assert f"| `{field.name}` |" in page

@@ -12,9 +12,9 @@ from foretell.cli import main
 
 
 @pytest.mark.parametrize(("flags", "says"), [
-    (["--port", "70000"], "--port 70000: must be 0-65535"),
-    (["--max-rows", "0"], "--max-rows 0: must be at least 1"),
-    (["--kv-budget-gb", "-1"], "--kv-budget-gb -1.0: must be more than 0"),
+    (["--port", "70000"], "serve.port: must be <= 65535, got 70000 (set by --port)"),
+    (["--max-rows", "0"], "serve.max_rows: must be >= 1, got 0 (set by --max-rows)"),
+    (["--kv-budget-gb", "-1"], "serve.kv_budget_gb: must be > 0.0, got -1.0 (set by --kv-budget-gb)"),
 ])
 def test_bad_server_flags_are_one_line_naming_the_flag(flags, says, capsys):
     assert main(["serve", *flags]) == 1

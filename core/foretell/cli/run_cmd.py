@@ -163,8 +163,9 @@ _FLAG_FIELDS = {
 }
 
 
-def run_config(args: argparse.Namespace):
-    """The plugin registry and the run config from ``--config`` plus flags."""
+def run_config(args: argparse.Namespace, more: dict[str, tuple[Any, str]] | None = None):
+    """The plugin registry and the run config from ``--config`` plus flags; ``more``: a
+    command's own overrides (``{"serve.port": (8080, "--port")}``)."""
     from foretell.config import load_run_config
     from foretell.plugin.loader import load_plugins
 
@@ -173,6 +174,7 @@ def run_config(args: argparse.Namespace):
         if hasattr(args, attr):
             overrides[field] = (getattr(args, attr), "--" + attr.replace("_", "-"))
     overrides.update(draft_overrides(args))
+    overrides.update(more or {})
     registry = load_plugins().registry
     config = load_run_config(registry, args.config, overrides)
     if config.cache.dir is None:

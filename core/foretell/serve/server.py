@@ -29,7 +29,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise ForetellError(f"--host {host}: cannot resolve it: {exc.strerror}") from None
+        raise ForetellError(f"cannot resolve host {host!r}: {exc.strerror}") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
