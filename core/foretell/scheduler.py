@@ -132,6 +132,8 @@ class Scheduler:
         self._tokens: mx.array | None = None
         self._groups: dict[str, DraftGroup] = {}
         self._policy = BatchDraftPolicy()
+        #: Per drafter kind, the distrust flags already reported.
+        self._warned: dict[str, int] = {}
         self._lock = threading.Lock()
         self._queued = 0
         self._thread: threading.Thread | None = None
@@ -442,6 +444,8 @@ class Scheduler:
             group.commit(rows, done.accepted, lengths)
         finished = []
         for b, (row, kept) in enumerate(zip(rows, done.kept)):
+            if done.distrusted[b]:
+                self._distrusted(row.speculator, done.distrusted[b])
             hidden = done.hidden[b : b + 1, : len(kept)] if row.speculator is not None \
                 and row.speculator.wants_hidden else None
             if lengths[b]:
@@ -450,6 +454,19 @@ class Scheduler:
             if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
         self._end(finished)
+
+    def _distrusted(self, speculator: Speculator, flags: int) -> None:
+        """Once per drafter and kind: what it returned was rejected (the output is safe)."""
+        import logging
+
+        from foretell.spec.acceptance import distrust_message
+
+        seen = self._warned.get(speculator.kind, 0)
+        if flags & ~seen:
+            self._warned[speculator.kind] = seen | flags
+            logging.getLogger("foretell.scheduler").warning(
+                "%s", distrust_message(speculator.label(), flags & ~seen,
+                                       self.engine.model.vocab_size))
 
     def _plain_step(self) -> None:
         """A plain step for every row, pipelined as single-request decoding is: the next

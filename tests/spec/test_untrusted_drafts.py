@@ -168,6 +168,29 @@ def test_ids_outside_the_vocabulary_are_never_emitted_sampled(engines, adversary
         assert stats.speculation["accepted"] == 0
 
 
+@pytest.mark.parametrize("mode", ["out-of-vocab", "negative-ids"])
+def test_in_a_batch_such_ids_are_never_emitted_and_the_drafter_is_named_once(
+        engines, adversary, mode, caplog):
+    engine = engines["qwen3"]
+    prompts = [(11, 57, 300, 4), (9, 8, 7)]
+    plain = [_run(engine, False, prompt=p)[0] for p in prompts]
+    from foretell.scheduler import Scheduler
+
+    speculator, scheduler = adversary(mode), Scheduler(engine)  # it warns once per drafter
+    with caplog.at_level(logging.WARNING, logger="foretell.scheduler"):
+        handles = [scheduler.submit(list(p), max_tokens=24, ignore_eos=True,
+                                    speculate=speculator) for p in prompts]
+        events = [list(h) for h in handles]
+    scheduler.close()
+    for want, got in zip(plain, events):
+        assert [t for e in got[:-1] for t in e.tokens] == want
+    assert sum(e[-1].speculation["drafted"] for e in events) > 0
+    assert all(e[-1].speculation["accepted"] == 0 for e in events)
+    warnings = [r.getMessage() for r in caplog.records if "adversary" in r.getMessage()]
+    assert len(warnings) == 1
+    assert f"token ids outside the vocabulary [0, {VOCAB})" in warnings[0]
+
+
 # -- q that is no distribution ---------------------------------------------------------------
 
 

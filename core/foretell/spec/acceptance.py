@@ -10,9 +10,11 @@ chosen it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
-from foretell.sampling import Sampler
+from foretell.sampling import RandomKeys, Sampler, repetition_windows
 from foretell.spec.contract import usable_distributions
 
 
@@ -83,3 +85,50 @@ def residual(p: mx.array, q: mx.array) -> mx.array:
 def prefix_length(ok: mx.array) -> mx.array:
     """``[B, n]`` booleans to ``[B]`` lengths of their all-true prefixes."""
     return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=-1), axis=-1).astype(mx.int32)
+
+
+#: Bits of a judged row's ``flags``: what the drafter returned that the rules rejected.
+OUT_OF_VOCAB, NOT_A_DISTRIBUTION = 1, 2
+
+
+def judge_row(sampler: Sampler, logits: mx.array, drafts: mx.array, usable: mx.array,
+              q: mx.array | None, keys: RandomKeys | None, position: int, *,
+              token_match: bool, recent: Sequence[int] = ()) -> mx.array:
+    """One request's draft judged by its own rule: the single-request verifier and the
+    batch's (:func:`foretell.spec.batch.verify_rows`) both call this, so a row is kept or
+    rejected the same way alone and in a batch.
+
+    ``logits [n + 1, V]`` after the pending token and each of ``drafts [n]`` (``usable``:
+    their ids lay in the vocabulary); ``q [1, n, V]`` or None (point masses); ``keys`` the
+    request's position keys (None: greedy); ``position`` the first draft's index in the
+    sequence; ``recent`` the tokens before it the repetition penalty sees. Greedy and
+    token-match keep drafts equal to the target's own draw at each position; otherwise
+    rejection sampling. Returns ``int32 [3 + n]``: accepted count, the target's token after
+    them, :data:`OUT_OF_VOCAB` / :data:`NOT_A_DISTRIBUTION` flags, then the drafts."""
+    n = drafts.shape[0]
+    windows = None
+    if sampler.window:
+        windows = repetition_windows(mx.array(list(recent), dtype=mx.int32), drafts,
+                                     sampler.window)
+    scores = sampler.scores(logits, windows)[None]  # [1, n + 1, V]
+    flags = OUT_OF_VOCAB * mx.any(mx.logical_not(usable)).astype(mx.int32)[None]
+    if sampler.greedy or token_match:
+        rows = keys.rows(position, n + 1) if keys is not None else None
+        accepted, chosen = match_drafts(sampler, scores, drafts[None], usable[None], rows)
+    else:
+        accepted, chosen, bad_q = accept_or_resample(
+            sampler.probabilities(scores), drafts[None], q,
+            keys.rows(position, 1, salt=1)[0], usable[None])
+        flags = flags + NOT_A_DISTRIBUTION * bad_q.astype(mx.int32)
+    return mx.concatenate([accepted, chosen, flags, drafts.astype(mx.int32)])
+
+
+def distrust_message(label: str, flags: int, vocab: int) -> str:
+    """What to tell the user once the rules rejected what drafter ``label`` returned."""
+    what = [text for bit, text in (
+        (OUT_OF_VOCAB, f"token ids outside the vocabulary [0, {vocab})"),
+        (NOT_A_DISTRIBUTION, "draft distributions q that are not distributions (an "
+         "entry negative or not finite, a total off 1, or 0 at the drafted id)"),
+    ) if flags & bit]
+    return (f"{label} proposed {' and '.join(what)}; those drafts were rejected and the "
+            f"target chose the tokens there itself")

@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
-from foretell.sampling import RandomKeys, Sampler, repetition_windows
-from foretell.spec.acceptance import accept_or_resample, match_drafts
+from foretell.sampling import RandomKeys, Sampler
+from foretell.spec.acceptance import judge_row
 from foretell.spec.contract import Draft, DraftState, Feed, Target, checked_draft
 from foretell.spec.rows import RowDraft, RowStart, checked_lengths
 
@@ -46,8 +46,10 @@ class RowsVerified:
     kept: list[list[int]]
     accepted: list[int]
     hidden: mx.array
-    #: Rows where a draft id lay outside the vocabulary or a q was no distribution.
-    distrusted: list[bool]
+    #: Per row, :data:`~foretell.spec.acceptance.OUT_OF_VOCAB` /
+    #: :data:`~foretell.spec.acceptance.NOT_A_DISTRIBUTION` bits: what its drafter returned
+    #: that the rules rejected (0: nothing).
+    distrusted: list[int]
     #: Row -> its ``[vocab]`` raw log-probabilities, for rows whose rule asked.
     logprobs: dict[int, mx.array] = attrs.Factory(dict)
 
@@ -67,38 +69,23 @@ def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: Ro
     results, reported = [], {}
     for b, rule in enumerate(rules):
         n = lengths[b]
-        drafts, ok = window[b : b + 1, 1 : 1 + n], usable[b : b + 1, :n]
-        sampler = rule.sampler
-        windows = None
-        if sampler.window:
-            windows = repetition_windows(mx.array(list(rule.recent), dtype=mx.int32),
-                                         drafts[0], sampler.window)
         row_logits = logits[b, : n + 1]
         if rule.logprobs:
             reported[b] = row_logits[0] - mx.logsumexp(row_logits[0])
         if rule.allowed is not None and n == 0:
             row_logits = mx.where(rule.allowed, row_logits,
                                   mx.array(-mx.inf, row_logits.dtype))
-        scores = sampler.scores(row_logits, windows)[None]
-        bad = mx.any(mx.logical_not(ok)) if n else mx.array(False)
-        if sampler.greedy or rule.token_match:
-            keys = rule.keys.rows(rule.position, n + 1) if rule.keys is not None else None
-            accepted, chosen = match_drafts(sampler, scores, drafts, ok, keys)
-        else:
-            q = draft.q[b : b + 1, :n] if draft.q is not None else None
-            accepted, chosen, bad_q = accept_or_resample(
-                sampler.probabilities(scores), drafts, q,
-                rule.keys.rows(rule.position, 1, salt=1)[0], ok)
-            bad = mx.logical_or(bad, bad_q[0])
-        results.append(mx.concatenate([accepted, chosen, bad.astype(mx.int32)[None],
-                                       drafts[0]]))
+        q = draft.q[b : b + 1, :n] if draft.q is not None else None
+        results.append(judge_row(rule.sampler, row_logits, window[b, 1 : 1 + n],
+                                 usable[b, :n], q, rule.keys, rule.position,
+                                 token_match=rule.token_match, recent=rule.recent))
     mx.eval(results)  # the round's one host sync
     values = [r.tolist() for r in results]
     accepted = [v[0] for v in values]
     kept = [v[3 : 3 + v[0]] + [v[1]] for v in values]
     for cache in caches:
         cache.trim([width - a for a in accepted])
-    return RowsVerified(kept, accepted, hidden, [bool(v[2]) for v in values], reported)
+    return RowsVerified(kept, accepted, hidden, [v[2] for v in values], reported)
 
 
 class SourceRows:

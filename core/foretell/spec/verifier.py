@@ -41,8 +41,8 @@ import mlx.core as mx
 
 from foretell.model import fixed
 from foretell.model.kvcache import add_rollback_reserve, stay_trimmable, trim_all
-from foretell.sampling import Sampler, decode_step, repetition_windows
-from foretell.spec.acceptance import accept_or_resample, match_drafts
+from foretell.sampling import Sampler, decode_step
+from foretell.spec.acceptance import distrust_message, judge_row
 from foretell.spec.attach import start_source
 from foretell.spec.contract import (
     CATCH_UP_MAX,
@@ -60,8 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ACCEPTANCE_RULES = ("rejection", "token-match")
-#: Bits of a round's ``flags``: what the drafter returned that the verifier rejected.
-OUT_OF_VOCAB, NOT_A_DISTRIBUTION = 1, 2
 #: One-position hidden states a plain stretch keeps apart before joining them
 #: (``_keep_feed_hidden``).
 HIDDEN_PACK = 8
@@ -258,22 +256,9 @@ class _Verifier:
         window = mx.concatenate([mx.array([[self.pending]], dtype=mx.int32),
                                  mx.where(usable, wide, 0).astype(mx.int32)], axis=1)
         hidden, logits = self.verify_forward(window)
-        logits = logits[0]  # [n + 1, V]
-        drafts = window[0, 1:]
-        windows = None
-        if self.size:
-            windows = repetition_windows(mx.array(self.recent, dtype=mx.int32), drafts, self.size)
-        scores = self.sampler.scores(logits, windows)[None]  # [B = 1, n + 1, V]
-        flags = OUT_OF_VOCAB * mx.any(mx.logical_not(usable), axis=-1).astype(mx.int32)
-        if self.sampler.greedy or self.token_match:
-            keys = self.keys.rows(position, n + 1) if self.keys is not None else None
-            accepted, chosen = match_drafts(self.sampler, scores, drafts[None], usable, keys)
-        else:
-            accepted, chosen, bad_q = accept_or_resample(
-                self.sampler.probabilities(scores), drafts[None], draft.q,
-                self.keys.rows(position, 1, salt=1)[0], usable)
-            flags = flags + NOT_A_DISTRIBUTION * bad_q.astype(mx.int32)
-        values = mx.concatenate([accepted, chosen, flags, drafts])
+        values = judge_row(self.sampler, logits[0], window[0, 1:], usable[0], draft.q,
+                           self.keys, position, token_match=self.token_match,
+                           recent=self.recent)
         mx.async_eval(values)
         return _Round(k=k, n=n, hidden=hidden, values=values)
 
@@ -301,13 +286,7 @@ class _Verifier:
     def _warn(self, flags: int) -> None:
         """Once a request for each kind: the drafter returned what the verifier rejected."""
         self.warned |= flags
-        what = [text for bit, text in (
-            (OUT_OF_VOCAB, f"token ids outside the vocabulary [0, {self.vocab})"),
-            (NOT_A_DISTRIBUTION, "draft distributions q that are not distributions (an "
-             "entry negative or not finite, a total off 1, or 0 at the drafted id)"),
-        ) if flags & bit]
-        log.warning("%s proposed %s; those drafts were rejected and the target chose the "
-                    "tokens there itself", self.speculator.label(), " and ".join(what))
+        log.warning("%s", distrust_message(self.speculator.label(), flags, self.vocab))
 
     def abandon(self, round_: _Round) -> None:
         """A queued round nobody will read: its drafts leave the caches."""
