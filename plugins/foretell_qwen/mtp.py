@@ -24,6 +24,7 @@ weights file.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,31 @@ def _head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
     return (head(embedded, hidden, caches[0]),)
 
 
+def paired(tokens: Sequence[int], hidden: mx.array | None) -> tuple[list[int], mx.array | None]:
+    """A feed's newest positions that come with the target's state that predicted them
+    (``hidden`` is aligned with the end of ``tokens``, :class:`~foretell.spec.Feed`): those
+    tokens and states, or ``([], None)``."""
+    held = 0 if hidden is None else hidden.shape[1]
+    m = min(len(tokens), held)
+    if m == 0:
+        return [], None
+    return list(tokens[len(tokens) - m :]), hidden if m == held else hidden[:, held - m :]
+
+
+def absorb(forward: Callable[[mx.array, mx.array], mx.array], embed: Callable[[mx.array], mx.array],
+           tokens: Sequence[int], hidden: mx.array | None) -> mx.array | None:
+    """Run one row's head (``forward(embedded, hidden)``) over a feed's positions that carry
+    the target's state, ``CHUNK`` at a time; the head's output at the newest one
+    (``[1, 1, H]``, it predicts what follows the feed), or None when there was none."""
+    tokens, hidden = paired(tokens, hidden)
+    if not tokens:
+        return None
+    ids = mx.array([tokens], dtype=mx.int32)
+    for lo in range(0, len(tokens), CHUNK):
+        out = forward(embed(ids[:, lo : lo + CHUNK]), hidden[:, lo : lo + CHUNK])
+    return out[:, -1:, :]
+
+
 class MTPProvider:
     requires = frozenset({PORT_HIDDEN, PORT_MTP})
     #: Up to 6 a round unless told: the demo's head keeps agreeing deep into its chain, and 6
@@ -198,6 +224,12 @@ class MTPProvider:
 
     def open(self, target: Target, sampler: Any) -> MTPSource:
         return MTPSource(self.head, target.model, sampler, self.shortlist)
+
+    def open_rows(self, target: Target) -> Any:
+        """Plugin API 2: every row of a batch drafted by the head at once."""
+        from foretell_qwen.mtp_rows import MTPRows
+
+        return MTPRows(self.head, target.model, self.shortlist)
 
 
 class MTPSource:
@@ -226,15 +258,9 @@ class MTPSource:
         return self.head(embedded, hidden, self.caches[0])
 
     def _absorb(self, feed: Feed) -> None:
-        hidden = feed.hidden
-        if hidden is None or hidden.shape[1] == 0:
-            return
-        m = hidden.shape[1]
-        paired = mx.array([feed.tokens[len(feed.tokens) - m :]], dtype=mx.int32)
-        for lo in range(0, m, CHUNK):
-            out = self._forward(self.target.embed(paired[:, lo : lo + CHUNK]),
-                                hidden[:, lo : lo + CHUNK])
-        self.last = out[:, -1:, :]
+        last = absorb(self._forward, self.target.embed, feed.tokens, feed.hidden)
+        if last is not None:
+            self.last = last
 
     def prefill(self, feed: Feed) -> None:
         self._absorb(feed)
