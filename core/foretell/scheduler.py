@@ -31,6 +31,7 @@ from foretell.model.batch import batch_caches
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
+from foretell.spec.contract import keep_recent_hidden
 from foretell.stream import END, RequestHandle, StopMatcher, StreamCut, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -361,6 +362,7 @@ class Scheduler:
                 continue
             if hidden is not None:
                 row.feed_hidden.append(hidden)
+                keep_recent_hidden(row.feed_hidden)
         joining = [row for row in self._prefilling if not row.todo]
         for row in joining:
             self._prefilling.remove(row)
@@ -524,6 +526,7 @@ class Scheduler:
             row.feed_tokens.extend(kept)
             if hidden is not None:
                 row.feed_hidden.append(hidden)
+                keep_recent_hidden(row.feed_hidden)
         event = row.cut.feed(kept)
         if row.constraint is not None:
             row.constraint.accept(kept[0])

@@ -17,7 +17,14 @@ import mlx.core as mx
 
 from foretell.sampling import RandomKeys, Sampler
 from foretell.spec.acceptance import judge_row
-from foretell.spec.contract import Draft, DraftState, Feed, Target, checked_draft
+from foretell.spec.contract import (
+    Draft,
+    DraftState,
+    Feed,
+    Target,
+    checked_draft,
+    keep_recent_hidden,
+)
 from foretell.spec.rows import RowDraft, RowStart, checked_lengths
 
 
@@ -95,6 +102,9 @@ class SourceRows:
     def __init__(self, provider: Any, target: Target, label: str) -> None:
         self.provider, self.target, self.label = provider, target, label
         self.sources: list[Any] = []
+        #: Per row, what it was fed in rounds it did not draft (a source hears a feed only
+        #: when it drafts: it gets these then, before the newer feed).
+        self._unheard: list[Feed | None] = []
         self._drafted: list[int] = []
 
     def append(self, rows: Sequence[RowStart]) -> None:
@@ -108,6 +118,7 @@ class SourceRows:
             else:
                 source.prefill(row.feed)
             self.sources.append(source)
+            self._unheard.append(None)
 
     def filter(self, keep: Sequence[int]) -> None:
         kept = set(keep)
@@ -115,14 +126,18 @@ class SourceRows:
             if i not in kept:
                 source.close()
         self.sources = [self.sources[i] for i in keep]
+        self._unheard = [self._unheard[i] for i in keep]
 
     def draft(self, feeds: Sequence[Feed], lengths: Sequence[int]) -> RowDraft:
         drafts: list[Draft | None] = []
         self._drafted = []
         for b, (source, feed, n) in enumerate(zip(self.sources, feeds, lengths)):
+            feed = _after(self._unheard[b], feed)
             if n == 0:
+                self._unheard[b] = feed
                 drafts.append(None)
                 continue
+            self._unheard[b] = None
             draft = checked_draft(source.draft(feed, n), n, self.target.model.vocab_size,
                                   self.label)
             self._drafted.append(b)
@@ -152,7 +167,20 @@ class SourceRows:
     def close(self) -> None:
         for source in self.sources:
             source.close()
-        self.sources = []
+        self.sources, self._unheard = [], []
+
+
+def _after(earlier: Feed | None, feed: Feed) -> Feed:
+    """``feed`` preceded by an ``earlier`` one the source did not hear (hidden states
+    trimmed to what a drafter reads, :func:`~foretell.spec.contract.keep_recent_hidden`)."""
+    if earlier is None:
+        return feed
+    hidden = None
+    if earlier.hidden is not None or feed.hidden is not None:
+        parts = [h for h in (earlier.hidden, feed.hidden) if h is not None]
+        keep_recent_hidden(parts)
+        hidden = _joined(parts)
+    return Feed(list(earlier.tokens) + list(feed.tokens), hidden, feed.position)
 
 
 def _row_q(draft: Draft | None, width: int, vocab: int) -> mx.array:
@@ -205,9 +233,8 @@ class DraftGroup:
                               len(member.state.prompt) + len(member.state.generated)))
         draft = self.rows.draft(feeds, asked)
         got = checked_lengths(draft, asked, self.speculator.label())
-        for member, n in zip(self.members, asked):
-            if n:
-                member.feed_tokens, member.feed_hidden = [], []
+        for member in self.members:  # every row took its feed, drafting or not
+            member.feed_tokens, member.feed_hidden = [], []
         return {b: (draft.tokens[i : i + 1],
                     draft.q[i : i + 1] if draft.q is not None else None, n)
                 for i, (b, n) in enumerate(zip(index, got))}

@@ -45,12 +45,12 @@ from foretell.sampling import Sampler, decode_step
 from foretell.spec.acceptance import distrust_message, judge_row
 from foretell.spec.attach import start_source
 from foretell.spec.contract import (
-    CATCH_UP_MAX,
     PORT_HIDDEN,
     DraftError,
     Feed,
     Target,
     checked_draft,
+    keep_recent_hidden,
 )
 from foretell.spec.policy import DraftLengthPolicy
 
@@ -60,9 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ACCEPTANCE_RULES = ("rejection", "token-match")
-#: One-position hidden states a plain stretch keeps apart before joining them
-#: (``_keep_feed_hidden``).
-HIDDEN_PACK = 8
 
 
 @attrs.frozen(kw_only=True)
@@ -297,30 +294,11 @@ class _Verifier:
         self.feed_tokens.extend(kept)
         if hidden is not None:
             self.feed_hidden.append(hidden)
-            self._keep_feed_hidden()
+            keep_recent_hidden(self.feed_hidden)
         if self.size:
             self.recent = (self.recent + kept)[-self.size :]
         self.pending = kept[-1]
         self.state.generated.extend(kept)
-
-    def _keep_feed_hidden(self) -> None:
-        """Keep what a hidden-state drafter (MTP) will read of the states gathered while
-        it is not drafting: the newest :data:`CATCH_UP_MAX` positions' (a source further
-        behind starts over from those, :class:`~foretell.spec.contract.Feed`), single
-        steps joined HIDDEN_PACK at a time. Measured on the H200 (2026-12-03, sampled at
-        0.8, drafting pinned off, paired medians of 15 rounds):
-        keeping every step's state, packed, decoded at 0.988x plain decoding, keeping the
-        newest 32 at 1.002x, keeping none at 1.006x; unpacked, an earlier host ran 0.97x."""
-        parts = self.feed_hidden
-        tail = parts[-HIDDEN_PACK:]
-        if len(tail) == HIDDEN_PACK and all(h.shape[1] == 1 for h in tail):
-            joined = mx.concatenate(tail, axis=1)
-            mx.async_eval(joined)
-            parts[-HIDDEN_PACK:] = [joined]
-        newer = sum(h.shape[1] for h in parts) - parts[0].shape[1]
-        while newer >= CATCH_UP_MAX:
-            parts.pop(0)
-            newer -= parts[0].shape[1]
 
     # -- plain stretches ------------------------------------------------------------------
 
