@@ -15,7 +15,9 @@ all), ``forward``'s states are the final-normed ones hidden-state drafters read.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,6 +150,11 @@ class Adapted:
         for cache in caches or ():
             if cache.counted:
                 cache._seen += tokens.shape[1]
+            elif getattr(cache, "keys", False) is None:
+                # A KV cache its layer never writes (attention replaced by a linear map)
+                # still counts the tokens, so every cache of a sequence agrees on its length
+                # (checkpoints and the prefix cache require that).
+                cache.offset += tokens.shape[1]
         return hidden, {}
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -189,11 +196,18 @@ def build(config: dict[str, Any]) -> Any:
     """An adapted mlx-lm model for ``config`` (a parsed config.json); weights unloaded."""
     model_type = config["model_type"]
     module_name = REMAPPED.get(model_type, model_type)
+    said = io.StringIO()
     try:
-        module = importlib.import_module(f"mlx_lm.models.{module_name}")
+        with contextlib.redirect_stdout(said):
+            module = importlib.import_module(f"mlx_lm.models.{module_name}")
     except ImportError as exc:
         raise ValueError(f"field 'model_type': mlx-lm has no module for '{model_type}' "
                          f"({exc})") from exc
+    except SystemExit as exc:
+        # A module that needs a package it lacks prints how to install it and exits; a
+        # foretell run must fail as for any other unusable model instead.
+        raise ValueError(f"field 'model_type': mlx-lm's models/{module_name}.py cannot "
+                         f"load: {said.getvalue().strip() or exc}") from None
     args = module.ModelArgs.from_dict(config)
     model = module.Model(args)
     cls = type(model)

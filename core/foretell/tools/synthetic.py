@@ -199,6 +199,17 @@ def _random_weights(
             value = gain * (1.0 + noise * 0.1) - spec.norm_offset
         elif leaf == "layer_scalar":
             value = mx.ones(param.shape)
+        elif param.ndim == 0:
+            # A scalar is a setting the module initialised (a quantization scale, an
+            # activation's epsilon), not a weight to draw: noise could flip its sign.
+            value = param
+        elif param.dtype == mx.uint32:
+            # Packed quantized weights an architecture stores as such: random bits.
+            weights[name] = mx.random.randint(-(2**31), 2**31 - 1, param.shape,
+                                              key=key).view(mx.uint32)
+            continue
+        elif leaf == "signs":
+            value = mx.where(noise < 0, -1.0, 1.0)
         elif leaf == "bias":
             value = noise * 0.1
         elif name.endswith("embed_tokens.weight") or name.startswith("lm_head."):
