@@ -76,6 +76,11 @@ class _Row:
     #: predicted it, for a drafter reading them.
     unread: bool = False
     unread_hidden: mx.array | None = None
+    #: Running alone, the row follows its speculator's own length policy (the one a request
+    #: decoding by itself follows): plain steps left in the stretch it asked for, and their
+    #: start times (the stretch's typical step is what it learns of plain decoding).
+    plain_left: int = 0
+    stretch_times: list[float] = attrs.Factory(list)
 
     @property
     def pending(self) -> int:
@@ -420,11 +425,12 @@ class Scheduler:
         if not any(lengths) and all(row.pipelined for row in self._rows):
             self._plain_step()
             return
-        self._settle()
+        chosen = dict(zip(map(id, self._rows), lengths))
+        self._settle()  # rows may end here; the others keep their lengths, within max_tokens
         rows = self._rows
         if not rows:
             return
-        lengths = self._choose_lengths(rows)
+        lengths = [min(chosen[id(row)], self._cap(row)) for row in rows]
         started = time.perf_counter()
         draft, lengths = combined_draft(self._groups.values(), rows, lengths,
                                         self.engine.model.vocab_size)
@@ -441,7 +447,13 @@ class Scheduler:
                 logprobs=row.logprobs is not None))
         done = verify_rows(self.engine.model, self._batch, [row.pending for row in rows],
                            draft, lengths, rules)
-        self._policy.observe(len(rows), max(lengths, default=0), time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._policy.observe(len(rows), max(lengths, default=0), elapsed)
+        if len(rows) == 1 and self._alone(rows[0]):
+            if lengths[0]:
+                rows[0].speculator.policy.observe(lengths[0], done.accepted[0], elapsed)
+            elif rows[0].plain_left:
+                self._stretch_step(rows[0], started)
         for group in self._groups.values():
             group.commit(rows, done.accepted, lengths)
         finished = []
@@ -499,6 +511,8 @@ class Scheduler:
                 and row.speculator.wants_hidden else None
         self._tokens = drawn
         self._policy.observe(len(rows), 0, time.perf_counter() - started)
+        if len(rows) == 1 and rows[0].plain_left:
+            self._stretch_step(rows[0], started)
         self._end(finished)
 
     def _settle(self) -> None:
@@ -547,21 +561,57 @@ class Scheduler:
 
     def _choose_lengths(self, rows: Sequence[_Row]) -> list[int]:
         """Each row's draft length this step: at most its drafter's, never past
-        ``max_tokens``; the batch policy picks among those unless every speculating row
-        asked for a fixed length (``adaptive=False``)."""
+        ``max_tokens``. A row running alone follows its speculator's length policy, as a
+        request decoding by itself does; a batch follows the batch policy, unless every
+        speculating row asked for a fixed length (``adaptive=False``)."""
+        if len(rows) == 1 and self._alone(rows[0]):
+            return [self._alone_length(rows[0])]
         caps, rates, adaptive = [], [], False
         for row in rows:
             speculator = row.speculator
+            caps.append(self._cap(row))
             if speculator is None:
-                caps.append(0)
                 rates.append(None)
                 continue
-            remaining = row.max_tokens - row.state.consumed - 1
-            caps.append(max(0, min(speculator.max_tokens, remaining)))
             stats = row.spec_stats
             rates.append(self._policy.rate(stats.drafted, stats.accepted))
             adaptive = adaptive or speculator.adaptive
         return self._policy.choose(caps, rates) if adaptive else caps
+
+    @staticmethod
+    def _cap(row: _Row) -> int:
+        if row.speculator is None:
+            return 0
+        remaining = row.max_tokens - row.state.consumed - row.unread - 1
+        return max(0, min(row.speculator.max_tokens, remaining))
+
+    @staticmethod
+    def _alone(row: _Row) -> bool:
+        return row.speculator is not None and row.speculator.adaptive
+
+    def _alone_length(self, row: _Row) -> int:
+        """The length policy's choice for a row running alone: a plain stretch of the
+        length it asks for once it says 0, then it is asked again."""
+        if row.plain_left:
+            return 0
+        policy = row.speculator.policy
+        k = policy.choose(self._cap(row))
+        if not k:
+            row.plain_left, row.stretch_times = max(policy.stretch, 1), []
+        return k
+
+    @staticmethod
+    def _stretch_step(row: _Row, started: float) -> None:
+        """One step of a lone row's plain stretch; at its end the policy learns its typical
+        step (the first one, which switched from drafting, untimed), as it does alone."""
+        row.stretch_times.append(started)
+        row.plain_left -= 1
+        if row.plain_left == 0:
+            times = row.stretch_times
+            gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))
+            if gaps:
+                row.speculator.policy.observe(0, 0, gaps[len(gaps) // 2])
+            row.stretch_times = []
 
     def _finish(self, b: int) -> None:
         row = self._rows[b]

@@ -66,3 +66,46 @@ def test_rows_without_a_drafter_never_draft():
     policy = BatchDraftPolicy()
     lengths = policy.choose([4, 0, 4], [0.9, None, 0.9])
     assert lengths[1] == 0
+
+
+def test_a_row_running_alone_follows_its_speculators_length_policy(engines, model_dirs,
+                                                                    registry):
+    """Alone in the batch, a request is drafted for as it is decoding by itself: its
+    speculator's policy chooses each round's length and learns each round's outcome, and
+    once it says 0 the row decodes a plain stretch of the length it asked for and the policy
+    learns that stretch's step time."""
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+    from foretell.spec.policy import PLAIN_STRETCH
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=3)
+    policy = speculator.policy
+    asked, told = [], []
+    answers = iter([3, 2, 0, 3, 0])
+
+    def choose(limit):
+        asked.append(limit)
+        return min(next(answers, 0), limit)
+
+    policy.choose = choose
+    policy.observe = lambda drafted, accepted, seconds, **_: told.append((drafted, accepted))
+    scheduler = Scheduler(engine)
+    prompt = [11, 57, 300, 4, 89, 120, 7, 250]
+    events = list(scheduler.submit(prompt, max_tokens=60, ignore_eos=True,
+                                   speculate=speculator))
+    scheduler.close()
+    plain = list(engine.generate(prompt, max_tokens=60, ignore_eos=True, speculate=False))
+    assert [t for e in events[:-1] for t in e.tokens] == [t for e in plain[:-1] for t in e.tokens]
+    drafted = [d for d, _ in told if d]
+    assert drafted == [3, 2, 3]  # every drafted round reported, at the length chosen
+    # After each 0 a whole stretch runs before the policy is asked again, and it hears the
+    # stretch's step time once.
+    assert [d for d, _ in told].count(0) >= 2
+    stretch_then_asked = len(asked)
+    tokens = sum(len(e.tokens) for e in events[:-1])
+    assert stretch_then_asked <= 5 + tokens // PLAIN_STRETCH + 1
+    assert events[-1].speculation["drafted"] == 8
