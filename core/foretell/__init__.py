@@ -14,7 +14,9 @@ __version__ = "0.1.0"
 
 #: The plugin-API version this core provides. A plugin or contribution that declares a
 #: higher minimum is refused with both versions named. Bump on incompatible changes.
-PLUGIN_API = 1
+#: 2: drafters work on rows (``open_rows``, :mod:`foretell.spec.rows`); a drafter of API 1
+#: (per-request ``open`` only) still speculates, one source per row.
+PLUGIN_API = 2
 
 from foretell.plugin.hookspecs import hookimpl  # noqa: E402
 

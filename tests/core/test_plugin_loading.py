@@ -268,14 +268,14 @@ def test_a_plugin_needing_a_newer_api_is_refused_naming_both_versions(fake_distr
     _plugin(fake_distribution, "foretell-future", "future", "foretell_future", "FORETELL_PLUGIN_API = 99\n" + GOOD)
     _, rows, _ = _listing(capsys)
     assert rows["future"]["status"] == "failed"
-    assert "needs plugin API 99, this foretell provides 1" in rows["future"]["error"]
+    assert "needs plugin API 99, this foretell provides 2" in rows["future"]["error"]
 
 
 def test_a_contribution_needing_a_newer_api_is_refused(fake_distribution, capsys):
     future = GOOD.replace('summary="echoes"', 'summary="echoes", min_api=7')
     _plugin(fake_distribution, "foretell-future", "future", "foretell_future", future)
     _, rows, _ = _listing(capsys)
-    assert "needs plugin API 7, this foretell provides 1" in rows["future"]["error"]
+    assert "needs plugin API 7, this foretell provides 2" in rows["future"]["error"]
 
 
 def test_the_same_entry_point_name_from_two_distributions_names_both(fake_distribution, capsys):

@@ -4,6 +4,9 @@ import attrs
 
 from foretell import hookimpl
 
+#: Its rows (``NgramRows``) need plugin API 2's draft contract.
+FORETELL_PLUGIN_API = 2
+
 
 def _positive(_inst, attribute, value):
     if value < 1:
