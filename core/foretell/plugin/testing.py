@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,11 @@ def check_storage_layout(open_layout: Callable[[Any], Any], *,
     None for an absent key; marks the entry used), rewriting one state (still one entry),
     identities (another's layout serves none of them and deletes none), ``remove`` (True once,
     then False; never served again), ``collect`` and ``bytes`` (freed once an entry is
-    removed, never a servable entry), and with ``damage`` a verified read.
+    removed, never a servable entry), with ``damage`` a verified read, and last a writer
+    killed part way through a write or a rewrite (:func:`check_killed_writer`): nothing
+    half-written served or listed, the entry it rewrote and the others intact, the layout
+    still working. The layout's ``write`` runs in a thread of its own there, as the tier's
+    spill worker runs it.
     """
     import mlx.core as mx
     import numpy as np
@@ -226,6 +231,140 @@ def check_storage_layout(open_layout: Callable[[Any], Any], *,
         assert layout.read(longer_key) is None, "a damaged entry was served"
         assert longer_key not in {h.key for h in open_layout(mine).scan()}, (
             "a damaged entry is still listed after a read refused it")
+
+    check_killed_writer(open_layout, mine, kept=other, new=state(28, 3), same=same)
+
+
+class WriterKilled(BaseException):
+    """Raised in a stopped writer's thread to unwind it (a ``BaseException``: the
+    ``except Exception`` clauses of the write it stops do not run)."""
+
+
+#: Lines of a write at which :func:`check_killed_writer` kills it, spread over the write.
+KILL_POINTS = 32
+
+
+class _StoppedWrite:
+    """``layout.write(entry)`` in a thread of its own, stopped for good at its ``stop``-th
+    line of Python in ``packages`` (0: run to the end, counting lines), as if its process
+    were killed there: the thread waits until :meth:`unwind`, which raises
+    :class:`WriterKilled` at that line."""
+
+    def __init__(self, layout: Any, entry: Any, packages: set[str], stop: int) -> None:
+        self.lines = 0
+        self.at = ""
+        self.error: BaseException | None = None
+        self._stop, self._packages = stop, packages
+        self._stopped, self._settled, self._go = (threading.Event(), threading.Event(),
+                                                  threading.Event())
+        self._thread = threading.Thread(target=self._run, args=(layout, entry), daemon=True,
+                                        name="foretell-killed-writer")
+        self._thread.start()
+        assert self._settled.wait(120), "write() ran for two minutes without finishing"
+        if self.error is not None:
+            raise AssertionError(f"write() raised {self.error!r}") from self.error
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def unwind(self) -> None:
+        self._go.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), f"a writer killed at {self.at} never unwound"
+
+    def _run(self, layout: Any, entry: Any) -> None:
+        def line(frame: Any, event: str, _arg: Any) -> Any:
+            if event == "line":
+                self.lines += 1
+                if self.lines == self._stop:
+                    code = frame.f_code
+                    self.at = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}()"
+                    self._stopped.set()
+                    self._settled.set()
+                    self._go.wait()
+                    raise WriterKilled(self.at)  # also ends tracing in this thread
+            return line
+
+        def call(frame: Any, _event: str, _arg: Any) -> Any:
+            package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+            return line if package in self._packages else None
+
+        sys.settrace(call)
+        try:
+            layout.write(entry)
+        except WriterKilled:
+            pass
+        except BaseException as exc:  # reported by the check, whatever it is
+            self.error = exc
+        finally:
+            sys.settrace(None)
+            self._settled.set()
+
+
+def _spread(total: int, count: int) -> list[int]:
+    if total <= count:
+        return list(range(1, total + 1))
+    return sorted({1 + round(i * (total - 1) / (count - 1)) for i in range(count)})
+
+
+def check_killed_writer(open_layout: Callable[[Any], Any], identity: Any, *, kept: Any,
+                        new: Any, same: Callable[[Any, Any, str], None]) -> None:
+    """A writer killed at any point of a write leaves nothing half-written served, the
+    entries already stored intact (the one it rewrote included), and a layout that works.
+
+    The store holds ``kept``. A writer (a fresh ``open_layout(identity)``, as another
+    process) writes ``new``, or rewrites ``kept``, in a thread traced line by line through
+    the code of foretell and of the layout's package, and stops for good at one of
+    :data:`KILL_POINTS` lines spread over the write. While it is stopped, another fresh
+    layout over the store must list ``kept`` and read it back bit for bit, read ``new`` back
+    whole or not at all, and list ``new`` only if it serves it. The writer is then unwound
+    (:class:`WriterKilled` raised at its line, so its ``finally`` blocks run as the kernel
+    would close a dead process's files and locks), and a fresh layout must write ``new``,
+    serve both, remove ``new``, collect, and count the bytes it counted before.
+    ``same(read, written, what)`` asserts that an entry read back equals the one written.
+    """
+    import mlx.core as mx
+
+    for entry in (kept, new):  # the writer's thread has no MLX stream of its own
+        mx.eval([t for layer in entry.layers for t in layer.tensors.values()])
+    view = open_layout(identity)
+    kept_key, new_key = (view.key_for(e.tokens, e.namespace) for e in (kept, new))
+    assert kept_key in {h.key for h in view.scan()}, "the entry to keep is not stored"
+    baseline = view.bytes()
+    packages = {"foretell", type(view).__module__.partition(".")[0]}
+    for entry, what in ((new, "a write of a new entry"), (kept, "a rewrite of a stored entry")):
+        total = _StoppedWrite(open_layout(identity), entry, packages, stop=0).lines
+        for stop in _spread(total, KILL_POINTS):
+            writer = _StoppedWrite(open_layout(identity), entry, packages, stop)
+            killed = f"{what} killed at line {stop} of {total} ({writer.at or 'its end'})"
+            # A checker blocked on something only the stopped thread holds (a lock of
+            # this process) goes on once the writer is unwound, as after a real kill.
+            watchdog = threading.Timer(10, writer.unwind)
+            watchdog.start()
+            try:
+                view = open_layout(identity)
+                listed = {h.key for h in view.scan()}
+                assert kept_key in listed, f"{killed}: the entry stored before is no longer listed"
+                same(view.read(kept_key), kept, f"{killed}: the entry stored before")
+                served = view.read(new_key) if entry is new else None
+                if served is not None:
+                    same(served, new, f"{killed}: the entry it was writing")
+                assert served is not None or entry is kept or new_key not in listed, (
+                    f"{killed}: the entry it left half-written is listed")
+            finally:
+                watchdog.cancel()
+                writer.unwind()
+            view = open_layout(identity)
+            assert view.write(new) is True, f"after {killed}: write() failed"
+            same(view.read(new_key), new, f"after {killed}: an entry written since")
+            same(view.read(kept_key), kept, f"after {killed}: the entry stored before")
+            assert view.remove(new_key) is True, f"after {killed}: remove() failed"
+            view.collect()
+            if entry is new:  # a rewrite may store a header of another length
+                assert open_layout(identity).bytes() == baseline, (
+                    f"after {killed}, a write, a remove and collect: bytes() counts "
+                    f"{open_layout(identity).bytes()}, {baseline} before")
 
 
 
