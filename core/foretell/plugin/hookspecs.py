@@ -34,13 +34,19 @@ def foretell_register_architectures(register: Registrar) -> None:
     Called once per plugin when plugins load, before any model is opened.
 
     :param register: call ``register(model_type, "package.module:builder", summary=...,
-        config=None, min_api=1, replaces=False, synthetic=None)`` once per architecture. The
-        factory is a ``"module:attr"`` string imported only when a model of that type is
-        loaded; it must name a callable ``builder(config: dict) -> Model`` that returns an
-        object implementing :class:`foretell.model.Model`. ``synthetic``, also a
-        ``"module:attr"`` string, names a :class:`foretell.tools.SyntheticSpec` (a tiny
-        ``config.json``, named shapes, checkpoint quirks): with it, tests and ``foretell
-        bench --synthetic`` make random-weight models of the architecture.
+        config=None, min_api=1, replaces=False, synthetic=None, fallback=False)`` once per
+        architecture. The factory is a ``"module:attr"`` string imported only when a model
+        of that type is loaded; it must name a callable ``builder(config: dict) -> Model``
+        that returns an object implementing :class:`foretell.model.Model`. ``synthetic``,
+        also a ``"module:attr"`` string, names a :class:`foretell.tools.SyntheticSpec` (a
+        tiny ``config.json``, named shapes, checkpoint quirks): with it, tests and
+        ``foretell bench --synthetic`` make random-weight models of the architecture.
+        ``fallback=True`` registers the type as a fallback: it serves the ``model_type``
+        only where no other plugin registers it; a plugin that does (a native
+        implementation) serves it instead, whatever the load order, with no conflict, and
+        ``foretell plugins`` shows which plugin serves each type (the mlx-lm adapter
+        registers every mlx-lm type this way). Two fallbacks of one name conflict as two
+        native registrations do; a fallback cannot also ``replaces`` a built-in.
     :returns: nothing; contributions go through ``register``.
     """
 
@@ -52,9 +58,11 @@ def foretell_register_draft_providers(register: Registrar) -> None:
     Called once per plugin when plugins load.
 
     :param register: call ``register(kind, "package.module:Provider", config=ConfigCls,
-        summary=..., min_api=1, replaces=False)``. ``config`` is a frozen attrs class; the
-        rest of the ``[draft]`` section is structured into it (unknown keys are errors).
-        The factory is imported only when a run selects this kind.
+        summary=..., min_api=1, replaces=False, fallback=False)``. ``config`` is a frozen
+        attrs class; the rest of the ``[draft]`` section is structured into it (unknown keys
+        are errors). The factory is imported only when a run selects this kind.
+        ``fallback=True``: another plugin registering the same kind serves it instead, as
+        for architectures.
     :returns: nothing; contributions go through ``register``.
     """
 
@@ -67,9 +75,10 @@ def foretell_register_cache_codecs(register: Registrar) -> None:
     cache entry and checked on load, so renaming a codec invalidates what it stored.
 
     :param register: call ``register(name, "package.module:Codec", summary=...,
-        min_api=1, replaces=False)``; the factory builds an object with ``matches``,
-        ``snapshot``, ``load``, ``clone``, ``header_trimmable`` and
-        ``minimum_reusable_offset``.
+        min_api=1, replaces=False, fallback=False)``; the factory builds an object with
+        ``matches``, ``snapshot``, ``load``, ``clone``, ``header_trimmable`` and
+        ``minimum_reusable_offset``. ``fallback=True``: another plugin registering the same
+        name serves it instead, as for architectures.
     :returns: nothing; contributions go through ``register``.
     """
 
@@ -81,11 +90,13 @@ def foretell_register_storage_layouts(register: Registrar) -> None:
     Called once per plugin when plugins load.
 
     :param register: call ``register(name, "package.module:Layout", config=ConfigCls,
-        summary=..., min_api=1, replaces=False, schemes=())``; the factory is called as
-        ``Layout(root, config, *, identity=...)`` and builds a
+        summary=..., min_api=1, replaces=False, schemes=(), fallback=False)``; the factory
+        is called as ``Layout(root, config, *, identity=...)`` and builds a
         :class:`foretell.store.layout.StorageLayout` (atomic ``write``, verified ``read``,
         ``scan``, ``headers``, ``remove``, ``collect``, ``bytes``, ``key_for``). A layout
         that stores at URLs names their schemes (``schemes=("redis",)``): a cache location
         ``redis://host:6379/0`` then selects it, and ``root`` is that URL.
+        ``fallback=True``: another plugin registering the same name serves it instead, as
+        for architectures.
     :returns: nothing; contributions go through ``register``.
     """
