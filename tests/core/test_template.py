@@ -93,6 +93,24 @@ def test_a_generated_plugin_that_breaks_its_contract_fails_its_own_tests(tmp_pat
     assert "matches() claims an arbitrary object" in done.stdout
 
 
+def test_a_generated_drafter_whose_restore_loses_its_state_fails_its_own_tests(tmp_path):
+    """The generated drafter captures and restores its state, and its tests check the round
+    trip: a restore that drops the stored history is caught."""
+    given = answers("draft")
+    project = render(tmp_path / "p", given)
+    drafter = project / "src" / given["module_name"] / "drafter.py"
+    text = drafter.read_text()
+    assert "    return stored\n" in text
+    drafter.write_text(text.replace("    return stored\n", "    return []\n"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_conformance.py"],
+        cwd=project, env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "a source restored from capture() drafts other tokens" in done.stdout
+
+
 #: This checkout's own install in the dev environment, hidden from the fresh one: the
 #: README's first step must install foretell there itself.
 OWN_FILES = ("foretell-", "__editable__.foretell-", "__editable___foretell_0")

@@ -109,6 +109,69 @@ def test_a_drafter_that_does_nothing_fails_the_drafter_suite():
         check_draft_provider(plugin, "silent", sampled_runs=0)
 
 
+class _ForgetsRowState:
+    """n-gram rows whose append drops a restored row's state (takes only the tokens past
+    it), as a restore that forgot to restore would."""
+
+    def __new__(cls, config):
+        from foretell_ngram.lookup import NgramIndex, NgramProvider, NgramRows
+
+        class Rows(NgramRows):
+            def append(self, starts):
+                for start in starts:
+                    index = NgramIndex(*self._sizes)
+                    index.extend(list(start.feed.tokens)[len(start.state_tokens):])
+                    self.rows.append(index)
+
+        provider = NgramProvider(config)
+        c = config
+        provider.open_rows = lambda target=None: Rows(c.max_ngram, c.min_ngram,
+                                                      c.tokens_per_match)
+        return provider
+
+
+class _CapturesNothing:
+    """An n-gram provider that names a draft identity yet captures nothing."""
+
+    def __new__(cls, config):
+        from foretell_ngram.lookup import NgramProvider
+
+        provider = NgramProvider(config)
+        opened = provider.open
+
+        def open_(target=None, sampler=None):
+            source = opened(target, sampler)
+            source.capture = lambda: None
+            return source
+
+        provider.open = open_
+        return provider
+
+
+def _ngram_variant(name, factory):
+    from foretell_ngram import NgramConfig
+
+    @hookimpl
+    def foretell_register_draft_providers(register):
+        register(name, f"{__name__}:{factory}", config=NgramConfig)
+
+    return types.SimpleNamespace(
+        foretell_register_draft_providers=foretell_register_draft_providers)
+
+
+def test_a_drafter_whose_rows_restore_forgets_the_state_fails_the_drafter_suite():
+    with pytest.raises(AssertionError, match="a row appended with the state capture"):
+        check_draft_provider(_ngram_variant("forgets-rows", "_ForgetsRowState"),
+                             "forgets-rows", sampled_runs=0)
+
+
+def test_a_drafter_naming_a_draft_identity_must_capture_its_state():
+    with pytest.raises(AssertionError, match=r"names a draft identity .* capture\(\) "
+                                             "returned None between rounds"):
+        check_draft_provider(_ngram_variant("captures-nothing", "_CapturesNothing"),
+                             "captures-nothing", sampled_runs=0)
+
+
 def test_the_built_in_qwen3_passes_the_architecture_suite():
     import foretell_qwen
 

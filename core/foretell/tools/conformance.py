@@ -6,7 +6,7 @@ plugin that does nothing fails. Exported by :mod:`foretell.plugin.testing`:
 - :func:`check_draft_provider` (this module): lossless under the verifier through every door
   the provider offers (``open``, plugin API 1; ``open_rows``, plugin API 2), greedy and
   sampled (seeded runs equal plain seeded runs; unseeded, a chi-square against plain
-  sampling); commits roll back consistently; captured state restores.
+  sampling); commits roll back consistently; captured state restores (through either door).
 - :func:`check_cache_codec`: round trips, zero-copy clones, trims.
 - :func:`check_architecture`: caches, forward/logits/embed shapes, incremental decoding,
   rollback, ports.
@@ -70,7 +70,10 @@ def check_draft_provider(plugin: Any, kind: str, options: Any = None, *,
     against plain sampling's (0 skips it); through ``open``, a ``commit`` of fewer tokens
     than drafted leaves the source drafting as a fresh one fed the same sequence does, and
     a captured state restores into a source that drafts the same; through ``open_rows``, a
-    batch of rows speculating equals each request decoded plainly alone.
+    batch of rows speculating equals each request decoded plainly alone, and a row's
+    captured state restores into a row that drafts the same. ``capture`` may return None
+    only for a provider that names no draft identity (no ``draft_identity()``): the tier
+    stores the state of the others with cache entries, so theirs must capture.
     """
     import foretell
     from foretell.config import SamplingConfig
@@ -112,6 +115,8 @@ def check_draft_provider(plugin: Any, kind: str, options: Any = None, *,
                                             "drew other tokens than plain sampling"
         if "open_rows" in doors:
             drafted += _check_rows_door(engine, speculator, kind)
+            if not speculator.wants_hidden:  # hidden states by hand: the runs above cover it
+                _check_rows_capture(engine, speculator, kind)
         assert drafted > 0, f"'{kind}' never drafted a token: a drafter that proposes " \
                             "nothing only slows decoding down"
         if "open" in doors:
@@ -171,9 +176,13 @@ def _check_source_protocol(engine: Any, speculator: Any, kind: str) -> None:
         f"'{kind}': after commit(0) the source drafts other tokens than a fresh source fed "
         "the same sequence: rejected proposals were not rolled back")
     capture = getattr(source, "capture", None)
+    stores_state = _names_draft_identity(provider)
+    assert callable(capture) or not stores_state, (
+        f"'{kind}' names a draft identity (its state is stored with cache entries) but its "
+        "source has no capture()")
     if callable(capture):
         source.commit(0)
-        state = capture()
+        state = _captured(capture(), stores_state, kind, "capture()")
         if state is not None:
             restored = provider.open(target, sampler)
             restored.restore(state, prompt + follow)
@@ -181,6 +190,60 @@ def _check_source_protocol(engine: Any, speculator: Any, kind: str) -> None:
                 f"'{kind}': a source restored from capture() drafts other tokens than the "
                 "source it was captured from")
     source.close()
+
+
+def _names_draft_identity(provider: Any) -> bool:
+    from foretell.spec.contract import CheckpointableProvider
+
+    return isinstance(provider, CheckpointableProvider)
+
+
+def _captured(state: Any, stores_state: bool, kind: str, what: str) -> Any:
+    """``state`` checked: a DraftState, or None only from a provider that names no draft
+    identity (the tier never stores such a provider's state, so it may have none)."""
+    from foretell.spec import DraftState
+
+    if state is None:
+        assert not stores_state, (
+            f"'{kind}' names a draft identity (its state is stored with cache entries) but "
+            f"{what} returned None between rounds")
+        return None
+    assert isinstance(state, DraftState), f"'{kind}': {what} returned {type(state).__name__}"
+    return state
+
+
+def _check_rows_capture(engine: Any, speculator: Any, kind: str) -> None:
+    """Through ``open_rows``: a row's captured state, given to a new row as ``RowStart.state``,
+    makes a row that drafts what the captured one drafts."""
+    from foretell.sampling import Sampler
+    from foretell.spec import Feed, RowStart
+
+    target, provider = engine.target, speculator.provider
+    prompt = list(PROMPTS[1])
+
+    def proposals(draft: Any) -> list[int]:
+        return draft.tokens[0, : draft.lengths[0]].tolist()
+
+    rows = provider.open_rows(target)
+    rows.append([RowStart(feed=Feed(prompt), sampler=Sampler(None))])
+    first = proposals(rows.draft([Feed([], None, len(prompt))], [3]))
+    rows.commit([0])
+    follow = [prompt[-1] if not first else (first[0] + 1) % engine.model.vocab_size]
+    rows.draft([Feed(follow, None, len(prompt) + 1)], [3])
+    rows.commit([0])
+    held = prompt + follow
+    state = _captured(rows.capture(0), _names_draft_identity(provider), kind, "capture(row)")
+    following = proposals(rows.draft([Feed([], None, len(held))], [3]))
+    rows.close()
+    if state is None:
+        return
+    restored = provider.open_rows(target)
+    restored.append([RowStart(feed=Feed(held), sampler=Sampler(None), state=state,
+                              state_tokens=held)])
+    assert proposals(restored.draft([Feed([], None, len(held))], [3])) == following, (
+        f"'{kind}': a row appended with the state capture(row) returned drafts other tokens "
+        "than the row it was captured from")
+    restored.close()
 
 
 def _hidden(engine: Any, tokens: list[int]) -> Any:
