@@ -464,6 +464,7 @@ class Scheduler:
                 and row.speculator.wants_hidden else None
             if lengths[b]:
                 row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
+                self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b])
             logprobs = done.logprobs.get(b)
             if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
@@ -574,7 +575,7 @@ class Scheduler:
                 rates.append(None)
                 continue
             stats = row.spec_stats
-            rates.append(self._policy.rate(stats.drafted, stats.accepted))
+            rates.append(self._policy.rate(stats.drafted, stats.accepted, speculator.kind))
             adaptive = adaptive or speculator.adaptive
         return self._policy.choose(caps, rates) if adaptive else caps
 

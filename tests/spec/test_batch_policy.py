@@ -41,9 +41,20 @@ def test_drafting_that_cannot_pay_goes_off_at_a_large_batch():
 
 
 def test_early_rejections_move_a_rows_rate_only_partway():
-    rate = BatchDraftPolicy.rate(drafted=4, accepted=0)  # four rejections in a row
+    rate = BatchDraftPolicy().rate(drafted=4, accepted=0)  # four rejections in a row
     assert 0.3 < rate < 0.6
-    assert BatchDraftPolicy.rate(drafted=400, accepted=0) < 0.02
+    assert BatchDraftPolicy().rate(drafted=400, accepted=0) < 0.02
+
+
+def test_a_new_row_starts_from_its_drafters_record_not_from_zero():
+    policy = BatchDraftPolicy()
+    fresh = policy.rate(0, 0, "two-model")
+    for _ in range(50):
+        policy.learn("two-model", 4, 4)  # earlier rows kept every draft
+        policy.learn("ngram", 4, 0)  # another drafter's rows kept none
+    assert policy.rate(0, 0, "two-model") > 0.9 > fresh
+    assert policy.rate(0, 0, "ngram") < 0.1
+    assert policy.rate(0, 0, "mtp") == fresh  # no record yet
 
 
 def test_one_noisy_step_does_not_flip_the_choice():
@@ -60,6 +71,33 @@ def test_a_width_not_taken_lately_is_measured_again():
     # Mostly plain, but the drafted width comes back for a look every REPROBE steps.
     assert chosen.count(0) > 0.9 * len(chosen)
     assert chosen[20:].count(4) >= 1
+
+
+def test_a_drafted_step_after_plain_ones_is_drafted_again_and_only_the_second_timed():
+    policy = BatchDraftPolicy()
+    for _ in range(3):
+        policy.observe(4, 0, 1.0)  # plain steps
+    policy.observe(4, 4, 9.0)  # the switch back: the drafter caught up on the plain tokens
+    assert policy.cost(4, 4) is None
+    assert max(policy.choose([4] * 4, [0.8] * 4)) == 4  # drafted again, to be timed
+    policy.observe(4, 4, 1.3)
+    assert policy.cost(4, 4) == 1.3
+
+
+def test_a_row_count_never_measured_borrows_the_nearest_ones_relative_cost():
+    policy = BatchDraftPolicy()
+    policy.observe(4, 0, 1.0)
+    policy.observe(4, 4, 1.0)  # a switch back, untimed
+    policy.observe(4, 4, 1.5)
+    policy.observe(3, 0, 0.8)
+    assert policy.cost(3, 4) == 0.8 * 1.5
+    assert policy.cost(3, 2) is None  # nobody measured width 2
+    assert policy.cost(5, 4) is None  # nor plain decoding over 5 rows
+    policy.observe(4, 2, 1.0)  # (a switch back, untimed)
+    policy.observe(4, 2, 1.2)
+    # So a row leaving does not set off probes: every width is judged at once, and the
+    # widest pays most at this acceptance.
+    assert [max(policy.choose([4] * 3, [0.9] * 3)) for _ in range(5)] == [4] * 5
 
 
 def test_rows_without_a_drafter_never_draft():

@@ -2,12 +2,20 @@
 
 Each step the scheduler asks for every row's draft length. A row's acceptance rate is
 estimated from its own rounds with a prior worth a few rounds (a few rejections at a
-request's start do not condemn its drafter); a step's cost is measured per batch shape
+request's start do not condemn its drafter): what its drafter's earlier rows accepted,
+decayed (:meth:`BatchDraftPolicy.learn`), so a new request starts from its drafter's record; a step's cost is measured per batch shape
 ``(rows, width)`` as the median of its recent timings (one noisy step moves nothing). The
 width chosen maximizes the expected tokens the step produces per second, plain decoding
 (width 0) included, so where a batch is large enough that verifying drafts costs more than
 they return, drafting goes off; every ``REPROBE`` steps a shape not taken lately is tried
 again, so a change in the batch or the text is noticed.
+
+A drafted step right after plain steps is not timed: it also pays for switching back (a model
+drafter catches up on every plain token since its last draft), which the steps after it do
+not; so a probe from plain decoding drafts two steps and times the second, as the
+single-request policy does. A row count never measured at some width borrows that width's
+cost relative to plain decoding from the nearest row count that measured both, so rows
+joining or leaving do not set off a round of probes.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ PRIOR_WEIGHT = 6.0
 KEEP = 9
 #: Steps between two tries of a width not measured lately.
 REPROBE = 48
+#: Weight a drafter's record keeps per new draft (a memory of about 200 drafts).
+RECORD_DECAY = 0.995
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -37,11 +47,29 @@ class BatchDraftPolicy:
         self._times: dict[tuple[int, int], collections.deque[float]] = {}
         self._last_tried: dict[tuple[int, int], int] = {}
         self._step = 0
+        self._last_width = 0
+        #: Per drafter kind, decayed (drafted, accepted) over all its rows.
+        self._record: dict[str, list[float]] = {}
+        #: A shape whose switch-back step went untimed: it is drafted again, timed.
+        self._again: tuple[int, int] | None = None
 
-    @staticmethod
-    def rate(drafted: int, accepted: int) -> float:
-        """A row's per-draft acceptance estimate."""
+    def rate(self, drafted: int, accepted: int, kind: str | None = None) -> float:
+        """A row's per-draft acceptance estimate, its prior the record of drafter ``kind``."""
+        return (accepted + self.prior(kind) * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+
+    def prior(self, kind: str | None) -> float:
+        record = self._record.get(kind) if kind is not None else None
+        if not record or record[0] <= 0:
+            return PRIOR_RATE
+        drafted, accepted = record
         return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+
+    def learn(self, kind: str, drafted: int, accepted: int) -> None:
+        """A row of drafter ``kind`` kept ``accepted`` of ``drafted`` drafts."""
+        record = self._record.setdefault(kind, [0.0, 0.0])
+        decay = RECORD_DECAY**drafted
+        record[0] = record[0] * decay + drafted
+        record[1] = record[1] * decay + accepted
 
     def widths(self, caps: Sequence[int]) -> list[int]:
         """The candidate widths for rows allowed at most ``caps`` drafts each."""
@@ -56,9 +84,14 @@ class BatchDraftPolicy:
         candidates = self.widths(caps)
         if candidates == [0]:
             return [0] * rows
+        again, self._again = self._again, None
+        if again is not None and again[0] == rows and again[1] in candidates:
+            return [min(again[1], cap) if rate is not None else 0
+                    for cap, rate in zip(caps, rates)]
+        for w in candidates:  # a shape first met is as fresh as what its cost borrows from
+            self._last_tried.setdefault((rows, w), self._step)
         stale = [w for w in candidates
-                 if self._step - self._last_tried.get((rows, w), -REPROBE) >= REPROBE
-                 and not self._known(rows, w)]
+                 if self.cost(rows, w) is None]
         if stale:  # unmeasured (or long untried) shapes are tried before they are judged
             width = stale[0]
         else:
@@ -72,18 +105,35 @@ class BatchDraftPolicy:
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
         """A step over ``rows`` rows whose widest draft was ``width`` took ``seconds``."""
+        switching = width > 0 and self._last_width == 0
+        self._last_width = width
+        if switching:
+            self._again = (rows, width)
+            return
         times = self._times.setdefault((rows, width), collections.deque(maxlen=KEEP))
         times.append(seconds)
 
     def cost(self, rows: int, width: int) -> float | None:
+        """The step's time over ``rows`` rows at ``width``: measured, else borrowed (the
+        module docstring), else None."""
+        measured = self._measured(rows, width)
+        if measured is not None or width == 0:
+            return measured
+        plain = self._measured(rows, 0)
+        if plain is None:
+            return None
+        near = [r for (r, w) in self._times if w == width and self._measured(r, 0)]
+        if not near:
+            return None
+        r = min(near, key=lambda r: (abs(r - rows), r))
+        return plain * self._measured(r, width) / self._measured(r, 0)
+
+    def _measured(self, rows: int, width: int) -> float | None:
         times = self._times.get((rows, width))
         if not times:
             return None
         ordered = sorted(times)
         return ordered[len(ordered) // 2]
-
-    def _known(self, rows: int, width: int) -> bool:
-        return bool(self._times.get((rows, width)))
 
     def _throughput(self, rows: int, width: int, caps: Sequence[int],
                     rates: Sequence[float | None]) -> float:
