@@ -432,8 +432,11 @@ class Scheduler:
             return
         lengths = [min(chosen[id(row)], self._cap(row)) for row in rows]
         started = time.perf_counter()
-        draft, lengths = combined_draft(self._groups.values(), rows, lengths,
-                                        self.engine.model.vocab_size)
+        drafted = self._draft(rows, lengths)
+        rows = self._rows  # rows whose drafter failed have left
+        if not rows:
+            return
+        draft, lengths = combined_draft(drafted, rows, self.engine.model.vocab_size)
         rules = []
         for row in rows:
             sequence = row.state.prompt + row.state.generated
@@ -454,10 +457,18 @@ class Scheduler:
                 rows[0].speculator.policy.observe(lengths[0], done.accepted[0], elapsed)
             elif rows[0].plain_left:
                 self._stretch_step(rows[0], started)
-        for group in self._groups.values():
-            group.commit(rows, done.accepted, lengths)
+        broken: dict[int, BaseException] = {}
+        for kind, group in list(self._groups.items()):
+            try:
+                group.commit(rows, done.accepted, lengths)
+            except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
+                self._groups.pop(kind)
+                broken.update((id(row), _draft_error(group, "commit", exc))
+                              for row in group.members)
         finished = []
         for b, (row, kept) in enumerate(zip(rows, done.kept)):
+            if id(row) in broken:
+                continue
             if done.distrusted[b]:
                 self._distrusted(row.speculator, done.distrusted[b])
             hidden = done.hidden[b : b + 1, : len(kept)] if row.speculator is not None \
@@ -469,6 +480,27 @@ class Scheduler:
             if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
         self._end(finished)
+        for row in [row for row in rows if id(row) in broken]:
+            self._fail([row], broken[id(row)])
+
+    def _draft(self, rows: list[_Row], lengths: list[int]
+               ) -> dict[int, tuple[mx.array, mx.array | None, int]]:
+        """Every group's drafts, keyed by ``id(row)``. A drafter that fails ends its own
+        rows with a :class:`~foretell.errors.DraftError` naming it; the others go on."""
+        drafted: dict[int, tuple[mx.array, mx.array | None, int]] = {}
+        for kind, group in list(self._groups.items()):
+            try:
+                for b, part in group.draft(rows, lengths).items():
+                    drafted[id(rows[b])] = part
+            except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
+                self._groups.pop(kind)
+                failing = [row for row in self._rows if row in group.members]
+                self._fail(failing, _draft_error(group, "draft", exc))
+                try:
+                    group.rows.close()
+                except Exception:  # noqa: BLE001 - it already failed; its error is reported
+                    pass
+        return drafted
 
     def _distrusted(self, speculator: Speculator, flags: int) -> None:
         """Once per drafter and kind: what it returned was rejected (the output is safe)."""
@@ -670,6 +702,18 @@ class Scheduler:
                 for row in self._rows:
                     row.handle._put(exc)
                 self._rows = []
+
+
+def _draft_error(group: DraftGroup, what: str, exc: BaseException) -> BaseException:
+    """``exc`` as the :class:`~foretell.errors.DraftError` naming the drafter that raised it."""
+    from foretell.errors import DraftError
+
+    if isinstance(exc, DraftError):
+        return exc
+    error = DraftError(f"{group.speculator.label()} failed in {what}(): "
+                       f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:

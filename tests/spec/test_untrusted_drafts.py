@@ -64,13 +64,16 @@ class _Adversary:
         pass
 
     def commit(self, accepted):
-        pass
+        if self.mode == "commit-raises":
+            raise RuntimeError("the drafter's bookkeeping broke")
 
     def close(self):
         pass
 
     def draft(self, feed, n):
         mode = self.mode
+        if mode == "commit-raises":
+            return Draft.of([REPEATED] * n)
         if mode == "out-of-vocab":
             return Draft.of([VOCAB + 7] * n)  # 12295 of 12,288 in the issue's run
         if mode == "negative-ids":
@@ -282,3 +285,29 @@ def test_a_malformed_draft_ends_the_request_naming_the_plugin(engines, adversary
     assert "draft provider 'adversary' from" in message and "spec-test-adversary" in message
     assert "foretell.spec.Draft" in message or "proposed" in message
     assert _run(engine, False, max_tokens=4)[1].generated_tokens == 4  # the engine serves on
+
+
+@pytest.mark.parametrize("mode", ["none", "two rows", "commit-raises"])
+def test_in_a_batch_a_failing_drafter_ends_only_its_own_rows(engines, adversary, mode):
+    """One request's drafter failing (a malformed draft, an exception in ``commit``) ends
+    that request with an error naming the plugin; the rows beside it, plain or drafting
+    with another drafter, stream exactly what they stream alone."""
+    from foretell.errors import GenerationError
+    from foretell.scheduler import Scheduler
+
+    engine = engines["qwen3"]
+    prompts = [(11, 57, 300, 4), (9, 8, 7), (5, 6)]
+    plain = [_run(engine, False, prompt=p)[0] for p in prompts]
+    scheduler = Scheduler(engine)
+    bad = scheduler.submit(list(prompts[0]), max_tokens=24, ignore_eos=True,
+                           speculate=adversary(mode))
+    good = [scheduler.submit(list(p), max_tokens=24, ignore_eos=True, speculate=False)
+            for p in prompts[1:]]
+    with pytest.raises(GenerationError, match="draft provider 'adversary' from"):
+        list(bad)
+    for want, handle in zip(plain[1:], good):
+        assert [t for e in list(handle)[:-1] for t in e.tokens] == want
+    again = scheduler.submit(list(prompts[0]), max_tokens=24, ignore_eos=True,
+                             speculate=False)
+    assert [t for e in list(again)[:-1] for t in e.tokens] == plain[0]
+    scheduler.close()

@@ -261,17 +261,18 @@ def _joined(parts: list[mx.array]) -> mx.array | None:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
-def combined_draft(groups: Any, rows: Sequence[Any], lengths: list[int], vocab: int
-                   ) -> tuple[RowDraft, list[int]]:
-    """Every group's draft for its rows as one ``[B, n_max]`` :class:`RowDraft` over the
-    batch's ``rows`` (a row no group drafted for: length 0), and the lengths drafted."""
+def combined_draft(drafted: dict[int, tuple[mx.array, mx.array | None, int]],
+                   rows: Sequence[Any], vocab: int) -> tuple[RowDraft, list[int]]:
+    """The groups' drafts (``{id(row): (tokens [1, n], q or None, n)}``, as
+    :meth:`DraftGroup.draft` returns them keyed by row) as one ``[B, n_max]``
+    :class:`RowDraft` over the batch's ``rows`` (a row no group drafted for: length 0), and
+    the lengths drafted."""
     parts: dict[int, tuple[mx.array, mx.array | None]] = {}
-    lengths = list(lengths)
-    for group in groups:
-        for b, (row_tokens, row_q, n) in group.draft(rows, lengths).items():
+    lengths = [0] * len(rows)
+    for b, row in enumerate(rows):
+        if id(row) in drafted:
+            row_tokens, row_q, lengths[b] = drafted[id(row)]
             parts[b] = (row_tokens, row_q)
-            lengths[b] = n
-    lengths = [n if b in parts else 0 for b, n in enumerate(lengths)]
     width = max(lengths, default=0)
     if not width:
         return RowDraft(mx.zeros((len(rows), 0), mx.int32), tuple(lengths)), lengths
