@@ -30,6 +30,11 @@ PRIOR_WEIGHT = 6.0
 KEEP = 9
 #: Steps between two tries of a width not measured lately.
 REPROBE = 48
+#: What the best row's acceptance might yet be above its estimate, when judging whether a
+#: width is worth measuring at all; a width that could not pay even then is re-measured
+#: HOPELESS_SLOWER times less often.
+HOPE = 0.15
+HOPELESS_SLOWER = 4
 #: Weight a drafter's record keeps per new draft (a memory of about 200 drafts).
 RECORD_DECAY = 0.995
 
@@ -90,14 +95,19 @@ class BatchDraftPolicy:
                     for cap, rate in zip(caps, rates)]
         for w in candidates:  # a shape first met is as fresh as what its cost borrows from
             self._last_tried.setdefault((rows, w), self._step)
-        stale = [w for w in candidates
-                 if self.cost(rows, w) is None]
-        if stale:  # unmeasured (or long untried) shapes are tried before they are judged
+        # Unmeasured widths are tried before they are judged, narrowest first; none wider
+        # than one that could not pay even at the best row's hopes.
+        hope = min(1.0, max((r for r in rates if r is not None), default=0.0) + HOPE)
+        blocked = {w for w in candidates
+                   if any(self._hopeless(rows, v, hope) for v in range(1, w))}
+        stale = [w for w in candidates if self.cost(rows, w) is None and w not in blocked]
+        if stale:
             width = stale[0]
         else:
             width = max(candidates, key=lambda w: self._throughput(rows, w, caps, rates))
-            due = [w for w in candidates
-                   if self._step - self._last_tried.get((rows, w), 0) >= REPROBE]
+            due = [w for w in candidates if w not in blocked
+                   and self._step - self._last_tried.get((rows, w), 0)
+                   >= REPROBE * (HOPELESS_SLOWER if self._hopeless(rows, w, hope) else 1)]
             if due and width not in due:
                 width = due[0]
         self._last_tried[(rows, width)] = self._step
@@ -127,6 +137,13 @@ class BatchDraftPolicy:
             return None
         r = min(near, key=lambda r: (abs(r - rows), r))
         return plain * self._measured(r, width) / self._measured(r, 0)
+
+    def _hopeless(self, rows: int, width: int, rate: float) -> bool:
+        """Drafting ``width`` over ``rows`` rows costs more than it returns even were each
+        draft kept with probability ``rate``."""
+        cost, plain = self.cost(rows, width), self.cost(rows, 0)
+        return bool(width and cost and plain
+                    and cost >= expected_tokens(rate, width) * plain)
 
     def _measured(self, rows: int, width: int) -> float | None:
         times = self._times.get((rows, width))
