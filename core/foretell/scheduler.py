@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
+from foretell.model.kvcache import trim_all
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
@@ -65,6 +66,8 @@ class _Row:
     #: How many alternatives each token's logprobs list (None: no logprobs).
     logprobs: int | None = None
     constraint: TokenConstraint | None = None
+    #: The row's drafter's link to the cache tier (a :class:`~foretell.spec.attach.DraftLink`).
+    link: Any = None
     #: The drafter this row speculates with (None: plain decoding), and what its drafter
     #: has not heard yet: tokens and, for drafters reading them, the target's hidden states.
     speculator: Speculator | None = None
@@ -334,9 +337,8 @@ class Scheduler:
             "max_tokens": row.max_tokens, "sampling": attrs.asdict(row.sampler.config),
             "stop": list(row.stops.stops), "eos": sorted(row.eos)})
         row.state = engine._open_request(row.ids, row.request)
-        if kind is not None and row.speculator.wants_hidden and row.state.cached:
-            # The cached prefix's hidden states are gone; its drafter cannot start from them.
-            row.speculator = None
+        if kind is not None and row.request is not None:
+            row.link = row.request.draft_link(row.speculator)
         row.todo = row.ids[row.state.cached : -1]
         row.keys = row.sampler.keys()
         row.state.keys = row.keys
@@ -371,9 +373,6 @@ class Scheduler:
         joining = [row for row in self._prefilling if not row.todo]
         for row in joining:
             self._prefilling.remove(row)
-            if row.request is not None:
-                row.request.after_prefill(row.state.held_tokens(), row.state.caches,
-                                          row.state.cached)
         if joining:
             self._join(joining)
 
@@ -392,16 +391,28 @@ class Scheduler:
             self._tokens = mx.concatenate([self._tokens, mx.array(
                 [row.pending for row in joining], dtype=mx.int32)])
         for row in joining:
-            row.state.caches = []  # the batch holds them now
+            attachment = None
             if row.speculator is not None:
                 try:
-                    self._group(row.speculator).add(row)
+                    group = self._group(row.speculator)
+                    if group.add(row, row.link):
+                        if row.link is not None:
+                            attachment = group.attachment(row, row.link, row.state)
+                    else:  # correct, just not faster
+                        row.speculator = row.spec_stats = None
                 except Exception as exc:  # noqa: BLE001 - the row decodes plainly instead
                     import logging
 
                     logging.getLogger("foretell.scheduler").warning(
                         "%s: %s; this request decodes plainly", row.speculator.label(), exc)
                     row.speculator = row.spec_stats = None
+            if row.link is not None and row.spec_stats is not None:
+                row.spec_stats.draft_cached = row.link.restored_tokens
+            if row.request is not None:
+                row.request.after_prefill(row.state.held_tokens(), [
+                    *row.state.caches, *([attachment] if attachment is not None else [])],
+                    row.state.cached)
+            row.state.caches = []  # the batch holds them now
             row.feed_tokens, row.feed_hidden = [], []
         self._rows.extend(joining)
 
@@ -653,6 +664,17 @@ class Scheduler:
             row.handle._put(tail)
         state = row.state
         state.caches = [cache.extract(b) for cache in self._batch]
+        group = self._groups.get(row.speculator.kind) if row.speculator is not None else None
+        if row.link is not None and group is not None and row in group.members:
+            try:
+                if state.held == len(state.prompt) + len(state.generated):
+                    trim_all(state.caches, 1)  # the drafter's state lines up one token back
+                row.link.final = group.attachment(row, row.link, state)
+            except Exception as exc:  # noqa: BLE001 - caching the drafter never fails a row
+                import logging
+
+                logging.getLogger("foretell.scheduler").warning(
+                    "not caching the drafter's state: %s", exc)
         stats = self.engine._stats(state, row.started, row.cut.first_at)
         if row.spec_stats is not None:
             stats = attrs.evolve(stats, speculation=row.spec_stats.to_dict())

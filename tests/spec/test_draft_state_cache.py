@@ -456,3 +456,47 @@ def test_the_block_store_keeps_the_drafter_state_too(model_dirs, registry, monke
     restored, stats = run(engine(), PROMPT_REPEATS)
     assert stats.cached_from == "ssd" and spy.restored == [len(PROMPT_REPEATS)]
     assert restored == original == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)
+
+
+# -- in a batch --------------------------------------------------------------------------------
+
+
+def _submitted(engine, prompt, **options):
+    events = list(engine.submit(prompt, max_tokens=MAX_TOKENS, ignore_eos=True, **options))
+    return [t for e in events[:-1] for t in e.tokens], events[-1]
+
+
+@pytest.mark.parametrize("kind", ["two-model", "ngram"])
+def test_in_a_batch_a_hit_restores_the_drafters_row_and_its_end_is_stored(
+        model_dirs, registry, kind):
+    """Rows go through the same cache link as a single request: the state a batch row's
+    drafter had after its prompt is stored with the prompt's entry, a later row hitting it
+    restores the drafter instead of prefilling it, and a row's state at its end is stored
+    with its final entry (a continuation finds it)."""
+    engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)[kind])
+    first, cold = _submitted(engine, PROMPT_REPEATS)
+    again, warm = _submitted(engine, PROMPT_REPEATS)
+    assert warm.cached_from == "ram" and warm.cached_tokens == len(PROMPT_REPEATS) - 1
+    assert (cold.speculation["draft_cached_tokens"],
+            warm.speculation["draft_cached_tokens"]) == (0, len(PROMPT_REPEATS))
+    assert again == first == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)
+    follow = PROMPT_REPEATS + first
+    more, continued = _submitted(engine, follow)
+    # The state the row ended with (all but the tokens of its last round, which it had not
+    # been fed yet), not the prompt's.
+    assert len(PROMPT_REPEATS) < continued.speculation["draft_cached_tokens"] < len(follow)
+    assert more == plain(model_dirs["qwen3"], registry, follow)
+
+
+def test_in_a_batch_mtp_after_a_hit_speculates_from_its_restored_head(demo_registry):
+    options = dict(chat=False, ignore_eos=True)
+    reference = foretell.load("demo", registry=demo_registry)
+    expected = reference.generate_text(MTP_PROMPT, speculate=False, max_tokens=MAX_TOKENS,
+                                       **options)
+    engine = engine_with("demo", demo_registry, ("mtp", None), k=2)
+    for attempt in range(2):  # a miss, then a RAM hit
+        events = list(engine.submit(MTP_PROMPT, max_tokens=MAX_TOKENS, **options))
+        stats = events[-1]
+        assert "".join(e.text for e in events[:-1]) == expected
+        assert stats.speculation["drafted"] > 0 and stats.speculation["accepted"] > 0
+    assert stats.cached_from == "ram" and stats.speculation["draft_cached_tokens"] > 0

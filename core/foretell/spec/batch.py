@@ -206,16 +206,43 @@ class DraftGroup:
         self.members: list[Any] = []
         self._drafted = False
 
-    def add(self, row: Any) -> None:
+    def add(self, row: Any, link: Any = None) -> bool:
+        """Row ``row`` joins, its drafter restored from the state the cache tier found with
+        its prefix (``link``: its :class:`~foretell.spec.attach.DraftLink`) where that fits,
+        else prefilled with the prompt. False (and nothing joined) when it cannot speculate:
+        a hidden-state drafter over a cached prefix with no state of its own to restore (the
+        prefix's hidden states were never computed here)."""
         from foretell.spec.drafting import draft_keys
 
-        hidden = None
-        if self.speculator.wants_hidden:
-            hidden = _joined(row.feed_hidden)
+        wants_hidden = self.speculator.wants_hidden
+        hidden = _joined(row.feed_hidden) if wants_hidden else None
+        slot = _Slot()
+        restored = None
+        if link is not None:
+            restored = link.restore(slot, row.state.prompt, row.state.cached)
+        if restored is not None and wants_hidden:
+            hidden = _joined([h for h in (restored[1], hidden) if h is not None and h.size])
+        if restored is None and wants_hidden and row.state.cached:
+            return False
         start = RowStart(feed=Feed(list(row.state.prompt), hidden), sampler=row.sampler,
-                         keys=draft_keys(row.sampler))
-        self.rows.append([start])
+                         keys=draft_keys(row.sampler), state=slot.state,
+                         state_tokens=slot.tokens)
+        try:
+            self.rows.append([start])
+        except Exception:
+            if restored is None or wants_hidden:
+                raise
+            # The state did not fit after all: start over from the prompt.
+            self.rows.append([attrs.evolve(start, state=None, state_tokens=())])
         self.members.append(row)
+        return True
+
+    def attachment(self, row: Any, link: Any, state: Any) -> Any:
+        """Row ``row``'s drafter state as the cache tier stores it with ``state``'s caches
+        (:meth:`~foretell.spec.attach.DraftLink.capture`), or None."""
+        hidden = _joined(row.feed_hidden) if self.speculator.wants_hidden else None
+        slot = _Slot(self.rows, self.members.index(row))
+        return link.capture(slot, state, row.feed_tokens, hidden)
 
     def draft(self, rows: Sequence[Any], lengths: list[int]
               ) -> dict[int, tuple[mx.array, mx.array | None, int]]:
@@ -253,6 +280,31 @@ class DraftGroup:
         if len(keep) != len(self.members):
             self.rows.filter(keep)
             self.members = [self.members[i] for i in keep]
+
+
+class _Slot:
+    """One row of a :class:`DraftRows` as the cache link sees a per-request source:
+    ``restore`` keeps the state for the row's :class:`RowStart`, ``capture`` captures it."""
+
+    def __init__(self, rows: Any = None, index: int = 0) -> None:
+        self.rows, self.index = rows, index
+        self.state: DraftState | None = None
+        self.tokens: Sequence[int] = ()
+
+    def restore(self, state: DraftState, tokens: Sequence[int]) -> None:
+        self.state, self.tokens = state, list(tokens)
+
+    def capture(self) -> DraftState | None:
+        return self.rows.capture(self.index)
+
+    # The rest of a source's contract: the rows do the drafting.
+    def prefill(self, feed: Feed) -> None: ...
+
+    def draft(self, feed: Feed, n: int) -> Draft: ...
+
+    def commit(self, accepted: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _joined(parts: list[mx.array]) -> mx.array | None:
