@@ -214,7 +214,7 @@ def _a_model_name(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise FieldError(attribute.name, f"must be a name without surrounding spaces, got {value!r}")
 
 
-def _api_key_problem(key: str) -> str | None:
+def api_key_problem(key: str) -> str | None:
     """What is wrong with ``key`` as an API key, or None. Never quotes the key (a secret)."""
     if not key or key != key.strip() or not (key.isascii() and key.isprintable()):
         return ("must be printable ASCII, not empty, without surrounding spaces (clients "
@@ -223,7 +223,7 @@ def _api_key_problem(key: str) -> str | None:
 
 
 def _an_api_key(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and (problem := _api_key_problem(value)) is not None:
+    if value is not None and (problem := api_key_problem(value)) is not None:
         raise FieldError(attribute.name, problem)
 
 
@@ -252,25 +252,6 @@ class ServeSection:
         if self.api_key is not None and self.api_key_env is not None:
             raise FieldError("api_key_env", "give the key or the variable holding it, not both "
                                             "(api_key is also set)")
-
-
-def serve_api_key(section: ServeSection, source: str, environ: Mapping[str, str]) -> str | None:
-    """The key ``foretell serve`` requires: ``api_key``, or the value of the variable
-    ``api_key_env`` names; None: no key.
-
-    :raises ConfigError: the variable is unset or empty, or holds no usable key (a server
-        the operator meant to lock must not start open)."""
-    if section.api_key_env is None:
-        return section.api_key
-    name = section.api_key_env
-    key = environ.get(name, "")
-    if not key:
-        raise ConfigError(source, [f"serve.api_key_env: ${name} is not set or is empty in the "
-                                   "server's environment: export the key in it, or leave "
-                                   "api_key_env out to serve without a key"])
-    if (problem := _api_key_problem(key)) is not None:
-        raise ConfigError(source, [f"serve.api_key_env: the key in ${name} {problem}"])
-    return key
 
 
 @attrs.frozen(kw_only=True)

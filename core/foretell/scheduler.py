@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
+from foretell.batch_step import BatchStep
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.model.kvcache import trim_all
@@ -33,7 +34,7 @@ from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
 from foretell.spec.contract import keep_recent_hidden
-from foretell.stream import END, RequestHandle, StopMatcher, StreamCut, TokenLogprobs
+from foretell.stream import END, RequestHandle, StopMatcher, StreamCut
 
 if TYPE_CHECKING:
     from foretell.cache.request import RequestCache
@@ -111,7 +112,7 @@ def default_kv_budget() -> int:
     return int(total * 0.4)
 
 
-class Scheduler:
+class Scheduler(BatchStep):
     """Continuous batching over one engine (see the module docstring).
 
     :param max_rows: the most requests decoding together.
@@ -425,238 +426,6 @@ class Scheduler:
             self._groups[speculator.kind] = group
         return group
 
-    def _step(self) -> None:
-        """One forward over every running row. While no row drafts and none needs its last
-        token on the host, the step is pipelined (:meth:`_plain_step`); otherwise each
-        speculating row's draft is verified and each other row takes its plain step, with the
-        step's one host sync, then per-row commit and streaming."""
-        from foretell.spec.batch import RowRule, combined_draft, verify_rows
-
-        lengths = self._choose_lengths(self._rows)
-        if not any(lengths) and all(row.pipelined for row in self._rows):
-            self._plain_step()
-            return
-        chosen = dict(zip(map(id, self._rows), lengths))
-        self._settle()  # rows may end here; the others keep their lengths, within max_tokens
-        rows = self._rows
-        if not rows:
-            return
-        lengths = [min(chosen[id(row)], self._cap(row)) for row in rows]
-        started = time.perf_counter()
-        drafted = self._draft(rows, lengths)
-        rows = self._rows  # rows whose drafter failed have left
-        if not rows:
-            return
-        draft, lengths = combined_draft(drafted, rows, self.engine.model.vocab_size)
-        rules = []
-        for row in rows:
-            sequence = row.state.prompt + row.state.generated
-            speculator, sampler = row.speculator, row.sampler
-            rules.append(RowRule(
-                sampler=sampler, keys=row.keys, position=len(sequence),
-                recent=sequence[-sampler.window :] if sampler.window else (),
-                token_match=sampler.config.seed is not None or (
-                    speculator is not None and speculator.acceptance == "token-match"),
-                allowed=row.constraint.allowed() if row.constraint is not None else None,
-                logprobs=row.logprobs is not None))
-        done = verify_rows(self.engine.model, self._batch, [row.pending for row in rows],
-                           draft, lengths, rules)
-        elapsed = time.perf_counter() - started
-        self._policy.observe(len(rows), max(lengths, default=0), elapsed)
-        if len(rows) == 1 and self._alone(rows[0]):
-            if lengths[0]:
-                rows[0].speculator.policy.observe(lengths[0], done.accepted[0], elapsed)
-            elif rows[0].plain_left:
-                self._stretch_step(rows[0], started)
-        broken: dict[int, BaseException] = {}
-        for kind, group in list(self._groups.items()):
-            try:
-                group.commit(rows, done.accepted, lengths)
-            except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
-                self._groups.pop(kind)
-                broken.update((id(row), _draft_error(group, "commit", exc))
-                              for row in group.members)
-        finished = []
-        for b, (row, kept) in enumerate(zip(rows, done.kept)):
-            if id(row) in broken:
-                continue
-            if done.distrusted[b]:
-                self._distrusted(row.speculator, done.distrusted[b])
-            hidden = done.hidden[b : b + 1, : len(kept)] if row.speculator is not None \
-                and row.speculator.wants_hidden else None
-            if lengths[b]:
-                row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
-                self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b])
-            logprobs = done.logprobs.get(b)
-            if self._commit(row, kept, hidden, logprobs):
-                finished.append(b)
-        self._end(finished)
-        for row in [row for row in rows if id(row) in broken]:
-            self._fail([row], broken[id(row)])
-
-    def _draft(self, rows: list[_Row], lengths: list[int]
-               ) -> dict[int, tuple[mx.array, mx.array | None, int]]:
-        """Every group's drafts, keyed by ``id(row)``. A drafter that fails ends its own
-        rows with a :class:`~foretell.errors.DraftError` naming it; the others go on."""
-        drafted: dict[int, tuple[mx.array, mx.array | None, int]] = {}
-        for kind, group in list(self._groups.items()):
-            try:
-                for b, part in group.draft(rows, lengths).items():
-                    drafted[id(rows[b])] = part
-            except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
-                self._groups.pop(kind)
-                failing = [row for row in self._rows if row in group.members]
-                self._fail(failing, _draft_error(group, "draft", exc))
-                try:
-                    group.rows.close()
-                except Exception:  # noqa: BLE001 - it already failed; its error is reported
-                    pass
-        return drafted
-
-    def _distrusted(self, speculator: Speculator, flags: int) -> None:
-        """Once per drafter and kind: what it returned was rejected (the output is safe)."""
-        import logging
-
-        from foretell.spec.acceptance import distrust_message
-
-        seen = self._warned.get(speculator.kind, 0)
-        if flags & ~seen:
-            self._warned[speculator.kind] = seen | flags
-            logging.getLogger("foretell.scheduler").warning(
-                "%s", distrust_message(speculator.label(), flags & ~seen,
-                                       self.engine.model.vocab_size))
-
-    def _plain_step(self) -> None:
-        """A plain step for every row, pipelined as single-request decoding is: the next
-        tokens are drawn on the device (``async_eval``) before this step's tokens are read
-        and streamed, so the host's streaming overlaps the model's compute. A row finishing
-        here already has its last token in the KV (:meth:`RequestState.held_tokens` says so)."""
-        from foretell.sampling import draw_rows
-
-        rows = self._rows
-        started = time.perf_counter()
-        tokens = self._tokens if self._tokens is not None else mx.array(
-            [row.pending for row in rows], dtype=mx.int32)
-        hidden, _ = self.engine.model.forward(tokens[:, None], self._batch)
-        logits = self.engine.model.logits(hidden[:, -1, :])
-        drawn = draw_rows(logits, [
-            (row.sampler, row.keys,
-             len(row.state.prompt) + len(row.state.generated) + row.unread)
-            for row in rows])
-        mx.async_eval(drawn)
-        values = tokens.tolist() if any(row.unread for row in rows) else None
-        finished = []
-        for b, row in enumerate(rows):
-            if row.unread:
-                if self._commit(row, [values[b]], row.unread_hidden):
-                    finished.append(b)
-            row.unread = True
-            row.unread_hidden = hidden[b : b + 1] if row.speculator is not None \
-                and row.speculator.wants_hidden else None
-        self._tokens = drawn
-        self._policy.observe(len(rows), 0, time.perf_counter() - started)
-        if len(rows) == 1 and rows[0].plain_left:
-            self._stretch_step(rows[0], started)
-        self._end(finished)
-
-    def _settle(self) -> None:
-        """Read and commit the tokens pipelined steps drew: every row's pending token is on
-        the host after this."""
-        if self._tokens is None:
-            return
-        values = self._tokens.tolist()
-        finished = []
-        for b, row in enumerate(self._rows):
-            if row.unread:
-                row.unread = False
-                if self._commit(row, [values[b]], row.unread_hidden):
-                    finished.append(b)
-                row.unread_hidden = None
-        self._tokens = None
-        self._end(finished)
-
-    def _commit(self, row: _Row, kept: list[int], hidden: mx.array | None,
-                logprobs: mx.array | None = None) -> bool:
-        """Row ``row`` gained ``kept`` (and the hidden states that predicted them): its
-        sequence, its drafter's feed, its stream. Returns whether the row is done."""
-        row.state.generated.extend(kept)
-        if row.speculator is not None:
-            row.feed_tokens.extend(kept)
-            if hidden is not None:
-                row.feed_hidden.append(hidden)
-                keep_recent_hidden(row.feed_hidden)
-        event = row.cut.feed(kept)
-        if row.constraint is not None:
-            row.constraint.accept(kept[0])
-            if row.constraint.complete():
-                row.cut.complete()
-        if event is not None:
-            if logprobs is not None:
-                event = attrs.evolve(event, logprobs=(
-                    _token_logprobs(logprobs, kept[0], row.logprobs),))
-            row.handle._put(event)
-        return row.cut.done
-
-    def _end(self, finished: list[int]) -> None:
-        if finished:
-            for b in finished:
-                self._finish(b)
-            self._remove(finished)
-
-    def _choose_lengths(self, rows: Sequence[_Row]) -> list[int]:
-        """Each row's draft length this step: at most its drafter's, never past
-        ``max_tokens``. A row running alone follows its speculator's length policy, as a
-        request decoding by itself does; a batch follows the batch policy, unless every
-        speculating row asked for a fixed length (``adaptive=False``)."""
-        if len(rows) == 1 and self._alone(rows[0]):
-            return [self._alone_length(rows[0])]
-        caps, rates, adaptive = [], [], False
-        for row in rows:
-            speculator = row.speculator
-            caps.append(self._cap(row))
-            if speculator is None:
-                rates.append(None)
-                continue
-            stats = row.spec_stats
-            rates.append(self._policy.rate(stats.drafted, stats.accepted, speculator.kind))
-            adaptive = adaptive or speculator.adaptive
-        return self._policy.choose(caps, rates) if adaptive else caps
-
-    @staticmethod
-    def _cap(row: _Row) -> int:
-        if row.speculator is None:
-            return 0
-        remaining = row.max_tokens - row.state.consumed - row.unread - 1
-        return max(0, min(row.speculator.max_tokens, remaining))
-
-    @staticmethod
-    def _alone(row: _Row) -> bool:
-        return row.speculator is not None and row.speculator.adaptive
-
-    def _alone_length(self, row: _Row) -> int:
-        """The length policy's choice for a row running alone: a plain stretch of the
-        length it asks for once it says 0, then it is asked again."""
-        if row.plain_left:
-            return 0
-        policy = row.speculator.policy
-        k = policy.choose(self._cap(row))
-        if not k:
-            row.plain_left, row.stretch_times = max(policy.stretch, 1), []
-        return k
-
-    @staticmethod
-    def _stretch_step(row: _Row, started: float) -> None:
-        """One step of a lone row's plain stretch; at its end the policy learns its typical
-        step (the first one, which switched from drafting, untimed), as it does alone."""
-        row.stretch_times.append(started)
-        row.plain_left -= 1
-        if row.plain_left == 0:
-            times = row.stretch_times
-            gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))
-            if gaps:
-                row.speculator.policy.observe(0, 0, gaps[len(gaps) // 2])
-            row.stretch_times = []
-
     def _finish(self, b: int) -> None:
         row = self._rows[b]
         tail = row.cut.close()
@@ -724,25 +493,3 @@ class Scheduler:
                 for row in self._rows:
                     row.handle._put(exc)
                 self._rows = []
-
-
-def _draft_error(group: DraftGroup, what: str, exc: BaseException) -> BaseException:
-    """``exc`` as the :class:`~foretell.errors.DraftError` naming the drafter that raised it."""
-    from foretell.errors import DraftError
-
-    if isinstance(exc, DraftError):
-        return exc
-    error = DraftError(f"{group.speculator.label()} failed in {what}(): "
-                       f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-def _token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
-    """``token``'s entry of a ``[vocab]`` log-probability row, with the ``top`` best."""
-    best = mx.argsort(-logprobs)[:top] if top else mx.array([], dtype=mx.int32)
-    values = logprobs.astype(mx.float32)
-    ids = best.tolist()
-    return TokenLogprobs(token, float(values[token].item()),
-                         tuple(zip(ids, values[best].tolist())) if ids else ())
-

@@ -26,6 +26,7 @@ INTERNAL = {
     "foretell.store.format.FileReplaced",
     "foretell.platform.cuda.driver.CudaCopyError",
     "foretell.cli.cache_cmd.Terminated",
+    "foretell.plugin.testing.WriterKilled",  # unwinds a writer the layout suite stopped
 }
 
 

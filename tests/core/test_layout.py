@@ -222,7 +222,8 @@ def test_every_foretell_module_and_name_a_source_imports_exists():
 #: The engine's parts below the request loop (docs/layout.md draws the path through them).
 PARTS = ("spec", "cache", "store", "model", "plugin", "platform")
 #: The request loop: it calls the parts; they never call back up into it.
-REQUEST_LOOP = ("foretell.engine", "foretell.request", "foretell.stream", "foretell.scheduler")
+REQUEST_LOOP = ("foretell.engine", "foretell.request", "foretell.stream", "foretell.scheduler",
+                "foretell.batch_step")
 #: What measures or drives the engine from outside; the engine never imports it.
 NOT_ENGINE = ("foretell.tools", "foretell.cli")
 #: The longest a module of the engine may be (tools/ measures and is exempt).

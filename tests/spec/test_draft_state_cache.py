@@ -494,7 +494,7 @@ def test_in_a_batch_mtp_after_a_hit_speculates_from_its_restored_head(demo_regis
     expected = reference.generate_text(MTP_PROMPT, speculate=False, max_tokens=MAX_TOKENS,
                                        **options)
     engine = engine_with("demo", demo_registry, ("mtp", None), k=2)
-    for attempt in range(2):  # a miss, then a RAM hit
+    for _ in range(2):  # a miss, then a RAM hit
         events = list(engine.submit(MTP_PROMPT, max_tokens=MAX_TOKENS, **options))
         stats = events[-1]
         assert "".join(e.text for e in events[:-1]) == expected

@@ -6,7 +6,7 @@ Elsewhere preparing runs nothing extra."""
 from __future__ import annotations
 
 from foretell.cache.tier import CacheTier
-from foretell.spec import verifier, warmup
+from foretell.spec import acceptance, verifier, warmup
 from foretell.spec.policy import PLAIN_STRETCH
 
 
@@ -16,7 +16,7 @@ def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: i
     speculating; returns the speculator, the target forwards' window lengths and the
     rejection-sampling calls' draft lengths seen while preparing."""
     lengths, sampled = [], []
-    forward, accept = engine.model.forward, verifier.accept_or_resample
+    forward, accept = engine.model.forward, acceptance.accept_or_resample
 
     def counting(tokens, caches, *args, **kwargs):
         lengths.append(tokens.shape[1])
@@ -28,7 +28,7 @@ def _prepare(engine, monkeypatch, cuda: bool, kind: str = "ngram", max_tokens: i
 
     monkeypatch.setattr(warmup, "compiles_per_shape", lambda: cuda)
     monkeypatch.setattr(engine.model, "forward", counting)
-    monkeypatch.setattr(verifier, "accept_or_resample", counting_accept)
+    monkeypatch.setattr(acceptance, "accept_or_resample", counting_accept)
     try:
         speculator = engine.use_draft(kind, max_tokens=max_tokens, sampled=sampled_requests)
     finally:

@@ -74,8 +74,6 @@ def serve_overrides(args: argparse.Namespace,
 def serve_config(args: argparse.Namespace, environ: Any = os.environ) -> tuple[Any, Any, str | None]:
     """The plugin registry, the run config (``[serve]`` included) and the API key, from
     ``--config``, the flags and the environment; nothing is loaded or bound."""
-    from foretell.config import serve_api_key
-
     registry, config = run_config(args, serve_overrides(args, environ))
     return registry, config, serve_api_key(config.serve, args.config or "command line", environ)
 
@@ -112,3 +110,27 @@ def run(args: argparse.Namespace) -> int:
     backend = Backend(engine, scheduler, served=names, max_tokens=config.max_tokens,
                       sampling=config.sampling, model_stops=stops)
     return serve(backend, sock, api_key=api_key, access_log=settings.access_log)
+
+
+def serve_api_key(section: Any, source: str, environ: Any) -> str | None:
+    """The key ``foretell serve`` requires: ``api_key``, or the value of the variable
+    ``api_key_env`` names; None: no key.
+
+    :raises ConfigError: the variable is unset or empty, or holds no usable key (a server
+        the operator meant to lock must not start open)."""
+    if section.api_key_env is None:
+        return section.api_key
+    name = section.api_key_env
+    key = environ.get(name, "")
+    if not key:
+        from foretell.errors import ConfigError
+
+        raise ConfigError(source, [f"serve.api_key_env: ${name} is not set or is empty in the "
+                                   "server's environment: export the key in it, or leave "
+                                   "api_key_env out to serve without a key"])
+    from foretell.config import api_key_problem
+    from foretell.errors import ConfigError
+
+    if (problem := api_key_problem(key)) is not None:
+        raise ConfigError(source, [f"serve.api_key_env: the key in ${name} {problem}"])
+    return key
