@@ -237,9 +237,10 @@ class BatchStep:
             adaptive = adaptive or speculator.adaptive
         return self._policy.choose(caps, rates) if adaptive else caps
 
-    @staticmethod
-    def _cap(row: _Row) -> int:
-        if row.speculator is None:
+    def _cap(self, row: _Row) -> int:
+        # A batch whose rows cannot roll back apart (a model's own batch caches over
+        # recurrent state or rings) decodes every row plainly: a rejected draft would stay.
+        if row.speculator is None or not getattr(self._batch[0], "trims_rows", True):
             return 0
         remaining = row.max_tokens - row.state.consumed - row.unread - 1
         return max(0, min(row.speculator.max_tokens, remaining))

@@ -42,6 +42,10 @@ class TwoModelRows:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.caches: list[BatchKVCache] = batch_caches(model)
+        if not getattr(self.caches[0], "trims_rows", True):
+            # Rows' drafts are trimmed apart every round (padding, rejections).
+            raise TypeError(f"{model.model_type}: the draft model's batch cannot roll its "
+                            "rows back by different counts")
         self.rows: list[_Row] = []
         self._drafted = 0  # drafts chained this round, every row alike
 

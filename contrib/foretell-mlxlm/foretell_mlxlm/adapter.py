@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from foretell_mlxlm.batch import BatchLayer, batch_caches
 from foretell_mlxlm.caches import Journal, adapt
 from foretell_mlxlm.zoo import REMAPPED
 
@@ -129,6 +130,12 @@ class Adapted:
 
         return adapt(make_prompt_cache(self))
 
+    def make_batch_caches(self, *, bits: int | None = None, group_size: int = 64) -> list[Any]:
+        """Batch caches over mlx-lm's own (:mod:`foretell_mlxlm.batch`). ``bits`` and
+        ``group_size`` are not used: an adapted model's single caches are never quantized
+        either, and a batch holds what they hold."""
+        return batch_caches(self)
+
     def _run(self, hook: _Hook, tokens: mx.array, caches: Any) -> Any:
         hook.stop = True
         try:
@@ -143,6 +150,11 @@ class Adapted:
                 taps: Sequence[int] = ()) -> tuple[mx.array, dict[int, mx.array]]:
         if taps:
             raise ValueError(f"{self.model_type} (mlx-lm adapter) offers no layer taps")
+        if caches and isinstance(caches[0], BatchLayer):
+            hidden = self._run(self._backbone_hook, tokens, [c.cache for c in caches])
+            for cache in caches:
+                cache.took(tokens.shape[1])
+            return hidden, {}
         journal = Journal.of(self, caches) if caches is not None else None
         if journal is not None:
             journal.record(tokens)

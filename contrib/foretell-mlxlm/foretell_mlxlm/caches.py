@@ -54,7 +54,7 @@ class AdaptedCache:
             if self.keys is None:
                 return ()
             return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-        return tuple(_arrays(lm_state(self)))
+        return tuple(flat_arrays(lm_state(self)))
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -90,11 +90,11 @@ def lm_state(cache: Any) -> Any:
     return _state_property(type(cache)).fget(cache)
 
 
-def _arrays(tree: Any) -> list[mx.array]:
+def flat_arrays(tree: Any) -> list[mx.array]:
     if isinstance(tree, mx.array):
         return [tree]
     if isinstance(tree, (list, tuple)):
-        return [a for x in tree for a in _arrays(x)]
+        return [a for x in tree for a in flat_arrays(x)]
     return []
 
 

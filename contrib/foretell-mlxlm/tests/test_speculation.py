@@ -89,10 +89,3 @@ def test_a_journaled_rollback_is_the_state_of_the_kept_tokens_alone(registry, mo
     two, _ = model.forward(after, fresh)
     assert mx.allclose(model.logits(one), model.logits(two), atol=1e-4)
 
-
-def test_the_batch_caches_refuse_an_adapted_hybrid_model_by_name(hybrid):
-    from foretell.model.batch import batch_caches
-
-    engine, _ = hybrid
-    with pytest.raises(TypeError, match="qwen3_next: a batch cannot hold a MlxLmArraysCache"):
-        batch_caches(engine.model)

@@ -273,10 +273,14 @@ def _row_state(cache: Any) -> tuple[int, mx.array | None, mx.array | None]:
 
 
 def batch_caches(model: Any, *, bits: int | None = None,
-                 group_size: int = 64) -> list[BatchKVCache]:
+                 group_size: int = 64) -> list[Any]:
     """Empty batch caches, one per layer of ``model``, with each layer's window; with
     ``bits``, full-attention layers hold their KV quantized (sliding-window layers stay
-    unquantized, as a single request's do)."""
+    unquantized, as a single request's do). A model whose caches are not core's builds its
+    own (its optional ``make_batch_caches``, see :class:`~foretell.model.contract.Model`)."""
+    own = getattr(model, "make_batch_caches", None)
+    if own is not None:
+        return own(bits=bits, group_size=group_size)
     caches = []
     for cache in model.make_caches():
         window = getattr(cache, "max_size", None)

@@ -47,7 +47,19 @@ class Cache(Protocol):
 
 @runtime_checkable
 class Model(Protocol):
-    """A loaded causal language model."""
+    """A loaded causal language model.
+
+    Optional: ``make_batch_caches(*, bits=None, group_size=64) -> list`` for a model whose
+    caches core's batch (:class:`foretell.model.batch.BatchKVCache`) cannot hold; the batch
+    scheduler then runs its rows in those (``batch_caches`` calls it). Each layer's batch
+    cache has what the scheduler uses of core's: ``append([single caches])`` (rows join,
+    copied), ``filter(keep)``, ``extract(row)`` (a single cache as ``make_caches`` builds
+    it), ``trim([count per row])``, ``lengths`` (tokens per row), ``rows``, ``nbytes`` and
+    ``state``, and the model's ``forward`` takes the list. ``trims_rows = False`` (the same
+    on every layer) says rows cannot roll back by different counts: the scheduler then
+    drafts for none of them. A layer it cannot batch raises ``TypeError`` naming the model
+    type and the layer's cache kind.
+    """
 
     model_type: str
     vocab_size: int
