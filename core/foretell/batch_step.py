@@ -235,7 +235,9 @@ class BatchStep:
             stats = row.spec_stats
             rates.append(self._policy.rate(stats.drafted, stats.accepted, speculator.kind))
             adaptive = adaptive or speculator.adaptive
-        return self._policy.choose(caps, rates) if adaptive else caps
+        top = max((row.speculator.max_tokens for row in rows if row.speculator is not None),
+                  default=0)
+        return self._policy.choose(caps, rates, top) if adaptive else caps
 
     def _cap(self, row: _Row) -> int:
         # A batch whose rows cannot roll back apart (a model's own batch caches over

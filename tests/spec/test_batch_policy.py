@@ -116,6 +116,16 @@ def test_no_wider_width_is_tried_once_a_narrower_one_cannot_pay_and_it_is_retrie
                                                                     drafted[2::2]))
 
 
+def test_rows_nearing_their_end_bring_no_new_width_to_measure():
+    policy = BatchDraftPolicy()
+    run(policy, [4] * 8, [0.5] * 8, lambda rows, w: 1.0 + w, 12)  # 2 and 4 can't pay here
+    # Rows with one or two tokens left cap their drafts at 1: width 1 was never measured,
+    # but the widths come from the drafters' own length, so nothing new is probed.
+    for _ in range(5):
+        assert policy.choose([1] * 8, [0.5] * 8, top=4) == [0] * 8
+        policy.observe(8, 0, 1.0)
+
+
 def test_rows_without_a_drafter_never_draft():
     policy = BatchDraftPolicy()
     lengths = policy.choose([4, 0, 4], [0.9, None, 0.9])

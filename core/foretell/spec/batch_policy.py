@@ -76,19 +76,23 @@ class BatchDraftPolicy:
         record[0] = record[0] * decay + drafted
         record[1] = record[1] * decay + accepted
 
-    def widths(self, caps: Sequence[int]) -> list[int]:
-        """The candidate widths for rows allowed at most ``caps`` drafts each."""
-        top = max(caps, default=0)
+    @staticmethod
+    def widths(top: int) -> list[int]:
+        """The candidate widths for drafters drafting at most ``top`` a round."""
         return sorted({0, top, max(1, top // 2)}) if top else [0]
 
-    def choose(self, caps: Sequence[int], rates: Sequence[float | None]) -> list[int]:
-        """Each row's draft length: ``caps[b]`` is the most it may draft (0: it cannot),
-        ``rates[b]`` its acceptance estimate (None: it has no drafter)."""
+    def choose(self, caps: Sequence[int], rates: Sequence[float | None],
+               top: int | None = None) -> list[int]:
+        """Each row's draft length: ``caps[b]`` is the most it may draft now (0: it cannot),
+        ``rates[b]`` its acceptance estimate (None: it has no drafter), ``top`` the most its
+        drafters draft a round (default: the largest cap). Widths come from ``top``, each
+        row's length capped, so rows nearing their ends (smaller caps) bring no new widths
+        to measure."""
         self._step += 1
         rows = len(caps)
-        candidates = self.widths(caps)
-        if candidates == [0]:
+        if not max(caps, default=0):
             return [0] * rows
+        candidates = self.widths(top if top is not None else max(caps))
         again, self._again = self._again, None
         if again is not None and again[0] == rows and again[1] in candidates:
             return [min(again[1], cap) if rate is not None else 0
