@@ -174,8 +174,8 @@ class BatchLayer:
                                   "in a batch of plain KV layers, others drop tokens from all "
                                   "rows alike where mlx-lm can (a ring before it wraps, never "
                                   "recurrent state)")
-        _trim(self.cache, counts)
         self.lengths = [length - n for length, n in zip(self.lengths, counts)]
+        _trim(self.cache, counts, max(self.lengths))
 
     @property
     def nbytes(self) -> int:
@@ -202,22 +202,22 @@ def _merge(singles: list[Any]) -> Any:
     return base.merge(singles)
 
 
-def _trim(cache: Any, counts: list[int]) -> None:
+def _trim(cache: Any, counts: list[int], longest: int) -> None:
     if isinstance(cache, lm.CacheList):
         for part in cache.caches:
-            _trim(part, counts)
+            _trim(part, counts, longest)
     elif isinstance(cache, lm.BatchKVCache):
         if cache.keys is not None:
-            _trim_kv_rows(cache, counts)
+            _trim_kv_rows(cache, counts, longest)
     else:
         cache.trim(counts[0])
 
 
-def _trim_kv_rows(cache: lm.BatchKVCache, counts: list[int]) -> None:
-    """Drop ``counts[b]`` tokens of each row of a left-padded KV cache: every row the fewest
-    by mlx-lm's own trim, then each row's rest by shifting its slots right by it (mlx-lm's
-    ``finalize`` does this for right-padded prompts): the dropped slots wrap into the row's
-    padding, which grows by as much."""
+def _trim_kv_rows(cache: lm.BatchKVCache, counts: list[int], longest: int) -> None:
+    """Drop ``counts[b]`` tokens of each row of a left-padded KV cache (``longest``: the most
+    any row holds after): every row the fewest by mlx-lm's own trim, then each row's rest by
+    shifting its slots right by it (mlx-lm's ``finalize`` does this for right-padded
+    prompts): the dropped slots wrap into the row's padding, which grows by as much."""
     least = min(counts)
     if least:
         cache.trim(least)
@@ -231,3 +231,10 @@ def _trim_kv_rows(cache: lm.BatchKVCache, counts: list[int]) -> None:
         buffer[..., :end, :] = lm.dynamic_roll(buffer[..., :end, :], shift[:, None], axis=2)
     cache.left_padding = cache.left_padding + shift
     cache.offset = cache.offset - shift
+    # Slots every row pads (rows trimming most in turn leave them) are dropped, as mlx-lm's
+    # filter drops them, so the buffer stays as wide as the longest row.
+    waste = end - longest
+    if waste > 0:
+        cache.keys, cache.values = cache.keys[..., waste:, :], cache.values[..., waste:, :]
+        cache._idx -= waste
+        cache.left_padding = cache.left_padding - waste

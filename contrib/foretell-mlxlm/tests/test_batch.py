@@ -84,6 +84,8 @@ def _batched_matches_alone(model, window: int) -> None:
             held[r] += k
             steps[r] += 1
         assert all(cache.lengths == [held[r] for r in rows] for cache in batch)
+        if window > 1:  # rows rolled back apart pad no slot all of them pad
+            assert {cache.cache._idx for cache in batch} == {max(held[r] for r in rows)}
         leaving = [b for b, r in enumerate(rows) if steps[r] == STEPS]
         for b in leaving:
             r = rows[b]
@@ -240,6 +242,30 @@ def test_scheduled_rows_joining_at_different_times_stream_what_each_streams_alon
                                            speculate=False))
         assert tokens == alone
         assert stats.generated_tokens == n
+    scheduler.close()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next"])
+def test_what_a_batched_row_stores_serves_the_next_turn(registry, model_dir, model_type):
+    """A row's caches extracted from the batch go to the cache tier as the adapted caches
+    the model builds, and serve a continuation of its conversation."""
+    import foretell
+    from foretell.cache.codecs import load_codecs
+    from foretell.cache.tier import CacheTier
+
+    engine = foretell.load(model_dir(model_type), registry=registry)
+    first, _ = _tokens(engine.generate(TEXTS[1], max_tokens=10, ignore_eos=True,
+                                       speculate=False))
+    turn = [*TEXTS[1], *first, 42, 43]
+    want, _ = _tokens(engine.generate(turn, max_tokens=8, ignore_eos=True, speculate=False))
+    engine.cache = CacheTier(load_codecs(registry))
+    scheduler = Scheduler(engine)
+    handles = [scheduler.submit(p, max_tokens=10, ignore_eos=True) for p in TEXTS[:2]]
+    assert _tokens(handles[1])[0] == first
+    _tokens(handles[0])
+    tokens, stats = _tokens(scheduler.submit(turn, max_tokens=8, ignore_eos=True))
+    assert tokens == want
+    assert stats.cached_tokens >= len(TEXTS[1]) + len(first) - 1
     scheduler.close()
 
 
