@@ -90,7 +90,8 @@ def _mergeable(cache: Any) -> bool:
         return all(_mergeable(c) for c in cache.caches)
     if isinstance(cache, lm.RotatingKVCache) and cache.keep:
         return False  # mlx-lm's batch ring keeps no leading tokens
-    return isinstance(cache, (lm.KVCache, lm.RotatingKVCache, lm.ArraysCache))
+    # Exact kinds: a subclass's own behaviour would be lost in the batch kind merged to.
+    return type(cache) in (lm.KVCache, lm.RotatingKVCache, lm.ArraysCache)
 
 
 def _trims_rows(cache: Any) -> bool:
