@@ -126,6 +126,20 @@ def test_rows_nearing_their_end_bring_no_new_width_to_measure():
         policy.observe(8, 0, 1.0)
 
 
+def test_a_width_that_keeps_losing_is_looked_at_ever_less_often():
+    from foretell.spec.batch_policy import MAX_BACKOFF
+
+    policy = BatchDraftPolicy()
+    # Drafting loses a little here (not hopeless): each look confirms plain decoding.
+    chosen = run(policy, [4] * 4, [0.3] * 4, lambda rows, w: 1.0 + 0.3 * w, 40 * REPROBE)
+    looks = [i for i, w in enumerate(chosen) if w and not chosen[i - 1]]  # a look's start
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    assert gaps[-1] >= MAX_BACKOFF * REPROBE // 2 > gaps[0]
+    assert max(gaps) <= MAX_BACKOFF * REPROBE + 4
+    # The looks cost little over a long run: nearly every step is plain.
+    assert chosen.count(0) > 0.97 * len(chosen)
+
+
 def test_rows_without_a_drafter_never_draft():
     policy = BatchDraftPolicy()
     lengths = policy.choose([4, 0, 4], [0.9, None, 0.9])

@@ -8,7 +8,9 @@ decayed (:meth:`BatchDraftPolicy.learn`), so a new request starts from its draft
 width chosen maximizes the expected tokens the step produces per second, plain decoding
 (width 0) included, so where a batch is large enough that verifying drafts costs more than
 they return, drafting goes off; every ``REPROBE`` steps a shape not taken lately is tried
-again, so a change in the batch or the text is noticed.
+again, so a change in the batch or the text is noticed; a width whose looks keep losing is
+looked at half as often each time (up to ``MAX_BACKOFF``), so over a long run the looks cost
+little.
 
 A drafted step right after plain steps is not timed: it also pays for switching back (a model
 drafter catches up on every plain token since its last draft), which the steps after it do
@@ -35,6 +37,8 @@ REPROBE = 48
 #: HOPELESS_SLOWER times less often.
 HOPE = 0.15
 HOPELESS_SLOWER = 4
+#: A width looked at again and again without winning waits at most this many REPROBEs.
+MAX_BACKOFF = 8
 #: Weight a drafter's record keeps per new draft (a memory of about 200 drafts).
 RECORD_DECAY = 0.995
 
@@ -55,6 +59,8 @@ class BatchDraftPolicy:
         self._last_width = 0
         #: Per drafter kind, decayed (drafted, accepted) over all its rows.
         self._record: dict[str, list[float]] = {}
+        #: Per shape, its looks in a row since it was last the choice on merit.
+        self._losing: dict[tuple[int, int], int] = {}
         #: A shape whose switch-back step went untimed: it is drafted again, timed.
         self._again: tuple[int, int] | None = None
 
@@ -109,11 +115,13 @@ class BatchDraftPolicy:
             width = stale[0]
         else:
             width = max(candidates, key=lambda w: self._throughput(rows, w, caps, rates))
+            self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
             due = [w for w in candidates if w not in blocked
-                   and self._step - self._last_tried.get((rows, w), 0)
-                   >= REPROBE * (HOPELESS_SLOWER if self._hopeless(rows, w, hope) else 1)]
+                   and self._step - self._last_tried.get((rows, w), 0) >= self._interval(
+                       rows, w, self._hopeless(rows, w, hope))]
             if due and width not in due:
                 width = due[0]
+                self._losing[(rows, width)] = self._losing.get((rows, width), 0) + 1
         self._last_tried[(rows, width)] = self._step
         return [min(width, cap) if rate is not None else 0 for cap, rate in zip(caps, rates)]
 
@@ -141,6 +149,13 @@ class BatchDraftPolicy:
             return None
         r = min(near, key=lambda r: (abs(r - rows), r))
         return plain * self._measured(r, width) / self._measured(r, 0)
+
+    def _interval(self, rows: int, width: int, hopeless: bool) -> int:
+        """Steps between looks at a width not chosen: REPROBE, doubled for each look in a
+        row that did not make it the choice (up to MAX_BACKOFF times), HOPELESS_SLOWER
+        times more where it could not pay at all."""
+        backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF)
+        return REPROBE * backoff * (HOPELESS_SLOWER if hopeless else 1)
 
     def _hopeless(self, rows: int, width: int, rate: float) -> bool:
         """Drafting ``width`` over ``rows`` rows costs more than it returns even were each
