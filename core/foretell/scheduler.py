@@ -29,7 +29,7 @@ import mlx.core as mx
 from foretell.batch_step import BatchStep
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
-from foretell.model.kvcache import trim_all
+from foretell.model.kvcache import KVCache, trim_all
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
@@ -352,8 +352,10 @@ class Scheduler(BatchStep):
     def _prefill_one_chunk(self) -> None:
         """Up to one chunk's worth of admitted prompts, oldest first (several short prompts
         arriving together all start this step, so the last of them does not wait a step per
-        prompt ahead of it); rows whose prompt is in join the batch."""
+        prompt ahead of it), in one forward where they can share one (:meth:`_prefill_together`);
+        rows whose prompt is in join the batch."""
         budget = PREFILL_CHUNK
+        chunks = []
         for row in list(self._prefilling):
             if budget <= 0:
                 break
@@ -361,6 +363,15 @@ class Scheduler(BatchStep):
                 continue
             chunk, row.todo = row.todo[:budget], row.todo[budget:]
             budget -= len(chunk)
+            chunks.append((row, chunk))
+        together = [(row, chunk) for row, chunk in chunks if self._shares_prefill(row)]
+        if len(together) > 1:
+            self._prefill_together(together)
+        else:
+            together = []
+        for row, chunk in chunks:
+            if (row, chunk) in together:
+                continue
             hidden_kept = row.speculator is not None and row.speculator.wants_hidden
             try:
                 hidden = prefill(self.engine.model, chunk, row.state.caches,
@@ -376,6 +387,40 @@ class Scheduler(BatchStep):
             self._prefilling.remove(row)
         if joining:
             self._join(joining)
+
+    @staticmethod
+    def _shares_prefill(row: _Row) -> bool:
+        """Whether the row's chunk may go through a shared prefill forward: its drafter reads
+        no hidden states, and no layer of its keeps a window (the batch would hold the whole
+        prompt where the row's own cache holds a window)."""
+        if row.speculator is not None and row.speculator.wants_hidden:
+            return False
+        return all(isinstance(cache, KVCache) and getattr(cache, "max_size", None) is None
+                   for cache in row.state.caches)
+
+    def _prefill_together(self, chunks: list[tuple[_Row, list[int]]]) -> None:
+        """Several rows' prompt chunks in one forward (the prompts padded to the longest,
+        the padding trimmed off each row), each row then holding its own caches again, as
+        a prefill of its own leaves them; on CPUs a wide forward uses the matrix units
+        better than several narrow ones."""
+        rows = [row for row, _ in chunks]
+        try:
+            shared = batch_caches(self.engine.model, bits=self.engine.kv_bits,
+                                  group_size=self.engine.kv_group_size)
+            for layer, cache in enumerate(shared):
+                cache.append([row.state.caches[layer] for row in rows])
+            width = max(len(chunk) for _, chunk in chunks)
+            tokens = mx.array([chunk + [0] * (width - len(chunk)) for _, chunk in chunks],
+                              dtype=mx.int32)
+            self.engine.model.forward(tokens, shared)
+            for cache in shared:
+                cache.trim([width - len(chunk) for _, chunk in chunks])
+            for b, row in enumerate(rows):
+                row.state.caches = [cache.extract(b) for cache in shared]
+            mx.eval([c.state for row in rows for c in row.state.caches])
+        except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
+            self._fail(rows, exc)
+        mx.clear_cache()
 
     def _join(self, joining: list[_Row]) -> None:
         try:

@@ -330,3 +330,36 @@ def test_a_row_ending_in_a_pipelined_step_stores_what_its_kv_holds(tmp_path_fact
     engine.cache = None
     assert got == alone(engine, follow, max_tokens=8, ignore_eos=True)[0]
     scheduler.close()
+
+
+def test_prompts_arriving_together_are_prefilled_in_one_forward(engine, monkeypatch):
+    """Prompts waiting at the same step share one prefill forward (padded to the longest,
+    the padding trimmed off each row) and still stream what each streams alone."""
+    scheduler = Scheduler(engine)
+    list(scheduler.submit(PROMPTS[2], max_tokens=2, ignore_eos=True))  # the worker is up
+    forward, shapes = engine.model.forward, []
+    held, go = threading.Event(), threading.Event()
+
+    def watched(tokens, caches, *args, **kwargs):
+        shapes.append(tuple(tokens.shape))
+        if not held.is_set():  # the first decode step waits until every prompt is queued
+            held.set()
+            go.wait(timeout=60)
+        return forward(tokens, caches, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", watched)
+    first = scheduler.submit(PROMPTS[0], max_tokens=12, ignore_eos=True)
+    assert held.wait(timeout=60)
+    together = [scheduler.submit(p, max_tokens=n, ignore_eos=True)
+                for p, n in zip(PROMPTS[1:], [9, 14, 6])]
+    go.set()
+    outputs = [batched(h)[0] for h in [first, *together]]
+    monkeypatch.setattr(engine.model, "forward", forward)
+    lengths = [len(engine.encode_prompt(p)) - 1 for p in PROMPTS[1:]]
+    shared = [s for s in shapes if s[0] > 1 and s[1] > 1]
+    windowed = any(getattr(c, "max_size", None) is not None for c in engine.make_caches())
+    if not windowed:  # a sliding-window model prefills each prompt alone (its own window)
+        assert (len(PROMPTS) - 1, max(lengths)) in shared
+    for prompt, n, got in zip(PROMPTS, [12, 9, 14, 6], outputs):
+        assert got == alone(engine, prompt, max_tokens=n, ignore_eos=True)[0]
+    scheduler.close()
