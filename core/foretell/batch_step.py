@@ -63,6 +63,8 @@ class BatchStep:
         if not rows:
             return
         draft, lengths = combined_draft(drafted, rows, self.engine.model.vocab_size)
+        if any(lengths):  # the drafters compute while the verify graph is built, as alone
+            mx.async_eval(draft.tokens)
         rules = []
         for row in rows:
             sequence = row.state.prompt + row.state.generated
