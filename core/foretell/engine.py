@@ -29,6 +29,7 @@ import mlx.core as mx
 from foretell.concurrency import OneAtATime, generation_stream, mlx_work
 from foretell.config import EngineSettings
 from foretell.errors import ConfigError, GenerationError, ModelNotFound
+from foretell.model.kvcache import KVCache
 from foretell.platform import device
 from foretell.request import Progress, RequestState, plain_steps, prefill, resumed_steps
 from foretell.sampling import Sampler
@@ -112,6 +113,12 @@ class Engine:
         #: Affine-quantized KV for full-attention layers (4 or 8 bits; None: unquantized).
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
+        if kv_bits is not None and not any(type(c) is KVCache for c in model.make_caches()):
+            # Asked for quantized KV (to fit memory, say) where none applies: say so.
+            raise ConfigError("kv_bits", [
+                f"{model.model_type}: no layer of this model keeps a KV cache foretell can "
+                f"quantize (its caches: {sorted({type(c).__name__ for c in model.make_caches()})}"
+                f"), so kv_bits={kv_bits} would change nothing; leave it out"])
         self._cache: CacheTier | None = None
         self._one_at_a_time = OneAtATime()
         #: Path choices for this engine's work (:class:`~foretell.config.EngineSettings`).

@@ -61,3 +61,14 @@ def test_an_interrupted_generation_resumes_with_the_uninterrupted_runs_tokens(
     resumed, stats = _run(_engine(registry, path, tmp_path), sampling=sampling, resume=True)
     assert stats.cached_from == "checkpoint"
     assert resumed == whole
+
+
+def test_asking_an_adapted_model_for_quantized_kv_is_refused_saying_why(registry, model_dir):
+    """Its caches are mlx-lm's, which foretell does not quantize: kv_bits would change
+    nothing, so the engine says so instead of running with more memory than asked."""
+    import foretell
+    from foretell.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_bits: llama: no layer of this model keeps a "
+                                          r"KV cache foretell can quantize .*leave it out"):
+        foretell.load(model_dir("llama"), registry=registry, kv_bits=8)
