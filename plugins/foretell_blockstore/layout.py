@@ -667,7 +667,6 @@ class BlockStoreLayout:
         (:meth:`_land_whole`); otherwise, and when the area is held or the entry is larger
         than the restore reserve's cap, each piece's copy lands in place. Elsewhere pieces
         are read straight into the buffers."""
-        import mlx.core as mx
 
         marks = [started if started is not None else time.perf_counter(), time.perf_counter()]
         cuda = device.cuda_backend()
@@ -704,18 +703,7 @@ class BlockStoreLayout:
         self.last_check = ("none" if not verify else f"{digest.SCHEME} on the device"
                            if by_digest else f"{fmt.CHECKSUM} per piece")
         marks.append(time.perf_counter())
-        layers, arrays = [], []
-        for index, (layer, table) in enumerate(zip(manifest.layers,
-                                                   manifest.fields["layers"])):
-            tensors = {}
-            for name, tensor in table["tensors"].items():
-                spec = mf.TensorSpec(index, name, tensor["dtype"], tuple(tensor["shape"]))
-                found = buffers.get((index, name))
-                tensors[name] = mf.to_array(found[0], spec) if found else mf.empty_array(spec)
-                arrays.append(tensors[name])
-            layers.append(LayerState(codec=layer.codec, provider=layer.provider,
-                                     meta=layer.meta, tensors=tensors))
-        mx.eval(arrays)
+        layers = mf.layer_states(manifest, buffers)
         marks.append(time.perf_counter())
         steps = ("manifest", "buffers", "queued", "blocks", *(("placed",) if landed else ()),
                  "digests", "arrays")

@@ -437,6 +437,27 @@ def empty_array(spec: TensorSpec) -> mx.array:
     return mx.zeros(spec.shape, dtype=getattr(mx, _MX_DTYPES[spec.dtype]))
 
 
+def layer_states(manifest: Manifest, buffers: dict[tuple[int, str], Any]) -> list[Any]:
+    """The entry's layers over its filled buffers (``{(layer, name): (buffer, ...)}``, as
+    :func:`host_buffers` made them; a tensor with none is empty), evaluated: what a reader
+    returns once every block it placed passed its checks."""
+    import mlx.core as mx
+
+    from foretell.store.entry import LayerState
+
+    layers, arrays = [], []
+    for index, (layer, table) in enumerate(zip(manifest.layers, manifest.fields["layers"])):
+        tensors = {}
+        for name, tensor in table["tensors"].items():
+            spec = TensorSpec(index, name, tensor["dtype"], tuple(tensor["shape"]))
+            found = buffers.get((index, name))
+            tensors[name] = to_array(found[0], spec) if found else empty_array(spec)
+            arrays.append(tensors[name])
+        layers.append(LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
+                                 tensors=tensors))
+    mx.eval(arrays)
+    return layers
+
 # -- the manifest ---------------------------------------------------------------------------
 
 

@@ -26,7 +26,6 @@ def assemble(manifest: mf.Manifest, values: Sequence[bytes | None], *, verify: b
 
     :raises BadBlock: a block missing, of another size or header, or failing its checksum.
     """
-    import mlx.core as mx
 
     specs = manifest.specs
     buffers = dict(zip(((s.layer, s.name) for s in specs),
@@ -36,18 +35,7 @@ def assemble(manifest: mf.Manifest, values: Sequence[bytes | None], *, verify: b
         for ref, (begin, end) in zip(refs, group.spans(manifest.block_rows)):
             place_block(values[at], ref, group, begin, end, buffers, verify)
             at += 1
-    layers, arrays = [], []
-    for index, (layer, table) in enumerate(zip(manifest.layers, manifest.fields["layers"])):
-        tensors = {}
-        for name, tensor in table["tensors"].items():
-            spec = mf.TensorSpec(index, name, tensor["dtype"], tuple(tensor["shape"]))
-            found = buffers.get((index, name))
-            tensors[name] = mf.to_array(found[0], spec) if found else mf.empty_array(spec)
-            arrays.append(tensors[name])
-        layers.append(LayerState(codec=layer.codec, provider=layer.provider, meta=layer.meta,
-                                 tensors=tensors))
-    mx.eval(arrays)
-    return layers
+    return mf.layer_states(manifest, buffers)
 
 
 def place_block(value: bytes | None, ref: mf.BlockRef, group: mf.Group, begin: int, end: int,
