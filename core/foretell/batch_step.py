@@ -67,11 +67,12 @@ class BatchStep:
             mx.async_eval(draft.tokens)
         rules = []
         for row in rows:
-            sequence = row.state.prompt + row.state.generated
-            speculator, sampler = row.speculator, row.sampler
+            state, speculator, sampler = row.state, row.speculator, row.sampler
+            n = sampler.window  # only the penalty's window of the sequence, not a copy of it
             rules.append(RowRule(
-                sampler=sampler, keys=row.keys, position=len(sequence),
-                recent=sequence[-sampler.window :] if sampler.window else (),
+                sampler=sampler, keys=row.keys,
+                position=len(state.prompt) + len(state.generated),
+                recent=(state.prompt[-n:] + state.generated[-n:])[-n:] if n else (),
                 token_match=sampler.config.seed is not None or (
                     speculator is not None and speculator.acceptance == "token-match"),
                 allowed=row.constraint.allowed() if row.constraint is not None else None,
@@ -225,6 +226,8 @@ class BatchStep:
         ``max_tokens``. A row running alone follows its speculator's length policy, as a
         request decoding by itself does; a batch follows the batch policy, unless every
         speculating row asked for a fixed length (``adaptive=False``)."""
+        if not any(row.speculator is not None for row in rows):
+            return [0] * len(rows)
         if len(rows) == 1 and self._alone(rows[0]):
             return [self._alone_length(rows[0])]
         caps, rates, adaptive = [], [], False
