@@ -1,7 +1,6 @@
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,21 +29,9 @@ def _ngram_site(tmp_path_factory):
     """contrib/foretell-ngram installed by pip into a directory of its own, once a session:
     a real installed distribution (entry points and all) that leaves the environment the
     tests run in as it was (docs/decisions.md, "The README's test command")."""
-    root = tmp_path_factory.mktemp("ngram-site")
-    # Built from a copy: setuptools writes an .egg-info beside the sources it builds, and the
-    # checkout's copy is on sys.path (pyproject's pythonpath), where it would look installed.
-    source = shutil.copytree(NGRAM_SOURCE, root / "src",
-                             ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
-    site = root / "site"
-    # Offline and into the running interpreter's own setuptools (the [test] extra has it).
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-         "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=300,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"installing {NGRAM_SOURCE} for the test failed:\n{done.stderr}")
-    return site
+    from foretell.plugin.testing import install_distribution
+
+    return install_distribution(NGRAM_SOURCE, tmp_path_factory.mktemp("ngram-site"))
 
 
 @pytest.fixture
@@ -65,9 +52,7 @@ def killed_and_resumed(tmp_path):
     soon as a generation checkpoint (an entry in a ``generation:`` namespace, of any layout)
     is on disk, and run again with ``--resume`` (``resume_extra`` appended). Both results are
     ``subprocess.CompletedProcess``es, already checked to have exited 0."""
-    import shutil
     import signal
-    import subprocess
     import time
 
     def run(argv, env, resume_extra=()):

@@ -4,8 +4,6 @@ its own, so foretell's loader finds it as after ``pip install``; tiny model dire
 from __future__ import annotations
 
 import importlib
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,16 +22,9 @@ def installed(tmp_path_factory):
     """foretell-mlxlm on ``sys.path`` as an installed distribution for this session (built
     offline, into the running interpreter's setuptools, from a copy: an in-tree build
     leaves an .egg-info that would make the checkout look installed)."""
-    root = tmp_path_factory.mktemp("mlxlm-site")
-    source = shutil.copytree(SOURCE, root / "src", ignore=shutil.ignore_patterns(
-        "*.egg-info", "build", "__pycache__", "tests"))
-    site = root / "site"
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-         "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        pytest.fail(f"installing {SOURCE} for the tests failed:\n{done.stderr}")
+    from foretell.plugin.testing import install_distribution
+
+    site = install_distribution(SOURCE, tmp_path_factory.mktemp("mlxlm-site"))
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     yield site

@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -126,18 +125,9 @@ def _redis_site(tmp_path_factory):
     """contrib/foretell-redis installed by pip into a directory of its own, once a session:
     its entry point makes ``redis://`` locations select the layout, in this process and in
     the processes a test starts (the environment the tests run in stays as it was)."""
-    root = tmp_path_factory.mktemp("redis-site")
-    source = shutil.copytree(SOURCE, root / "src",
-                             ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__",
-                                                           "tests"))
-    site = root / "site"
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-         "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        pytest.fail(f"installing {SOURCE} for the test failed:\n{done.stderr}")
-    return site
+    from foretell.plugin.testing import install_distribution
+
+    return install_distribution(SOURCE, tmp_path_factory.mktemp("redis-site"))
 
 
 @pytest.fixture

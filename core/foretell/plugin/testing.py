@@ -5,6 +5,8 @@
 - :func:`write_distribution` / :func:`fake_distributions`: real installed distributions
   (``.dist-info`` with entry points, plus modules) on ``sys.path``, so discovery runs as
   after ``pip install`` (the ``fake_distribution`` fixture).
+- :func:`install_distribution`: a plugin's source tree really installed (pip, offline) into
+  a directory of its own, which a test puts on ``sys.path`` and ``PYTHONPATH``.
 - :func:`check_storage_layout`: a storage layout keeps the promises of
   :class:`foretell.store.layout.StorageLayout`, in one call from its own tests.
 """
@@ -366,6 +368,29 @@ def check_killed_writer(open_layout: Callable[[Any], Any], identity: Any, *, kep
                     f"after {killed}, a write, a remove and collect: bytes() counts "
                     f"{open_layout(identity).bytes()}, {baseline} before")
 
+
+
+def install_distribution(source: Path, root: Path) -> Path:
+    """``pip install`` the distribution at ``source`` into ``root / "site"`` (offline, no
+    dependencies, into the running interpreter's own setuptools) and return that directory:
+    a real installed distribution, entry points and all, that leaves the environment the
+    tests run in as it was. Built from a copy, since setuptools writes an ``.egg-info``
+    beside the sources it builds, which would make the checkout look installed.
+
+    :raises RuntimeError: pip failed; its error output is in the message."""
+    import shutil
+    import subprocess
+
+    copy = shutil.copytree(source, root / "src", ignore=shutil.ignore_patterns(
+        "*.egg-info", "build", "__pycache__", "tests"))
+    site = root / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+         "--no-deps", "--no-build-isolation", "--no-index", "--target", str(site), str(copy)],
+        capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"installing {source} for the tests failed:\n{done.stderr}")
+    return site
 
 
 #: The conformance suites of the other plugin kinds (one line each from a plugin's tests).
