@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,14 +155,24 @@ def _worker(args: argparse.Namespace) -> int:
         run = _foretell_side(args.model, args.draft, args.draft_model, args.k)
     else:
         run = _mlx_lm_side(args.model)
-    first = True
-    for line in sys.stdin:
-        job = json.loads(line)
-        if first:  # warm-up
-            run(job["prompts"][:1], 4)
-            first = False
-        print(json.dumps(run(job["prompts"], job["max_tokens"])), flush=True)
+    for result in answer_jobs(run, sys.stdin):
+        print(json.dumps(result), flush=True)
     return 0
+
+
+def answer_jobs(run: Callable[[list[list[int]], int], dict[str, float]],
+                lines: Iterable[str]) -> Iterator[dict[str, float]]:
+    """Each job's figures; the first job of each batch size follows an untimed warm-up of
+    that size (a few tokens of the same prompts), so no timed run pays for shapes new to
+    the process (on GPUs, kernels compiled per shape cost seconds)."""
+    warmed: set[int] = set()
+    for line in lines:
+        job = json.loads(line)
+        prompts = job["prompts"]
+        if len(prompts) not in warmed:
+            run(prompts, 4)
+            warmed.add(len(prompts))
+        yield run(prompts, job["max_tokens"])
 
 
 # -- the comparison -------------------------------------------------------------------------
