@@ -36,7 +36,7 @@ class BatchStep:
     _rows: list[_Row]
     _batch: list[Any] | None
     _tokens: mx.array | None
-    _groups: dict[str, DraftGroup]
+    _groups: dict[int, DraftGroup]
     _policy: Any
     _warned: dict[str, int]
 
@@ -87,11 +87,11 @@ class BatchStep:
             elif rows[0].plain_left:
                 self._stretch_step(rows[0], started)
         broken: dict[int, BaseException] = {}
-        for kind, group in list(self._groups.items()):
+        for key, group in list(self._groups.items()):
             try:
                 group.commit(rows, done.accepted, lengths)
             except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
-                self._groups.pop(kind)
+                self._groups.pop(key)
                 broken.update((id(row), _draft_error(group, "commit", exc))
                               for row in group.members)
         finished = []
@@ -108,6 +108,7 @@ class BatchStep:
             logprobs = done.logprobs.get(b)
             if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
+        self._checkpoint(finished)
         self._end(finished)
         for row in [row for row in rows if id(row) in broken]:
             self._fail([row], broken[id(row)])
@@ -117,12 +118,12 @@ class BatchStep:
         """Every group's drafts, keyed by ``id(row)``. A drafter that fails ends its own
         rows with a :class:`~foretell.errors.DraftError` naming it; the others go on."""
         drafted: dict[int, tuple[mx.array, mx.array | None, int]] = {}
-        for kind, group in list(self._groups.items()):
+        for key, group in list(self._groups.items()):
             try:
                 for b, part in group.draft(rows, lengths).items():
                     drafted[id(rows[b])] = part
             except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
-                self._groups.pop(kind)
+                self._groups.pop(key)
                 failing = [row for row in self._rows if row in group.members]
                 self._fail(failing, _draft_error(group, "draft", exc))
                 try:
@@ -175,6 +176,7 @@ class BatchStep:
         self._policy.observe(len(rows), 0, time.perf_counter() - started)
         if len(rows) == 1 and rows[0].plain_left:
             self._stretch_step(rows[0], started)
+        self._checkpoint(finished)
         self._end(finished)
 
     def _settle(self) -> None:
@@ -214,6 +216,35 @@ class BatchStep:
                     _token_logprobs(logprobs, kept[0], row.logprobs),))
             row.handle._put(event)
         return row.cut.done
+
+    def _checkpoint(self, finished: Sequence[int]) -> None:
+        """Checkpoint the resumable rows that are due (``resume=True``), each with its
+        own caches taken out of the batch for the moment: a speculative row whose drafter
+        checkpoints itself at this round boundary, with the drafter's state; any other
+        row as its step goes (:meth:`~foretell.cache.request.RequestCache.observe`)."""
+        for b, row in enumerate(self._rows):
+            request = row.request
+            if not row.resume or request is None or b in finished:
+                continue
+            state = row.state
+            if row.link is not None and row.link.checkpoints is not None:
+                if row.unread or not row.round_checkpoint_due:
+                    continue
+                state.caches = [cache.extract(b) for cache in self._batch]
+                try:
+                    group = self._groups.get(id(row.speculator)) \
+                        if row.speculator is not None else None
+                    attachment = group.attachment(row, row.link, state) \
+                        if group is not None and row in group.members else None
+                    request.checkpoint_round(state, state.generated[-1], attachment)
+                finally:
+                    state.caches = []
+            elif request.observing(len(state.generated)):
+                state.caches = [cache.extract(b) for cache in self._batch]
+                try:
+                    request.observe(state)
+                finally:
+                    state.caches = []
 
     def _end(self, finished: list[int]) -> None:
         if finished:

@@ -15,25 +15,23 @@ step source) -> EOS, stop strings and ``max_tokens`` -> streamed text -> final s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
 
-from foretell.concurrency import OneAtATime, generation_stream, mlx_work
+from foretell.concurrency import mlx_work
 from foretell.config import EngineSettings
 from foretell.errors import ConfigError, GenerationError, ModelNotFound
 from foretell.model.kvcache import KVCache
 from foretell.platform import device
-from foretell.request import Progress, RequestState, plain_steps, prefill, resumed_steps
-from foretell.sampling import Sampler
-from foretell.stream import Event, Stats, StopMatcher, stream_events
+from foretell.request import Progress, RequestState
+from foretell.stream import Event, Stats
 from foretell.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -120,7 +118,6 @@ class Engine:
                 f"quantize (its caches: {sorted({type(c).__name__ for c in model.make_caches()})}"
                 f"), so kv_bits={kv_bits} would change nothing; leave it out"])
         self._cache: CacheTier | None = None
-        self._one_at_a_time = OneAtATime()
         #: Path choices for this engine's work (:class:`~foretell.config.EngineSettings`).
         self.settings = settings if settings is not None else EngineSettings()
         if isinstance(cache, (str, os.PathLike)):
@@ -176,22 +173,23 @@ class Engine:
         requests only; sampled ones decode plainly.
         """
         if kind is None:
-            with self._one_at_a_time.held():
-                self.speculator = None
+            self.speculator = None  # requests already submitted keep theirs
             return None
         from foretell.spec import make_speculator
         from foretell.spec.warmup import warm_up
 
         if self.registry is None:
             raise GenerationError("this engine has no plugin registry to find drafters in")
-        # The warm-up generates on this engine, its cache set aside: not beside a request.
-        with self._one_at_a_time.held(), self.settings.active():
-            self.speculator = make_speculator(
+        with mlx_work(), self.settings.active():
+            speculator = make_speculator(
                 self.registry, self.target, kind, options,
                 max_tokens=max_tokens, adaptive=adaptive, acceptance=acceptance, sampled=sampled,
             )
-            warm_up(self, self.speculator, progress)
-        return self.speculator
+        # The warm-up's requests run on the scheduler's worker, as every request does: this
+        # thread only waits for them (holding MLX here would stall that worker for good).
+        warm_up(self, speculator, progress)
+        self.speculator = speculator
+        return speculator
 
     # -- prompts --
 
@@ -259,34 +257,18 @@ class Engine:
             (same prompt and settings) was interrupted, continue it from its last checkpoint
             (needs a cache with an SSD tier).
         """
-        if max_tokens < 1:
-            raise GenerationError(f"max_tokens must be >= 1, got {max_tokens}")
-        ids = self.encode_prompt(prompt, chat=chat)
-        if not ids:
-            raise GenerationError("the prompt is empty: there is no token to start from")
-        self._check_fits(len(ids))
-        cuda = device.cuda_backend()
-        if cuda is not None:
-            cuda.kernels.wait()  # for kernels compiling in parallel since load
-        eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
-        speculator = self.speculator if speculate is True else (speculate or None)
-        sampler = Sampler(sampling)
-        if speculator is not None and not sampler.greedy and not speculator.sampled:
-            speculator = None  # this speculator leaves sampled requests to plain decoding
-        request = self._request_cache(speculator, resume, {
-            "max_tokens": max_tokens, "sampling": attrs.asdict(sampler.config),
-            "stop": list(StopMatcher(stop).stops), "eos": sorted(eos)})
-        return self._one_by_one(self._run(
-            ids, max_tokens, sampler, StopMatcher(stop), prefill_progress, eos, speculator, request
-        ))
+        handle = self.submit(prompt, max_tokens=max_tokens, sampling=sampling, stop=stop,
+                             chat=chat, prefill_progress=prefill_progress,
+                             ignore_eos=ignore_eos, speculate=speculate, resume=resume)
+        return _Events(handle)
 
     def submit(self, prompt: Prompt, **options: Any) -> RequestHandle:
         """Queue a request beside others: many requests decode together in one forward on
         one worker thread (:mod:`foretell.scheduler`), each with its own drafter, sampling
         and stop rules. Returns a :class:`~foretell.scheduler.RequestHandle` that yields the
         events :meth:`generate` yields (from any thread, or ``async for`` over
-        ``handle.events()``) and can be cancelled. ``options`` as for :meth:`generate` (but
-        ``resume`` and ``prefill_progress``), plus ``logprobs`` and ``constraint``."""
+        ``handle.events()``) and can be cancelled. ``options`` as for :meth:`generate`,
+        plus ``logprobs`` and ``constraint``."""
         return self.scheduler.submit(prompt, **options)
 
     @functools.cached_property
@@ -300,68 +282,6 @@ class Engine:
     def generate_text(self, prompt: Prompt, **options: Any) -> str:
         """The whole completion as one string; ``options`` as for :meth:`generate`."""
         return "".join(e.text for e in self.generate(prompt, **options) if e.type == "text")
-
-    def _one_by_one(self, events: Generator[Event, None, None]) -> Iterator[Event]:
-        """``events`` with the engine's lock taken at the first pull and held to the end, each
-        step run on the generation stream by whichever thread pulls it."""
-        one = self._one_at_a_time
-        taken = one.acquire()
-        try:
-            while True:
-                with one.running(), self.settings.active():
-                    event = next(events, None)
-                if event is None:
-                    return
-                yield event
-        finally:
-            with one.running(), self.settings.active():
-                events.close()  # an abandoned request still finishes on the stream, locked
-            if taken:
-                one.release()
-
-    def _run(
-        self,
-        ids: list[int],
-        max_tokens: int,
-        sampler: Sampler,
-        stops: StopMatcher,
-        progress: Progress | None,
-        eos: frozenset[int],
-        speculator: Speculator | None = None,
-        request: RequestCache | None = None,
-    ) -> Iterator[Event]:
-        # The clock starts when the caller first pulls, as mlx-lm's does.
-        started = time.perf_counter()
-        mx.reset_peak_memory()
-        state = self._open_request(ids, request)
-        spec_stats = None
-        if state.generated and speculator is None:  # resumed: replay, then go on decoding
-            steps = resumed_steps(self.model, state, sampler, max_tokens)
-        elif speculator is None:
-            prefill(self.model, ids[state.cached : -1], state.caches, progress)
-            if request is not None:
-                request.after_prefill(state.held_tokens(), state.caches, state.cached)
-            steps = plain_steps(self.model, state, sampler, max_tokens)
-        else:
-            from foretell.spec import SpeculationStats, speculative_steps
-
-            spec_stats = SpeculationStats(drafter=speculator.kind)
-            steps = speculative_steps(
-                self.target, speculator, state, sampler, max_tokens, spec_stats, progress,
-                after_prefill=request.after_prefill if request is not None else None,
-                link=request.draft_link(speculator) if request is not None else None,
-            )
-        if request is not None:
-            steps = request.steps(steps, state)
-        with _wired_memory():
-            events = stream_events(state, steps, self.tokenizer, stops, eos, max_tokens)
-            first_at = yield from events
-        stats = self._stats(state, started, first_at)
-        if request is not None:
-            request.finish(state.held_tokens(), state.caches, completed=True)
-        if spec_stats is not None:
-            stats = attrs.evolve(stats, speculation=spec_stats.to_dict())
-        yield stats
 
     @functools.cached_property
     def context_length(self) -> int | None:
@@ -420,10 +340,14 @@ class Engine:
             caches = quantize_caches(caches, self.kv_bits, self.kv_group_size)
         return caches
 
+    def _check_resumable(self) -> None:
+        if self.cache is None or self.cache.ssd is None:
+            raise GenerationError("resume needs a cache with an SSD tier (--cache-dir)")
+
     def _request_cache(self, speculator: Speculator | None, resume: bool,
                        settings: dict[str, Any]) -> RequestCache | None:
-        if resume and (self.cache is None or self.cache.ssd is None):
-            raise GenerationError("resume needs a cache with an SSD tier (--cache-dir)")
+        if resume:
+            self._check_resumable()
         if self.cache is None:
             return None
         from foretell.cache.quantized import kv_scheme
@@ -475,19 +399,33 @@ class Engine:
         )
 
 
-@contextlib.contextmanager
-def _wired_memory() -> Iterator[None]:
-    """On Apple silicon, let the model's memory stay wired while generating (as mlx-lm does)."""
-    if not mx.metal.is_available():
-        yield
-        return
-    limit = mx.device_info()["max_recommended_working_set_size"]
-    previous = mx.set_wired_limit(limit)
-    try:
-        yield
-    finally:
-        mx.synchronize(generation_stream())
-        mx.set_wired_limit(previous)
+class _Events:
+    """What :meth:`Engine.generate` returns: its request's events, read on the caller's
+    thread; an iterator closed or dropped before the end cancels its request, freeing the
+    row at the worker's next step."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self.handle = handle
+        self._events = iter(handle)
+        self._ended = False
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        try:
+            return next(self._events)
+        except BaseException:  # its end, or its error: the request is over either way
+            self._ended = True
+            raise
+
+    def close(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.handle.cancel()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def load(

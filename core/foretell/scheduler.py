@@ -15,11 +15,13 @@ prompt token heads the first step), the same sampler and position keys per token
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,7 @@ from foretell.batch_step import BatchStep
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.model.kvcache import KVCache, trim_all
-from foretell.request import PREFILL_CHUNK, RequestState, prefill
+from foretell.request import PREFILL_CHUNK, Progress, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
 from foretell.spec.contract import keep_recent_hidden
@@ -85,6 +87,13 @@ class _Row:
     #: start times (the stretch's typical step is what it learns of plain decoding).
     plain_left: int = 0
     stretch_times: list[float] = attrs.Factory(list)
+    #: ``(done, total)`` after each prefill chunk of this row (on the worker thread).
+    progress: Progress | None = None
+    #: Checkpoint as it goes, and continue an interrupted identical request.
+    resume: bool = False
+    #: Prompt tokens this row prefills in all, and how many it has.
+    prefill_total: int = 0
+    prefilled: int = 0
 
     @property
     def pending(self) -> int:
@@ -96,7 +105,28 @@ class _Row:
         """Whether the row's next plain step may be drawn before its last token is read:
         nothing it decides needs that token on the host (logprobs, a grammar, a repetition
         penalty's window do)."""
-        return self.logprobs is None and self.constraint is None and not self.sampler.window
+        return (self.logprobs is None and self.constraint is None and not self.sampler.window
+                and not self.round_checkpoint_due)
+
+    @property
+    def round_checkpoint_due(self) -> bool:
+        """A resumable speculative row's checkpoint is due: it is taken at a round boundary
+        (the KV holding all but the pending token), which a pipelined step never leaves."""
+        link = self.link
+        return (link is not None and link.checkpoints is not None
+                and link.checkpoints.wants_round_checkpoint(self.state))
+
+
+#: Schedulers whose worker may be running: stopped at interpreter exit, before MLX is torn
+#: down under a worker still stepping (a process leaving with a request unfinished, a
+#: ``generate`` loop left with ``break``, aborted in MLX's teardown otherwise).
+_LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for scheduler in list(_LIVE):
+        scheduler.close(drain=False)
 
 
 def default_kv_budget() -> int:
@@ -140,7 +170,8 @@ class Scheduler(BatchStep):
         #: ``int32 [B]``: each running row's pending token, on the device, while a pipelined
         #: step drew some of them (rows marked ``unread``); None when all are on the host.
         self._tokens: mx.array | None = None
-        self._groups: dict[str, DraftGroup] = {}
+        #: Per speculator (by id: a warm-up's or a request's own beside the engine's).
+        self._groups: dict[int, DraftGroup] = {}
         self._policy = BatchDraftPolicy()
         #: Per drafter kind, the distrust flags already reported.
         self._warned: dict[str, int] = {}
@@ -157,7 +188,9 @@ class Scheduler(BatchStep):
                chat: bool | None = None, ignore_eos: bool = False,
                logprobs: int | None = None,
                constraint: TokenConstraint | None = None,
-               speculate: bool | Speculator = True) -> RequestHandle:
+               speculate: bool | Speculator = True,
+               prefill_progress: Progress | None = None,
+               resume: bool = False) -> RequestHandle:
         """Queue a request; its events stream from the returned handle. Options as for
         :meth:`foretell.Engine.generate`, and:
 
@@ -168,8 +201,15 @@ class Scheduler(BatchStep):
             :class:`~foretell.spec.Speculator` (:meth:`speculator` builds one by name). A row
             speculates by itself, verified in the batch's one forward; rows reporting
             logprobs or under a constraint decode plainly.
+        :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill
+            chunk of this request, on the scheduler's worker thread: keep it short, and
+            make it safe to call from another thread than the submitter's.
+        :param resume: checkpoint this request as it goes and, if an earlier identical
+            request (same prompt and settings) was interrupted, continue it from its last
+            checkpoint (needs a cache with an SSD tier).
 
-        :raises GenerationError: the request is invalid or its KV can never fit the budget.
+        :raises GenerationError: the request is invalid, longer than the model's context,
+            or its KV can never fit the budget.
         :raises QueueFull: ``max_waiting`` requests are already waiting.
         """
         if max_tokens < 1:
@@ -179,13 +219,21 @@ class Scheduler(BatchStep):
         ids = self.engine.encode_prompt(prompt, chat=chat)
         if not ids:
             raise GenerationError("the prompt is empty: there is no token to start from")
+        self.engine._check_fits(len(ids))
+        if resume:
+            self.engine._check_resumable()
         need = len(ids) + max_tokens
         self._check_fits(need)
+        from foretell.platform import device
+
+        cuda = device.cuda_backend()
+        if cuda is not None:
+            cuda.kernels.wait()  # for kernels compiling in parallel since load
         handle = RequestHandle(self._wake, len(ids))
         eos = frozenset() if ignore_eos else self.engine.tokenizer.eos_token_ids
         row = _Row(handle=handle, ids=ids, sampler=Sampler(sampling), stops=StopMatcher(stop),
                    eos=eos, max_tokens=max_tokens, need=need, logprobs=logprobs,
-                   constraint=constraint)
+                   constraint=constraint, progress=prefill_progress, resume=resume)
         speculator = self.engine.speculator if speculate is True else (speculate or None)
         if speculator is not None and (logprobs is not None or constraint is not None or (
                 not row.sampler.greedy and not speculator.sampled)):
@@ -236,6 +284,7 @@ class Scheduler(BatchStep):
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="foretell-scheduler",
                                             daemon=True)
+            _LIVE.add(self)
             self._thread.start()
 
     def _check_fits(self, need: int) -> None:
@@ -251,11 +300,16 @@ class Scheduler(BatchStep):
     def _work(self) -> None:
         from foretell.concurrency import mlx_work
 
+        wired = _WiredMemory()
         while True:
             idle = not (self._rows or self._prefilling or self._waiting)
+            if idle and wired.held:
+                with mlx_work():
+                    wired.release()
             if not self._take_new(block=idle):
                 return
             with mlx_work(), self.engine.settings.active():
+                wired.hold()
                 try:
                     self._drop_cancelled()
                     self._admit()
@@ -333,15 +387,20 @@ class Scheduler(BatchStep):
     def _open(self, row: _Row) -> None:
         engine = self.engine
         row.started = time.perf_counter()
+        if not (self._rows or self._prefilling):
+            mx.reset_peak_memory()  # alone, its peak is its own, as a request's used to be
         kind = row.speculator.kind if row.speculator is not None else None
-        row.request = engine._request_cache(row.speculator, False, {
+        row.request = engine._request_cache(row.speculator, row.resume, {
             "max_tokens": row.max_tokens, "sampling": attrs.asdict(row.sampler.config),
             "stop": list(row.stops.stops), "eos": sorted(row.eos)})
         row.state = engine._open_request(row.ids, row.request)
         if kind is not None and row.request is not None:
             row.link = row.request.draft_link(row.speculator)
-        row.todo = row.ids[row.state.cached : -1]
-        row.keys = row.sampler.keys()
+        # A resumed request replays its checkpoint: its caches hold all but the pending token.
+        row.todo = [] if row.state.generated else row.ids[row.state.cached : -1]
+        row.prefill_total = len(row.todo)
+        # A resumed request draws on with its checkpoint's seed (keys are per position).
+        row.keys = row.state.keys if row.state.keys is not None else row.sampler.keys()
         row.state.keys = row.keys
         row.cut = StreamCut(row.state, engine.tokenizer, row.stops, row.eos, row.max_tokens)
         if row.speculator is not None:
@@ -382,11 +441,25 @@ class Scheduler(BatchStep):
             if hidden is not None:
                 row.feed_hidden.append(hidden)
                 keep_recent_hidden(row.feed_hidden)
+        for row, chunk in chunks:
+            if row in self._prefilling:  # (a row whose prefill failed has left)
+                self._progressed(row, len(chunk))
         joining = [row for row in self._prefilling if not row.todo]
         for row in joining:
             self._prefilling.remove(row)
         if joining:
             self._join(joining)
+
+    def _progressed(self, row: _Row, tokens: int) -> None:
+        """Tell the row's ``prefill_progress`` of a chunk it prefilled; a callback that
+        raises fails its own request only."""
+        row.prefilled += tokens
+        if row.progress is None:
+            return
+        try:
+            row.progress(row.prefilled, row.prefill_total)
+        except Exception as exc:  # noqa: BLE001 - the caller's callback fails its request
+            self._fail([row], exc)
 
     @staticmethod
     def _shares_prefill(row: _Row) -> bool:
@@ -461,14 +534,24 @@ class Scheduler(BatchStep):
             row.state.caches = []  # the batch holds them now
             row.feed_tokens, row.feed_hidden = [], []
         self._rows.extend(joining)
+        # A resumed row streams what its checkpoint holds at once (it may end there).
+        replayed = [self._rows.index(row) for row in joining if row.state.resumed]
+        self._end([b for b in replayed if self._replay(self._rows[b])])
+
+    def _replay(self, row: _Row) -> bool:
+        """Stream a resumed row's restored tokens; returns whether the row is done."""
+        event = row.cut.feed(list(row.state.generated))
+        if event is not None:
+            row.handle._put(event)
+        return row.cut.done
 
     def _group(self, speculator: Speculator) -> DraftGroup:
-        group = self._groups.get(speculator.kind)
-        if group is None or group.speculator is not speculator:
+        group = self._groups.get(id(speculator))
+        if group is None:
             from foretell.spec.batch import DraftGroup
 
             group = DraftGroup(speculator, self.engine.target)
-            self._groups[speculator.kind] = group
+            self._groups[id(speculator)] = group
         return group
 
     def _finish(self, b: int) -> None:
@@ -478,7 +561,7 @@ class Scheduler(BatchStep):
             row.handle._put(tail)
         state = row.state
         state.caches = [cache.extract(b) for cache in self._batch]
-        group = self._groups.get(row.speculator.kind) if row.speculator is not None else None
+        group = self._groups.get(id(row.speculator)) if row.speculator is not None else None
         if row.link is not None and group is not None and row in group.members:
             try:
                 if state.held == len(state.prompt) + len(state.generated):
@@ -506,8 +589,16 @@ class Scheduler(BatchStep):
     def _remove(self, indices: Sequence[int]) -> None:
         gone = {id(self._rows[b]) for b in indices}
         keep = [b for b, row in enumerate(self._rows) if id(row) not in gone]
-        for group in self._groups.values():
+        for key, group in list(self._groups.items()):
             group.leave(gone)
+            if not group.members and group.speculator is not self.engine.speculator:
+                # A speculator no request uses now (a warm-up's copy, one a request brought):
+                # its drafter's rows go with it; the engine's stay ready for the next request.
+                self._groups.pop(key)
+                try:
+                    group.rows.close()
+                except Exception:  # noqa: BLE001 - closing a drafter never fails a request
+                    pass
         self._rows = [self._rows[b] for b in keep]
         if self._tokens is not None:
             unread = any(row.unread for row in self._rows)
@@ -538,3 +629,28 @@ class Scheduler(BatchStep):
                 for row in self._rows:
                     row.handle._put(exc)
                 self._rows = []
+
+
+class _WiredMemory:
+    """On Apple silicon, the model's memory stays wired while the worker has requests (as
+    mlx-lm's generation does); elsewhere nothing. Held and released on the worker thread."""
+
+    def __init__(self) -> None:
+        self._previous: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._previous is not None
+
+    def hold(self) -> None:
+        if self._previous is None and mx.metal.is_available():
+            self._previous = mx.set_wired_limit(
+                mx.device_info()["max_recommended_working_set_size"])
+
+    def release(self) -> None:
+        if self._previous is not None:
+            from foretell.concurrency import generation_stream
+
+            mx.synchronize(generation_stream())
+            mx.set_wired_limit(self._previous)
+            self._previous = None

@@ -140,6 +140,10 @@ class Checkpointer:
             clones = clone_caches(caches, self.tier.codecs)
             self._held = (tokens, clones, tuple(keys.state()) if keys is not None else None)
 
+    def busy(self, generated: int) -> bool:
+        """Whether :meth:`observe` after ``generated`` tokens would take or write one."""
+        return self._held is not None or generated >= self._next
+
     def due(self, generated: int) -> bool:
         """Whether a round boundary after ``generated`` tokens should be checkpointed."""
         return generated >= self._next

@@ -3,7 +3,8 @@
 1. ``open``: resume from a checkpoint (``resume=True``), else look up the longest usable
    prefix; caches come back as clones the request owns.
 2. ``after_prefill``: store the prompt snapshot (a boundary the next turn can always use).
-3. ``steps``: with ``resume``, checkpoint every N tokens.
+3. ``observe`` (plain) or ``checkpoint_round`` (a drafter that checkpoints itself): with
+   ``resume``, checkpoint every N tokens.
 4. ``finish``: store prompt + generation, drop the request's checkpoints, refill the
    layout's restore reserve if this request's restore used it.
 
@@ -15,7 +16,7 @@ stored: the cold tier never takes serving down.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from foretell.cache.attachment import DraftAttachment, split_attachment
@@ -94,23 +95,19 @@ class RequestCache:
         if len(held_tokens) > cached:  # nothing new was computed: the tier has it already
             self._store(held_tokens, caches)
 
-    def steps(self, steps: Iterator[list[int]], state: Any) -> Iterator[list[int]]:
-        """``steps``, checkpointing the request every N tokens when resumable."""
-        if self._checkpointer is None or (self._link is not None and self._link.checkpoints):
-            return steps  # none, or taken at round boundaries by the verifier (draft_link)
-        return self._checkpointed(steps, state)
+    def observing(self, generated: int) -> bool:
+        """Whether :meth:`observe` after a step that left ``generated`` tokens would do
+        anything (a checkpoint is due, or one taken waits for its pending token): the
+        scheduler takes a row's caches out of the batch only then."""
+        return self._checkpointer is not None and self._checkpointer.busy(generated)
 
-    def _checkpointed(self, steps: Iterator[list[int]], state: Any) -> Iterator[list[int]]:
+    def observe(self, state: Any) -> None:
+        """After a step of a resumable request (``state.caches`` its own caches)."""
         try:
-            for tokens in steps:
-                yield tokens
-                try:
-                    self._checkpointer.observe(state.held_tokens(), state.caches,
-                                               len(state.generated), state.keys)
-                except CodecError as exc:
-                    self._skip(exc)
-        finally:
-            steps.close()
+            self._checkpointer.observe(state.held_tokens(), state.caches,
+                                       len(state.generated), state.keys)
+        except CodecError as exc:
+            self._skip(exc)
 
     def finish(self, held_tokens: list[int], caches: list[Any], completed: bool) -> None:
         final = self._link.final if self._link is not None else None

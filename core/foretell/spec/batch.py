@@ -218,13 +218,18 @@ class DraftGroup:
         hidden = _joined(row.feed_hidden) if wants_hidden else None
         slot = _Slot()
         restored = None
+        state = row.state
+        # A resumed row's sequence runs on past its prompt; its entry (the checkpoint) ends
+        # where its caches do.
+        sequence = state.prompt + state.generated
         if link is not None:
-            restored = link.restore(slot, row.state.prompt, row.state.cached)
+            restored = link.restore(slot, sequence,
+                                    state.held if state.generated else state.cached)
         if restored is not None and wants_hidden:
             hidden = _joined([h for h in (restored[1], hidden) if h is not None and h.size])
-        if restored is None and wants_hidden and row.state.cached:
+        if restored is None and wants_hidden and state.cached:
             return False
-        start = RowStart(feed=Feed(list(row.state.prompt), hidden), sampler=row.sampler,
+        start = RowStart(feed=Feed(sequence, hidden), sampler=row.sampler,
                          keys=draft_keys(row.sampler), state=slot.state,
                          state_tokens=slot.tokens)
         try:
