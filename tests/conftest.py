@@ -109,3 +109,41 @@ def _checkpoint_on_disk(cache) -> bool:
         if str(header.get("namespace", "")).startswith(CHECKPOINT_PREFIX):
             return True
     return False
+
+
+
+class WorkerDied(Exception):
+    """What :func:`dies_after` raises inside the scheduler's worker."""
+
+
+@pytest.fixture
+def dies_after():
+    """``dies_after(n, start) -> tokens``: ``start()`` (a generation: ``engine.generate``'s
+    events) read while the scheduler's worker "dies" after the step that took a request to
+    ``n`` generated tokens (and took its checkpoint, if one was due): the step raises, so the running requests fail with no completion and no cleanup,
+    as when the process is killed (what the cache tier was handed by then, checkpoints
+    included, stays). Returns the tokens streamed before. Leaving a ``generate`` loop after
+    ``n`` tokens would interrupt nothing: requests run on a worker thread that does not wait
+    for its reader, and may well have finished by then."""
+    from foretell.batch_step import BatchStep
+    from foretell.errors import GenerationError
+
+    def run(n, start):
+        real = BatchStep._checkpoint
+
+        def checkpoint(self, finished):  # after a step's commits, before its rows finish
+            real(self, finished)
+            if any(len(row.state.generated) >= n for row in self._rows):
+                raise WorkerDied(f"the process died after {n} tokens")
+
+        BatchStep._checkpoint = checkpoint
+        seen = []
+        try:
+            with pytest.raises(GenerationError, match="the process died"):
+                for event in start():
+                    seen += event.tokens
+        finally:
+            BatchStep._checkpoint = real
+        return seen
+
+    return run

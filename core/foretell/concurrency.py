@@ -9,6 +9,7 @@ may use, one thread at a time (:func:`mlx_work`), and an engine serves one reque
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +43,14 @@ class _ClearsStreamsAtExit:
     streams end with it (MLX 0.32 otherwise aborts the process at exit, at random, over a
     stream of a thread long gone)."""
 
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+
     def __del__(self) -> None:
+        # A forked child drops the locals of threads it did not inherit (the scheduler's
+        # worker): their streams' MLX threads are not in the child, and waiting on them hangs.
+        if os.getpid() != self._pid:
+            return
         mx.synchronize()
         mx.clear_streams()
 

@@ -168,17 +168,14 @@ def test_quantized_kv_restores_from_disk_token_identically(tmp_path):
 
 @pytest.mark.parametrize("sampling", [None, SamplingConfig(temp=0.8, seed=11)],
                          ids=["greedy", "sampled"])
-def test_an_interrupted_generation_resumes_identically(model_dir, tmp_path, sampling):
+def test_an_interrupted_generation_resumes_identically(model_dir, tmp_path, sampling,
+                                                       dies_after):
     uninterrupted, _ = run(foretell.load(model_dir), sampling=sampling)
     engine = engine_over(model_dir, tmp_path)
     engine.cache.checkpoint_every = 3
-    stream = engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, sampling=sampling,
-                             resume=True)
-    seen = []
-    for event in stream:  # the process "dies" after 8 tokens: no completion, no cleanup
-        seen += event.tokens
-        if len(seen) >= 8:
-            break
+    # The process "dies" after 8 tokens: no completion, no cleanup.
+    assert len(dies_after(8, lambda: engine.generate(
+        PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, sampling=sampling, resume=True))) >= 8
     assert engine.cache.flush(10).durable
     resumed, stats = run(engine_over(model_dir, tmp_path), sampling=sampling, resume=True)
     assert stats.cached_from == "checkpoint"
@@ -191,7 +188,7 @@ def test_an_interrupted_generation_resumes_identically(model_dir, tmp_path, samp
         s.header.namespace.startswith("generation:") for s in fresh.cache.ssd.entries())
 
 
-def test_a_request_run_again_in_the_same_process_checkpoints_anew(tmp_path):
+def test_a_request_run_again_in_the_same_process_checkpoints_anew(tmp_path, dies_after):
     """A completed resumable generation deletes its checkpoints; the same request again
     (the same prompt and settings, so the same checkpoint namespace) must still leave
     checkpoints to resume from when it is interrupted."""
@@ -200,24 +197,25 @@ def test_a_request_run_again_in_the_same_process_checkpoints_anew(tmp_path):
     engine = engine_over(model_dir, tmp_path / "c")
     engine.cache.checkpoint_every = 3
     assert run(engine, resume=True)[0] == uninterrupted  # completed: its checkpoints go
-    seen = []
-    for event in engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True, resume=True):
-        seen += event.tokens
-        if len(seen) >= 8:  # the second run "dies" here
-            break
+    dies_after(8, lambda: engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                          resume=True))  # the second run "dies" here
     assert engine.cache.flush(10).durable
     resumed, stats = run(engine_over(model_dir, tmp_path / "c"), resume=True)
     assert stats.cached_from == "checkpoint" and resumed == uninterrupted
 
 
-def test_another_setting_never_resumes_a_checkpoint(tmp_path):
+def test_another_setting_never_resumes_a_checkpoint(tmp_path, dies_after):
     model_dir = make_model_dir(tmp_path / "m", "qwen3")
     engine = engine_over(model_dir, tmp_path / "c")
     engine.cache.checkpoint_every = 2
-    for i, _event in enumerate(engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                              resume=True)):
-        if i >= 6:
-            break
+    dies_after(7, lambda: engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                          resume=True))
+    engine.cache.flush(10)
+    # The checkpoint is there for the same settings ...
+    assert run(engine_over(model_dir, tmp_path / "c"), resume=True)[1].cached_from \
+        == "checkpoint"
+    dies_after(7, lambda: engine.generate(PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                          resume=True))
     engine.cache.flush(10)
     other = SamplingConfig(temp=0.5, seed=1)
     _, stats = run(engine_over(model_dir, tmp_path / "c"), sampling=other, resume=True)

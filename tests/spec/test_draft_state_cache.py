@@ -23,42 +23,43 @@ MAX_TOKENS = 24
 
 
 class Spy:
-    """Counts what reaches a source class: tokens prefilled, restores and their lengths."""
+    """Counts what reaches a drafter's rows class as rows join: tokens prefilled (those past
+    a restored state) and restores with the tokens each state had been fed."""
 
     def __init__(self, monkeypatch, cls):
         self.prefilled: list[int] = []
         self.restored: list[int] = []
         spy = self
-        prefill, restore = cls.prefill, cls.restore
+        append = cls.append
 
-        def counting_prefill(source, feed):
-            spy.prefilled.append(len(feed.tokens))
-            return prefill(source, feed)
+        def counting_append(rows, starts):
+            for start in starts:
+                if start.state is not None:
+                    spy.restored.append(len(start.state_tokens))
+                spy.prefilled.append(len(start.feed.tokens) - len(start.state_tokens)
+                                     if start.state is not None else len(start.feed.tokens))
+            return append(rows, starts)
 
-        def counting_restore(source, state, tokens):
-            spy.restored.append(len(tokens))
-            return restore(source, state, tokens)
-
-        monkeypatch.setattr(cls, "prefill", counting_prefill)
-        monkeypatch.setattr(cls, "restore", counting_restore)
+        monkeypatch.setattr(cls, "append", counting_append)
 
     def reset(self):
         self.prefilled.clear()
         self.restored.clear()
 
 
-def source_class(kind):
+def rows_class(kind):
+    """The class of the rows a drafter serves requests with (its ``open_rows``)."""
     if kind == "two-model":
-        from foretell_two_model.source import TwoModelSource
+        from foretell_two_model.rows import TwoModelRows
 
-        return TwoModelSource
+        return TwoModelRows
     if kind == "mtp":
-        from foretell_qwen.mtp import MTPSource
+        from foretell_qwen.mtp_rows import MTPRows
 
-        return MTPSource
-    from foretell_ngram.lookup import NgramSource
+        return MTPRows
+    from foretell_ngram.lookup import NgramRows
 
-    return NgramSource
+    return NgramRows
 
 
 def drafter(registry, kind, **options):
@@ -95,7 +96,7 @@ def drafters(model_dirs, registry, target="qwen3"):
 @pytest.mark.parametrize("kind", ["two-model", "ngram"])
 def test_a_ram_hit_restores_the_drafter_instead_of_prefilling_it(
         model_dirs, registry, monkeypatch, kind, target):
-    spy = Spy(monkeypatch, source_class(kind))
+    spy = Spy(monkeypatch, rows_class(kind))
     engine = engine_with(model_dirs[target], registry, drafters(model_dirs, registry, target)[kind])
     first, cold = run(engine, PROMPT_REPEATS)
     assert spy.prefilled == [len(PROMPT_REPEATS)] and spy.restored == []
@@ -138,7 +139,7 @@ def test_an_ssd_hit_in_a_fresh_engine_restores_the_drafter(model_dirs, registry,
     writer = engine_with(model_dirs["qwen3"], registry, draft, tmp_path)
     original, _ = run(writer, PROMPT_REPEATS)
     assert writer.cache.close(10).durable
-    spy = Spy(monkeypatch, source_class(kind))
+    spy = Spy(monkeypatch, rows_class(kind))
     restored, stats = run(engine_with(model_dirs["qwen3"], registry, draft, tmp_path),
                           PROMPT_REPEATS)
     assert stats.cached_from == "ssd"
@@ -147,9 +148,7 @@ def test_an_ssd_hit_in_a_fresh_engine_restores_the_drafter(model_dirs, registry,
 
 
 def test_another_draft_models_state_is_never_restored(model_dirs, registry, monkeypatch):
-    from foretell_two_model.source import TwoModelSource
-
-    spy = Spy(monkeypatch, TwoModelSource)
+    spy = Spy(monkeypatch, rows_class("two-model"))
     engine = engine_with(model_dirs["qwen3"], registry,
                          drafter(registry, "two-model", model=str(model_dirs["qwen3"])))
     run(engine, PROMPT)
@@ -165,9 +164,7 @@ def test_another_draft_models_state_is_never_restored(model_dirs, registry, monk
 
 
 def test_a_shorter_prefix_hit_never_uses_the_attachment(model_dirs, registry, monkeypatch):
-    from foretell_two_model.source import TwoModelSource
-
-    spy = Spy(monkeypatch, TwoModelSource)
+    spy = Spy(monkeypatch, rows_class("two-model"))
     engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
     run(engine, PROMPT)
     other = PROMPT[:20] + [7, 8, 9, 10, 11]
@@ -182,7 +179,7 @@ def test_a_prompt_continuing_the_last_request_restores_then_prefills_the_rest(
         model_dirs, registry, monkeypatch):
     """The entry stored when a request ends carries the drafter too: a prompt that goes on
     from everything the last request produced (a next turn that renders it as it was)."""
-    spy = Spy(monkeypatch, source_class("two-model"))
+    spy = Spy(monkeypatch, rows_class("two-model"))
     engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
     first, _ = run(engine, PROMPT)
     longer = [*PROMPT, *first, 3, 1, 4, 1, 5]
@@ -218,9 +215,7 @@ def demo_registry():
 
 def test_mtp_after_a_hit_speculates_from_its_restored_head_cache(demo_registry, monkeypatch,
                                                                  tmp_path):
-    from foretell_qwen.mtp import MTPSource
-
-    spy = Spy(monkeypatch, MTPSource)
+    spy = Spy(monkeypatch, rows_class("mtp"))
     options = dict(max_tokens=40, chat=False, ignore_eos=True)
     reference = foretell.load("demo", registry=demo_registry)
     expected = reference.generate_text(MTP_PROMPT, speculate=False, **options)
@@ -247,15 +242,13 @@ def test_mtp_prefers_the_exact_boundary_it_can_speculate_from(demo_registry, mon
     the last reply. The prompt + reply entry would serve more tokens trimmed, without the
     head's state (MTP would then decode plainly); the prompt snapshot serves its exact
     boundary with it, and MTP speculates."""
-    from foretell_qwen.mtp import MTPSource
-
     options = dict(max_tokens=24, ignore_eos=True)
     engine = engine_with("demo", demo_registry, ("mtp", None), k=2)
     prompt = engine.encode_prompt(MTP_PROMPT, chat=False)
     first, _ = run(engine, prompt)
     follow_up = [*prompt, *engine.encode_prompt("\n\n\nclass Tree:\n    def", chat=False)]
     assert follow_up[len(prompt)] != first[0]
-    spy = Spy(monkeypatch, MTPSource)
+    spy = Spy(monkeypatch, rows_class("mtp"))
     events = list(engine.generate(follow_up, **options))
     stats = events[-1]
     assert stats.cached_tokens == len(prompt) - 1 and spy.restored == [len(prompt)]
@@ -269,16 +262,13 @@ def test_mtp_prefers_the_exact_boundary_it_can_speculate_from(demo_registry, mon
 # -- resuming a speculative generation ---------------------------------------------------
 
 
-def interrupted_then_resumed(path, registry, draft, cache_dir, sampling, prompt, k=3):
+def interrupted_then_resumed(path, registry, draft, cache_dir, sampling, prompt, dies_after,
+                             k=3):
     engine = engine_with(path, registry, draft, cache_dir, k=k)
     engine.cache.checkpoint_every = 3
-    stream = engine.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
-                             sampling=sampling, resume=True)
-    seen = []
-    for event in stream:  # the process "dies" after 8 tokens: no completion, no cleanup
-        seen += event.tokens
-        if len(seen) >= 8:
-            break
+    # The process "dies" after 8 tokens: no completion, no cleanup.
+    dies_after(8, lambda: engine.generate(prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                          sampling=sampling, resume=True))
     assert engine.cache.flush(10).durable
     return run(engine_with(path, registry, draft, cache_dir, k=k), prompt,
                sampling=sampling, resume=True)
@@ -289,13 +279,13 @@ def interrupted_then_resumed(path, registry, draft, cache_dir, sampling, prompt,
 @pytest.mark.parametrize("target", ["qwen3", "gemma3_text"])
 @pytest.mark.parametrize("kind", ["two-model", "ngram"])
 def test_a_resumed_speculative_generation_continues_the_same_stream(
-        model_dirs, registry, monkeypatch, tmp_path, kind, target, sampling):
+        model_dirs, registry, monkeypatch, tmp_path, kind, target, sampling, dies_after):
     draft = drafters(model_dirs, registry, target)[kind]
     path = model_dirs[target]
     uninterrupted, _ = run(engine_with(path, registry, draft), PROMPT_REPEATS, sampling=sampling)
-    spy = Spy(monkeypatch, source_class(kind))
+    spy = Spy(monkeypatch, rows_class(kind))
     resumed, stats = interrupted_then_resumed(path, registry, draft, tmp_path, sampling,
-                                              PROMPT_REPEATS)
+                                              PROMPT_REPEATS, dies_after)
     assert stats.cached_from == "checkpoint"
     assert resumed == uninterrupted
     # Seeded too: each position's token is drawn with that position's key, as plain
@@ -308,25 +298,25 @@ def test_a_resumed_speculative_generation_continues_the_same_stream(
 
 @pytest.mark.parametrize("sampling", [None, SamplingConfig(temp=0.8, seed=5)],
                          ids=["greedy", "sampled"])
-def test_a_resumed_mtp_generation_continues_the_same_stream(demo_registry, tmp_path, sampling):
+def test_a_resumed_mtp_generation_continues_the_same_stream(demo_registry, tmp_path, sampling,
+                                                            dies_after):
     prompt = foretell.load("demo", registry=demo_registry).encode_prompt(MTP_PROMPT, chat=False)
     uninterrupted, _ = run(engine_with("demo", demo_registry, ("mtp", None), k=2), prompt,
                            sampling=sampling)
     resumed, stats = interrupted_then_resumed("demo", demo_registry, ("mtp", None), tmp_path,
-                                              sampling, prompt, k=2)
+                                              sampling, prompt, dies_after, k=2)
     assert stats.cached_from == "checkpoint" and stats.speculation["drafted"] > 0
     assert resumed == uninterrupted
 
 
-def test_another_drafter_never_resumes_a_speculative_checkpoint(model_dirs, registry, tmp_path):
+def test_another_drafter_never_resumes_a_speculative_checkpoint(model_dirs, registry, tmp_path,
+                                                                dies_after):
     path = model_dirs["qwen3"]
     ours = drafter(registry, "two-model", model=str(model_dirs["qwen3"]))
     engine = engine_with(path, registry, ours, tmp_path)
     engine.cache.checkpoint_every = 3
-    for i, _event in enumerate(engine.generate(PROMPT_REPEATS, max_tokens=MAX_TOKENS,
-                                               ignore_eos=True, resume=True)):
-        if i >= 4:
-            break
+    dies_after(10, lambda: engine.generate(PROMPT_REPEATS, max_tokens=MAX_TOKENS,
+                                           ignore_eos=True, resume=True))
     assert engine.cache.flush(10).durable
     other = drafter(registry, "two-model", model=str(model_dirs["qwen3-other"]))
     _, stats = run(engine_with(path, registry, other, tmp_path), PROMPT_REPEATS, resume=True)
@@ -341,22 +331,20 @@ def test_a_drafter_that_fails_to_restore_is_prefilled_instead(model_dirs, regist
                                                              monkeypatch, caplog):
     import logging
 
-    from foretell_two_model.source import TwoModelSource
-
     engine = engine_with(model_dirs["qwen3"], registry, drafters(model_dirs, registry)["two-model"])
     run(engine, PROMPT)
 
-    def broken(source, state, tokens):
+    def broken(rows, row, start):
         raise ValueError("stored state from elsewhere")
 
-    monkeypatch.setattr(TwoModelSource, "restore", broken)
-    spy_prefilled = []
-    prefill = TwoModelSource.prefill
-    monkeypatch.setattr(TwoModelSource, "prefill",
-                        lambda s, feed: spy_prefilled.append(len(feed.tokens)) or prefill(s, feed))
+    rows = rows_class("two-model")
+    monkeypatch.setattr(rows, "_restored", broken)
+    spy = Spy(monkeypatch, rows)
     with caplog.at_level(logging.WARNING, logger="foretell.spec"):
         tokens, stats = run(engine, PROMPT)
-    assert stats.cached_from == "ram" and spy_prefilled == [len(PROMPT)]
+    # Offered the state, it failed; the row joined again with the prompt to prefill.
+    assert stats.cached_from == "ram" and spy.restored == [len(PROMPT)]
+    assert spy.prefilled == [0, len(PROMPT)]
     assert tokens == plain(model_dirs["qwen3"], registry, PROMPT)
     assert "failed in restore()" in caplog.text and "two-model" in caplog.text
 
@@ -411,7 +399,7 @@ def test_a_second_process_restores_the_drafter_from_disk(tmp_path):
 
 
 def test_a_resumed_generation_with_the_adaptive_length_stays_greedy_identical(
-        model_dirs, registry, tmp_path):
+        model_dirs, registry, tmp_path, dies_after):
     """With the adaptive length (the default) the rounds differ from run to run; greedy
     output may not, resumed or not."""
     path = model_dirs["qwen3"]
@@ -420,10 +408,8 @@ def test_a_resumed_generation_with_the_adaptive_length_stays_greedy_identical(
     engine.cache = CacheTier.for_engine(engine, tmp_path)
     engine.cache.checkpoint_every = 3
     engine.use_draft(*draft, max_tokens=4, adaptive=True)
-    for i, _event in enumerate(engine.generate(PROMPT_REPEATS, max_tokens=MAX_TOKENS,
-                                               ignore_eos=True, resume=True)):
-        if i >= 3:
-            break
+    dies_after(10, lambda: engine.generate(PROMPT_REPEATS, max_tokens=MAX_TOKENS,
+                                           ignore_eos=True, resume=True))
     assert engine.cache.flush(10).durable
     resumed = foretell.load(path, registry=registry)
     resumed.cache = CacheTier.for_engine(resumed, tmp_path)
@@ -452,7 +438,7 @@ def test_the_block_store_keeps_the_drafter_state_too(model_dirs, registry, monke
     writer = engine()
     original, _ = run(writer, PROMPT_REPEATS)
     assert writer.cache.close(10).durable
-    spy = Spy(monkeypatch, source_class(kind))
+    spy = Spy(monkeypatch, rows_class(kind))
     restored, stats = run(engine(), PROMPT_REPEATS)
     assert stats.cached_from == "ssd" and spy.restored == [len(PROMPT_REPEATS)]
     assert restored == original == plain(model_dirs["qwen3"], registry, PROMPT_REPEATS)

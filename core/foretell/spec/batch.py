@@ -9,6 +9,7 @@ decoding step. :class:`SourceRows` lets a per-request (plugin API 1) drafter ser
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -234,10 +235,13 @@ class DraftGroup:
                          state_tokens=slot.tokens)
         try:
             self.rows.append([start])
-        except Exception:
+        except Exception as exc:
             if restored is None or wants_hidden:
                 raise
             # The state did not fit after all: start over from the prompt.
+            logging.getLogger("foretell.spec").warning(
+                "%s failed in restore(): %s: %s; it prefills the prompt instead",
+                self.speculator.label(), type(exc).__name__, exc)
             self.rows.append([attrs.evolve(start, state=None, state_tokens=())])
         self.members.append(row)
         return True
