@@ -2,8 +2,9 @@
 
 MLX streams are per thread: a stream, and the work queued on it, are unknown to another
 thread ("There is no Stream(cpu, N)"). foretell runs its MLX work on one stream any thread
-may use, one thread at a time (:func:`mlx_work`), and an engine serves one request at a time
-(:class:`OneAtATime`) until the batched engine runs all requests on one worker thread.
+may use, one thread at a time (:func:`mlx_work`): an engine's requests all run on its
+scheduler's worker thread (:mod:`foretell.scheduler`); loading and making a drafter run on
+the caller's thread, between the worker's steps.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
-
-from foretell.errors import GenerationError
 
 _STREAM: Any = None
 #: Held while foretell drives MLX (a step of a generation, a load, a drafter's warm-up), on
@@ -67,58 +66,3 @@ def mlx_work() -> Iterator[None]:
             _THREAD.streams = _ClearsStreamsAtExit()
         with mx.stream(generation_stream()):
             yield
-
-
-class OneAtATime:
-    """An engine's lock, held across a whole generation (its drafter and its RAM state serve
-    one request at a time; a batched engine will lift this).
-
-    Any thread may step the generation that holds it. A thread that already runs a holder's
-    step (a drafter's warm-up generating inside :meth:`Engine.use_draft`) runs inside that
-    holder; a thread that would wait on a generation it left open itself is told so instead
-    of waiting forever."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last_thread: int | None = None
-        self._here = threading.local()
-
-    def acquire(self) -> bool:
-        """Take the lock, waiting for the holder to finish; False when this thread runs a
-        holder's step now (the caller then runs inside it and must not release)."""
-        if getattr(self._here, "depth", 0):
-            return False
-        if not self._lock.acquire(blocking=False):
-            if self._last_thread == threading.get_ident():
-                raise GenerationError(
-                    "this thread left another generation of this engine open: an engine "
-                    "serves one request at a time, so finish or close() that one first")
-            self._lock.acquire()
-        self._last_thread = threading.get_ident()
-        return True
-
-    def release(self) -> None:
-        self._last_thread = None
-        self._lock.release()
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold the lock (or run inside this thread's holder) for a section that ends here."""
-        taken = self.acquire()
-        try:
-            with self.running():
-                yield
-        finally:
-            if taken:
-                self.release()
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """A step of the holder runs on this thread."""
-        self._last_thread = threading.get_ident()
-        self._here.depth = getattr(self._here, "depth", 0) + 1
-        try:
-            with mlx_work():
-                yield
-        finally:
-            self._here.depth -= 1

@@ -6,11 +6,13 @@
             print(event.text, end="", flush=True)
     print(event.to_dict())  # the final event carries the stats
 
-One request flows: encode (chat template) -> open caches (the prefix cache slots in here)
--> prefill all but the last prompt token in 2048-token chunks (:mod:`foretell.request`) ->
-decode steps, each handing back one or more token ids (a speculative verifier is another
-step source) -> EOS, stop strings and ``max_tokens`` -> streamed text -> final stats
-(:mod:`foretell.stream`).
+Every request, ``generate``'s too, is submitted to the engine's one scheduler
+(:mod:`foretell.scheduler`), whose worker thread owns MLX: encode (chat template) -> admit
+(the prefix cache slots in here) -> prefill all but the last prompt token in 2048-token
+chunks -> steps over every running request, each handing back one or more token ids per
+request (a speculating request's drafts verified in the same forward,
+:func:`foretell.spec.batch.verify_rows`) -> EOS, stop strings and ``max_tokens`` ->
+streamed text -> final stats (:mod:`foretell.stream`). ``generate`` is submit-and-iterate.
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 class Engine:
-    """A loaded model and tokenizer, ready to serve requests one at a time.
+    """A loaded model and tokenizer, ready to serve requests.
 
-    Any thread may use it: requests from several threads run one after another, each whole
-    (:class:`OneAtATime`), and a generation may be iterated on another thread than the one
-    that started it."""
+    Any thread may use it: every request runs on the scheduler's one worker thread, beside
+    the others (:meth:`submit`), and a generation may be iterated on another thread than the
+    one that started it."""
 
     def __init__(
         self,
@@ -241,7 +243,9 @@ class Engine:
         speculate: bool | Speculator = True,
         resume: bool = False,
     ) -> Iterator[Event]:
-        """Stream a completion: :class:`TextEvent` s, then one :class:`Stats`.
+        """Stream a completion: :class:`TextEvent` s, then one :class:`Stats`. The request
+        is submitted now (:meth:`submit`) and runs on the scheduler's worker, which does not
+        wait for this iterator; closing or dropping the iterator before its end cancels it.
 
         :param prompt: text, chat messages (``[{"role": ..., "content": ...}]``) or token ids.
         :param max_tokens: the most tokens to generate (EOS counts).
@@ -249,7 +253,8 @@ class Engine:
         :param stop: strings that end generation; never emitted.
         :param chat: apply the chat template to a text prompt (default: raw text, as mlx-lm's
             Python ``generate``; chat messages always use the template).
-        :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill chunk.
+        :param prefill_progress: called ``(tokens done, tokens total)`` after each prefill
+            chunk, on the scheduler's worker thread.
         :param ignore_eos: keep generating through EOS to ``max_tokens`` (benchmarks).
         :param speculate: use the engine's drafter (True), decode plainly (False), or use
             this :class:`~foretell.spec.Speculator`. Speculation never changes greedy output.

@@ -1,21 +1,18 @@
-"""One request's state and the step sources that advance it.
+"""One request's state, and the prefill that fills its caches.
 
-:class:`RequestState` owns a request's sequence and its caches; :func:`prefill` feeds
-prompt tokens into them in chunks; :func:`plain_steps` and :func:`resumed_steps` are the
-plain step sources (the speculative verifier in :mod:`foretell.spec` is the other one).
-Each step source yields the token ids one step produced; :func:`foretell.stream.stream_events`
-decides where the request ends.
+:class:`RequestState` owns a request's sequence and, until it joins the scheduler's batch
+(:mod:`foretell.scheduler`) and again when it leaves it, its caches; :func:`prefill` feeds
+prompt tokens into them in chunks. The scheduler's step advances every running request
+(:mod:`foretell.batch_step`); :class:`foretell.stream.StreamCut` decides where each ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
-
-from foretell.sampling import Sampler, decode_step
 
 if TYPE_CHECKING:
     from foretell.model import Model
@@ -66,18 +63,6 @@ class RequestState:
         """``prompt`` plus the generated tokens the stream took: what the request produced."""
         return self.prompt + self.generated[: self.consumed]
 
-    # The two step pieces a step source beside the loop needs (the verifier in spec/), as
-    # methods of the state they advance, so spec/ never imports the loop above it.
-
-    def prefill(self, model: Model, tokens: list[int], progress: Progress | None = None, *,
-                keep_hidden: bool = False) -> mx.array | None:
-        """:func:`prefill` of ``tokens`` into this request's caches."""
-        return prefill(model, tokens, self.caches, progress, keep_hidden=keep_hidden)
-
-    def plain_steps(self, model: Model, sampler: Sampler, limit: int) -> Iterator[list[int]]:
-        """:func:`plain_steps` over this request."""
-        return plain_steps(model, self, sampler, limit)
-
 
 def prefill(
     model: Model,
@@ -116,49 +101,3 @@ def prefill(
     if not hiddens:
         return mx.zeros((1, 0, 0))
     return hiddens[0] if len(hiddens) == 1 else mx.concatenate(hiddens, axis=1)
-
-
-def plain_steps(
-    model: Model, state: RequestState, sampler: Sampler, limit: int
-) -> Iterator[list[int]]:
-    """Plain decoding as a step source: each step yields the one token it produced.
-
-    Expects the caches to hold all of the sequence but its last token, which heads the first
-    step. Step t+1 is queued on the device (``async_eval``) before token t is handed out, so
-    the caller's detokenizing overlaps the model's compute.
-    """
-    if state.keys is None:
-        state.keys = sampler.keys()
-    sequence = state.prompt + state.generated
-    step = decode_step(model, state.caches, sampler, state.keys, sequence)
-
-    token, _ = step(mx.array([sequence[-1:]], dtype=mx.int32))
-    mx.async_eval(token)
-    produced = 0
-    while True:
-        produced += 1
-        if produced < limit:
-            following, _ = step(token[:, None])
-            mx.async_eval(following)
-        value = token.item()
-        state.generated.append(value)
-        yield [value]
-        if produced >= limit:
-            return
-        if produced % 256 == 0:
-            mx.clear_cache()
-        token = following
-
-
-def resumed_steps(
-    model: Model, state: RequestState, sampler: Sampler, limit: int
-) -> Iterator[list[int]]:
-    """A request resumed from a checkpoint: its generated tokens again (the caches hold all
-    but the last), then plain decoding from there, on the checkpoint's random stream."""
-    yield list(state.generated)
-    if limit > len(state.generated):
-        yield from plain_steps(model, state, sampler, limit - len(state.generated))
-
-
-#: A step source: ``(state, sampler, limit)`` -> the token ids of each step, at most ``limit``.
-StepSource = Callable[[RequestState, Sampler, int], Iterator[list[int]]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
@@ -77,7 +77,7 @@ def draw_rows(logits: mx.array, rows: Sequence[tuple[Sampler, RandomKeys | None,
               ) -> mx.array:
     """One plain step's tokens for a batch: ``logits [B, V]``, row ``b`` drawn by
     ``rows[b] = (sampler, keys, position)`` exactly as that request's own plain step draws
-    (:func:`decode_step`: its sampler, the key of its position). Rows sharing sampling
+    (its sampler, the key of its position). Rows sharing sampling
     settings are drawn in one call. Returns ``int32 [B]``."""
     groups: dict[Any, list[int]] = {}
     for b, (sampler, _, _) in enumerate(rows):
@@ -290,30 +290,3 @@ class TokenConstraint(Protocol):
 
     def complete(self) -> bool:
         """Whether the output is whole (nothing more may follow)."""
-
-
-def decode_step(model: Any, caches: list[Any], sampler: Sampler, keys: RandomKeys | None,
-                recent: Sequence[int], position: int | None = None
-                ) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
-    """One plain decoding step as a function of the tokens it feeds (``[B, L]``): the
-    forward into ``caches``, the last position's logits, a token drawn with the key of its
-    sequence position (``keys.rows``; None: greedy). ``position`` is the first step's token's
-    index in the sequence (default ``len(recent)``: ``recent`` is then the whole sequence),
-    each step the next. The repetition penalty's window starts as the last of ``recent``
-    (B = 1) and slides on by each token drawn. ``step(tokens) -> (token [B], hidden [B, L,
-    H])``: plain decoding and the verifier's plain stretches take this same step."""
-    size = sampler.window
-    window = mx.array([list(recent[-size:])], dtype=mx.int32) if size else None
-    at = len(recent) if position is None else position
-
-    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
-        nonlocal window, at
-        hidden, _ = model.forward(tokens, caches)
-        logits = model.logits(hidden[:, -1, :])
-        token = sampler(logits, window, keys.rows(at) if keys is not None else None)
-        at += 1
-        if window is not None:
-            window = mx.concatenate([window, token[:, None]], axis=1)[:, -size:]
-        return token, hidden
-
-    return step

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
+from foretell import request as request_module
 from foretell.batch_step import BatchStep
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.model.kvcache import KVCache, trim_all
-from foretell.request import PREFILL_CHUNK, Progress, RequestState, prefill
+from foretell.request import Progress, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
 from foretell.spec.contract import keep_recent_hidden
@@ -413,7 +414,7 @@ class Scheduler(BatchStep):
         arriving together all start this step, so the last of them does not wait a step per
         prompt ahead of it), in one forward where they can share one (:meth:`_prefill_together`);
         rows whose prompt is in join the batch."""
-        budget = PREFILL_CHUNK
+        budget = request_module.PREFILL_CHUNK
         chunks = []
         for row in list(self._prefilling):
             if budget <= 0:

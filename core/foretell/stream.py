@@ -1,8 +1,9 @@
-"""What a request streams: text events, the final stats, and the one streaming loop.
+"""What a request streams: text events, the final stats, and the streaming rule.
 
-:func:`stream_events` turns any step source (plain decoding, a resumed checkpoint, the
-speculative verifier) into text: it cuts a step's tokens at EOS, a stop string or
+:class:`StreamCut` turns each step's tokens of a request (a plain step, a verified draft,
+a resumed checkpoint's replay) into text: it cuts them at EOS, a stop string or
 ``max_tokens``, detokenizes them, and records where the request ended.
+:class:`RequestHandle` carries the events from the scheduler's worker to the caller.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -132,7 +133,7 @@ class StopMatcher:
 class StreamCut:
     """The streaming rule, fed one step at a time: cuts a step's tokens at EOS, a stop string
     or ``max_tokens``, detokenizes them, and records where the request ended in ``state``.
-    :func:`stream_events` pulls steps through it; the batch scheduler pushes each row's."""
+    The scheduler pushes each row's steps through its own."""
 
     def __init__(self, state: RequestState, tokenizer: Tokenizer, stops: StopMatcher,
                  eos: frozenset[int], max_tokens: int):
@@ -185,31 +186,6 @@ class StreamCut:
                 tail += self.stops.flush()
         self.state.finish_reason = self.finish or "length"
         return TextEvent(tail, ()) if tail else None
-
-
-def stream_events(
-    state: RequestState,
-    steps: Iterator[list[int]],
-    tokenizer: Tokenizer,
-    stops: StopMatcher,
-    eos: frozenset[int],
-    max_tokens: int,
-) -> Generator[TextEvent, None, float | None]:
-    """The one streaming loop over any step source (:class:`StreamCut` over each step).
-    Records the end in ``state`` and returns when the first token arrived (None if none did).
-    """
-    cut = StreamCut(state, tokenizer, stops, eos, max_tokens)
-    for step_tokens in steps:
-        event = cut.feed(step_tokens)
-        if event is not None:
-            yield event
-        if cut.done:
-            break
-    steps.close()  # an early stop abandons the step already in flight
-    tail = cut.close()
-    if tail is not None:
-        yield tail
-    return cut.first_at
 
 
 #: What a :class:`RequestHandle`'s queue holds after a request's last event.

@@ -93,12 +93,15 @@ class MlxLmAdapter:
         self.vocab_size = lm.args.vocab_size
 
     def make_caches(self):
-        from mlx_lm.models.cache import make_prompt_cache
+        # foretell's caches: the scheduler batches them (mlx-lm's model meets them through
+        # _AsMlxLm, batch or not).
+        from foretell.model.kvcache import KVCache
 
-        return make_prompt_cache(self.lm)
+        return [KVCache() for _ in self.lm.layers]
 
     def forward(self, tokens, caches=None, taps=()):
-        return self.lm.model(tokens, caches), {}
+        seen = [_AsMlxLm(c) for c in caches] if caches is not None else None
+        return self.lm.model(tokens, seen), {}
 
     def logits(self, hidden):
         if self.lm.args.tie_word_embeddings:
@@ -110,6 +113,24 @@ class MlxLmAdapter:
 
     def sanitize(self, weights):
         return weights
+
+
+class _AsMlxLm:
+    """A foretell cache (single or batch) as mlx-lm's attention uses one: the offset RoPE
+    takes (per row in a batch), ``update_and_fetch``, and the cache's own mask."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @property
+    def offset(self):
+        return self.cache.offset
+
+    def update_and_fetch(self, keys, values):
+        return self.cache.update_and_fetch(keys, values)
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return self.cache.mask(n)
 
 
 def tiny_qwen3(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):

@@ -178,16 +178,20 @@ def test_streamed_text_is_the_decoded_tokens(engine):
 
 
 def test_speeds_are_the_prompt_over_ttft_and_the_rest_over_the_time_after_it(engine, monkeypatch):
-    ticks = [10.0, 12.0, 16.0]  # request start, first token, end
+    from foretell.request import RequestState
 
-    def clock():
-        return ticks.pop(0) if len(ticks) > 1 else ticks[0]
-
-    monkeypatch.setattr(time, "perf_counter", clock)
-    _, _, stats = run(engine, max_tokens=6)
+    # The scheduler's worker reads the clock at every step; the stats are made of three
+    # readings: the request's start (its admission), its first token, and its end.
+    state = RequestState(prompt=list(range(3, 14)), caches=[], cached=3,
+                         generated=[5] * 6, consumed=6)
+    monkeypatch.setattr(time, "perf_counter", lambda: 16.0)  # the end
+    stats = engine._stats(state, 10.0, 12.0)
     assert stats.ttft_s == 2.0
-    assert stats.prompt_tps == (stats.prompt_tokens - stats.cached_tokens) / 2.0
+    assert stats.prompt_tps == (11 - 3) / 2.0
     assert stats.generation_tps == 6 / 4.0  # every generated token over the time after the first
+    monkeypatch.undo()
+    _, _, stats = run(engine, max_tokens=6)
+    assert 0 < stats.ttft_s and stats.prompt_tps > 0 and stats.generation_tps > 0
 
 
 def test_stats_describe_the_request(engine):

@@ -1,6 +1,7 @@
-"""An engine used from several threads: requests run one at a time, each whole, each giving
-what it gives alone; a generation may be iterated on another thread than its caller's; and
-the process exits cleanly after (MLX streams are per thread, docs/generation.md)."""
+"""An engine used from several threads: requests run together on the scheduler's worker,
+each giving what it gives alone, none held up by another left unread; a generation may be
+iterated on another thread than its caller's, and closing it cancels its request; and the
+process exits cleanly after (MLX streams are per thread, docs/generation.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-
-import pytest
-
-from foretell.errors import GenerationError
 
 PROMPTS = [[3 + i, 40 + 2 * i, 17, 90 + i, 5] for i in range(6)]
 
@@ -45,38 +42,31 @@ def test_a_generation_started_on_one_thread_continues_on_another(engine):
     assert tokens([first, *rest]) == expected
 
 
-def test_a_second_thread_waits_until_the_first_generation_ends(engine):
-    log: list[str] = []
-    b_started = threading.Event()
-    outputs: dict[str, list[int]] = {}
-
-    def second() -> None:
-        b_started.set()
-        stream = engine.generate(PROMPTS[1], max_tokens=6, ignore_eos=True)
-        first = next(stream)
-        log.append("B's first event")
-        outputs["B"] = tokens([first, *stream])
-
+def test_a_generation_left_open_holds_up_no_other(engine):
+    """Every request runs on the scheduler's worker: one whose reader stopped reading (on
+    this thread or another) does not keep the next from running, and each gives what it
+    gives alone."""
     stream = engine.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
-    first = next(stream)  # A now holds the engine
-    thread = threading.Thread(target=second)
+    first = next(stream)
+    other: dict[str, list[int]] = {}
+    thread = threading.Thread(target=lambda: other.update(B=alone(engine, PROMPTS[1], 6)))
     thread.start()
-    b_started.wait()
-    thread.join(1.0)  # without the lock, B runs to its end meanwhile
-    outputs["A"] = tokens([first, *stream])
-    log.append("A ended")
-    thread.join()
-    assert log == ["A ended", "B's first event"]
-    assert outputs == {"A": alone(engine, PROMPTS[0], 6), "B": alone(engine, PROMPTS[1], 6)}
+    thread.join()  # B ran to its end while A waited to be read
+    assert other == {"B": alone(engine, PROMPTS[1], 6)}
+    assert alone(engine, PROMPTS[2], 6) == alone(engine, PROMPTS[2], 12)[:6]  # this thread too
+    assert tokens([first, *stream]) == alone(engine, PROMPTS[0], 6)
 
 
-def test_a_thread_that_left_a_generation_open_is_told_instead_of_waiting_forever(engine):
-    stream = engine.generate(PROMPTS[0], max_tokens=6, ignore_eos=True)
+def test_closing_a_generation_midway_cancels_its_request(engine):
+    stream = engine.generate(PROMPTS[0], max_tokens=5000, ignore_eos=True)
     next(stream)
-    with pytest.raises(GenerationError, match="left another generation of this engine open"):
-        engine.generate_text(PROMPTS[1], max_tokens=2)
-    stream.close()  # releases the engine
+    stream.close()
+    assert stream.handle.cancelled
+    # The worker drops cancelled rows before it admits the next request.
     assert alone(engine, PROMPTS[1], 2) == alone(engine, PROMPTS[1], 12)[:2]
+    assert engine.scheduler.running == 0 and engine.scheduler.queue_depth == 0
+    events = list(stream.handle)  # what was streamed before the cancel, then the end
+    assert events and all(e.type == "text" for e in events)
 
 
 SCRIPT = """

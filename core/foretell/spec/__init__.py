@@ -39,7 +39,6 @@ _WHERE = {
     "Speculator": "foretell.spec.verifier",
     "draft_keys": "foretell.spec.drafting",
     "make_speculator": "foretell.spec.verifier",
-    "speculative_steps": "foretell.spec.verifier",
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _WHERE)

@@ -1,9 +1,11 @@
-"""The verifier's link between a draft source and the cache tier, for one request.
+"""The link between a request's drafter and the cache tier (the scheduler holds one per
+speculating row).
 
 A drafter that names its artifact and captures and restores itself
-(``CheckpointableProvider``, ``CheckpointableSource``) gets its state stored with the
-target's entries: :meth:`DraftLink.capture` after the prompt, at the request's end and at
-resumable round boundaries; :meth:`DraftLink.restore` when the prefix came from an entry
+(``CheckpointableProvider``, ``CheckpointableSource``, or rows' ``capture(row)``) gets its
+state stored with the target's entries: :meth:`DraftLink.capture` after the prompt, at the
+request's end and at resumable round boundaries; :meth:`DraftLink.restore` when the prefix
+came from an entry
 carrying the same identity's attachment at its exact boundary, so the drafter does not
 prefill it. Captures happen only where the target's caches hold every token but the pending
 one, so a restore lines up with the target's next forward as an uninterrupted request does.
@@ -22,7 +24,6 @@ import attrs
 import mlx.core as mx
 
 from foretell.cache.attachment import DraftAttachment, attach, feed_hidden, unpack
-from foretell.model import trim_all
 from foretell.spec.contract import CheckpointableProvider, CheckpointableSource
 from foretell.store.entry import files_digest
 
@@ -94,7 +95,8 @@ class DraftLink:
         self.found = found if found is not None and found.identity == self.identity else None
         self.resumed = resumed
         #: Resumable generations are checkpointed at round boundaries (the drafter's state
-        #: goes with them); otherwise the request cache checkpoints as plain decoding does.
+        #: goes with them, :meth:`foretell.batch_step.BatchStep._checkpoint`); otherwise the
+        #: request cache checkpoints as plain decoding does.
         self.checkpoints = checkpoints if self.identity is not None else None
         #: The state captured when the request ended, for the entry ``finish`` stores.
         self.final: DraftAttachment | None = None
@@ -166,74 +168,3 @@ class DraftLink:
             self._warned = True
             log.warning("%s failed in %s(): %s: %s; its state is not cached for this request",
                         self.speculator.label(), what, type(exc).__name__, exc)
-
-    def due(self, verifier: Any) -> bool:
-        """Whether a checkpoint is due, so a plain run should stop at a round boundary."""
-        request = self.checkpoints
-        return request is not None and request.wants_round_checkpoint(verifier.state)
-
-    def boundary(self, verifier: Any) -> None:
-        """A round boundary (nothing in flight): checkpoint it when one is due."""
-        if not self.due(verifier):
-            return
-        request = self.checkpoints
-        attachment = self.capture(verifier.source, verifier.state, verifier.feed_tokens,
-                                  verifier.joined_feed_hidden())
-        request.checkpoint_round(verifier.state, verifier.pending, attachment)
-
-    def closing(self, verifier: Any) -> None:
-        """The request's rounds ended: capture the state ``finish`` stores with the entry.
-
-        A round or plain step still queued when the stream stopped has consumed the pending
-        token; the target gives that one token back, so its caches and the drafter's view
-        line up at a capturable boundary again."""
-        state = verifier.state
-        if not self._usable(verifier.source):
-            return
-        try:
-            if state.held == len(state.prompt) + len(state.generated):
-                trim_all(state.caches, 1)
-            self.final = self.capture(verifier.source, state, verifier.feed_tokens,
-                                      verifier.joined_feed_hidden())
-        except Exception as exc:  # never let the end of a request fail on caching
-            log.warning("not caching the drafter's state: %s", exc)
-
-
-def start_source(speculator: Any, source: Any, state: Any, hidden: mx.array | None,
-                 link: DraftLink | None, after_prefill: Any) -> tuple[bool, Any]:
-    """Bring a freshly opened source up to the request's sequence: restore it from the
-    cached state, else prefill it with the prompt (``hidden``: the target's hidden states
-    over what it just prefilled); then hand the prompt snapshot to ``after_prefill``.
-
-    Returns ``(speculate, feed)``: False when this request must decode plainly (a resumed
-    or cached request whose hidden-state drafter could not be restored); ``feed`` is what
-    a resumed source has not heard yet, for the first round."""
-    from foretell.spec.contract import Feed
-    from foretell.spec.verifier import _call, _join
-
-    prompt = state.prompt
-    resumed = bool(state.generated)
-    # The entry ended where the cached tokens end (a checkpoint: where the replay ends).
-    boundary = state.held if resumed else state.cached
-    restored = link.restore(source, prompt + state.generated, boundary) if link else None
-    if resumed:
-        return restored is not None, restored
-    if restored is not None:
-        tokens, kept = restored
-        parts = [h for h in (kept, hidden) if h is not None and h.size]
-        feed = Feed(tokens + prompt[boundary + 1 :],
-                    _join(parts) if speculator.wants_hidden else None)
-        _call(speculator, "prefill", source.prefill, feed)
-    elif speculator.wants_hidden and state.cached:
-        # The prefix cache restored the target's KV but not the hidden states this drafter
-        # reads over the prompt: decode plainly (correct, just not faster).
-        if after_prefill is not None:
-            after_prefill(state.held_tokens(), state.caches, state.cached)
-        return False, None
-    else:
-        _call(speculator, "prefill", source.prefill, Feed(list(prompt), hidden))
-    if after_prefill is not None:
-        attachment = link.capture(source, state, [], None) if link else None
-        after_prefill(state.held_tokens(), [*state.caches, *([attachment] if attachment else [])],
-                      state.cached)
-    return True, None
