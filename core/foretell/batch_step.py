@@ -105,6 +105,8 @@ class BatchStep:
             if lengths[b]:
                 row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
                 self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b])
+            elif row.spec_stats is not None:
+                row.spec_stats.record(0, 0, 0)  # a plain step of a speculating request
             logprobs = done.logprobs.get(b)
             if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
@@ -167,6 +169,8 @@ class BatchStep:
         finished = []
         for b, row in enumerate(rows):
             if row.unread:
+                if row.spec_stats is not None:
+                    row.spec_stats.record(0, 0, 0)
                 if self._commit(row, [values[b]], row.unread_hidden):
                     finished.append(b)
             row.unread = True
@@ -189,6 +193,8 @@ class BatchStep:
         for b, row in enumerate(self._rows):
             if row.unread:
                 row.unread = False
+                if row.spec_stats is not None:
+                    row.spec_stats.record(0, 0, 0)
                 if self._commit(row, [values[b]], row.unread_hidden):
                     finished.append(b)
                 row.unread_hidden = None

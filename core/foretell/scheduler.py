@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from foretell import request as request_module
 from foretell.batch_step import BatchStep
-from foretell.errors import GenerationError, QueueFull
+from foretell.errors import ForetellError, GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.model.kvcache import KVCache, trim_all
 from foretell.request import Progress, RequestState, prefill
@@ -612,7 +612,7 @@ class Scheduler(BatchStep):
                 self._batch = None
 
     def _fail(self, rows: Sequence[_Row], exc: BaseException) -> None:
-        if not isinstance(exc, GenerationError):
+        if not isinstance(exc, ForetellError):  # foretell's own errors already say whose
             wrapped = GenerationError(f"generation failed: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
             exc = wrapped

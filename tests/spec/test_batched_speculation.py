@@ -68,7 +68,8 @@ def test_every_drafter_speculating_in_a_batch_reproduces_each_row_alone(
         scheduler.close()
 
 
-def test_rows_with_different_drafters_and_none_share_one_batch(engines, model_dirs, registry):
+def test_rows_with_different_drafters_and_none_share_one_batch(engines, model_dirs, registry,
+                                                               monkeypatch):
     engine = engines["qwen3"]
     drafters = [_speculator(engine, "two-model", {"model": str(model_dirs["qwen3"])}, registry),
                 _speculator(engine, "ngram", {"max_ngram": 3}, registry, k=5),
@@ -76,13 +77,18 @@ def test_rows_with_different_drafters_and_none_share_one_batch(engines, model_di
                 _speculator(engine, "two-model", {"model": str(model_dirs["qwen3-other"])},
                             registry, k=2)]
     scheduler = Scheduler(engine)
+    groups = []  # each drafter's rows, as the scheduler makes them
+    made = Scheduler._group
+    monkeypatch.setattr(Scheduler, "_group",
+                        lambda self, speculator: groups.append(made(self, speculator)) or groups[-1])
     handles = [scheduler.submit(p, max_tokens=n, ignore_eos=True, speculate=s)
                for p, n, s in zip(PROMPTS, LENGTHS, drafters)]
     for prompt, n, handle in zip(PROMPTS, LENGTHS, handles):
         assert _streamed(handle)[0] == _alone(engine, prompt, max_tokens=n, ignore_eos=True)
     # The two-model drafter serves its rows natively (plugin API 2), n-gram through its
     # per-request sources.
-    assert type(scheduler._groups["two-model"].rows).__name__ == "TwoModelRows"
+    kinds = {group.speculator.kind: type(group.rows).__name__ for group in groups}
+    assert kinds["two-model"] == "TwoModelRows"
     scheduler.close()
 
 
