@@ -291,7 +291,9 @@ class BatchStep:
 
     @staticmethod
     def _alone(row: _Row) -> bool:
-        return row.speculator is not None and row.speculator.adaptive
+        # Fixed lengths too: a fixed policy chooses its length, and a scripted one (the
+        # warm-up's switch-backs) its script.
+        return row.speculator is not None
 
     def _alone_length(self, row: _Row) -> int:
         """The length policy's choice for a row running alone: a plain stretch of the

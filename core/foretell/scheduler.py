@@ -174,7 +174,7 @@ class Scheduler(BatchStep):
         #: Per speculator (by id: a warm-up's or a request's own beside the engine's).
         self._groups: dict[int, DraftGroup] = {}
         self._policy = BatchDraftPolicy()
-        #: Per drafter kind, the distrust flags already reported.
+        #: Per drafter kind, the distrust flags already reported (since the worker was idle).
         self._warned: dict[str, int] = {}
         self._lock = threading.Lock()
         self._queued = 0
@@ -304,9 +304,13 @@ class Scheduler(BatchStep):
         wired = _WiredMemory()
         while True:
             idle = not (self._rows or self._prefilling or self._waiting)
-            if idle and wired.held:
-                with mlx_work():
-                    wired.release()
+            if idle:
+                # A drafter's distrusted output is reported once per drafter while the
+                # worker is busy: so once a request for requests one after another.
+                self._warned.clear()
+                if wired.held:
+                    with mlx_work():
+                        wired.release()
             if not self._take_new(block=idle):
                 return
             with mlx_work(), self.engine.settings.active():

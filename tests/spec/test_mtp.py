@@ -70,44 +70,40 @@ def test_mtp_over_fixed_shapes_reproduces_plain_greedy(demo, monkeypatch):
 
 
 def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, monkeypatch):
-    """While drafting is off the verifier keeps the plain steps' hidden states for the head,
+    """While drafting is off the scheduler keeps the plain steps' hidden states for the head,
     joined HIDDEN_PACK at a time as they come, and only the newest CATCH_UP_MAX positions'
     (the head starts over from those): holding each step's state cost decode speed. When drafting resumes the head hears those newest states, in order, and
     the output stays plain greedy's."""
     import mlx.core as mx
 
-    from foretell.spec import CATCH_UP_MAX, verifier
+    from foretell.batch_step import BatchStep
+    from foretell.spec import CATCH_UP_MAX
     from foretell.spec.contract import HIDDEN_PACK
     from foretell.spec.policy import PLAIN_STRETCH
     from foretell.spec.warmup import ScriptedPolicy
+    from foretell_qwen.mtp_rows import MTPRows
 
     speculator = demo.use_draft("mtp", max_tokens=3, adaptive=False)
     stretches = 7  # plain stretches, then drafting again
     object.__setattr__(speculator, "policy",
                        ScriptedPolicy(3, [3, 3] + [0] * stretches + [3, 3]))
     kept, longest, feeds = [], [0], []  # feeds: (feed, single positions kept since the last)
-    real_extend, real_open = verifier._Verifier._extend, speculator.provider.open
+    real_commit, real_draft = BatchStep._commit, MTPRows.draft
 
-    def extend(self, tokens, hidden):
+    def commit(self, row, tokens, hidden, logprobs=None):
         if hidden is not None and hidden.shape[1] == 1:
             kept.append(hidden)
-        real_extend(self, tokens, hidden)
-        longest[0] = max(longest[0], len(self.feed_hidden))
+        done = real_commit(self, row, tokens, hidden, logprobs)
+        longest[0] = max(longest[0], len(row.feed_hidden))
+        return done
 
-    def opened(target, sampler):
-        source = real_open(target, sampler)
-        draft = source.draft
+    def draft(rows, row_feeds, lengths):
+        feeds.extend((feed, list(kept)) for feed, k in zip(row_feeds, lengths) if k)
+        kept.clear()
+        return real_draft(rows, row_feeds, lengths)
 
-        def recorded(feed, n):
-            feeds.append((feed, list(kept)))
-            kept.clear()
-            return draft(feed, n)
-
-        source.draft = recorded
-        return source
-
-    monkeypatch.setattr(verifier._Verifier, "_extend", extend)
-    monkeypatch.setattr(speculator.provider, "open", opened)
+    monkeypatch.setattr(BatchStep, "_commit", commit)
+    monkeypatch.setattr(MTPRows, "draft", draft)
     prompt = PROMPTS[0]
     n = 90
     text = demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,

@@ -1,11 +1,12 @@
-"""While the draft-length policy keeps drafting off, the verifier decodes as plain decoding
-does: every next step is queued before the last token is handed out, across the stretches
+"""While the draft-length policy keeps drafting off, a speculating request decodes as plain
+decoding does: every next step is queued before the last token is handed out, across the stretches
 after which the policy is asked again, and the tokens are plain greedy's."""
 
 from __future__ import annotations
 
 import time
 
+from foretell.batch_step import BatchStep
 from foretell.spec.policy import PLAIN_STRETCH
 
 
@@ -25,30 +26,34 @@ def test_a_switched_off_drafter_keeps_every_step_queued_ahead(
     asked = []
     monkeypatch.setattr(speculator.policy, "choose", lambda limit: asked.append(limit) or 0)
     model = engine.target.model
-    forward, forwards = model.forward, []
+    engine.scheduler._token_bytes_now()  # (its one-token forward measures the KV, once)
+    forward, steps, seen = model.forward, [0], []
 
     def counting(*args, **kwargs):
-        forwards.append(args[0].shape[1])
+        steps[0] += args[0].shape[1] == 1  # decode steps, not prompt chunks
         return forward(*args, **kwargs)
 
+    real_commit = BatchStep._commit
+
+    def commit(self, row, kept, hidden, logprobs=None):
+        done = real_commit(self, row, kept, hidden, logprobs)
+        seen.append((len(row.state.generated), steps[0]))  # (tokens out, steps built)
+        return done
+
     monkeypatch.setattr(model, "forward", counting)
+    monkeypatch.setattr(BatchStep, "_commit", commit)
     prompt, n = [11, 57, 300, 4, 89, 120, 7], 5 * PLAIN_STRETCH + 3
-    seen = []  # (tokens handed out, target forwards built) at each event
-    tokens = []
-    for event in engine.generate(prompt, speculate=speculator, max_tokens=n, ignore_eos=True):
-        if hasattr(event, "tokens") and event.tokens:
-            tokens.extend(event.tokens)
-            seen.append((len(tokens), len(forwards)))
+    tokens = [t for e in engine.generate(prompt, speculate=speculator, max_tokens=n,
+                                         ignore_eos=True) if e.type == "text" for t in e.tokens]
     monkeypatch.undo()
     plain = [t for e in engine.generate(prompt, speculate=False, max_tokens=n, ignore_eos=True)
              if hasattr(e, "tokens") for t in e.tokens]
     assert tokens == plain
-    prefill = len(forwards) - n  # the chunks before the first step
     for handed, built in seen:
         if handed < n:  # the step after every handed-out token was already queued
-            assert built - prefill == handed + 1, (handed, built - prefill)
+            assert built == handed + 1, (handed, built)
     # The policy was asked before the first step and after every stretch.
-    assert len(asked) == 1 + (n - 2) // PLAIN_STRETCH
+    assert len(asked) == 1 + (n - 1) // PLAIN_STRETCH
 
 
 def test_a_plain_stretch_chosen_right_after_a_drafted_round_runs(engines, model_dirs, registry):
@@ -76,25 +81,27 @@ def test_a_plain_stretch_chosen_right_after_a_drafted_round_runs(engines, model_
     assert timed[:6] == [3, 3, 0, 3, 3, 0]
 
 
-def _each_runs_first_step_slowed(monkeypatch, slow: float) -> None:
-    """Every plain run's first step costs ``slow`` seconds more (its step function's first
-    call sleeps)."""
-    from foretell.spec import verifier
+def _each_runs_first_step_slowed(engine, monkeypatch, slow: float) -> None:
+    """Every plain run's first step (the one with nothing queued ahead of it) costs
+    ``slow`` seconds more, inside its forward."""
+    model = engine.model
+    forward, slowing = model.forward, []
 
-    real = verifier.decode_step
+    def slowed(*args, **kwargs):
+        if slowing:
+            slowing.clear()
+            time.sleep(slow)
+        return forward(*args, **kwargs)
 
-    def first_step_slow(*args, **kwargs):
-        step, calls = real(*args, **kwargs), []
+    real_step = BatchStep._plain_step
 
-        def slowed(tokens):
-            if not calls:
-                time.sleep(slow)
-            calls.append(1)
-            return step(tokens)
+    def plain_step(self):
+        if self._tokens is None:  # nothing drawn ahead: a run's first step
+            slowing.append(1)
+        return real_step(self)
 
-        return slowed
-
-    monkeypatch.setattr(verifier, "decode_step", first_step_slow)
+    monkeypatch.setattr(model, "forward", slowed)
+    monkeypatch.setattr(BatchStep, "_plain_step", plain_step)
 
 
 def _plain_times(speculator, script: list[int]) -> list[float]:
@@ -124,7 +131,7 @@ def test_a_plain_runs_first_step_is_not_timed(engines, model_dirs, registry, mon
     engine = engines["qwen3"]
     speculator = _use_other_draft(engine, model_dirs, registry)
     plain = _plain_times(speculator, [3, 3, 0, 3, 3, 0, 3])
-    _each_runs_first_step_slowed(monkeypatch, slow)
+    _each_runs_first_step_slowed(engine, monkeypatch, slow)
     list(engine.generate([11, 57, 300, 4, 89, 120, 7], speculate=speculator, max_tokens=40,
                          ignore_eos=True))
     assert len(plain) == 2
@@ -141,14 +148,14 @@ def test_a_single_step_after_a_drafter_had_nothing_is_not_timed(
     it is). Here the drafter never has anything, each run's first step costs ``slow``
     seconds more, and the policy asks for plain steps after each single step: only the
     stretches after it are timed, and they do not show the slow step."""
-    from foretell.spec import verifier
+    from foretell.spec.batch import DraftGroup
 
     slow = 0.4
     engine = engines["qwen3"]
     speculator = _use_other_draft(engine, model_dirs, registry)
     plain = _plain_times(speculator, [3, 0] * 20)
-    monkeypatch.setattr(verifier._Verifier, "launch", lambda self, k: None)  # nothing drafted
-    _each_runs_first_step_slowed(monkeypatch, slow)
+    monkeypatch.setattr(DraftGroup, "draft", lambda self, rows, lengths: {})  # nothing drafted
+    _each_runs_first_step_slowed(engine, monkeypatch, slow)
     list(engine.generate([11, 57, 300, 4, 89, 120, 7], speculate=speculator, max_tokens=30,
                          ignore_eos=True))
     assert plain and max(plain) < slow / PLAIN_STRETCH / 2, plain

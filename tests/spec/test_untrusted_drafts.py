@@ -150,7 +150,7 @@ def _run(engine, speculator, sampling=None, prompt=(11, 57, 300, 4), max_tokens=
 def test_ids_outside_the_vocabulary_are_never_emitted_greedy(engines, adversary, mode, caplog):
     engine = engines["qwen3"]
     plain, _ = _run(engine, False)
-    with caplog.at_level(logging.WARNING, logger="foretell.spec.verifier"):
+    with caplog.at_level(logging.WARNING, logger="foretell.scheduler"):
         tokens, stats = _run(engine, adversary(mode))
     assert tokens == plain  # every draft rejected: the target's own greedy tokens
     assert stats.speculation["accepted"] == 0 and stats.speculation["drafted"] > 0
@@ -202,7 +202,7 @@ def test_a_q_that_is_no_distribution_lets_no_draft_through(engines, adversary, k
     """Trusted, q = 1e-9 (or -1, or 0 at the draft) accepted every draft: the same token
     four times over at the start of 10 of 10 seeded runs in the issue."""
     engine = engines["qwen3"]
-    with caplog.at_level(logging.WARNING, logger="foretell.spec.verifier"):
+    with caplog.at_level(logging.WARNING, logger="foretell.scheduler"):
         for _ in range(3):
             _, stats = _run(engine, adversary(kind), SamplingConfig(temp=1.0))
             assert stats.speculation["drafted"] > 0
@@ -292,7 +292,6 @@ def test_in_a_batch_a_failing_drafter_ends_only_its_own_rows(engines, adversary,
     """One request's drafter failing (a malformed draft, an exception in ``commit``) ends
     that request with an error naming the plugin; the rows beside it, plain or drafting
     with another drafter, stream exactly what they stream alone."""
-    from foretell.errors import GenerationError
     from foretell.scheduler import Scheduler
 
     engine = engines["qwen3"]
@@ -303,7 +302,7 @@ def test_in_a_batch_a_failing_drafter_ends_only_its_own_rows(engines, adversary,
                            speculate=adversary(mode))
     good = [scheduler.submit(list(p), max_tokens=24, ignore_eos=True, speculate=False)
             for p in prompts[1:]]
-    with pytest.raises(GenerationError, match="draft provider 'adversary' from"):
+    with pytest.raises(DraftError, match="draft provider 'adversary' from"):
         list(bad)
     for want, handle in zip(plain[1:], good):
         assert [t for e in list(handle)[:-1] for t in e.tokens] == want
