@@ -16,8 +16,8 @@
    by position in the sequence: where a one-off stall falls, marked where a fixed-shape
    forward traced a new shape meanwhile.
 
-It measures by wrapping ``mx.async_eval`` and the verifier's ``finish`` for its own runs and
-puts both back afterwards.
+It measures by wrapping ``mx.async_eval`` and the verify step
+(:func:`foretell.spec.batch.verify_rows`) for its own runs and puts both back afterwards.
 """
 
 from __future__ import annotations
@@ -33,25 +33,30 @@ from typing import Any
 @contextlib.contextmanager
 def _timed_host_work(spent: dict[str, list[float]]):
     """Append the seconds each ``mx.async_eval`` call takes to ``spent["encode"]`` and those
-    each round's sync waits for the device to ``spent["wait"]``, while inside."""
+    each round's sync waits for the device (the ``mx.eval`` inside the verify step,
+    :func:`foretell.spec.batch.verify_rows`) to ``spent["wait"]``, while inside. The
+    scheduler's worker runs both; the caller only reads events meanwhile."""
     import mlx.core as mx
 
-    from foretell.spec import verifier
+    from foretell.spec import batch
     from foretell.tools.measure import timed
 
-    real_async, real_finish = mx.async_eval, verifier._Verifier.finish
+    real_async, real_verify, real_eval = mx.async_eval, batch.verify_rows, mx.eval
     async_eval = timed(real_async, spent["encode"])
-    wait = timed(mx.eval, spent["wait"])
+    wait = timed(real_eval, spent["wait"])
 
-    def finish(self: Any, round_: Any) -> list[int]:
-        wait(round_.values)
-        return real_finish(self, round_)
+    def verify_rows(*args: Any, **kwargs: Any) -> Any:
+        mx.eval = wait  # the round's one sync
+        try:
+            return real_verify(*args, **kwargs)
+        finally:
+            mx.eval = real_eval
 
-    mx.async_eval, verifier._Verifier.finish = async_eval, finish
+    mx.async_eval, batch.verify_rows = async_eval, verify_rows
     try:
         yield
     finally:
-        mx.async_eval, verifier._Verifier.finish = real_async, real_finish
+        mx.async_eval, batch.verify_rows = real_async, real_verify
 
 
 def _generate(engine: Any, prompt: list[int], tokens: int, speculate: Any,

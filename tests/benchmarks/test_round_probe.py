@@ -9,13 +9,13 @@ import re
 import mlx.core as mx
 from benchscript import load
 
-from foretell.spec import verifier
+from foretell.spec import batch
 
 round_probe = load("round_probe")
 
 
 def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
-    async_eval, finish = mx.async_eval, verifier._Verifier.finish
+    async_eval, verify_rows = mx.async_eval, batch.verify_rows
     assert round_probe.main(["--prompt-tokens", "24", "--generate", "12", "--repeats", "1",
                              "--requests", "2", "--num-draft-tokens", "2", "--trace", "6",
                              "--gaps", "0", "--plain-steps"]) == 0
@@ -39,7 +39,7 @@ def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
     trace = [line.strip() for line in out[6:]]
     assert len(trace) == 6 and trace[0] == "choose 2 (ms per round by k {})"
     assert re.fullmatch(r"drafted [12], kept [0-2]: [\d.]+ ms( \(one-off\))?", trace[1])
-    assert mx.async_eval is async_eval and verifier._Verifier.finish is finish
+    assert mx.async_eval is async_eval and batch.verify_rows is verify_rows
 
 
 def test_gaps_are_the_waits_between_tokens_by_the_position_the_later_one_reached(monkeypatch):
