@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import mlx.core as mx
 
+from foretell.model.batch import batch_caches, layer_caches
+from foretell.model.kvcache import KVCache
 from foretell.spec.contract import keep_recent_hidden
 from foretell.stream import TokenLogprobs
 
@@ -27,8 +29,8 @@ if TYPE_CHECKING:
 
 
 class BatchStep:
-    """The step half of :class:`~foretell.scheduler.Scheduler`, which owns the state it
-    reads: the running rows (``_rows``), their batch caches (``_batch``), the pipelined
+    """The step half of :class:`~foretell.scheduler.Scheduler` (and its shared prefill
+    forward), which owns the state it reads: the running rows (``_rows``), their batch caches (``_batch``), the pipelined
     tokens (``_tokens``), the drafter groups (``_groups``), the batch policy (``_policy``),
     and ``_finish``, ``_remove`` and ``_fail``."""
 
@@ -158,7 +160,7 @@ class BatchStep:
         started = time.perf_counter()
         tokens = self._tokens if self._tokens is not None else mx.array(
             [row.pending for row in rows], dtype=mx.int32)
-        hidden, _ = self.engine.model.forward(tokens[:, None], self._batch)
+        hidden, _ = self.engine.model.forward(tokens[:, None], layer_caches(self._batch))
         logits = self.engine.model.logits(hidden[:, -1, :])
         drawn = draw_rows(logits, [
             (row.sampler, row.keys,
@@ -318,6 +320,40 @@ class BatchStep:
             if gaps:
                 row.speculator.policy.observe(0, 0, gaps[len(gaps) // 2])
             row.stretch_times = []
+
+    @staticmethod
+    def _shares_prefill(row: _Row) -> bool:
+        """Whether the row's chunk may go through a shared prefill forward: its drafter reads
+        no hidden states, and no layer of its keeps a window (the batch would hold the whole
+        prompt where the row's own cache holds a window)."""
+        if row.speculator is not None and row.speculator.wants_hidden:
+            return False
+        return all(isinstance(cache, KVCache) and getattr(cache, "max_size", None) is None
+                   for cache in row.state.caches)
+
+    def _prefill_together(self, chunks: list[tuple[_Row, list[int]]]) -> None:
+        """Several rows' prompt chunks in one forward (the prompts padded to the longest,
+        the padding trimmed off each row), each row then holding its own caches again, as
+        a prefill of its own leaves them; on CPUs a wide forward uses the matrix units
+        better than several narrow ones."""
+        rows = [row for row, _ in chunks]
+        try:
+            shared = batch_caches(self.engine.model, bits=self.engine.kv_bits,
+                                  group_size=self.engine.kv_group_size)
+            for layer, cache in enumerate(shared):
+                cache.append([row.state.caches[layer] for row in rows])
+            width = max(len(chunk) for _, chunk in chunks)
+            tokens = mx.array([chunk + [0] * (width - len(chunk)) for _, chunk in chunks],
+                              dtype=mx.int32)
+            self.engine.model.forward(tokens, shared)
+            for cache in shared:
+                cache.trim([width - len(chunk) for _, chunk in chunks])
+            for b, row in enumerate(rows):
+                row.state.caches = [cache.extract(b) for cache in shared]
+            mx.eval([c.state for row in rows for c in row.state.caches])
+        except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
+            self._fail(rows, exc)
+        mx.clear_cache()
 
 
 def _draft_error(group: DraftGroup, what: str, exc: BaseException) -> BaseException:

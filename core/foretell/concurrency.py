@@ -66,3 +66,26 @@ def mlx_work() -> Iterator[None]:
             _THREAD.streams = _ClearsStreamsAtExit()
         with mx.stream(generation_stream()):
             yield
+
+
+class WiredMemory:
+    """On Apple silicon, the model's memory stays wired while the worker has requests (as
+    mlx-lm's generation does); elsewhere nothing. Held and released on the worker thread."""
+
+    def __init__(self) -> None:
+        self._previous: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._previous is not None
+
+    def hold(self) -> None:
+        if self._previous is None and mx.metal.is_available():
+            self._previous = mx.set_wired_limit(
+                mx.device_info()["max_recommended_working_set_size"])
+
+    def release(self) -> None:
+        if self._previous is not None:
+            mx.synchronize(generation_stream())
+            mx.set_wired_limit(self._previous)
+            self._previous = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import os
+import logging
 import queue
 import threading
 import time
@@ -31,8 +31,8 @@ import mlx.core as mx
 from foretell import request as request_module
 from foretell.batch_step import BatchStep
 from foretell.errors import ForetellError, GenerationError, QueueFull
-from foretell.model.batch import batch_caches
-from foretell.model.kvcache import KVCache, trim_all
+from foretell.model.batch import SoloCache, batch_caches, batches, default_kv_budget
+from foretell.model.kvcache import trim_all
 from foretell.request import Progress, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
@@ -118,9 +118,12 @@ class _Row:
                 and link.checkpoints.wants_round_checkpoint(self.state))
 
 
-#: Schedulers whose worker may be running: stopped at interpreter exit, before MLX is torn
-#: down under a worker still stepping (a process leaving with a request unfinished, a
-#: ``generate`` loop left with ``break``, aborted in MLX's teardown otherwise).
+log = logging.getLogger(__name__)
+#: Seconds a worker with nothing to do waits for a submission before it ends.
+IDLE_EXIT_S = 2.0
+
+#: Schedulers whose worker may run, stopped at exit: a worker still stepping as MLX is torn
+#: down (a ``generate`` loop left with ``break``) aborted the process.
 _LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 
@@ -128,19 +131,6 @@ _LIVE: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 def _stop_workers() -> None:
     for scheduler in list(_LIVE):
         scheduler.close(drain=False)
-
-
-def default_kv_budget() -> int:
-    """Live KV bytes the scheduler admits up to by default: 40% of the device's memory
-    (the physical RAM where MLX does not say), leaving the rest to weights and activations."""
-    total = 0
-    try:
-        total = int(mx.device_info().get("memory_size", 0))
-    except Exception:  # noqa: BLE001 - an older MLX without device_info
-        total = 0
-    if not total:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(total * 0.4)
 
 
 class Scheduler(BatchStep):
@@ -181,6 +171,8 @@ class Scheduler(BatchStep):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._token_bytes: int | None = None
+        #: Whether no batch holds this model's caches (None: not known yet).
+        self._solo: bool | None = None
 
     # -- callers' side -----------------------------------------------------------------
 
@@ -299,9 +291,9 @@ class Scheduler(BatchStep):
     # -- the worker --------------------------------------------------------------------
 
     def _work(self) -> None:
-        from foretell.concurrency import mlx_work
+        from foretell.concurrency import WiredMemory, mlx_work
 
-        wired = _WiredMemory()
+        wired = WiredMemory()
         while True:
             idle = not (self._rows or self._prefilling or self._waiting)
             if idle:
@@ -325,12 +317,16 @@ class Scheduler(BatchStep):
                     self._fail([*self._rows, *self._prefilling], exc)
 
     def _take_new(self, block: bool) -> bool:
-        """Move submissions into the waiting queue; False when the worker should end."""
+        """Move submissions into the waiting queue; False when the worker should end: closed,
+        or idle for :data:`IDLE_EXIT_S` (the next submission starts a worker again, so an
+        engine nobody uses holds no thread, and no thread holds an engine)."""
+        timed_out = False
         try:
             # Once closing, no submission may come to wake a blocked worker: never wait then.
-            item = self._inbox.get(block=block and not self._closing)
+            waits = block and not self._closing
+            item = self._inbox.get(block=waits, timeout=IDLE_EXIT_S if waits else None)
         except queue.Empty:
-            item = None
+            item, timed_out = None, waits
         while True:
             if item is not None:
                 self._waiting.append(item)  # first: submit() counts it waiting throughout
@@ -341,8 +337,8 @@ class Scheduler(BatchStep):
             except queue.Empty:
                 break
         with self._lock:
-            done = self._closing and not (self._rows or self._prefilling or self._waiting
-                                          or self._queued)
+            done = (self._closing or timed_out) and not (
+                self._rows or self._prefilling or self._waiting or self._queued)
             if done:
                 self._thread = None
         return not done
@@ -375,7 +371,10 @@ class Scheduler(BatchStep):
         return rows * (-(-width // step) * step) * self._token_bytes_now()
 
     def _admit(self) -> None:
-        while self._waiting and len(self._rows) + len(self._prefilling) < self.max_rows:
+        if self._solo is None:  # no batch holds such a model's caches: one at a time
+            self._solo = not batches(self.engine.model)
+        limit = 1 if self._solo else self.max_rows
+        while self._waiting and len(self._rows) + len(self._prefilling) < limit:
             row = self._waiting[0]
             admitted = [*self._rows, *self._prefilling, row]
             width = max(r.need for r in admitted)
@@ -456,8 +455,7 @@ class Scheduler(BatchStep):
             self._join(joining)
 
     def _progressed(self, row: _Row, tokens: int) -> None:
-        """Tell the row's ``prefill_progress`` of a chunk it prefilled; a callback that
-        raises fails its own request only."""
+        """Tell ``prefill_progress`` of a chunk; one that raises fails its request only."""
         row.prefilled += tokens
         if row.progress is None:
             return
@@ -466,45 +464,12 @@ class Scheduler(BatchStep):
         except Exception as exc:  # noqa: BLE001 - the caller's callback fails its request
             self._fail([row], exc)
 
-    @staticmethod
-    def _shares_prefill(row: _Row) -> bool:
-        """Whether the row's chunk may go through a shared prefill forward: its drafter reads
-        no hidden states, and no layer of its keeps a window (the batch would hold the whole
-        prompt where the row's own cache holds a window)."""
-        if row.speculator is not None and row.speculator.wants_hidden:
-            return False
-        return all(isinstance(cache, KVCache) and getattr(cache, "max_size", None) is None
-                   for cache in row.state.caches)
-
-    def _prefill_together(self, chunks: list[tuple[_Row, list[int]]]) -> None:
-        """Several rows' prompt chunks in one forward (the prompts padded to the longest,
-        the padding trimmed off each row), each row then holding its own caches again, as
-        a prefill of its own leaves them; on CPUs a wide forward uses the matrix units
-        better than several narrow ones."""
-        rows = [row for row, _ in chunks]
-        try:
-            shared = batch_caches(self.engine.model, bits=self.engine.kv_bits,
-                                  group_size=self.engine.kv_group_size)
-            for layer, cache in enumerate(shared):
-                cache.append([row.state.caches[layer] for row in rows])
-            width = max(len(chunk) for _, chunk in chunks)
-            tokens = mx.array([chunk + [0] * (width - len(chunk)) for _, chunk in chunks],
-                              dtype=mx.int32)
-            self.engine.model.forward(tokens, shared)
-            for cache in shared:
-                cache.trim([width - len(chunk) for _, chunk in chunks])
-            for b, row in enumerate(rows):
-                row.state.caches = [cache.extract(b) for cache in shared]
-            mx.eval([c.state for row in rows for c in row.state.caches])
-        except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
-            self._fail(rows, exc)
-        mx.clear_cache()
-
     def _join(self, joining: list[_Row]) -> None:
         try:
             if self._batch is None:
-                self._batch = batch_caches(self.engine.model, bits=self.engine.kv_bits,
-                                           group_size=self.engine.kv_group_size)
+                self._batch = [SoloCache() for _ in joining[0].state.caches] if self._solo \
+                    else batch_caches(self.engine.model, bits=self.engine.kv_bits,
+                                      group_size=self.engine.kv_group_size)
             for layer, cache in enumerate(self._batch):
                 cache.append([row.state.caches[layer] for row in joining])
         except Exception as exc:  # noqa: BLE001 - a half-joined batch cannot go on
@@ -525,9 +490,7 @@ class Scheduler(BatchStep):
                     else:  # correct, just not faster
                         row.speculator = row.spec_stats = None
                 except Exception as exc:  # noqa: BLE001 - the row decodes plainly instead
-                    import logging
-
-                    logging.getLogger("foretell.scheduler").warning(
+                    log.warning(
                         "%s: %s; this request decodes plainly", row.speculator.label(), exc)
                     row.speculator = row.spec_stats = None
             if row.link is not None and row.spec_stats is not None:
@@ -540,8 +503,8 @@ class Scheduler(BatchStep):
             row.feed_tokens, row.feed_hidden = [], []
         self._rows.extend(joining)
         # A resumed row streams what its checkpoint holds at once (it may end there).
-        replayed = [self._rows.index(row) for row in joining if row.state.resumed]
-        self._end([b for b in replayed if self._replay(self._rows[b])])
+        self._end([b for b, row in enumerate(self._rows)
+                   if row in joining and row.state.resumed and self._replay(row)])
 
     def _replay(self, row: _Row) -> bool:
         """Stream a resumed row's restored tokens; returns whether the row is done."""
@@ -573,9 +536,7 @@ class Scheduler(BatchStep):
                     trim_all(state.caches, 1)  # the drafter's state lines up one token back
                 row.link.final = group.attachment(row, row.link, state)
             except Exception as exc:  # noqa: BLE001 - caching the drafter never fails a row
-                import logging
-
-                logging.getLogger("foretell.scheduler").warning(
+                log.warning(
                     "not caching the drafter's state: %s", exc)
         stats = self.engine._stats(state, row.started, row.cut.first_at)
         if row.spec_stats is not None:
@@ -584,9 +545,7 @@ class Scheduler(BatchStep):
             try:
                 row.request.finish(state.held_tokens(), state.caches, completed=True)
             except Exception as exc:  # noqa: BLE001 - the cold tier never fails a request
-                import logging
-
-                logging.getLogger("foretell.scheduler").warning("not cached: %s", exc)
+                log.warning("not cached: %s", exc)
         state.caches = []
         row.handle._put(stats)
         row.handle._put(END)
@@ -635,27 +594,3 @@ class Scheduler(BatchStep):
                     row.handle._put(exc)
                 self._rows = []
 
-
-class _WiredMemory:
-    """On Apple silicon, the model's memory stays wired while the worker has requests (as
-    mlx-lm's generation does); elsewhere nothing. Held and released on the worker thread."""
-
-    def __init__(self) -> None:
-        self._previous: int | None = None
-
-    @property
-    def held(self) -> bool:
-        return self._previous is not None
-
-    def hold(self) -> None:
-        if self._previous is None and mx.metal.is_available():
-            self._previous = mx.set_wired_limit(
-                mx.device_info()["max_recommended_working_set_size"])
-
-    def release(self) -> None:
-        if self._previous is not None:
-            from foretell.concurrency import generation_stream
-
-            mx.synchronize(generation_stream())
-            mx.set_wired_limit(self._previous)
-            self._previous = None

@@ -69,6 +69,20 @@ def test_closing_a_generation_midway_cancels_its_request(engine):
     assert events and all(e.type == "text" for e in events)
 
 
+def test_an_idle_worker_ends_and_the_next_request_starts_another(engine, monkeypatch):
+    """An engine nobody uses holds no thread (and no thread holds the engine)."""
+    from foretell import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "IDLE_EXIT_S", 0.05)
+    expected = alone(engine, PROMPTS[3], 4)
+    worker = engine.scheduler._thread
+    assert worker is not None
+    worker.join(timeout=60)
+    assert not worker.is_alive() and engine.scheduler._thread is None
+    assert alone(engine, PROMPTS[3], 4) == expected
+    assert engine.scheduler._thread is not worker
+
+
 SCRIPT = """
 import json, sys, threading
 import foretell
@@ -111,6 +125,9 @@ def finish():
 finisher = threading.Thread(target=finish)
 finisher.start()
 finisher.join()
+# One left after its first event: the process exits with its request still decoding.
+left = engine.generate(prompts[1], max_tokens=3000, ignore_eos=True)
+next(left)
 print(json.dumps({{"failures": failures, "same": same, "handed": handed == alone[0]}}))
 """
 

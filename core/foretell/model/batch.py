@@ -15,6 +15,7 @@ window, so rollback never runs into an evicted token.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -290,3 +291,69 @@ def batch_caches(model: Any, *, bits: int | None = None,
         caches.append(BatchKVCache(window, bits=bits if window is None else None,
                                    group_size=group_size))
     return caches
+
+
+class SoloCache:
+    """One request's own cache of a layer as a batch of that one row, for a model whose
+    caches no batch holds (:func:`batch_caches` raises ``TypeError``): the scheduler then
+    runs such a model's requests one after another through the same step. Anything else
+    is the wrapped cache's; its rows never roll back apart, so they decode plainly."""
+
+    trims_rows = False
+
+    def __init__(self) -> None:
+        self.cache: Any = None
+
+    def __getattr__(self, name: str) -> Any:  # nbytes, state ...
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.cache is None else 1
+
+    def append(self, caches: Sequence[Any]) -> None:
+        if self.cache is not None or len(caches) != 1:
+            raise ValueError("a solo batch holds one row")
+        self.cache = caches[0]
+
+    def filter(self, keep: Sequence[int]) -> None:
+        if not keep:
+            self.cache = None
+
+    def extract(self, row: int) -> Any:
+        return self.cache
+
+    def trim(self, counts: Sequence[int]) -> None:
+        if counts[0]:
+            self.cache.trim(counts[0])
+
+
+def layer_caches(caches: Sequence[Any]) -> list[Any]:
+    """The caches a model's forward takes for a batch: a solo batch's own caches, as they
+    are (a model may look at their types), any other batch's as they are."""
+    return [c.cache if type(c) is SoloCache else c for c in caches]
+
+
+def batches(model: Any) -> bool:
+    """Whether a batch can hold ``model``'s caches (:func:`batch_caches` does not refuse)."""
+    try:
+        batch_caches(model)
+    except TypeError:
+        return False
+    return True
+
+
+def default_kv_budget() -> int:
+    """Live KV bytes the scheduler admits up to by default: 40% of the device's memory
+    (the physical RAM where MLX does not say), leaving the rest to weights and activations."""
+    total = 0
+    try:
+        total = int(mx.device_info().get("memory_size", 0))
+    except Exception:  # noqa: BLE001 - an older MLX without device_info
+        total = 0
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * 0.4)

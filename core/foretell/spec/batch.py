@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 
+from foretell.model.batch import layer_caches
 from foretell.sampling import RandomKeys, Sampler
 from foretell.spec.acceptance import judge_row
 from foretell.spec.contract import (
@@ -72,7 +73,7 @@ def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: Ro
     usable = mx.logical_and(tokens >= 0, tokens < vocab)
     window = mx.concatenate([mx.array(pending, dtype=mx.int32)[:, None],
                              mx.where(usable, tokens, 0).astype(mx.int32)], axis=1)
-    hidden, _ = model.forward(window, caches)
+    hidden, _ = model.forward(window, layer_caches(caches))
     logits = model.logits(hidden)  # [B, 1 + width, V]
     results, reported = [], {}
     for b, rule in enumerate(rules):
