@@ -38,7 +38,7 @@ class BatchStep:
     _rows: list[_Row]
     _batch: list[Any] | None
     _tokens: mx.array | None
-    _groups: dict[int, DraftGroup]
+    _groups: dict[tuple[int, bool], DraftGroup]
     _policy: Any
     _warned: dict[str, int]
 
@@ -135,6 +135,11 @@ class BatchStep:
                 except Exception:  # noqa: BLE001 - it already failed; its error is reported
                     pass
         return drafted
+
+    def _group_of(self, row: _Row) -> DraftGroup | None:
+        if row.speculator is None:
+            return None
+        return self._groups.get((id(row.speculator), row.solo))
 
     def _distrusted(self, speculator: Speculator, flags: int) -> None:
         """Once per drafter and kind: what it returned was rejected (the output is safe)."""
@@ -240,8 +245,7 @@ class BatchStep:
                     continue
                 state.caches = [cache.extract(b) for cache in self._batch]
                 try:
-                    group = self._groups.get(id(row.speculator)) \
-                        if row.speculator is not None else None
+                    group = self._group_of(row)
                     attachment = group.attachment(row, row.link, state) \
                         if group is not None and row in group.members else None
                     request.checkpoint_round(state, state.generated[-1], attachment)
@@ -286,7 +290,7 @@ class BatchStep:
     def _cap(self, row: _Row) -> int:
         # A batch whose rows cannot roll back apart (a model's own batch caches over
         # recurrent state or rings) decodes every row plainly: a rejected draft would stay.
-        if row.speculator is None or not getattr(self._batch[0], "trims_rows", True):
+        if row.speculator is None or not all(getattr(c, "trims_rows", True) for c in self._batch):
             return 0
         remaining = row.max_tokens - row.state.consumed - row.unread - 1
         return max(0, min(row.speculator.max_tokens, remaining))

@@ -92,8 +92,9 @@ class _Row:
     progress: Progress | None = None
     #: Checkpoint as it goes, and continue an interrupted identical request.
     resume: bool = False
-    #: Prompt tokens this row prefills in all, and how many it has.
-    prefill_total: int = 0
+    #: Runs alone through its own caches (:class:`~foretell.model.batch.SoloCache`).
+    solo: bool = False
+    prefill_total: int = 0  # prompt tokens it prefills in all, and how many it has
     prefilled: int = 0
 
     @property
@@ -111,8 +112,7 @@ class _Row:
 
     @property
     def round_checkpoint_due(self) -> bool:
-        """A resumable speculative row's checkpoint is due: it is taken at a round boundary
-        (the KV holding all but the pending token), which a pipelined step never leaves."""
+        """A checkpoint of a drafter's state is due: taken where a pipelined step never is."""
         link = self.link
         return (link is not None and link.checkpoints is not None
                 and link.checkpoints.wants_round_checkpoint(self.state))
@@ -171,8 +171,9 @@ class Scheduler(BatchStep):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._token_bytes: int | None = None
-        #: Whether no batch holds this model's caches (None: not known yet).
+        #: No batch holds this model's caches (None: not known yet); its batch trims rows.
         self._solo: bool | None = None
+        self._trims_rows = True
 
     # -- callers' side -----------------------------------------------------------------
 
@@ -371,12 +372,17 @@ class Scheduler(BatchStep):
         return rows * (-(-width // step) * step) * self._token_bytes_now()
 
     def _admit(self) -> None:
-        if self._solo is None:  # no batch holds such a model's caches: one at a time
-            self._solo = not batches(self.engine.model)
-        limit = 1 if self._solo else self.max_rows
-        while self._waiting and len(self._rows) + len(self._prefilling) < limit:
-            row = self._waiting[0]
-            admitted = [*self._rows, *self._prefilling, row]
+        if self._solo is None:
+            holds, self._trims_rows = batches(self.engine.model)
+            self._solo = not holds
+        while self._waiting and len(self._rows) + len(self._prefilling) < self.max_rows:
+            row, running = self._waiting[0], [*self._rows, *self._prefilling]
+            # Alone through its own caches: a model no batch holds, or a request speculating
+            # where the batch cannot roll rows back apart. Such a row runs by itself.
+            row.solo = self._solo or (row.speculator is not None and not self._trims_rows)
+            if any(r.solo for r in running) or (row.solo and running):
+                return
+            admitted = [*running, row]
             width = max(r.need for r in admitted)
             if self._reserve_bytes(len(admitted), width) > self.kv_budget_bytes:
                 return  # waits until running rows finish
@@ -400,7 +406,7 @@ class Scheduler(BatchStep):
         row.state = engine._open_request(row.ids, row.request)
         if kind is not None and row.request is not None:
             row.link = row.request.draft_link(row.speculator)
-        # A resumed request replays its checkpoint: its caches hold all but the pending token.
+        # A resumed request's caches hold all of its checkpoint but the pending token.
         row.todo = [] if row.state.generated else row.ids[row.state.cached : -1]
         row.prefill_total = len(row.todo)
         # A resumed request draws on with its checkpoint's seed (keys are per position).
@@ -467,7 +473,7 @@ class Scheduler(BatchStep):
     def _join(self, joining: list[_Row]) -> None:
         try:
             if self._batch is None:
-                self._batch = [SoloCache() for _ in joining[0].state.caches] if self._solo \
+                self._batch = [SoloCache() for _ in joining[0].state.caches] if joining[0].solo \
                     else batch_caches(self.engine.model, bits=self.engine.kv_bits,
                                       group_size=self.engine.kv_group_size)
             for layer, cache in enumerate(self._batch):
@@ -483,7 +489,7 @@ class Scheduler(BatchStep):
             attachment = None
             if row.speculator is not None:
                 try:
-                    group = self._group(row.speculator)
+                    group = self._group(row.speculator, row.solo)
                     if group.add(row, row.link):
                         if row.link is not None:
                             attachment = group.attachment(row, row.link, row.state)
@@ -513,13 +519,14 @@ class Scheduler(BatchStep):
             row.handle._put(event)
         return row.cut.done
 
-    def _group(self, speculator: Speculator) -> DraftGroup:
-        group = self._groups.get(id(speculator))
+    def _group(self, speculator: Speculator, alone: bool = False) -> DraftGroup:
+        group = self._groups.get((id(speculator), alone))
         if group is None:
             from foretell.spec.batch import DraftGroup
 
-            group = DraftGroup(speculator, self.engine.target)
-            self._groups[id(speculator)] = group
+            # A row alone drafts through per-request sources: they roll back what rows can't.
+            group = DraftGroup(speculator, self.engine.target, per_request=alone)
+            self._groups[(id(speculator), alone)] = group
         return group
 
     def _finish(self, b: int) -> None:
@@ -529,7 +536,7 @@ class Scheduler(BatchStep):
             row.handle._put(tail)
         state = row.state
         state.caches = [cache.extract(b) for cache in self._batch]
-        group = self._groups.get(id(row.speculator)) if row.speculator is not None else None
+        group = self._group_of(row)
         if row.link is not None and group is not None and row in group.members:
             try:
                 if state.held == len(state.prompt) + len(state.generated):

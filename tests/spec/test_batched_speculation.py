@@ -80,7 +80,7 @@ def test_rows_with_different_drafters_and_none_share_one_batch(engines, model_di
     groups = []  # each drafter's rows, as the scheduler makes them
     made = Scheduler._group
     monkeypatch.setattr(Scheduler, "_group",
-                        lambda self, speculator: groups.append(made(self, speculator)) or groups[-1])
+                        lambda self, *args: groups.append(made(self, *args)) or groups[-1])
     handles = [scheduler.submit(p, max_tokens=n, ignore_eos=True, speculate=s)
                for p, n, s in zip(PROMPTS, LENGTHS, drafters)]
     for prompt, n, handle in zip(PROMPTS, LENGTHS, handles):

@@ -273,7 +273,7 @@ def test_a_batch_speculating_with_mtp_streams_each_request_alone(demo):
         head = [next(stream) for _ in range(3)]  # rows 0 and 1 are decoding
         late = [scheduler.submit(p, max_tokens=n, ignore_eos=True, speculate=speculator)
                 for p, n in zip(prompts[2:], lengths[2:])]
-        assert isinstance(scheduler._groups[id(speculator)].rows, MTPRows)
+        assert isinstance(scheduler._groups[(id(speculator), False)].rows, MTPRows)
         results = [_streamed(h) for h in [*early, *late]]
     finally:
         scheduler.close()

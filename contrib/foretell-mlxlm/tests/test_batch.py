@@ -277,8 +277,10 @@ def _two_model(engine, registry, draft_dir, max_tokens=3):
                            max_tokens=max_tokens, adaptive=False)
 
 
-def test_a_drafting_row_on_a_batch_that_cannot_roll_back_apart_decodes_plainly(
+def test_a_drafting_row_on_a_batch_that_cannot_roll_back_apart_runs_alone_and_speculates(
         engines, registry, model_dir):
+    """A batch's recurrent state cannot drop one row's rejected drafts; the request's own
+    (journaled) caches can: the scheduler runs it alone, then the others batch on."""
     engine = engines("qwen3_next")  # its recurrent state cannot drop a row's rejected drafts
     speculator = _two_model(engine, registry, model_dir("llama"))  # a draft that can
     scheduler = Scheduler(engine)
@@ -291,7 +293,7 @@ def test_a_drafting_row_on_a_batch_that_cannot_roll_back_apart_decodes_plainly(
         assert tokens == _tokens(engine.generate(prompt, max_tokens=16, ignore_eos=True,
                                                  speculate=False))[0]
         stats.append(ended)
-    assert stats[0].speculation["drafted"] == 0, stats[0].speculation
+    assert stats[0].speculation["drafted"] > 0, stats[0].speculation
     scheduler.close()
 
 

@@ -182,6 +182,12 @@ def test_rows_joining_at_different_times_stream_what_each_request_streams_alone(
         raise AssertionError("a batch row drafted through a per-request source")
 
     monkeypatch.setattr(speculator.provider, "open", per_request)
+    from foretell.scheduler import Scheduler
+
+    groups = []  # the drafter's rows, as the scheduler makes them
+    made = Scheduler._group
+    monkeypatch.setattr(Scheduler, "_group", lambda self, *args: groups.append(
+        made(self, *args)) or groups[-1])
     handles, streams, events = [], [], []
     for prompt, n in zip(PROMPTS, LENGTHS):
         if streams:  # the rows before this one are decoding when it joins
@@ -197,4 +203,4 @@ def test_rows_joining_at_different_times_stream_what_each_request_streams_alone(
         drafted += got[-1].speculation["drafted"]
         accepted += got[-1].speculation["accepted"]
     assert drafted > 0 and accepted > 0
-    assert isinstance(engine.scheduler._groups["ngram"].rows, NgramRows)
+    assert groups and all(isinstance(group.rows, NgramRows) for group in groups)

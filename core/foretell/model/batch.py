@@ -297,9 +297,9 @@ class SoloCache:
     """One request's own cache of a layer as a batch of that one row, for a model whose
     caches no batch holds (:func:`batch_caches` raises ``TypeError``): the scheduler then
     runs such a model's requests one after another through the same step. Anything else
-    is the wrapped cache's; its rows never roll back apart, so they decode plainly."""
-
-    trims_rows = False
+    is the wrapped cache's. The scheduler also runs a request alone this way to speculate
+    where the model's batch cannot roll rows back apart (recurrent layers): its own caches
+    can (an adapted model's journal)."""
 
     def __init__(self) -> None:
         self.cache: Any = None
@@ -313,6 +313,12 @@ class SoloCache:
     @property
     def rows(self) -> int:
         return 0 if self.cache is None else 1
+
+    @property
+    def trims_rows(self) -> bool:
+        """Whether the row could still roll back a round of the longest draft."""
+        stays = getattr(self.cache, "stays_trimmable", None)
+        return stays is not None and stays(17)
 
     def append(self, caches: Sequence[Any]) -> None:
         if self.cache is not None or len(caches) != 1:
@@ -337,13 +343,14 @@ def layer_caches(caches: Sequence[Any]) -> list[Any]:
     return [c.cache if type(c) is SoloCache else c for c in caches]
 
 
-def batches(model: Any) -> bool:
-    """Whether a batch can hold ``model``'s caches (:func:`batch_caches` does not refuse)."""
+def batches(model: Any) -> tuple[bool, bool]:
+    """Whether a batch can hold ``model``'s caches (:func:`batch_caches` does not refuse),
+    and whether it can roll its rows back apart (a verify round's ragged acceptance)."""
     try:
-        batch_caches(model)
+        caches = batch_caches(model)
     except TypeError:
-        return False
-    return True
+        return False, False
+    return True, all(getattr(c, "trims_rows", True) for c in caches)
 
 
 def default_kv_budget() -> int:

@@ -199,11 +199,11 @@ class DraftGroup:
     ``i`` is ``members[i]``, a request row with ``state`` (prompt, generated), ``sampler``
     and what its drafter has not heard yet (``feed_tokens``, ``feed_hidden``)."""
 
-    def __init__(self, speculator: Any, target: Any) -> None:
+    def __init__(self, speculator: Any, target: Any, *, per_request: bool = False) -> None:
         self.speculator = speculator
         provider = speculator.provider
         label = speculator.label()
-        opener = getattr(provider, "open_rows", None)
+        opener = None if per_request else getattr(provider, "open_rows", None)
         self.rows = opener(target) if opener is not None else SourceRows(provider, target, label)
         self.members: list[Any] = []
         self._drafted = False
