@@ -1,4 +1,5 @@
-"""Compiled forwards over fixed shapes, for the verifier's windows on CUDA.
+"""Compiled forwards over fixed shapes, for verify windows and a head's steps on CUDA (the
+scheduler's batch verify and MTP's rows do not take them yet: docs/decisions.md, "One loop").
 
 On CUDA a speculative round is bound by the host building graph nodes in Python
 (docs/speculation.md, "Pipelining and the GPU"). ``mx.compile`` replays a traced graph
