@@ -319,8 +319,7 @@ class Scheduler(BatchStep):
 
     def _take_new(self, block: bool) -> bool:
         """Move submissions into the waiting queue; False when the worker should end: closed,
-        or idle for :data:`IDLE_EXIT_S` (the next submission starts a worker again, so an
-        engine nobody uses holds no thread, and no thread holds an engine)."""
+        or idle for :data:`IDLE_EXIT_S` (an unused engine holds no thread, nor one it)."""
         timed_out = False
         try:
             # Once closing, no submission may come to wake a blocked worker: never wait then.
@@ -377,8 +376,7 @@ class Scheduler(BatchStep):
             self._solo = not holds
         while self._waiting and len(self._rows) + len(self._prefilling) < self.max_rows:
             row, running = self._waiting[0], [*self._rows, *self._prefilling]
-            # Alone through its own caches: a model no batch holds, or a request speculating
-            # where the batch cannot roll rows back apart. Such a row runs by itself.
+            # By itself through its own caches: no batch holds it, or none can roll it back.
             row.solo = self._solo or (row.speculator is not None and not self._trims_rows)
             if any(r.solo for r in running) or (row.solo and running):
                 return
@@ -512,8 +510,7 @@ class Scheduler(BatchStep):
         self._end([b for b, row in enumerate(self._rows)
                    if row in joining and row.state.resumed and self._replay(row)])
 
-    def _replay(self, row: _Row) -> bool:
-        """Stream a resumed row's restored tokens; returns whether the row is done."""
+    def _replay(self, row: _Row) -> bool:  # a resumed row's restored tokens; done?
         event = row.cut.feed(list(row.state.generated))
         if event is not None:
             row.handle._put(event)
