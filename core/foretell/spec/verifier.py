@@ -76,8 +76,8 @@ class Speculator:
     #: Who contributed the provider, for error messages.
     origin: str = ""
     #: Speculate on sampled requests too; False: those decode plainly, and only greedy ones
-    #: speculate (``"sampled": false`` in a model's ``speculation.json``: on the H200 sampled
-    #: MTP lost to plain decoding, docs/speculation.md and docs/decisions.md).
+    #: speculate (``"sampled": false`` in a model's ``speculation.json``, where sampled
+    #: drafting measured slower than plain decoding: docs/speculation.md).
     sampled: bool = True
     #: The draft-length policy, shared by this speculator's requests: what it measured of
     #: the machine and the drafter carries over, so only the first request pays the warm-up.
@@ -371,9 +371,8 @@ def _rounds(
     chosen: int | None = None
     #: Tokens of the current plain run timed from so far. A run's first step is never
     #: timed: it starts with nothing queued ahead of it (it pays for switching from
-    #: drafting), which the steps after it do not. Counted in, it made the plain-step
-    #: estimate read 2.03 ms against plain decoding's 1.12 on the H200 (sampled MTP then
-    #: drafted on at 0.80x plain), and 59 ms against ~33 for prompt lookup on the CPU.
+    #: drafting), which the steps after it do not; counted in, it nearly doubled the
+    #: plain-step estimate and kept drafters on at a loss (docs/decisions.md).
     timed = 0
 
     def after_stretch(done: int) -> int:
