@@ -142,3 +142,50 @@ def test_rows_that_joined_empty_keep_their_place_when_a_filled_row_joins(model):
     logits = model.logits(hidden)[:, -1]
     close(logits[0], alone(model, [9])[1])
     close(logits[1], alone(model, PROMPTS[1])[1])
+
+
+def test_with_fixed_shapes_verify_windows_attend_over_the_whole_buffer_and_compute_the_same(
+        model, monkeypatch):
+    """On CUDA a fused attention plans per key length: a verify window there reads the whole
+    buffer (one length per capacity step), masked, and computes what each row alone does;
+    one-token steps keep the exact length."""
+    from foretell.model import fixed
+
+    monkeypatch.setattr(fixed, "_MODE", "on")
+    batch = rows_join(model, PROMPTS)
+    assert all(cache.fixed for cache in batch)
+    seen: list[tuple[int, int]] = []
+    fetch = BatchKVCache._fetch
+
+    def recorded(self, parts, end):
+        fetched = fetch(self, parts, end)
+        keys = fetched[0] if isinstance(fetched, tuple) else fetched
+        seen.append((self._step_tokens, keys.shape[2]))
+        return fetched
+
+    update = BatchKVCache.update_and_fetch
+
+    def counting(self, keys, values):
+        self._step_tokens = keys.shape[2]
+        return update(self, keys, values)
+
+    monkeypatch.setattr(BatchKVCache, "_fetch", recorded)
+    monkeypatch.setattr(BatchKVCache, "update_and_fetch", counting)
+    sequences = [list(p) for p in PROMPTS]
+    for round_ in range(3):  # windows of 4 over growing, ragged rows
+        window = [[s[-1], 40 + round_, 41, 42] for s in sequences]
+        hidden, _ = model.forward(mx.array(window), batch)
+        kept = [2, 1, 4]
+        for cache in batch:
+            cache.trim([4 - k for k in kept])
+        logits = model.logits(hidden)
+        for row, (s, w, k) in enumerate(zip(sequences, window, kept)):
+            close(logits[row, k - 1], alone(model, s + w[1:k])[1])
+            s.extend([*w[1:k], 60 + round_])  # kept drafts, then the target's next token
+    hidden, _ = model.forward(mx.array([[s[-1]] for s in sequences]), batch)
+    for row, s in enumerate(sequences):
+        close(model.logits(hidden)[row, -1], alone(model, s)[1])
+    windows = {length for n, length in seen if n > 1}
+    assert windows == {fixed.CAPACITY_STEP}, windows
+    ones = {length for n, length in seen if n == 1}
+    assert ones == {max(len(s) for s in sequences)}, ones  # every row's slots and its token
