@@ -11,13 +11,6 @@ Architectures use a batch cache exactly as a single one: ``offset`` (an ``int32 
 of next positions, which RoPE takes per row), ``update_and_fetch`` and ``mask``. A
 sliding-window layer's rows keep everything since they joined and the mask bounds the
 window, so rollback never runs into an evicted token.
-
-Where fixed shapes are on (CUDA by default, :func:`foretell.model.fixed.fixed_shapes_on`), a
-multi-token window (a verify window, a prompt chunk) attends over the whole buffer, whose
-capacity grows in steps of :data:`~foretell.model.fixed.CAPACITY_STEP`, the mask hiding the
-slots past each row: the fused attention there plans once per key length, and a key length
-that followed the rows' lengths made a new plan nearly every round. One-token steps keep the
-exact length, which the one-query kernel takes at any size.
 """
 
 from __future__ import annotations
@@ -27,7 +20,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from foretell.model.fixed import CAPACITY_STEP, fixed_shapes_on
 from foretell.model.kvcache import KVCache, RotatingKVCache, SlidingKVCache
 
 
@@ -45,15 +37,10 @@ class BatchKVCache:
     step = 256
 
     def __init__(self, window: int | None = None, *, bits: int | None = None,
-                 group_size: int = 64, fixed: bool | None = None) -> None:
+                 group_size: int = 64) -> None:
         if window is not None and window < 1:
             raise ValueError(f"BatchKVCache window must be positive, got {window}")
         self.window = window
-        #: Multi-token windows attend over the whole buffer (module docstring); read from
-        #: the engine's settings when the cache is made unless given.
-        self.fixed = fixed_shapes_on() if fixed is None else fixed
-        if self.fixed:
-            self.step = CAPACITY_STEP
         self.bits, self.group_size = bits, group_size
         self._k: tuple[mx.array, ...] | None = None
         self._v: tuple[mx.array, ...] | None = None
@@ -80,8 +67,6 @@ class BatchKVCache:
         end = max(self.lengths) + n
         new_k, new_v = self._parts(keys), self._parts(values)
         self._ensure(end, new_k, new_v)
-        if self._whole(n):
-            end = self._k[0].shape[2]
         if len(set(self.lengths)) == 1:
             start = self.lengths[0]
             for stored, new in zip((*self._k, *self._v), (*new_k, *new_v)):
@@ -105,9 +90,6 @@ class BatchKVCache:
         uniform = len(set(self.lengths)) == 1
         if n_queries == 1 and uniform and (self.window is None or width <= self.window):
             return None
-        if self._whole(n_queries):  # the capacity the update will leave
-            have = 0 if self._k is None else self._k[0].shape[2]
-            width = max(have, _capacity(width, self.step))
         query = lengths + mx.arange(n_queries)[None, :, None]
         slot = mx.arange(width)[None, None, :]
         mask = slot <= query
@@ -213,10 +195,6 @@ class BatchKVCache:
         return 0 if self._k is None else sum(x.nbytes for x in (*self._k, *self._v))
 
     # -- internals -----------------------------------------------------------------------
-
-    def _whole(self, n: int) -> bool:
-        """Whether an ``n``-token update hands back the whole buffer (fixed shapes)."""
-        return self.fixed and n > 1
 
     def _parts(self, x: mx.array) -> tuple[mx.array, ...]:
         if self.bits is None:
