@@ -30,6 +30,7 @@ from foretell.batch_step import BatchStep
 from foretell.errors import GenerationError, QueueFull
 from foretell.model.batch import batch_caches
 from foretell.model.kvcache import KVCache, trim_all
+from foretell.platform import device
 from foretell.request import PREFILL_CHUNK, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
@@ -333,6 +334,14 @@ class Scheduler(BatchStep):
     def _open(self, row: _Row) -> None:
         engine = self.engine
         row.started = time.perf_counter()
+        cuda = device.cuda_backend()
+        if cuda is not None:
+            # Kernels compiling in workers since load (and this drafter's) land before any
+            # forward: a batch meets row counts one request never does, and each kernel it
+            # compiled itself stalled every row for half a minute.
+            if row.speculator is not None:
+                cuda.kernels.precompile(row.speculator.provider)
+            cuda.kernels.wait()
         kind = row.speculator.kind if row.speculator is not None else None
         row.request = engine._request_cache(row.speculator, False, {
             "max_tokens": row.max_tokens, "sampling": attrs.asdict(row.sampler.config),
