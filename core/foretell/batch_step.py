@@ -39,6 +39,11 @@ class BatchStep:
     _groups: dict[str, DraftGroup]
     _policy: Any
     _warned: dict[str, int]
+    _prefilling: Any
+    #: The rows (by id) the last step ran over, when it was a pipelined plain step; None
+    #: after a synchronous step. A pipelined step's time is its wait for the step before
+    #: it, so it is a plain step's cost only when that step was one over the same rows.
+    _plain_rows: tuple[int, ...] | None = None
 
     def _step(self) -> None:
         """One forward over every running row. While no row drafts and none needs its last
@@ -52,6 +57,7 @@ class BatchStep:
             self._plain_step()
             return
         chosen = dict(zip(map(id, self._rows), lengths))
+        self._plain_rows = None
         self._settle()  # rows may end here; the others keep their lengths, within max_tokens
         rows = self._rows
         if not rows:
@@ -104,7 +110,7 @@ class BatchStep:
                 and row.speculator.wants_hidden else None
             if lengths[b]:
                 row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
-                self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b])
+                self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b], row)
             logprobs = done.logprobs.get(b)
             if self._commit(row, kept, hidden, logprobs):
                 finished.append(b)
@@ -153,6 +159,11 @@ class BatchStep:
 
         rows = self._rows
         started = time.perf_counter()
+        ran, self._plain_rows = self._plain_rows, tuple(map(id, rows))
+        # Timed only after a pipelined step over the same rows with no prefill between: the
+        # first one after a synchronous step waits for nothing (the next step pays its
+        # compute), and a prefill chunk or another row set would be paid here too.
+        timed = ran == self._plain_rows and not self._prefilling
         tokens = self._tokens if self._tokens is not None else mx.array(
             [row.pending for row in rows], dtype=mx.int32)
         hidden, _ = self.engine.model.forward(tokens[:, None], self._batch)
@@ -172,7 +183,7 @@ class BatchStep:
             row.unread_hidden = hidden[b : b + 1] if row.speculator is not None \
                 and row.speculator.wants_hidden else None
         self._tokens = drawn
-        self._policy.observe(len(rows), 0, time.perf_counter() - started)
+        self._policy.observe(len(rows), 0, time.perf_counter() - started if timed else None)
         if len(rows) == 1 and rows[0].plain_left:
             self._stretch_step(rows[0], started)
         self._end(finished)
@@ -231,14 +242,14 @@ class BatchStep:
         if len(rows) == 1 and self._alone(rows[0]):
             return [self._alone_length(rows[0])]
         caps, rates, adaptive = [], [], False
+        self._policy.retain(rows)
         for row in rows:
             speculator = row.speculator
             caps.append(self._cap(row))
             if speculator is None:
                 rates.append(None)
                 continue
-            stats = row.spec_stats
-            rates.append(self._policy.rate(stats.drafted, stats.accepted, speculator.kind))
+            rates.append(self._policy.row_rate(row, speculator.kind))
             adaptive = adaptive or speculator.adaptive
         top = max((row.speculator.max_tokens for row in rows if row.speculator is not None),
                   default=0)
