@@ -93,9 +93,12 @@ PLAIN_STRETCH = 8
 #: bound widens: how often it is probed again is then the budget's to say.
 STRETCH_DECAY = DECAY**PLAIN_STRETCH
 #: The stretch that times plain steps while drafting (the first time, and when the estimate
-#: is stale): the verifier never times a run's first step, so three are timed, and a drafter
-#: that pays loses little time to learning what a plain step costs.
-TIMING_STRETCH = 4
+#: is stale): the verifier never times a run's first step, so two are timed. A fresh policy
+#: times plain steps twice in its first dozen rounds (the second in case the first met a
+#: slow moment), which a short request pays at plain speed: simulated, four steps instead
+#: of three left one request of 96 tokens at 0.92 of the best fixed length on the demo
+#: pair's agreement with held-out code, three 0.94 (docs/decisions.md, item 16).
+TIMING_STRETCH = 3
 #: Drafted rounds (at the most tokens) before the first choice; the first is not timed.
 WARMUP_ROUNDS = 3
 #: Standard errors of the times by which drafting must beat plain steps to be chosen ...
