@@ -519,8 +519,9 @@ def test_a_few_rejected_rounds_at_a_request_s_start_do_not_condemn_a_drafter():
 
 #: Where the demo's draft agrees with its target, position by position, along the greedy
 #: continuation of eight held-out code prompts (1,000 characters of this project's own
-#: modules, not in the demo's training corpus; ``python benchmarks/adaptive_length.py
-#: --agreement 160``): a greedy round drafting from a position keeps the run of 1s there.
+#: modules as they stood on 2026-12-06, not in the demo's training corpus; ``python
+#: benchmarks/adaptive_length.py --agreement 160``): a greedy round drafting from a position
+#: keeps the run of 1s there.
 HELD_OUT_AGREEMENT = (
     "0100111110110111101101101111111011111011111110111101111111101111101111011110111111111111"
     "111111010110111111101011111111111001011111111111111101111011111111011111",
