@@ -1,6 +1,6 @@
 """The batch's draft-length policy decides from what it measured: acceptance per row (with a
-prior, so a few early rejections do not condemn a drafter) and cost per batch shape (median,
-so one noisy step moves nothing); plain decoding wins where drafts cannot pay, a shape not
+prior, so a few early rejections do not condemn a drafter) and cost per batch shape (lower
+quartile, so one noisy step moves nothing); plain decoding wins where drafts cannot pay, a shape not
 measured is estimated rather than probed, and a shape not measured lately is tried again,
 seldom enough that the looks cost little."""
 
@@ -278,3 +278,17 @@ def test_rows_finishing_apart_keep_drafting_at_each_new_row_count():
     for rows in (7, 5, 4, 2):
         assert max(policy.choose([4] * rows, [0.8] * rows)) == 4
         policy.observe(rows, 4, None)  # the row set changed: the caller could not time it
+
+
+def test_a_busy_host_while_decoding_plainly_does_not_make_drafting_look_cheap():
+    """Another process slowing the host for a while lengthens the steps timed then; a
+    shape's cost is the lower quartile of its timings, so plain decoding timed mostly in a
+    busy moment is still weighed at what it costs, against drafts timed in a quiet one."""
+    policy = BatchDraftPolicy()
+    # Width 2 costs 2.2 plain steps: at 77% acceptance (2.36 tokens a row) it cannot pay.
+    chosen = run(policy, [4] * 8, [0.77] * 8, lambda rows, w: 1.0 + 0.6 * w, 12)
+    assert chosen[-1] == 0
+    for _ in range(6):  # a busy moment: plain steps take twice as long
+        policy.choose([4] * 8, [0.77] * 8)
+        policy.observe(8, 0, 2.0)
+    assert max(policy.choose([4] * 8, [0.77] * 8)) == 0
