@@ -16,8 +16,9 @@ and a drafted round right after plain steps (it also pays for switching back: a 
 drafter catches up on the plain tokens), so a probe from plain steps is two rounds, the
 second one timed; the verifier likewise never times a plain run's first step, and times
 plain steps from a short stretch (:data:`TIMING_STRETCH`) while drafting pays. No decision
-rests on one time: each length's estimate is the median of its last few rounds, and a length
-timed once does not shape the line while others were timed more often.
+rests on one time: each length's estimate is the median of its last few rounds, a length
+timed once does not shape the line while others were timed more often, and a drafter that
+agrees is not switched off on times all taken in one moment (:meth:`_unconfirmed`).
 
 **Acceptance.** Per position, decayed counts with a prior (the position before it), so
 what a drafter did lately weighs most. Whether drafting pays is judged on their mean; which
@@ -113,6 +114,9 @@ CLEAR_GAIN = 0.1
 #: looked like a gain for good (docs/decisions.md: self-drafting, which cannot pay on a CPU,
 #: drafted at 0.75x plain).
 STALE_ROUNDS = 128
+#: A length whose time rests on rounds of one moment is timed again before it switches
+#: drafting off if its rounds would yield this many tokens on the mean acceptance.
+UNCONFIRMED = 1.5
 #: Observations the policy keeps as it was told them (:attr:`DraftLengthPolicy.told`), for a
 #: benchmark to show what its estimates came from: a request of 512 tokens, every one.
 TOLD_KEPT = 512
@@ -146,6 +150,9 @@ class DraftLengthPolicy:
         #: of it a probe that paid gets.
         self._exploring = 0
         self._trial = 0
+        #: Lengths timed again once because their few rounds ruled drafting out
+        #: (:meth:`_unconfirmed`).
+        self._confirmed: set[int] = set()
         #: Plain steps drafting after the warm-up has gained against plain decoding, net
         #: (negative: lost).
         self._balance = 0.0
@@ -278,6 +285,13 @@ class DraftLengthPolicy:
         if best and rates[best] < (1 + margin) * rates[0]:
             best = 0
         if best == 0:
+            again = self._unconfirmed(expected)
+            if again:
+                # Timed again from plain steps (two rounds, the second timed), as a probe:
+                # if it pays by itself, TRIAL_ROUNDS more outvote the rounds that ruled it out.
+                self._confirmed.add(again)
+                self._exploring, self._trial = again, 0
+                return min(again, limit)
             self._exploring = self._explore(times)
             if self._exploring and self._plain_stale():
                 return 0
@@ -343,6 +357,21 @@ class DraftLengthPolicy:
             mean = self._expected(self.acceptance())
             return self._stale_probe([e / t for e, t in zip(mean, times)], mean) or 0
         return 0
+
+    def _unconfirmed(self, expected: list[float]) -> int | None:
+        """While no drafted length has been timed three times, every drafted time rests on
+        rounds of one moment (the warm-up's two timed rounds follow each other): a length
+        whose rounds would yield UNCONFIRMED tokens on the mean acceptance is then timed once
+        more before its cost switches drafting off, whatever the budget. Measured on the busy
+        2-core CPU: the warm-up's timed rounds took 324 and 665 ms against ~45 (another
+        process's burst), the plain steps timed next 42 ms, and the request decoded its
+        other 90 tokens plainly (0.31x the fixed length); a drafter that cannot pay at any
+        cost (a never-agreeing one) is never timed again this way."""
+        if any(n and len(recent) >= 3 for n, recent in self._samples.items()):
+            return None  # a length was timed at several moments: probes and budget decide
+        thin = [n for n in self._time if n and n not in self._confirmed
+                and n <= self.max_k and expected[n] > UNCONFIRMED]
+        return max(thin, key=lambda n: expected[n] / self._time[n]) if thin else None
 
     def _stale_probe(self, rates: list[float], expected: list[float]) -> int | None:
         """The length timed longest ago among those that would beat the best one by a
