@@ -53,8 +53,9 @@ PRIOR_WEIGHT = 6.0
 KEEP = 9
 #: The fewest steps between two looks at a width not chosen.
 REPROBE = 48
-#: The most of the time between looks that a look may lose.
-LOOK_SHARE = 0.02
+#: The most of the time between looks that a look's own steps may lose (rows drifting
+#: apart after it lose about as much again at a batch's end).
+LOOK_SHARE = 0.01
 #: What the best row's acceptance might yet be above its estimate, when judging whether a
 #: width is worth looking at at all; a width that could not pay even then is looked at
 #: HOPELESS_SLOWER times less often.
