@@ -160,17 +160,18 @@ def _read(path: Path) -> bytes | None:
     except OSError as exc:
         log.debug("draft-length memory %s ignored: %s", path, exc)
         return None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
             log.debug("draft-length memory %s ignored: not a regular file of at most %d "
                       "bytes", path, MAX_BYTES)
             return None
-        try:
-            data = f.read(MAX_BYTES + 1)
-        except OSError as exc:
-            log.debug("draft-length memory %s ignored: %s", path, exc)
-            return None
+        data = os.read(fd, MAX_BYTES + 1)
+    except OSError as exc:
+        log.debug("draft-length memory %s ignored: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
     if len(data) > MAX_BYTES:  # grew since fstat
         log.debug("draft-length memory %s ignored: over %d bytes", path, MAX_BYTES)
         return None

@@ -227,7 +227,9 @@ class DraftLengthPolicy:
                 "acceptance": [[round(a, 4), round(o, 4)]
                                for a, o in zip(self._accepted, self._offered)],
                 "costs": [round(max(c, 1.0), 4) for c in costs],
-                "timings": min(own + held, STATE_TIMINGS), "plain_s": times[0]}
+                "timings": min(own + held, STATE_TIMINGS),
+                # Nothing timed here: the recalled plain step (times are in its units).
+                "plain_s": times[0] if self._time else self._recalled_plain}
 
     def recall(self, state: object) -> None:
         """Start from ``state`` (another process's :meth:`state`) instead of nothing: see
