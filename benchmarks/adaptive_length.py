@@ -6,13 +6,18 @@
 
 One process, the demo target with its two-model drafter (``demo-draft``, up to 4 a round).
 Each round runs, per prompt, plain decoding, the default adaptive length with a fresh policy
-(what ``foretell run`` gets: one request per process), the default with the policy kept
-across this process's requests (what a library user or server gets: the speculator's policy
-outlives a request), and fixed k = 3 and k = 4, the order flipping per round. Then the cases
-where drafting cannot pay, each paired with plain decoding on the first prompt: the demo
-drafting for itself, prompt lookup finding nothing (a drafter whose every draft is empty)
-and a drafter that never agrees (the demo draft, each token shifted by one id). Rows report decode tok/s per round and their median; ratios are
-taken within a round. Numbers only, never assertions.
+(a process with no memory: ``foretell run --no-policy-memory``), the default with a fresh
+policy that recalled the state the previous such run stored (``foretell run``: each run is a
+process, :mod:`foretell.spec.memory`; the chain starts from ``--teach`` runs on a prompt
+that is never timed), the default with the policy kept across this process's requests (what
+a library user or server gets: the speculator's policy outlives a request), and fixed k = 3
+and k = 4, the order flipping per round. Then the cases where drafting cannot pay, each
+paired with plain decoding on the first prompt: the demo drafting for itself, prompt lookup
+finding nothing (a drafter whose every draft is empty) and a drafter that never agrees (the
+demo draft, each token shifted by one id), each fresh, kept, and recalling the state the
+paying runs above stored (the prior must not keep them drafting). Rows report decode tok/s
+per round and their median; ratios are taken within a round. Numbers only, never
+assertions.
 
 The prompts are 1,000 characters of this repository's own modules (not in the demo's
 training corpus, docs/demo-models.md); their text goes into the JSON. ``--agreement`` prints,
@@ -100,6 +105,31 @@ class NeverAgrees:
         return _Shifted(self._provider.open(target, sampler), target.model.vocab_size)
 
 
+#: The prompt the recalled row's memory is first taught on (never timed).
+TEACH_PROMPT = "core/foretell/cache/tier.py@6000"
+
+
+class Remembering:
+    """A row each of whose runs is a new ``foretell run`` process: a fresh policy that
+    recalled ``state`` (through JSON, as the file keeps it), and with ``keep``, the state it
+    stored replaces it (:meth:`done`)."""
+
+    def __init__(self, base: Any, state: dict | None = None, keep: bool = True):
+        self.base, self.state, self.keep, self.last = base, state, keep, None
+
+    def __call__(self) -> Any:
+        import attrs
+
+        self.last = attrs.evolve(self.base)
+        if self.state is not None:
+            self.last.policy.recall(json.loads(json.dumps(self.state)))
+        return self.last
+
+    def done(self) -> None:
+        if self.keep and self.last is not None:
+            self.state = self.last.policy.state() or self.state
+
+
 def read_prompt(spec: str, chars: int) -> str:
     path, _, offset = spec.partition("@")
     return (ROOT / path).read_text(encoding="utf-8")[int(offset or 0):][:chars]
@@ -140,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generate", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-cannot-pay", action="store_true")
+    ap.add_argument("--teach", type=int, default=3,
+                    help=f"runs on {TEACH_PROMPT} that start the recalled row's memory (default 3)")
     ap.add_argument("--agreement", type=int, default=None, metavar="TOKENS",
                     help="instead of timing: print where the draft agrees with the target "
                          "along TOKENS of each prompt's greedy continuation (default prompts: "
@@ -193,12 +225,19 @@ def main(argv: list[str] | None = None) -> int:
         request) once per round, order flipping; medians and each row's within-round ratio
         to plain."""
         names = list(rows)
+
+        def once(row: str) -> dict[str, Any]:
+            got = run(ids, rows[row]() if callable(rows[row]) else rows[row])
+            if isinstance(rows[row], Remembering):
+                rows[row].done()
+            return got
+
         for row in names:  # warm-up: shapes, draft weights
-            run(ids, rows[row]() if callable(rows[row]) else rows[row])
+            once(row)
         got: dict[str, list[dict[str, Any]]] = {row: [] for row in names}
         for i in range(args.rounds):
             for row in names if i % 2 == 0 else names[::-1]:
-                got[row].append(run(ids, rows[row]() if callable(rows[row]) else rows[row]))
+                got[row].append(once(row))
             print(f"{name} round {i + 1}: " + ", ".join(
                 f"{row} {got[row][-1]['tps']:.1f}" for row in names), file=sys.stderr)
         table = {}
@@ -227,14 +266,20 @@ def main(argv: list[str] | None = None) -> int:
                               "generate": args.generate, "rounds": args.rounds,
                               "load_before": os.getloadavg(), "prompts": {}, "cannot_pay": {}}
     prompts = args.prompt or list(PROMPTS)
+    remembering = Remembering(draft)
+    teach_ids = engine.encode_prompt(read_prompt(TEACH_PROMPT, args.chars))
+    for _ in range(args.teach):
+        run(teach_ids, remembering())
+        remembering.done()
+    report["taught_state"] = remembering.state
     first_ids = None
     for spec in prompts:
         text = read_prompt(spec, args.chars)
         ids = engine.encode_prompt(text)
         first_ids = first_ids or ids
         warm = attrs.evolve(draft)
-        rows = {"plain": False, "default": fresh, "default-kept": warm,
-                "k=3": fixed[3], "k=4": fixed[4]}
+        rows = {"plain": False, "default": fresh, "default-recalled": remembering,
+                "default-kept": warm, "k=3": fixed[3], "k=4": fixed[4]}
         report["prompts"][spec] = {"text": text, "tokens": len(ids),
                                    "rows": paired(spec, rows, ids)}
 
@@ -244,12 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         engine.use_draft(None)
         never = Speculator(kind="never-agrees", provider=NeverAgrees(draft.provider),
                            max_tokens=draft.max_tokens)
-        rows = {"plain": False, "self": lambda: attrs.evolve(selfish),
-                "self-kept": selfish, "never-agrees": lambda: attrs.evolve(never),
-                "never-agrees-kept": never}
+        # What the paying runs above stored, recalled by every run of a drafter that
+        # cannot pay (never kept: each run starts from the paying state again).
+        paying = remembering.state
+        report["paying_state"] = paying
         nothing = Speculator(kind="finds-nothing", provider=FindsNothing(), max_tokens=4)
-        rows["finds-nothing"] = lambda: attrs.evolve(nothing)
-        rows["finds-nothing-kept"] = nothing
+        rows = {"plain": False}
+        for name, spec in (("self", selfish), ("never-agrees", never),
+                           ("finds-nothing", nothing)):
+            rows[name] = lambda spec=spec: attrs.evolve(spec)
+            rows[f"{name}-kept"] = spec
+            rows[f"{name}-recalled"] = Remembering(spec, paying, keep=False)
         report["cannot_pay"] = paired("cannot pay", rows, first_ids)
 
     report["load_after"] = os.getloadavg()
