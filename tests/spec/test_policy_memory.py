@@ -211,6 +211,17 @@ def test_a_stored_state_is_recalled_under_its_key_only(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [memory.state_path(KEY, tmp_path).name]
 
 
+def test_a_killed_writers_temporary_file_is_reaped_a_live_ones_kept(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    orphan, live = tmp_path / ".abc.1.tmp", tmp_path / ".abc.2.tmp"
+    orphan.write_text("{")
+    live.write_text("{")
+    old = orphan.stat().st_mtime - memory.ORPHAN_AGE_S - 60
+    os.utime(orphan, (old, old))
+    assert memory.store(_learned(), KEY, tmp_path)
+    assert not orphan.exists() and live.exists()
+
+
 def test_a_policy_with_nothing_learned_stores_nothing(tmp_path):
     assert not memory.store(DraftLengthPolicy(4), KEY, tmp_path)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -13,7 +13,8 @@ drafter (kind, draft identity, options, most tokens a round, acceptance rule), t
 Nothing here is ever an error: a missing, unreadable, oversized, special, foreign or corrupt
 file is ignored with one debug line, and so is a file that cannot be written. Writes go to
 a temporary file renamed over the old one, so concurrent runs leave one of their states
-whole (the last to finish), never a mixture.
+whole (the last to finish), never a mixture; a killed writer's temporary file is removed by
+a later store once it is an hour old.
 """
 
 from __future__ import annotations
@@ -95,7 +96,26 @@ def store(policy: DraftLengthPolicy, key: dict[str, Any], root: Path | None = No
     except OSError as exc:
         log.debug("draft-length memory %s not written: %s", path, exc)
         return False
+    _reap(path.parent)
     return True
+
+
+#: A temporary file this old is a killed writer's, never one still being written (a write
+#: takes milliseconds).
+ORPHAN_AGE_S = 3600.0
+
+
+def _reap(folder: Path) -> None:
+    """Remove temporary files that killed writers left behind (never a live writer's)."""
+    import time
+
+    now = time.time()
+    for tmp in folder.glob(".*.tmp"):
+        try:
+            if tmp.is_file() and not tmp.is_symlink() and now - tmp.stat().st_mtime > ORPHAN_AGE_S:
+                tmp.unlink()
+        except OSError:
+            pass  # another run reaped it first
 
 
 def remember(engine: Any, *, sampled: bool, root: Path | None = None
