@@ -118,7 +118,7 @@ def test_the_state_holds_ratios_not_seconds_and_caps_what_it_recalls():
     _request(slow, _agrees(HELD_OUT_AGREEMENT[0]), 96, (1.9, 0.46), seed=1)
     assert slow.state()["costs"][-1] > state["costs"][-1]  # a dearer round is dearer
     recalled = _recalled(state)
-    assert max(recalled._offered) <= RECALLED_ROUNDS + 1e-9
+    assert max(recalled._prior_offered) <= RECALLED_ROUNDS + 1e-9
     assert recalled.acceptance()[0] == pytest.approx(
         _recalled(state).acceptance()[0])  # recall is deterministic
     assert DraftLengthPolicy(4, adaptive=False).state() is None

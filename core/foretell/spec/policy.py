@@ -53,8 +53,8 @@ nothing under another process's load; their ratios hold on one device). A policy
 one (:meth:`DraftLengthPolicy.recall`) skips the warm-up and drafts what the state says
 pays, reading this process's plain-step cost off its own drafted rounds until plain steps
 are timed. It is a prior: its acceptance counts weigh :data:`RECALLED_ROUNDS` rounds at most
-(a drafter that stopped agreeing is switched off about as fast as a fresh policy switches
-it off), the lengths timed here keep their own costs and scale the others, and plain steps
+and fade by :data:`RECALL_FADE` each round the request drafts to their position (a drafter
+that stopped agreeing is switched off about as fast as a fresh policy switches it off), the lengths timed here keep their own costs and scale the others, and plain steps
 are timed at once when this process's drafted rounds imply a plain step
 :data:`PLAIN_DRIFT` times off the state's own (a dearer drafter, a busier host). Without
 that the recalled costs stand in for the timings a short request cannot afford, which is
@@ -135,6 +135,9 @@ STATE_FORMAT = 1
 #: A recalled state's acceptance counts weigh at most this many rounds at any position:
 #: what a warm-up would have taught, so the request's own rounds outvote it within a few.
 RECALLED_ROUNDS = 3.0
+#: What a recalled state's acceptance counts keep of their weight at a position each time
+#: this request drafts to it.
+RECALL_FADE = 0.8
 #: The most plain-step timings a state's costs are taken to rest on: a state blends what a
 #: process timed into what it recalled by their timings, so older processes' weigh at most
 #: this many and a lasting change shows within a few processes.
@@ -158,6 +161,10 @@ class DraftLengthPolicy:
         # Observed (decayed) counts per draft position; priors are added in acceptance().
         self._offered = [0.0] * max_k
         self._accepted = [0.0] * max_k
+        #: A recalled state's counts per position, apart: each round this request drafts
+        #: to a position fades them by RECALL_FADE, so the request's own rounds take over.
+        self._prior_offered = [0.0] * max_k
+        self._prior_accepted = [0.0] * max_k
         #: Estimated round time by tokens drafted (0: a plain step): the typical recent one.
         self._time: dict[int, float] = {}
         self._samples: dict[int, deque[float]] = {}
@@ -225,7 +232,7 @@ class DraftLengthPolicy:
             costs = [self._ratios[k] for k in range(1, self.max_k + 1)]
         return {"format": STATE_FORMAT, "max_k": self.max_k,
                 "acceptance": [[round(a, 4), round(o, 4)]
-                               for a, o in zip(self._accepted, self._offered)],
+                               for a, o in zip(*self._counts())],
                 "costs": [round(max(c, 1.0), 4) for c in costs],
                 "timings": min(own + held, STATE_TIMINGS),
                 # Nothing timed here: the recalled plain step (times are in its units).
@@ -241,8 +248,8 @@ class DraftLengthPolicy:
         accepted, offered, costs, timings, plain = _checked_state(state)
         n = min(len(offered), self.max_k)
         scale = min(1.0, RECALLED_ROUNDS / max(offered[0], 1e-9))
-        self._accepted[:n] = [a * scale for a in accepted[:n]]
-        self._offered[:n] = [o * scale for o in offered[:n]]
+        self._prior_accepted[:n] = [a * scale for a in accepted[:n]]
+        self._prior_offered[:n] = [o * scale for o in offered[:n]]
         # Lengths past the state's longest: its last step per token goes on.
         step = costs[-1] - costs[-2] if len(costs) > 1 else max(costs[0] - 1.0, 0.0)
         costs = costs + [costs[-1] + step * i for i in range(1, self.max_k - len(costs) + 1)]
@@ -258,11 +265,17 @@ class DraftLengthPolicy:
         would keep a good drafter from ever trying longer drafts. ``optimism`` > 0: that many
         standard errors higher (at most 1), wide while the evidence is thin."""
         rates, prior = [], 0.5
-        for accepted, offered in zip(self._accepted, self._offered):
+        for accepted, offered in zip(*self._counts()):
             prior = (accepted + PRIOR_ROUNDS * prior) / (offered + PRIOR_ROUNDS)
             spread = math.sqrt(prior * (1.0 - prior) / (offered + PRIOR_ROUNDS))
             rates.append(min(1.0, prior + optimism * spread))
         return rates
+
+    def _counts(self) -> tuple[list[float], list[float]]:
+        """Accepted and offered per position: this policy's own decayed counts plus what
+        is left of a recalled state's."""
+        return ([a + b for a, b in zip(self._accepted, self._prior_accepted)],
+                [a + b for a, b in zip(self._offered, self._prior_offered)])
 
     def expected_tokens(self, k: int) -> float:
         return self._expected(self.acceptance())[k]
@@ -559,6 +572,8 @@ class DraftLengthPolicy:
         for i in range(drafted):
             self._offered[i] = self._offered[i] * DECAY + 1.0
             self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
+            self._prior_offered[i] *= RECALL_FADE
+            self._prior_accepted[i] *= RECALL_FADE
             if i >= accepted:
                 break
 
