@@ -21,6 +21,13 @@ def _no_plugin_env_leaks(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _own_policy_memory(monkeypatch, tmp_path_factory):
+    # `foretell run` keeps what its draft-length policy learned (foretell.spec.memory): a
+    # state left by another test or session would change how a test's run drafts.
+    monkeypatch.setenv("FORETELL_POLICY_MEMORY_DIR", str(tmp_path_factory.mktemp("policy")))
+
+
 NGRAM_SOURCE = Path(__file__).resolve().parents[1] / "contrib" / "foretell-ngram"
 
 

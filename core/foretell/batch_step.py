@@ -41,6 +41,11 @@ class BatchStep:
     _groups: dict[tuple[int, bool], DraftGroup]
     _policy: Any
     _warned: dict[str, int]
+    _prefilling: Any
+    #: The rows (by id) the last step ran over, when it was a pipelined plain step; None
+    #: after a synchronous step. A pipelined step's time is its wait for the step before
+    #: it, so it is a plain step's cost only when that step was one over the same rows.
+    _plain_rows: tuple[int, ...] | None = None
 
     def _step(self) -> None:
         """One forward over every running row. While no row drafts and none needs its last
@@ -54,6 +59,7 @@ class BatchStep:
             self._plain_step()
             return
         chosen = dict(zip(map(id, self._rows), lengths))
+        self._plain_rows = None
         self._settle()  # rows may end here; the others keep their lengths, within max_tokens
         rows = self._rows
         if not rows:
@@ -106,7 +112,7 @@ class BatchStep:
                 and row.speculator.wants_hidden else None
             if lengths[b]:
                 row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
-                self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b])
+                self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b], row)
             elif row.spec_stats is not None:
                 row.spec_stats.record(0, 0, 0)  # a plain step of a speculating request
             logprobs = done.logprobs.get(b)
@@ -163,6 +169,11 @@ class BatchStep:
 
         rows = self._rows
         started = time.perf_counter()
+        ran, self._plain_rows = self._plain_rows, tuple(map(id, rows))
+        # Timed only after a pipelined step over the same rows with no prefill between: the
+        # first one after a synchronous step waits for nothing (the next step pays its
+        # compute), and a prefill chunk or another row set would be paid here too.
+        timed = ran == self._plain_rows and not self._prefilling
         tokens = self._tokens if self._tokens is not None else mx.array(
             [row.pending for row in rows], dtype=mx.int32)
         hidden, _ = self.engine.model.forward(tokens[:, None], layer_caches(self._batch))
@@ -184,7 +195,7 @@ class BatchStep:
             row.unread_hidden = hidden[b : b + 1] if row.speculator is not None \
                 and row.speculator.wants_hidden else None
         self._tokens = drawn
-        self._policy.observe(len(rows), 0, time.perf_counter() - started)
+        self._policy.observe(len(rows), 0, time.perf_counter() - started if timed else None)
         if len(rows) == 1 and rows[0].plain_left:
             self._stretch_step(rows[0], started)
         self._checkpoint(finished)
@@ -258,6 +269,22 @@ class BatchStep:
                 finally:
                     state.caches = []
 
+    def _progressed(self, row: _Row, tokens: int) -> None:
+        """Tell ``prefill_progress`` of a chunk; one that raises fails its request only."""
+        row.prefilled += tokens
+        if row.progress is None:
+            return
+        try:
+            row.progress(row.prefilled, row.prefill_total)
+        except Exception as exc:  # noqa: BLE001 - the caller's callback fails its request
+            self._fail([row], exc)
+
+    def _replay(self, row: _Row) -> bool:  # a resumed row's restored tokens; done?
+        event = row.cut.feed(list(row.state.generated))
+        if event is not None:
+            row.handle._put(event)
+        return row.cut.done
+
     def _end(self, finished: list[int]) -> None:
         if finished:
             for b in finished:
@@ -274,14 +301,14 @@ class BatchStep:
         if len(rows) == 1 and self._alone(rows[0]):
             return [self._alone_length(rows[0])]
         caps, rates, adaptive = [], [], False
+        self._policy.retain(rows)
         for row in rows:
             speculator = row.speculator
             caps.append(self._cap(row))
             if speculator is None:
                 rates.append(None)
                 continue
-            stats = row.spec_stats
-            rates.append(self._policy.rate(stats.drafted, stats.accepted, speculator.kind))
+            rates.append(self._policy.row_rate(row, speculator.kind))
             adaptive = adaptive or speculator.adaptive
         top = max((row.speculator.max_tokens for row in rows if row.speculator is not None),
                   default=0)

@@ -42,7 +42,10 @@ def _byte_level_alphabet() -> dict[str, int]:
     return table
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _byte_level_bytes(token: str) -> bytes:
+    # Cached: every row of a batch decodes each token through here, and building the bytes
+    # costs several times the lookup.
     alphabet = _byte_level_alphabet()
     try:
         return bytes(alphabet[c] for c in token)

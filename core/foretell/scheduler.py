@@ -33,6 +33,7 @@ from foretell.batch_step import BatchStep
 from foretell.errors import ForetellError, GenerationError, QueueFull
 from foretell.model.batch import SoloCache, batch_caches, batches, default_kv_budget
 from foretell.model.kvcache import trim_all
+from foretell.platform import device
 from foretell.request import Progress, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
 from foretell.spec.batch_policy import BatchDraftPolicy
@@ -218,11 +219,6 @@ class Scheduler(BatchStep):
             self.engine._check_resumable()
         need = len(ids) + max_tokens
         self._check_fits(need)
-        from foretell.platform import device
-
-        cuda = device.cuda_backend()
-        if cuda is not None:
-            cuda.kernels.wait()  # for kernels compiling in parallel since load
         handle = RequestHandle(self._wake, len(ids))
         eos = frozenset() if ignore_eos else self.engine.tokenizer.eos_token_ids
         row = _Row(handle=handle, ids=ids, sampler=Sampler(sampling), stops=StopMatcher(stop),
@@ -397,6 +393,14 @@ class Scheduler(BatchStep):
         row.started = time.perf_counter()
         if not (self._rows or self._prefilling):
             mx.reset_peak_memory()  # alone, its peak is its own, as a request's used to be
+        cuda = device.cuda_backend()
+        if cuda is not None:
+            # Kernels compiling in workers since load (and this drafter's) land before any
+            # forward: a batch meets row counts one request never does, and each kernel it
+            # compiled itself stalled every row for half a minute.
+            if row.speculator is not None:
+                cuda.kernels.precompile(row.speculator.provider)
+            cuda.kernels.wait()
         kind = row.speculator.kind if row.speculator is not None else None
         row.request = engine._request_cache(row.speculator, row.resume, {
             "max_tokens": row.max_tokens, "sampling": attrs.asdict(row.sampler.config),
@@ -458,16 +462,6 @@ class Scheduler(BatchStep):
         if joining:
             self._join(joining)
 
-    def _progressed(self, row: _Row, tokens: int) -> None:
-        """Tell ``prefill_progress`` of a chunk; one that raises fails its request only."""
-        row.prefilled += tokens
-        if row.progress is None:
-            return
-        try:
-            row.progress(row.prefilled, row.prefill_total)
-        except Exception as exc:  # noqa: BLE001 - the caller's callback fails its request
-            self._fail([row], exc)
-
     def _join(self, joining: list[_Row]) -> None:
         try:
             if self._batch is None:
@@ -509,12 +503,6 @@ class Scheduler(BatchStep):
         # A resumed row streams what its checkpoint holds at once (it may end there).
         self._end([b for b, row in enumerate(self._rows)
                    if row in joining and row.state.resumed and self._replay(row)])
-
-    def _replay(self, row: _Row) -> bool:  # a resumed row's restored tokens; done?
-        event = row.cut.feed(list(row.state.generated))
-        if event is not None:
-            row.handle._put(event)
-        return row.cut.done
 
     def _group(self, speculator: Speculator, alone: bool = False) -> DraftGroup:
         group = self._groups.get((id(speculator), alone))

@@ -181,15 +181,10 @@ def block_pieces(hosts: dict[tuple[int, str], np.ndarray], group: Group, begin: 
 
 
 #: A piece whose runs (one per leading index) are smaller than this is copied into one
-#: buffer before it is hashed and written. On the 2-core EPYC a decode-like loop (0.5 ms
-#: of Python, then 3 ms of waiting without the GIL) beside a writer storing the 4B shape
-#: with 8-bit KV (321 MB: runs of 64 KiB for the packed values, 2 KiB for scales and
-#: biases) ran at 0.91-0.92x idle with every run a view, 0.94-0.96x with the runs under
-#: 64 KiB packed, 0.99x with those under 128 KiB packed, its writes taking 405-431, 236-292
-#: and 306-327 ms; on an H200 host 0.88x with the 64 KiB threshold, 0.99x with this one
-#: (docs/block-store.md). Runs of bf16 KV
-#: with 128-dim heads (128 KiB at 512 tokens) stay views: copying them cost page faults a
-#: decode beside the writer paid for, and the loop ran at 0.99-1.00x beside them anyway.
+#: buffer before it is hashed and written: each small run hashed and written alone hands
+#: the GIL over once, and a decode beside the writer waits on every hand-over; this
+#: threshold kept such a decode at full speed where 64 KiB did not (docs/block-store.md).
+#: Larger runs (bf16 KV) stay views: copying them costs page faults and buys nothing.
 PACK_RUNS_BELOW = 128 << 10
 
 
@@ -367,11 +362,8 @@ def host_buffers(specs: list[TensorSpec], *, on_gpu: bool = False,
     pay (docs/block-store.md). ``on_gpu`` fills them on the GPU, so a CUDA GPU's managed
     memory is born there and the read copies into it by DMA (``foretell.platform.cuda``).
     Otherwise, on a host with many cores (``store.format.parallel_reads``) the fills run on
-    several CPU streams at once, whose threads MLX runs in parallel: on the 16-core H200
-    host one stream filled the 4B shape's 604 MB while MLX's loader had read a single file
-    of it in 37 ms, and the block store's read took 98 ms. On the shared 2-core host two
-    streams were measured slower (1.69x vs 1.31x the single-file read on workload (a)), so
-    it fills on one there."""
+    several CPU streams at once, whose threads MLX runs in parallel; with few cores several
+    streams measured slower, so it fills on one there (docs/block-store.md)."""
     import mlx.core as mx
 
     shapes = [(*shape[:-1], shape[-1] * _ITEM_BYTES[spec.dtype])

@@ -28,3 +28,9 @@ def test_the_docs_site_builds_without_warnings_and_documents_the_contracts(tmp_p
     for page in ("getting-started", "plugins/drafter", "plugins/storage-layout", "plugins/codec",
                  "plugins/architecture", "decisions", "bench-data/history"):
         assert (out / f"{page}.html").is_file(), page
+
+
+def test_the_benchmarks_page_holds_the_latest_tables_not_the_history():
+    """Issue 43: a user finds the current figure; earlier runs live in bench-data/history.md."""
+    lines = (DOCS / "benchmarks.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= 400, f"docs/benchmarks.md has {lines} lines: move older runs to history.md"

@@ -1,11 +1,17 @@
 """The batch's draft-length policy decides from what it measured: acceptance per row (with a
-prior, so a few early rejections do not condemn a drafter) and cost per batch shape (median,
-so one noisy step moves nothing); plain decoding wins where drafts cannot pay, and a shape
-not measured lately is tried again."""
+prior, so a few early rejections do not condemn a drafter) and cost per batch shape (lower
+quartile, so one noisy step moves nothing); plain decoding wins where drafts cannot pay, a shape not
+measured is estimated rather than probed, and a shape not measured lately is tried again,
+seldom enough that the looks cost little."""
 
 from __future__ import annotations
 
-from foretell.spec.batch_policy import REPROBE, BatchDraftPolicy, expected_tokens
+from foretell.spec.batch_policy import (
+    LOOK_SHARE,
+    REPROBE,
+    BatchDraftPolicy,
+    expected_tokens,
+)
 
 
 def run(policy: BatchDraftPolicy, caps, rates, cost, steps: int) -> list[int]:
@@ -92,8 +98,8 @@ def test_a_row_count_never_measured_borrows_the_nearest_ones_relative_cost():
     policy.observe(4, 4, 1.5)
     policy.observe(3, 0, 0.8)
     assert policy.cost(3, 4) == 0.8 * 1.5
-    assert policy.cost(3, 2) is None  # nobody measured width 2
-    assert policy.cost(5, 4) is None  # nor plain decoding over 5 rows
+    assert policy.cost(3, 2) == 0.8 * 1.25  # nobody measured width 2: half width 4's share
+    assert policy.cost(5, 4) == 1.5  # nor plain decoding over 5 rows: 4 rows' plain step
     policy.observe(4, 2, 1.0)  # (a switch back, untimed)
     policy.observe(4, 2, 1.2)
     # So a row leaving does not set off probes: every width is judged at once, and the
@@ -106,12 +112,13 @@ def test_no_wider_width_is_tried_once_a_narrower_one_cannot_pay_and_it_is_retrie
 
     policy = BatchDraftPolicy()
     # A large batch: drafting 2 costs 3x a plain step; rows keep half their drafts.
-    chosen = run(policy, [4] * 16, [0.5] * 16, lambda rows, w: 1.0 + w, 5 * REPROBE)
+    chosen = run(policy, [4] * 16, [0.5] * 16, lambda rows, w: 1.0 + w, 2000)
     assert 4 not in chosen  # width 2 could not pay even at 0.65: 4 is never measured
     drafted = [i for i, w in enumerate(chosen) if w]
     # Width 2's first look is two steps (the switch back untimed), then it waits
     # HOPELESS_SLOWER times longer than a width that might pay.
     assert drafted[:2] == [1, 2]
+    assert len(drafted) > 2
     assert all(b - a >= HOPELESS_SLOWER * REPROBE - 2 for a, b in zip(drafted[1::2],
                                                                     drafted[2::2]))
 
@@ -134,8 +141,12 @@ def test_a_width_that_keeps_losing_is_looked_at_ever_less_often():
     chosen = run(policy, [4] * 4, [0.3] * 4, lambda rows, w: 1.0 + 0.3 * w, 40 * REPROBE)
     looks = [i for i, w in enumerate(chosen) if w and not chosen[i - 1]]  # a look's start
     gaps = [b - a for a, b in zip(looks, looks[1:])]
-    assert gaps[-1] >= MAX_BACKOFF * REPROBE // 2 > gaps[0]
-    assert max(gaps) <= MAX_BACKOFF * REPROBE + 4
+    # A look at width 2 (1.6 plain steps) loses 2 * 0.6 steps: it comes every 1.2 /
+    # LOOK_SHARE steps at most, then half as often after each look that lost.
+    interval = max(REPROBE, 2 * 0.6 / LOOK_SHARE)
+    assert gaps[0] >= interval - 2
+    assert gaps[-1] >= MAX_BACKOFF * interval // 2 > gaps[0]
+    assert max(gaps) <= MAX_BACKOFF * interval + 4
     # The looks cost little over a long run: nearly every step is plain.
     assert chosen.count(0) > 0.97 * len(chosen)
 
@@ -187,3 +198,97 @@ def test_a_row_running_alone_follows_its_speculators_length_policy(engines, mode
     tokens = sum(len(e.tokens) for e in events[:-1])
     assert stretch_then_asked <= 5 + tokens // PLAIN_STRETCH + 1
     assert events[-1].speculation["drafted"] == 8
+
+
+def test_a_wider_width_the_narrower_ones_cost_says_cannot_win_is_never_probed():
+    """On a CPU a step's cost grows with its width: at a large batch, once width 2 is
+    measured losing, width 4 (estimated from it) is not probed blind, so a request's
+    first steps do not pay for a width that was never going to be chosen."""
+    policy = BatchDraftPolicy()
+    # Width 2 costs 2.5 plain steps (4 would cost 4); rows keep 77% of their drafts, so
+    # width 2 makes 2.36 tokens a row per step and width 4 3.17: neither pays.
+    chosen = run(policy, [4] * 8, [0.77] * 8, lambda rows, w: 1.0 + 0.75 * w, 64)
+    assert 4 not in chosen
+    assert sum(1 for w in chosen if w) <= 2  # width 2's look: the switch, then one timed
+
+
+def test_an_estimated_width_that_would_win_is_measured_and_kept():
+    policy = BatchDraftPolicy()
+    # Verifying is cheap here (width 4 costs 1.3 plain steps) and rows keep 80% of their
+    # drafts: width 2 is measured, width 4 estimated from it to win, then measured winning.
+    chosen = run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 20)
+    assert chosen[:4] == [0, 2, 2, 4]
+    assert chosen[4:] == [4] * 16
+
+
+def test_drafting_must_clearly_beat_plain_decoding():
+    """A width that promises only a few percent more than plain decoding is not drafted:
+    switching and rows drifting apart cost what the per-step estimate leaves out."""
+    from foretell.spec.batch_policy import CLEAR_GAIN
+
+    policy = BatchDraftPolicy()
+    gain = 1.0 + CLEAR_GAIN / 2
+    # Width 2 yields 1 + 0.5 + 0.25 tokens a row for 1.75 / gain plain steps (and width 4,
+    # costing as much again per draft, less).
+    share = (1.75 / gain - 1.0) / 2
+    chosen = run(policy, [4] * 8, [0.5] * 8, lambda rows, w: 1.0 + share * w, 40)
+    assert chosen[3:].count(0) >= 36
+
+
+def test_a_step_the_caller_could_not_time_is_taken_again_and_not_counted():
+    policy = BatchDraftPolicy()
+    policy.observe(4, 0, None)  # e.g. the first pipelined step, which waited for nothing
+    assert policy.cost(4, 0) is None
+    assert max(policy.choose([4] * 4, [0.8] * 4)) == 0  # the same shape once more, timed
+    policy.observe(4, 0, 1.0)
+    assert policy.cost(4, 0) == 1.0
+
+
+def test_plain_decoding_is_timed_again_while_drafting_pays():
+    """Every choice weighs against a plain step's cost, and a host's speed drifts: plain
+    decoding is looked at every REPROBE steps, without backing off."""
+    policy = BatchDraftPolicy()
+    chosen = run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 10 * REPROBE)
+    looks = [i for i, w in enumerate(chosen) if not w and chosen[i - 1]]
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
+    assert len(looks) >= 8
+    assert max(gaps) <= REPROBE + 4
+
+
+def test_a_rows_rate_follows_its_recent_drafts():
+    """Acceptance moves within a request (a continuation's start is the hardest to guess):
+    a row that rejected its first drafts and keeps its recent ones is estimated from them."""
+    policy = BatchDraftPolicy()
+    row = object()
+    for _ in range(5):
+        policy.learn("two-model", 2, 0, row)
+    for _ in range(10):
+        policy.learn("two-model", 2, 2, row)
+    assert policy.row_rate(row, "two-model") > 0.8
+    policy.retain([])  # the row left: its evidence goes
+    assert policy.row_rate(row, "two-model") == policy.rate(0, 0, "two-model")
+
+
+def test_rows_finishing_apart_keep_drafting_at_each_new_row_count():
+    """A batch whose rows finish at different steps meets a new row count nearly every
+    step at its end; where drafting pays, each is drafted at once on the estimate, not
+    decoded plainly first to measure it."""
+    policy = BatchDraftPolicy()
+    run(policy, [4] * 8, [0.8] * 8, lambda rows, w: 1.0 + 0.1 * w, 12)
+    for rows in (7, 5, 4, 2):
+        assert max(policy.choose([4] * rows, [0.8] * rows)) == 4
+        policy.observe(rows, 4, None)  # the row set changed: the caller could not time it
+
+
+def test_a_busy_host_while_decoding_plainly_does_not_make_drafting_look_cheap():
+    """Another process slowing the host for a while lengthens the steps timed then; a
+    shape's cost is the lower quartile of its timings, so plain decoding timed mostly in a
+    busy moment is still weighed at what it costs, against drafts timed in a quiet one."""
+    policy = BatchDraftPolicy()
+    # Width 2 costs 2.2 plain steps: at 77% acceptance (2.36 tokens a row) it cannot pay.
+    chosen = run(policy, [4] * 8, [0.77] * 8, lambda rows, w: 1.0 + 0.6 * w, 12)
+    assert chosen[-1] == 0
+    for _ in range(6):  # a busy moment: plain steps take twice as long
+        policy.choose([4] * 8, [0.77] * 8)
+        policy.observe(8, 0, 2.0)
+    assert max(policy.choose([4] * 8, [0.77] * 8)) == 0

@@ -132,3 +132,38 @@ def test_unseeded_sampled_rows_speculating_keep_plain_samplings_distribution(
 
         p = _chi_square_p(np.array([a[i] for i in ids]), np.array([b[i] for i in ids]))
         assert p > 1e-4, (position, a, b)
+
+
+def test_kernels_compiling_in_workers_and_the_drafters_land_before_a_batch_forward(
+        engines, model_dirs, registry, monkeypatch):
+    """On CUDA the batch waits for the kernels compiling since load, and starts and waits for
+    each drafter's, before a row's first forward: a kernel the engine compiles itself there
+    stalls every row for half a minute (the CUDA backend stands in here)."""
+    import threading
+    import types
+
+    from foretell.platform import device
+
+    engine = engines["qwen3"]
+    calls = []
+    kernels = types.SimpleNamespace(
+        precompile=lambda *owners: calls.append(("precompile", owners)),
+        wait=lambda: calls.append(("wait",)))
+    monkeypatch.setattr(device, "cuda_backend", lambda: types.SimpleNamespace(kernels=kernels))
+    forward = type(engine.model).forward
+
+    def recorded(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # the batch's worker
+            calls.append(("forward",))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine.model), "forward", recorded)
+    speculator = _speculator(engine, "two-model", {"model": str(model_dirs["qwen3-other"])},
+                             registry)
+    drafted = [("precompile", (speculator.provider,))]
+    for speculate, precompiled in ((False, []), (speculator, drafted)):
+        calls.clear()
+        handle = Scheduler(engine).submit(PROMPTS[1], max_tokens=4, speculate=speculate)
+        _streamed(handle)
+        first = calls.index(("forward",))
+        assert calls[:first] == [*precompiled, ("wait",)], calls[:first + 1]

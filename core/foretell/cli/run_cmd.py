@@ -58,6 +58,14 @@ def add_parser(sub: Any) -> None:
         "(repeatable; default: none, the model's end-of-sequence tokens end it)",
     )
     p.add_argument("--json", action="store_true", help="print JSON lines: text events, then stats")
+    p.add_argument(
+        "--policy-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start the adaptive draft length from what the last run of this model, drafter "
+        "and device learned, and keep what this one learns (a small file under "
+        "$XDG_CACHE_HOME/foretell/draft-policy; docs/speculation.md) (default: on)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -324,6 +332,10 @@ def run(args: argparse.Namespace) -> int:
     stops += model_stops(engine, args)
     apply_draft(engine, config.draft, registry, quiet=args.json)
     warn_past_context(engine, engine.encode_prompt(prompt, chat=config.chat), config.max_tokens)
+    from foretell.spec import memory
+
+    remembered = (memory.remember(engine, sampled=config.sampling.temp > 0)
+                  if args.policy_memory else None)
     from foretell.cli.progress import ProgressLine
     from foretell.request import PREFILL_CHUNK
 
@@ -360,6 +372,8 @@ def run(args: argparse.Namespace) -> int:
             elif event.type == "text" and event.text:
                 out.write(event.text)
                 out.flush()
+    if remembered is not None:
+        memory.store(engine.speculator.policy, remembered)
     if not args.json:
         out.write("\n")
         out.flush()

@@ -47,6 +47,10 @@ class BatchKVCache:
         self._v: tuple[mx.array, ...] | None = None
         self.starts: list[int] = []
         self.lengths: list[int] = []
+        # ``lengths`` and the next positions on the device, advanced there by each update:
+        # made from the host lists only after rows join, leave or roll back (on a GPU an
+        # array made from host data per layer per step cost more than the layer's work).
+        self._device: tuple[mx.array, mx.array] | None = None
 
     # -- what an architecture calls ------------------------------------------------------
 
@@ -57,7 +61,7 @@ class BatchKVCache:
     @property
     def offset(self) -> mx.array:
         """Each row's next position, ``int32 [B]`` (RoPE's per-row offset)."""
-        return mx.array([s + n for s, n in zip(self.starts, self.lengths)], dtype=mx.int32)
+        return self._arrays()[1]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Write ``n`` new tokens after each row's last and return the slots every row's
@@ -74,11 +78,13 @@ class BatchKVCache:
                 stored[..., start : start + n, :] = new
         else:
             rows = mx.arange(self.rows)[:, None]
-            slots = mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(n)[None]
+            slots = self._arrays()[0][:, None] + mx.arange(n)[None]
             for stored, new in zip((*self._k, *self._v), (*new_k, *new_v)):
                 # Advanced indices around a slice put their dims first: [B, n, heads, dim].
                 stored[rows, :, slots] = new.swapaxes(1, 2)
         self.lengths = [length + n for length in self.lengths]
+        if self._device is not None:
+            self._device = (self._device[0] + n, self._device[1] + n)
         return self._fetch(self._k, end), self._fetch(self._v, end)
 
     def mask(self, n_queries: int) -> mx.array | None:
@@ -86,11 +92,11 @@ class BatchKVCache:
         ``b``'s query ``i`` sits at slot ``lengths[b] + i`` and may read slot ``j <=`` that,
         within the window. None when one query may read every slot (rows of one length, no
         window in reach)."""
-        lengths = mx.array(self.lengths, dtype=mx.int32)[:, None, None]
         width = max(self.lengths) + n_queries
         uniform = len(set(self.lengths)) == 1
         if n_queries == 1 and uniform and (self.window is None or width <= self.window):
             return None
+        lengths = self._arrays()[0][:, None, None]
         query = lengths + mx.arange(n_queries)[None, :, None]
         slot = mx.arange(width)[None, None, :]
         mask = slot <= query
@@ -108,6 +114,7 @@ class BatchKVCache:
                 not 0 <= n <= length for n, length in zip(counts, self.lengths)):
             raise ValueError(f"cannot trim {list(counts)} tokens from rows of {self.lengths}")
         self.lengths = [length - n for length, n in zip(self.lengths, counts)]
+        self._device = None
 
     def append(self, caches: Sequence[Any]) -> None:
         """Add one row per single-request cache (``KVCache``, ``QuantizedKVCache``,
@@ -135,12 +142,14 @@ class BatchKVCache:
             self._k, self._v = joined
         self.starts += [start for start, _, _ in states]
         self.lengths += [0 if keys is None else keys[0].shape[2] for _, keys, _ in states]
+        self._device = None
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (indices, in the new order)."""
         keep = list(keep)
         self.starts = [self.starts[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
+        self._device = None
         if self._k is None:
             return
         if not keep:
@@ -196,6 +205,13 @@ class BatchKVCache:
         return 0 if self._k is None else sum(x.nbytes for x in (*self._k, *self._v))
 
     # -- internals -----------------------------------------------------------------------
+
+    def _arrays(self) -> tuple[mx.array, mx.array]:
+        """``(lengths, next positions)`` as ``int32 [B]`` device arrays."""
+        if self._device is None:
+            lengths = mx.array(self.lengths, dtype=mx.int32)
+            self._device = (lengths, lengths + mx.array(self.starts, dtype=mx.int32))
+        return self._device
 
     def _parts(self, x: mx.array) -> tuple[mx.array, ...]:
         if self.bits is None:

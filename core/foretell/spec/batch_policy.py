@@ -1,46 +1,76 @@
 """How far a batch's rows draft each step: acceptance learned per row, cost per batch shape.
 
 Each step the scheduler asks for every row's draft length. A row's acceptance rate is
-estimated from its own rounds with a prior worth a few rounds (a few rejections at a
-request's start do not condemn its drafter): what its drafter's earlier rows accepted,
-decayed (:meth:`BatchDraftPolicy.learn`), so a new request starts from its drafter's record; a step's cost is measured per batch shape
-``(rows, width)`` as the median of its recent timings (one noisy step moves nothing). The
-width chosen maximizes the expected tokens the step produces per second, plain decoding
-(width 0) included, so where a batch is large enough that verifying drafts costs more than
-they return, drafting goes off; every ``REPROBE`` steps a shape not taken lately is tried
-again, so a change in the batch or the text is noticed; a width whose looks keep losing is
-looked at half as often each time (up to ``MAX_BACKOFF``), so over a long run the looks cost
-little.
+estimated from its own recent rounds (decayed: acceptance moves within a request, the start
+of a continuation being the hardest to guess) with a prior worth a few rounds: what its
+drafter's earlier rows accepted, decayed (:meth:`BatchDraftPolicy.learn`), so a new request
+starts from its drafter's record. A step's cost is measured per batch shape ``(rows,
+width)`` as the lower quartile of its recent timings: another process on the host only ever
+adds time, so that tracks what the step itself costs, one noisy step moves nothing, and
+shapes timed at busy and at quiet moments compare fairly. The width
+chosen maximizes the expected tokens the step produces per second, plain decoding (width 0)
+included, so where a batch is large enough that verifying drafts costs more than they
+return, drafting goes off; drafting must beat plain decoding by ``CLEAR_GAIN``, for what
+the per-step estimate leaves out: switching back and forth, rows that started together
+drifting apart as their drafts are kept unevenly (a batch of equal requests ends with a few
+steps over its slowest rows), and costs timed at different moments of a host whose speed
+drifts.
 
-A drafted step right after plain steps is not timed: it also pays for switching back (a model
-drafter catches up on every plain token since its last draft), which the steps after it do
-not; so a probe from plain decoding drafts two steps and times the second, as the
-single-request policy does. A row count never measured at some width borrows that width's
-cost relative to plain decoding from the nearest row count that measured both, so rows
-joining or leaving do not set off a round of probes.
+A shape not measured is estimated, not tried blind: a step's cost grows about linearly with
+its width (the drafter runs once per draft, the target verifies one more token per row), so
+a width costs plain decoding plus its share of the nearest width measured over as many rows;
+a row count with no drafted width (or no plain step) measured borrows the nearest row
+count's costs relative to plain decoding (so rows joining or leaving, as at the end of a
+batch whose rows finish apart, set off no probes). An estimated width is measured when its
+estimate is the best; only where no plain or no drafted step was ever measured is the
+narrowest width tried blind. So a wide width that the narrow one's cost says cannot win is
+not probed at a request's start: on a CPU each probe step at a large batch costs several
+plain steps, and a batch of equal requests ends with its slowest row.
+
+Widths not chosen are looked at again, so a change in the batch or the text is noticed, but
+spaced so that what a look may lose (two steps at its cost above the chosen width's) stays
+under ``LOOK_SHARE`` of the steps between looks, and never closer than ``REPROBE`` steps; a
+width whose looks keep losing is looked at half as often each time (up to ``MAX_BACKOFF``),
+one that could not pay even at the best row's hopes ``HOPELESS_SLOWER`` times less, and none
+wider than one that could not pay.
+
+A step right after a change of kind is not timed: a drafted step after plain ones also pays
+for switching back (a model drafter catches up on every plain token since its last draft),
+and the caller reports a step it could not time fairly (``observe(..., None)``, e.g. the
+first pipelined plain step, which waits for no earlier step); either way the same width is
+chosen once more and that step is timed, as the single-request policy does.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 #: The prior on a row's per-token acceptance: ``PRIOR_RATE`` worth ``PRIOR_WEIGHT`` drafts.
 PRIOR_RATE = 0.6
 PRIOR_WEIGHT = 6.0
-#: Timings kept per batch shape (their median is the shape's cost).
+#: Timings kept per batch shape (their lower quartile is the shape's cost).
 KEEP = 9
-#: Steps between two tries of a width not measured lately.
+#: The fewest steps between two looks at a width not chosen.
 REPROBE = 48
+#: The most of the time between looks that a look's own steps may lose (rows drifting
+#: apart after it lose about as much again at a batch's end).
+LOOK_SHARE = 0.01
 #: What the best row's acceptance might yet be above its estimate, when judging whether a
-#: width is worth measuring at all; a width that could not pay even then is re-measured
+#: width is worth looking at at all; a width that could not pay even then is looked at
 #: HOPELESS_SLOWER times less often.
 HOPE = 0.15
 HOPELESS_SLOWER = 4
-#: A width looked at again and again without winning waits at most this many REPROBEs.
+#: A width looked at again and again without winning waits at most this many intervals.
 MAX_BACKOFF = 8
 #: Weight a drafter's record keeps per new draft (a memory of about 200 drafts).
 RECORD_DECAY = 0.995
+#: Weight a row's own evidence keeps per new draft (a memory of about 12 drafts).
+ROW_DECAY = 0.92
+#: How much more throughput drafting must promise than plain decoding to be chosen (a CPU
+#: case where the per-step estimate said ~1.1x and the batch ran 1.0x: docs/decisions.md,
+#: "The batch policy at B = 4-8").
+CLEAR_GAIN = 0.2
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -61,8 +91,10 @@ class BatchDraftPolicy:
         self._record: dict[str, list[float]] = {}
         #: Per shape, its looks in a row since it was last the choice on merit.
         self._losing: dict[tuple[int, int], int] = {}
-        #: A shape whose switch-back step went untimed: it is drafted again, timed.
+        #: A shape whose last step went untimed: it is chosen once more, timed.
         self._again: tuple[int, int] | None = None
+        #: Per row (a key the caller gives), decayed (drafted, accepted).
+        self._rows: dict[Hashable, list[float]] = {}
 
     def rate(self, drafted: int, accepted: int, kind: str | None = None) -> float:
         """A row's per-draft acceptance estimate, its prior the record of drafter ``kind``."""
@@ -75,12 +107,24 @@ class BatchDraftPolicy:
         drafted, accepted = record
         return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
 
-    def learn(self, kind: str, drafted: int, accepted: int) -> None:
-        """A row of drafter ``kind`` kept ``accepted`` of ``drafted`` drafts."""
-        record = self._record.setdefault(kind, [0.0, 0.0])
-        decay = RECORD_DECAY**drafted
-        record[0] = record[0] * decay + drafted
-        record[1] = record[1] * decay + accepted
+    def learn(self, kind: str, drafted: int, accepted: int, row: Hashable = None) -> None:
+        """A row of drafter ``kind`` (``row``: its key, for :meth:`row_rate`) kept
+        ``accepted`` of ``drafted`` drafts."""
+        _decayed_add(self._record.setdefault(kind, [0.0, 0.0]), RECORD_DECAY, drafted,
+                     accepted)
+        if row is not None:
+            _decayed_add(self._rows.setdefault(row, [0.0, 0.0]), ROW_DECAY, drafted, accepted)
+
+    def row_rate(self, row: Hashable, kind: str | None = None) -> float:
+        """Row ``row``'s acceptance estimate from its recent drafts (module docstring)."""
+        drafted, accepted = self._rows.get(row, (0.0, 0.0))
+        return self.rate(drafted, accepted, kind)
+
+    def retain(self, rows: Iterable[Hashable]) -> None:
+        """Forget the evidence of rows other than ``rows`` (they left the batch)."""
+        keep = set(rows)
+        if not self._rows.keys() <= keep:
+            self._rows = {row: counts for row, counts in self._rows.items() if row in keep}
 
     @staticmethod
     def widths(top: int) -> list[int]:
@@ -101,61 +145,100 @@ class BatchDraftPolicy:
         candidates = self.widths(top if top is not None else max(caps))
         again, self._again = self._again, None
         if again is not None and again[0] == rows and again[1] in candidates:
-            return [min(again[1], cap) if rate is not None else 0
-                    for cap, rate in zip(caps, rates)]
-        for w in candidates:  # a shape first met is as fresh as what its cost borrows from
+            return _lengths(again[1], caps, rates)
+        for w in candidates:  # a shape first met is as fresh as what its estimate rests on
             self._last_tried.setdefault((rows, w), self._step)
-        # Unmeasured widths are tried before they are judged, narrowest first; none wider
-        # than one that could not pay even at the best row's hopes.
-        hope = min(1.0, max((r for r in rates if r is not None), default=0.0) + HOPE)
-        blocked = {w for w in candidates
-                   if any(self._hopeless(rows, v, hope) for v in range(1, w))}
-        stale = [w for w in candidates if self.cost(rows, w) is None and w not in blocked]
-        if stale:
-            width = stale[0]
-        else:
-            width = max(candidates, key=lambda w: self._throughput(rows, w, caps, rates))
+        width = self._blind(rows, candidates)
+        if width is None:
+            value = {w: self._throughput(rows, w, caps, rates) for w in candidates}
+            width = max(candidates, key=value.__getitem__)
+            if width and value[width] < (1.0 + CLEAR_GAIN) * value[0]:
+                width = 0
             self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
-            due = [w for w in candidates if w not in blocked
-                   and self._step - self._last_tried.get((rows, w), 0) >= self._interval(
-                       rows, w, self._hopeless(rows, w, hope))]
-            if due and width not in due:
-                width = due[0]
+            look = self._look(rows, candidates, width, rates)
+            if look is not None:
+                width = look
                 self._losing[(rows, width)] = self._losing.get((rows, width), 0) + 1
         self._last_tried[(rows, width)] = self._step
-        return [min(width, cap) if rate is not None else 0 for cap, rate in zip(caps, rates)]
+        return _lengths(width, caps, rates)
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        """A step over ``rows`` rows whose widest draft was ``width`` took ``seconds``."""
+    def observe(self, rows: int, width: int, seconds: float | None) -> None:
+        """A step over ``rows`` rows whose widest draft was ``width`` took ``seconds``
+        (None: the caller could not time it fairly)."""
         switching = width > 0 and self._last_width == 0
         self._last_width = width
-        if switching:
+        if switching or seconds is None:
             self._again = (rows, width)
             return
         times = self._times.setdefault((rows, width), collections.deque(maxlen=KEEP))
         times.append(seconds)
 
     def cost(self, rows: int, width: int) -> float | None:
-        """The step's time over ``rows`` rows at ``width``: measured, else borrowed (the
+        """The step's time over ``rows`` rows at ``width``: measured, else estimated (the
         module docstring), else None."""
         measured = self._measured(rows, width)
-        if measured is not None or width == 0:
+        if measured is not None:
             return measured
         plain = self._measured(rows, 0)
         if plain is None:
-            return None
-        near = [r for (r, w) in self._times if w == width and self._measured(r, 0)]
-        if not near:
-            return None
-        r = min(near, key=lambda r: (abs(r - rows), r))
-        return plain * self._measured(r, width) / self._measured(r, 0)
+            # Plain decoding over the nearest row count: every width's estimate here is
+            # relative to it, so choices rest on the relative costs alone.
+            near = [r for (r, w) in self._times if not w]
+            if not near:
+                return None
+            plain = self._measured(min(near, key=lambda r: (abs(r - rows), r)), 0)
+        if width == 0:
+            return plain
+        slope = self._slope(rows, width)
+        return None if slope is None else plain * (1.0 + slope * width)
 
-    def _interval(self, rows: int, width: int, hopeless: bool) -> int:
-        """Steps between looks at a width not chosen: REPROBE, doubled for each look in a
-        row that did not make it the choice (up to MAX_BACKOFF times), HOPELESS_SLOWER
-        times more where it could not pay at all."""
-        backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF)
-        return REPROBE * backoff * (HOPELESS_SLOWER if hopeless else 1)
+    def _slope(self, rows: int, width: int) -> float | None:
+        """A draft's cost relative to a plain step over ``rows`` rows: from the width
+        nearest ``width`` measured over the nearest row count that measured one and plain
+        decoding too."""
+        measured = [(r, w) for (r, w) in self._times if w and self._measured(r, 0)]
+        if not measured:
+            return None
+        r, w = min(measured, key=lambda s: (abs(s[0] - rows), s[0], abs(s[1] - width), s[1]))
+        return (self._measured(r, w) / self._measured(r, 0) - 1.0) / w
+
+    def _blind(self, rows: int, candidates: list[int]) -> int | None:
+        """The width to measure because nothing can be estimated without it: plain
+        decoding, where it was never measured, then, where no drafted step was ever
+        measured, the narrowest drafted width."""
+        if self.cost(rows, 0) is None:
+            return 0
+        drafted = [w for w in candidates if w]
+        if drafted and self.cost(rows, drafted[0]) is None:
+            return drafted[0]
+        return None
+
+    def _look(self, rows: int, candidates: list[int], chosen: int,
+              rates: Sequence[float | None]) -> int | None:
+        """The narrowest width not chosen whose next look is due, if any."""
+        hope = min(1.0, max((r for r in rates if r is not None), default=0.0) + HOPE)
+        hopeless = {w: self._hopeless(rows, w, hope) for w in candidates}
+        for w in candidates:
+            if w == chosen or any(hopeless[v] for v in candidates if 0 < v < w):
+                continue
+            if self._step - self._last_tried[(rows, w)] >= self._interval(
+                    rows, w, chosen, hopeless[w]):
+                return w
+        return None
+
+    def _interval(self, rows: int, width: int, chosen: int, hopeless: bool) -> float:
+        """Steps between looks at ``width`` while ``chosen`` is the choice: long enough
+        that a look's two steps lose at most LOOK_SHARE of them, at least REPROBE; for a
+        drafted width doubled for each look in a row that did not make it the choice (up
+        to MAX_BACKOFF times), HOPELESS_SLOWER times longer where it could not pay at all.
+        Plain decoding is looked at every REPROBE steps: every choice weighs against it, and
+        a host's speed drifts."""
+        cost, base = self.cost(rows, width), self.cost(rows, chosen)
+        steps = float(REPROBE)
+        if cost is not None and base:
+            steps = max(steps, 2.0 * max(0.0, cost - base) / (LOOK_SHARE * base))
+        backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF) if width else 1
+        return steps * backoff * (HOPELESS_SLOWER if hopeless else 1)
 
     def _hopeless(self, rows: int, width: int, rate: float) -> bool:
         """Drafting ``width`` over ``rows`` rows costs more than it returns even were each
@@ -169,7 +252,7 @@ class BatchDraftPolicy:
         if not times:
             return None
         ordered = sorted(times)
-        return ordered[len(ordered) // 2]
+        return ordered[len(ordered) // 4]
 
     def _throughput(self, rows: int, width: int, caps: Sequence[int],
                     rates: Sequence[float | None]) -> float:
@@ -179,3 +262,16 @@ class BatchDraftPolicy:
         tokens = sum(expected_tokens(rate, min(width, cap)) if rate is not None else 1.0
                      for cap, rate in zip(caps, rates))
         return tokens / cost
+
+
+def _lengths(width: int, caps: Sequence[int], rates: Sequence[float | None]) -> list[int]:
+    """Each row's draft length at ``width``: capped by the row, 0 for rows without a drafter."""
+    return [min(width, cap) if rate is not None else 0 for cap, rate in zip(caps, rates)]
+
+
+def _decayed_add(counts: list[float], decay: float, drafted: int, accepted: int) -> None:
+    """Add a round to decayed ``[drafted, accepted]`` counts, older rounds fading by
+    ``decay`` per draft."""
+    fade = decay**drafted
+    counts[0] = counts[0] * fade + drafted
+    counts[1] = counts[1] * fade + accepted

@@ -16,8 +16,9 @@ and a drafted round right after plain steps (it also pays for switching back: a 
 drafter catches up on the plain tokens), so a probe from plain steps is two rounds, the
 second one timed; the verifier likewise never times a plain run's first step, and times
 plain steps from a short stretch (:data:`TIMING_STRETCH`) while drafting pays. No decision
-rests on one time: each length's estimate is the median of its last few rounds, and a length
-timed once does not shape the line while others were timed more often.
+rests on one time: each length's estimate is the median of its last few rounds, a length
+timed once does not shape the line while others were timed more often, and a drafter that
+agrees is not switched off on times all taken in one moment (:meth:`_unconfirmed`).
 
 **Acceptance.** Per position, decayed counts with a prior (the position before it), so
 what a drafter did lately weighs most. Whether drafting pays is judged on their mean; which
@@ -45,6 +46,19 @@ While drafting, plain steps are timed again soon while their estimate rests on o
 and then whenever it is :data:`STALE_ROUNDS` old, and every :data:`PROBE_EVERY` rounds
 another length is tried, alternately a neighbour of the best and the length timed longest
 ago among those that could still pay: no estimate goes stale for good.
+
+**Memory.** :meth:`DraftLengthPolicy.state` is what another process may start from: the
+acceptance counts and each length's round cost as a multiple of a plain step (seconds mean
+nothing under another process's load; their ratios hold on one device). A policy given
+one (:meth:`DraftLengthPolicy.recall`) skips the warm-up and drafts what the state says
+pays, reading this process's plain-step cost off its own drafted rounds until plain steps
+are timed. It is a prior: its acceptance counts weigh :data:`RECALLED_ROUNDS` rounds at most
+and fade by :data:`RECALL_FADE` each round the request drafts to their position (a drafter
+that stopped agreeing is switched off about as fast as a fresh policy switches it off), the lengths timed here keep their own costs and scale the others, and plain steps
+are timed at once when this process's drafted rounds imply a plain step
+:data:`PLAIN_DRIFT` times off the state's own (a dearer drafter, a busier host). Without
+that the recalled costs stand in for the timings a short request cannot afford, which is
+most of what a fresh policy pays (:mod:`foretell.spec.memory`; docs/decisions.md, item 16).
 """
 
 from __future__ import annotations
@@ -93,9 +107,12 @@ PLAIN_STRETCH = 8
 #: bound widens: how often it is probed again is then the budget's to say.
 STRETCH_DECAY = DECAY**PLAIN_STRETCH
 #: The stretch that times plain steps while drafting (the first time, and when the estimate
-#: is stale): the verifier never times a run's first step, so three are timed, and a drafter
-#: that pays loses little time to learning what a plain step costs.
-TIMING_STRETCH = 4
+#: is stale): the verifier never times a run's first step, so two are timed. A fresh policy
+#: times plain steps twice in its first dozen rounds (the second in case the first met a
+#: slow moment), which a short request pays at plain speed: simulated, four steps instead
+#: of three left one request of 96 tokens at 0.92 of the best fixed length on the demo
+#: pair's agreement with held-out code, three 0.94 (docs/decisions.md, item 16).
+TIMING_STRETCH = 3
 #: Drafted rounds (at the most tokens) before the first choice; the first is not timed.
 WARMUP_ROUNDS = 3
 #: Standard errors of the times by which drafting must beat plain steps to be chosen ...
@@ -110,6 +127,26 @@ CLEAR_GAIN = 0.1
 #: looked like a gain for good (docs/decisions.md: self-drafting, which cannot pay on a CPU,
 #: drafted at 0.75x plain).
 STALE_ROUNDS = 128
+#: A length whose time rests on rounds of one moment is timed again before it switches
+#: drafting off if its rounds would yield this many tokens on the mean acceptance.
+UNCONFIRMED = 1.5
+#: The format of :meth:`DraftLengthPolicy.state`; a state of another format is refused.
+STATE_FORMAT = 1
+#: A recalled state's acceptance counts weigh at most this many rounds at any position:
+#: what a warm-up would have taught, so the request's own rounds outvote it within a few.
+RECALLED_ROUNDS = 3.0
+#: What a recalled state's acceptance counts keep of their weight at a position each time
+#: this request drafts to it.
+RECALL_FADE = 0.8
+#: The most plain-step timings a state's costs are taken to rest on: a state blends what a
+#: process timed into what it recalled by their timings, so older processes' weigh at most
+#: this many and a lasting change shows within a few processes.
+STATE_TIMINGS = 8
+#: A recalled state's costs are checked by timing plain steps once this process's drafted
+#: rounds imply a plain step this many times dearer or cheaper than the state's.
+PLAIN_DRIFT = 1.5
+#: The most draft positions (and lengths) a state may describe.
+STATE_MAX_K = 64
 #: Observations the policy keeps as it was told them (:attr:`DraftLengthPolicy.told`), for a
 #: benchmark to show what its estimates came from: a request of 512 tokens, every one.
 TOLD_KEPT = 512
@@ -124,6 +161,10 @@ class DraftLengthPolicy:
         # Observed (decayed) counts per draft position; priors are added in acceptance().
         self._offered = [0.0] * max_k
         self._accepted = [0.0] * max_k
+        #: A recalled state's counts per position, apart: each round this request drafts
+        #: to a position fades them by RECALL_FADE, so the request's own rounds take over.
+        self._prior_offered = [0.0] * max_k
+        self._prior_accepted = [0.0] * max_k
         #: Estimated round time by tokens drafted (0: a plain step): the typical recent one.
         self._time: dict[int, float] = {}
         self._samples: dict[int, deque[float]] = {}
@@ -143,6 +184,9 @@ class DraftLengthPolicy:
         #: of it a probe that paid gets.
         self._exploring = 0
         self._trial = 0
+        #: Lengths timed again once because their few rounds ruled drafting out
+        #: (:meth:`_unconfirmed`).
+        self._confirmed: set[int] = set()
         #: Plain steps drafting after the warm-up has gained against plain decoding, net
         #: (negative: lost).
         self._balance = 0.0
@@ -158,6 +202,59 @@ class DraftLengthPolicy:
         self.told: deque[tuple[int, int, float, str, float]] = deque(maxlen=TOLD_KEPT)
         #: Plain steps the verifier runs before asking again, once ``choose`` said 0.
         self.stretch = PLAIN_STRETCH
+        #: A recalled state's round costs by length (1..max_k), in plain steps; empty
+        #: unless :meth:`recall` installed one.
+        self._ratios: dict[int, float] = {}
+        #: The plain-step timings the recalled costs rest on, and the seconds of a plain
+        #: step where they were taken (a check, never an estimate: :meth:`_plain_stale`).
+        self._recalled_timings = 0
+        self._recalled_plain = 0.0
+
+    # -- memory across processes ----------------------------------------------------
+
+    def state(self) -> dict | None:
+        """What this policy learned that another process can use (JSON-ready), or None
+        before it could estimate a round's cost against a plain step: the acceptance counts
+        per draft position (``[accepted, offered]``, decayed) and every length's round cost
+        in plain steps (``costs[k - 1]``), never seconds."""
+        times = self._round_times()
+        if times is None or not self.adaptive:
+            return None
+        costs = [t / times[0] for t in times[1:]]
+        # The costs rest on a few plain-step timings, each of one moment: a recalled state's
+        # costs weigh as many timings as they rest on (at most STATE_TIMINGS), so the state
+        # grows steadier over processes instead of taking the last one's luck.
+        own, held = len(self._samples.get(0, ())), self._recalled_timings if self._ratios else 0
+        if held and own:
+            costs = [math.exp((own * math.log(c) + held * math.log(self._ratios[k])) /
+                              (own + held)) for k, c in enumerate(costs, 1)]
+        elif held:
+            costs = [self._ratios[k] for k in range(1, self.max_k + 1)]
+        return {"format": STATE_FORMAT, "max_k": self.max_k,
+                "acceptance": [[round(a, 4), round(o, 4)]
+                               for a, o in zip(*self._counts())],
+                "costs": [round(max(c, 1.0), 4) for c in costs],
+                "timings": min(own + held, STATE_TIMINGS),
+                # Nothing timed here: the recalled plain step (times are in its units).
+                "plain_s": times[0] if self._time else self._recalled_plain}
+
+    def recall(self, state: object) -> None:
+        """Start from ``state`` (another process's :meth:`state`) instead of nothing: see
+        the module's "Memory". Only before this policy has been told anything.
+
+        :raises ValueError: ``state`` is not a state this format describes (what is wrong)."""
+        if self._drafted_rounds or self._time:
+            raise ValueError("recall() must come before the policy's first round")
+        accepted, offered, costs, timings, plain = _checked_state(state)
+        n = min(len(offered), self.max_k)
+        scale = min(1.0, RECALLED_ROUNDS / max(offered[0], 1e-9))
+        self._prior_accepted[:n] = [a * scale for a in accepted[:n]]
+        self._prior_offered[:n] = [o * scale for o in offered[:n]]
+        # Lengths past the state's longest: its last step per token goes on.
+        step = costs[-1] - costs[-2] if len(costs) > 1 else max(costs[0] - 1.0, 0.0)
+        costs = costs + [costs[-1] + step * i for i in range(1, self.max_k - len(costs) + 1)]
+        self._ratios = {k: costs[k - 1] for k in range(1, self.max_k + 1)}
+        self._recalled_timings, self._recalled_plain = timings, plain
 
     # -- the model --------------------------------------------------------------------
 
@@ -168,11 +265,17 @@ class DraftLengthPolicy:
         would keep a good drafter from ever trying longer drafts. ``optimism`` > 0: that many
         standard errors higher (at most 1), wide while the evidence is thin."""
         rates, prior = [], 0.5
-        for accepted, offered in zip(self._accepted, self._offered):
+        for accepted, offered in zip(*self._counts()):
             prior = (accepted + PRIOR_ROUNDS * prior) / (offered + PRIOR_ROUNDS)
             spread = math.sqrt(prior * (1.0 - prior) / (offered + PRIOR_ROUNDS))
             rates.append(min(1.0, prior + optimism * spread))
         return rates
+
+    def _counts(self) -> tuple[list[float], list[float]]:
+        """Accepted and offered per position: this policy's own decayed counts plus what
+        is left of a recalled state's."""
+        return ([a + b for a, b in zip(self._accepted, self._prior_accepted)],
+                [a + b for a, b in zip(self._offered, self._prior_offered)])
 
     def expected_tokens(self, k: int) -> float:
         return self._expected(self.acceptance())[k]
@@ -209,16 +312,19 @@ class DraftLengthPolicy:
         of other lengths kept a length drafted for hundreds of rounds at a loss its own
         recent rounds showed. The plain step is never taken to cost more than the cheapest
         drafted round."""
-        if 0 not in self._time or len(self._time) < 2:
+        known = self._recalled_times() if self._ratios else self._time
+        if 0 not in known or len(known) < 2:
             return None
-        drafted = {x: y for x, y in self._time.items() if x > 0}
+        drafted = {x: y for x, y in known.items() if x > 0}
         # A drafted round runs the target over two tokens or more, which costs at least a
         # plain step: a plain stretch timed in a slow moment cannot make drafting look
         # cheaper than that.
-        plain = min(self._time[0], *drafted.values())
+        plain = min(known[0], *drafted.values())
         # A length timed once may have stalled that once: while others were timed more
-        # often, it waits for its second round before it shapes the line.
-        trusted = {x: y for x, y in drafted.items() if len(self._samples[x]) > 1}
+        # often, it waits for its second round before it shapes the line (a recalled
+        # length's cost rests on another process's many rounds: it counts as timed twice).
+        trusted = {x: y for x, y in drafted.items()
+                   if len(self._samples.get(x, ())) > 1 or x not in self._time}
         drafted = trusted or drafted
         if len(drafted) == 1:
             ((x1, y1),) = drafted.items()
@@ -236,6 +342,38 @@ class DraftLengthPolicy:
         return [plain] + [self._time[k] if len(self._samples.get(k, ())) >= 3
                           else max(intercept + slope * k, plain) for k in range(1, self.max_k + 1)]
 
+    def _recalled_times(self) -> dict[int, float]:
+        """Round times by length from the recalled costs, in this process's seconds: the
+        plain step's own estimate once timed, else what this process's timed drafted rounds
+        say it costs through the recalled ratios (their median), else one plain step as the
+        unit (before anything was timed only ratios matter). Lengths timed here keep their
+        own estimates; the others follow the recalled costs, scaled to those."""
+        implied = [t / self._ratios[k] for k, t in self._time.items() if k in self._ratios]
+        plain, scale = self._time.get(0), 1.0
+        if plain is None:
+            plain = statistics.median(implied) if implied else 1.0
+        elif implied:
+            # Both timed here: the recalled costs are scaled to what this process's rounds
+            # cost (a drafter costing twice what the state says at one length is taken to
+            # at every length), so they never keep a drafter on that this process times out.
+            scale = statistics.median(implied) / plain
+        known = {k: plain * r * scale for k, r in self._ratios.items()}
+        known.update(self._time)
+        known.setdefault(0, plain)
+        return known
+
+    def _recalled_plain_holds(self) -> bool:
+        """Whether what this process's drafted rounds imply a plain step costs, through the
+        recalled costs, is within :data:`PLAIN_DRIFT` of the recalled state's own plain
+        step. Seconds from another process estimate nothing here (another load); they only
+        say when the costs may have changed (a drafter that became dearer, a busier host),
+        and plain steps are then timed at once."""
+        implied = [t / self._ratios[k] for k, t in self._time.items() if k in self._ratios]
+        if not implied:
+            return True  # nothing timed yet: the recalled costs are all there is
+        drift = statistics.median(implied) / self._recalled_plain
+        return 1 / PLAIN_DRIFT <= drift <= PLAIN_DRIFT
+
     def exploring_allowed(self) -> bool:
         """Whether the budget allows a round that may lose against plain steps: drafting's
         net loss so far stays within EXPLORE_SHARE of the tokens seen (plus
@@ -252,9 +390,9 @@ class DraftLengthPolicy:
         if limit <= 0:
             return 0
         self.stretch = PLAIN_STRETCH
-        if not self.adaptive or self._drafted_rounds < WARMUP_ROUNDS:
+        if not self.adaptive or (self._drafted_rounds < WARMUP_ROUNDS and not self._ratios):
             return limit
-        if 0 not in self._time:
+        if 0 not in self._time and not self._ratios:
             self.stretch = TIMING_STRETCH
             return 0
         if self._probe_again:
@@ -275,6 +413,13 @@ class DraftLengthPolicy:
         if best and rates[best] < (1 + margin) * rates[0]:
             best = 0
         if best == 0:
+            again = self._unconfirmed(expected)
+            if again:
+                # Timed again from plain steps (two rounds, the second timed), as a probe:
+                # if it pays by itself, TRIAL_ROUNDS more outvote the rounds that ruled it out.
+                self._confirmed.add(again)
+                self._exploring, self._trial = again, 0
+                return min(again, limit)
             self._exploring = self._explore(times)
             if self._exploring and self._plain_stale():
                 return 0
@@ -311,8 +456,14 @@ class DraftLengthPolicy:
     def _plain_stale(self) -> bool:
         """Whether to time plain steps instead of drafting now (setting the stretch): soon
         while their estimate rests on one short stretch (which may have been timed in a slow
-        moment), then whenever it is STALE_ROUNDS old."""
-        after = PROBE_EVERY // 2 if len(self._samples.get(0, ())) < 2 else STALE_ROUNDS
+        moment), then whenever it is STALE_ROUNDS old. Recalled costs stand in for a first
+        timing while this process's drafted rounds agree with them (:meth:`_recalled_plain_holds`):
+        they rest on more timings than a request could take."""
+        timed = len(self._samples.get(0, ()))
+        if not timed and self._ratios:
+            after = STALE_ROUNDS if self._recalled_plain_holds() else 0
+        else:
+            after = STALE_ROUNDS if self._ratios or timed > 1 else PROBE_EVERY // 2
         if self._rounds - self._timed_at.get(0, 0) <= after:
             return False
         self.stretch = TIMING_STRETCH
@@ -341,11 +492,26 @@ class DraftLengthPolicy:
             return self._stale_probe([e / t for e, t in zip(mean, times)], mean) or 0
         return 0
 
+    def _unconfirmed(self, expected: list[float]) -> int | None:
+        """While no drafted length has been timed three times, every drafted time rests on
+        rounds of one moment (the warm-up's two timed rounds follow each other): a length
+        whose rounds would yield UNCONFIRMED tokens on the mean acceptance is then timed once
+        more before its cost switches drafting off, whatever the budget. Measured on the busy
+        2-core CPU: the warm-up's timed rounds took 324 and 665 ms against ~45 (another
+        process's burst), the plain steps timed next 42 ms, and the request decoded its
+        other 90 tokens plainly (0.31x the fixed length); a drafter that cannot pay at any
+        cost (a never-agreeing one) is never timed again this way."""
+        if any(n and len(recent) >= 3 for n, recent in self._samples.items()):
+            return None  # a length was timed at several moments: probes and budget decide
+        thin = [n for n in self._time if n and n not in self._confirmed
+                and n <= self.max_k and expected[n] > UNCONFIRMED]
+        return max(thin, key=lambda n: expected[n] / self._time[n]) if thin else None
+
     def _stale_probe(self, rates: list[float], expected: list[float]) -> int | None:
         """The length timed longest ago among those that would beat the best one by a
         quarter if their round cost no more than a plain step (a drafter that never agrees
         is not probed at lengths that cannot pay); None when there is none."""
-        best, floor = max(rates), self._time[0]
+        best, floor = max(rates), expected[0] / rates[0]  # a plain step's time
         hopeful = [n for n in range(1, self.max_k + 1) if expected[n] / floor > 1.25 * best]
         return min(hopeful, key=lambda n: self._timed_at.get(n, -1)) if hopeful else None
 
@@ -394,7 +560,7 @@ class DraftLengthPolicy:
             return
         self.told.append((drafted, accepted, seconds, "timed", time.perf_counter()))
         if drafted and drafted == self._exploring and not self._trial:
-            plain = self._time.get(0)
+            plain = self.round_time(0)
             self._trial = TRIAL_ROUNDS if plain and seconds <= (1 + accepted) * plain else 0
         self._timed_at[drafted] = self._rounds
         recent = self._samples.setdefault(drafted, deque(maxlen=TIME_SAMPLES))
@@ -406,6 +572,8 @@ class DraftLengthPolicy:
         for i in range(drafted):
             self._offered[i] = self._offered[i] * DECAY + 1.0
             self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
+            self._prior_offered[i] *= RECALL_FADE
+            self._prior_accepted[i] *= RECALL_FADE
             if i >= accepted:
                 break
 
@@ -436,6 +604,46 @@ class DraftLengthPolicy:
             cost = estimate if seconds is None else min(seconds, LOSS_CAP * estimate)
             self._balance += 1 + accepted - cost / plain
         self._unaccounted.clear()
+
+
+def _checked_state(state: object
+                   ) -> tuple[list[float], list[float], list[float], int, float]:
+    """``(accepted, offered, costs, timings, plain_s)`` of a :meth:`DraftLengthPolicy.state`.
+
+    :raises ValueError: naming the first field that is not as the format says."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a state is a JSON object, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"format: {state.get('format')!r}, this version reads {STATE_FORMAT}")
+    pairs, costs = state.get("acceptance"), state.get("costs")
+    if not isinstance(pairs, list) or not 1 <= len(pairs) <= STATE_MAX_K:
+        raise ValueError(f"acceptance: a list of 1 to {STATE_MAX_K} [accepted, offered] pairs")
+    if not isinstance(costs, list) or not 1 <= len(costs) <= STATE_MAX_K:
+        raise ValueError(f"costs: a list of 1 to {STATE_MAX_K} numbers")
+
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(map(number, pair))
+                and 0 <= pair[0] <= pair[1] <= 1e6):
+            raise ValueError(f"acceptance[{i}]: expected [accepted, offered] with "
+                             f"0 <= accepted <= offered, got {pair!r}")
+    if pairs[0][1] <= 0:
+        raise ValueError("acceptance[0]: no round was offered")
+    for i, cost in enumerate(costs):
+        # A round drafting k tokens costs at least a plain step, and no sane one 1000.
+        if not (number(cost) and 1.0 <= cost <= 1e3):
+            raise ValueError(f"costs[{i}]: expected a number in [1, 1000], got {cost!r}")
+    timings = state.get("timings", 0)
+    if not (isinstance(timings, int) and not isinstance(timings, bool)
+            and 0 <= timings <= STATE_TIMINGS):
+        raise ValueError(f"timings: expected an integer in [0, {STATE_TIMINGS}], got {timings!r}")
+    plain = state.get("plain_s")
+    if not (number(plain) and 0 < plain <= 1e3):
+        raise ValueError(f"plain_s: expected seconds in (0, 1000], got {plain!r}")
+    return ([float(a) for a, _ in pairs], [float(o) for _, o in pairs],
+            [float(c) for c in costs], timings, float(plain))
 
 
 def typical(recent: Sequence[float]) -> float:

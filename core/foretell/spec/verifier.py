@@ -51,8 +51,8 @@ class Speculator:
     #: Who contributed the provider, for error messages.
     origin: str = ""
     #: Speculate on sampled requests too; False: those decode plainly, and only greedy ones
-    #: speculate (``"sampled": false`` in a model's ``speculation.json``: on the H200 sampled
-    #: MTP lost to plain decoding, docs/speculation.md and docs/decisions.md).
+    #: speculate (``"sampled": false`` in a model's ``speculation.json``, where sampled
+    #: drafting measured slower than plain decoding: docs/speculation.md).
     sampled: bool = True
     #: The draft-length policy, shared by this speculator's requests: what it measured of
     #: the machine and the drafter carries over, so only the first request pays the warm-up.

@@ -306,12 +306,10 @@ def read_layers(fh: BinaryIO, header: StoredHeader, *, verify: bool = True) -> l
     MLX's own loader reads the tensors straight into the arrays it returns (no host buffer
     to copy from); checksums run on a thread pool over zero-copy views while later tensors
     load, so verification overlaps the reading. On a host with at least
-    :data:`PARALLEL_READ_CORES` cores MLX reads every tensor at once on its I/O threads
-    (measured on the 16-core H200 host, a 604 MB entry from the page cache: 89 ms against
-    293 ms one at a time); with fewer, one at a time (on the 2-core dev VM all at once was
-    no faster from the page cache and slower from the disk, median 276 vs 178 ms for a 50 MB
-    entry in fresh processes). ``verify=False`` exists for the benchmark that measures what
-    verification costs; serving always verifies.
+    :data:`PARALLEL_READ_CORES` cores MLX reads every tensor at once on its I/O threads;
+    with fewer, one at a time, which measured faster there (docs/block-store.md).
+    ``verify=False`` exists for the benchmark that measures what verification costs;
+    serving always verifies.
 
     :raises CorruptEntry: a tensor's bytes are short, unreadable or do not match their
         checksum. :raises FileReplaced: the path names another file (or none) by now.

@@ -1,0 +1,51 @@
+"""What the batch step tells the draft policy of each step's time: a pipelined plain step's
+time is its wait for the step before it, so it is a plain step's cost only after a
+pipelined step over the same rows; the first one after a synchronous (drafted) step, or of
+a new batch, waited for nothing and is reported untimed."""
+
+from __future__ import annotations
+
+from foretell.spec.batch_policy import BatchDraftPolicy
+
+
+class ScriptedWidths(BatchDraftPolicy):
+    """Drafts ``script[i]`` at its ``i``-th choice (0 past its end) and records what the
+    step tells it."""
+
+    def __init__(self, script: list[int]) -> None:
+        super().__init__()
+        self.script, self.told = list(script), []
+
+    def choose(self, caps, rates, top=None):
+        width = self.script.pop(0) if self.script else 0
+        return [min(width, cap) for cap in caps]
+
+    def observe(self, rows, width, seconds):
+        self.told.append((rows, width, seconds))
+
+
+def test_a_plain_step_is_timed_only_after_a_plain_step_over_the_same_rows(
+        engines, model_dirs, registry):
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=2)
+    scheduler = Scheduler(engine)
+    policy = scheduler._policy = ScriptedWidths([0, 0, 0, 2, 2, 0, 0, 0])
+    prompts = [[11, 57, 300, 4, 89], [120, 7, 250, 3, 9]]
+    handles = [scheduler.submit(p, max_tokens=20, ignore_eos=True, speculate=speculator)
+               for p in prompts]
+    for handle in handles:
+        list(handle)
+    scheduler.close()
+    told = [(w, s is not None) for rows, w, s in policy.told if rows == 2]
+    assert told[:8] == [
+        (0, False),  # the batch's first step waited for nothing
+        (0, True), (0, True),
+        (2, True), (2, True),  # drafted steps time themselves (the policy judges switching)
+        (0, False),  # the first pipelined step after them waited for nothing
+        (0, True), (0, True)]
