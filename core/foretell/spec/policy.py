@@ -1,64 +1,14 @@
 """How many tokens to draft each round, from what this machine and this drafter measure.
 
-A round that drafts ``k`` tokens costs ``T(k)`` seconds and yields ``E(k) = 1 + sum over
-j <= k of prod over i <= j of a_i`` tokens, where ``a_i`` is the measured chance that
-draft position ``i`` is accepted once every earlier one was. The policy drafts the ``k`` in
-``0..max_k`` with the best ``E(k) / T(k)``; ``k = 0`` is a plain decoding step, so a drafter
-that does not pay is switched off rather than slowing the request down.
-
-**Costs.** ``T(0)`` is the typical time of the recent plain steps (:func:`typical`); ``T(k)``
-for ``k >= 1`` a robust line (Theil-Sen) through the typical recent round time of each draft
-length seen, so the model tracks what the machine does now (a GPU where verifying 8 tokens
-costs little more than 1, a CPU where drafting costs the draft model's compute). Not timed:
-a length's first round (it compiles that shape's kernels on CUDA), a round the verifier flags
-as having paid a one-off cost (a fixed-shape forward traced, :mod:`foretell.model.fixed`),
-and a drafted round right after plain steps (it also pays for switching back: a model
-drafter catches up on the plain tokens), so a probe from plain steps is two rounds, the
-second one timed; the verifier likewise never times a plain run's first step, and times
-plain steps from a short stretch (:data:`TIMING_STRETCH`) while drafting pays. No decision
-rests on one time: each length's estimate is the median of its last few rounds, a length
-timed once does not shape the line while others were timed more often, and a drafter that
-agrees is not switched off on times all taken in one moment (:meth:`_unconfirmed`).
-
-**Acceptance.** Per position, decayed counts with a prior (the position before it), so
-what a drafter did lately weighs most. Whether drafting pays is judged on their mean; which
-length to draft, once it does, on a slightly optimistic bound (:data:`LENGTH_OPTIMISM`), so
-a position whose few rounds went badly is drafted to again. Whether drafting *might* pay is
-judged on an optimistic bound (:data:`OPTIMISM` standard errors above the mean,
-:meth:`DraftLengthPolicy.acceptance`), wide while the evidence is thin: a few rejected rounds
-at a request's start (the start of a continuation is the hardest to guess) do not switch a
-drafter off for good. While the mean says no and the bound says maybe, the policy explores
-(drafts the length the bound favours), paid from a budget: what drafting after the warm-up
-has lost against plain steps, net, may not pass :data:`EXPLORE_SHARE` of the tokens seen
-plus :data:`EXPLORE_ALLOWANCE` plain steps, and rounds that paid earn it back. The budget
-grows with the tokens, so exploring is paced through the request, and a drafter that
-disagrees at the start is probed again later. While drafting is off its evidence fades, so
-the bound widens and the budget alone says how often it is probed: a cheap probe (prompt
-lookup) often, a costly one (a model drafter catching up) rarely, and a drafter that cannot
-pay even when it always agrees (its round costs more than its tokens) never. A probe whose
-timed round paid by itself drafts on :data:`TRIAL_ROUNDS` more rounds, enough fresh times to
-outvote what a busy moment left in the estimates. Once drafting as a whole has lost more than
-the budget, a length is drafted only where the estimates say it gains :data:`CLEAR_GAIN`.
-The budget counts each round's own time, capped at :data:`LOSS_CAP` times its length's
-estimate, so one stall cannot spend it.
-
-While drafting, plain steps are timed again soon while their estimate rests on one stretch
-and then whenever it is :data:`STALE_ROUNDS` old, and every :data:`PROBE_EVERY` rounds
-another length is tried, alternately a neighbour of the best and the length timed longest
-ago among those that could still pay: no estimate goes stale for good.
-
-**Memory.** :meth:`DraftLengthPolicy.state` is what another process may start from: the
-acceptance counts and each length's round cost as a multiple of a plain step (seconds mean
-nothing under another process's load; their ratios hold on one device). A policy given
-one (:meth:`DraftLengthPolicy.recall`) skips the warm-up and drafts what the state says
-pays, reading this process's plain-step cost off its own drafted rounds until plain steps
-are timed. It is a prior: its acceptance counts weigh :data:`RECALLED_ROUNDS` rounds at most
-and fade by :data:`RECALL_FADE` each round the request drafts to their position (a drafter
-that stopped agreeing is switched off about as fast as a fresh policy switches it off), the lengths timed here keep their own costs and scale the others, and plain steps
-are timed at once when this process's drafted rounds imply a plain step
-:data:`PLAIN_DRIFT` times off the state's own (a dearer drafter, a busier host). Without
-that the recalled costs stand in for the timings a short request cannot afford, which is
-most of what a fresh policy pays (:mod:`foretell.spec.memory`; docs/decisions.md, item 16).
+A round drafting ``k`` tokens costs ``T(k)`` and yields ``E(k) = 1 + sum_j prod_{i<=j} a_i``
+tokens (``a_i``: the measured chance that draft position ``i`` is accepted once the earlier
+ones were); the policy drafts the ``k`` in ``0..max_k`` with the best ``E(k) / T(k)``, and
+``k = 0`` is a plain step, so a drafter that does not pay is switched off. Costs are robust
+estimates of recent times (no decision rests on one time); acceptance is decayed counts
+with a prior, judged optimistically while evidence is thin and probed again from a budget
+that grows with the tokens; a state recalled from another process (:meth:`state`,
+:meth:`recall`, :mod:`foretell.spec.memory`) is a prior that fades. Each rule and the case
+that made it: docs/speculation.md, "Draft length"; figures: docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -184,8 +134,7 @@ class DraftLengthPolicy:
         #: of it a probe that paid gets.
         self._exploring = 0
         self._trial = 0
-        #: Lengths timed again once because their few rounds ruled drafting out
-        #: (:meth:`_unconfirmed`).
+        #: Lengths timed again once as their few rounds ruled drafting out (_unconfirmed).
         self._confirmed: set[int] = set()
         #: Plain steps drafting after the warm-up has gained against plain decoding, net
         #: (negative: lost).
@@ -195,10 +144,8 @@ class DraftLengthPolicy:
         #: Drafted rounds ``(drafted, accepted, seconds or None: a length's first)`` the
         #: balance has yet to count.
         self._unaccounted: list[tuple[int, int, float | None]] = []
-        #: The newest TOLD_KEPT observations, oldest first: ``(drafted, accepted, seconds,
-        #: use, at)``, ``use`` being how the time was used ("timed"; "untimed": a switch back
-        #: or a one-off cost; "first": a length's first round) and ``at`` its
-        #: ``time.perf_counter()``. Only read by benchmarks; it steers nothing.
+        #: The newest observations ``(drafted, accepted, seconds, use, at)``, ``use`` being
+        #: "timed", "untimed" or "first" (a length's first round); for benchmarks only.
         self.told: deque[tuple[int, int, float, str, float]] = deque(maxlen=TOLD_KEPT)
         #: Plain steps the verifier runs before asking again, once ``choose`` said 0.
         self.stretch = PLAIN_STRETCH
@@ -648,12 +595,6 @@ def _checked_state(state: object
 
 def typical(recent: Sequence[float]) -> float:
     """What a round of one length costs, from its recent times: their median, the least of
-    them while there are fewer than three (one good round outvotes a stall either way).
-
-    Not the least of all of them: a plain step's times are each the mean of a stretch of
-    :data:`PLAIN_STRETCH` steps, a drafted length's each one round, so on a host whose speed
-    swings the least drafted round is the luckier draw, and drafting that merely breaks even
-    looks like a gain. Simulated (``tests/spec/test_policy.py``, a target drafting for
-    itself at 95% acceptance, every time swinging ±30%): the least of five drafted at a loss,
-    0.91-0.99x plain over eight seeds; the median 0.97-0.99x (docs/decisions.md)."""
+    them while there are fewer than three (not the least of all: on a host whose speed swings
+    the least drafted round is the luckier draw; docs/decisions.md)."""
     return min(recent) if len(recent) < 3 else statistics.median(recent)
