@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -137,19 +136,30 @@ def run_key(engine: Any, speculator: Any, *, sampled: bool) -> dict[str, Any] | 
     None (one debug line) where the model has no directory to fingerprint or it cannot be
     read."""
     from foretell.spec.attach import draft_settings
-    from foretell.store.entry import model_fingerprint, weights_digest
 
-    if engine.path is None:
+    identity = getattr(engine.cache, "identity", None)
+    if identity is not None:  # the prefix cache fingerprinted the target already
+        target = identity.model_fingerprint
+    elif engine.path is None:
         return None
-    try:
-        config = json.loads((Path(engine.path) / "config.json").read_text(encoding="utf-8"))
-        target = model_fingerprint(config, weights_digest(engine.path))
-    except Exception as exc:  # an unreadable model costs the memory, never the run
-        log.debug("draft-length memory off: the target's fingerprint: %s", exc)
-        return None
+    else:
+        target = _fingerprint(Path(engine.path))
+        if target is None:
+            return None
     drafter = {k: v for k, v in draft_settings(speculator).items() if k != "adaptive"}
     return {"format": STATE_FORMAT, "target": target, "drafter": drafter,
             "device": device(), "sampled": sampled}
+
+
+def _fingerprint(model_dir: Path) -> str | None:
+    from foretell.store.entry import model_fingerprint, weights_digest
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        return model_fingerprint(config, weights_digest(model_dir))
+    except Exception as exc:  # an unreadable model costs the memory, never the run
+        log.debug("draft-length memory off: the target's fingerprint: %s", exc)
+        return None
 
 
 def device() -> str:
@@ -170,29 +180,16 @@ def _canonical(key: dict[str, Any]) -> str:
 
 
 def _read(path: Path) -> bytes | None:
-    """The file's bytes, or None (one debug line unless it is missing): only a regular
-    file of at most MAX_BYTES is read, and never through a link or a FIFO's wait."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    """The file's bytes, or None (one debug line unless it is missing): read as every
+    untrusted cache file is (:func:`foretell.store.files.read_bounded`: a regular file of
+    at most MAX_BYTES, checked on the open descriptor, never a FIFO's wait)."""
+    from foretell.errors import StoreError
+    from foretell.store.files import read_bounded
+
     try:
-        fd = os.open(path, flags)
+        return read_bounded(path, MAX_BYTES, "a draft-length state")
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, StoreError) as exc:
         log.debug("draft-length memory %s ignored: %s", path, exc)
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
-            log.debug("draft-length memory %s ignored: not a regular file of at most %d "
-                      "bytes", path, MAX_BYTES)
-            return None
-        data = os.read(fd, MAX_BYTES + 1)
-    except OSError as exc:
-        log.debug("draft-length memory %s ignored: %s", path, exc)
-        return None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_BYTES:  # grew since fstat
-        log.debug("draft-length memory %s ignored: over %d bytes", path, MAX_BYTES)
-        return None
-    return data
