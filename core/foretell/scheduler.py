@@ -164,6 +164,8 @@ class Scheduler(BatchStep):
         self._tokens: mx.array | None = None
         #: Per speculator (by id: a warm-up's or a request's own beside the engine's).
         self._groups: dict[int, DraftGroup] = {}
+        #: Drafters whose CUDA kernels this scheduler started compiling (by id).
+        self._precompiled: set[int] = set()
         self._policy = BatchDraftPolicy()
         #: Per drafter kind, the distrust flags already reported (since the worker was idle).
         self._warned: dict[str, int] = {}
@@ -398,8 +400,10 @@ class Scheduler(BatchStep):
             # Kernels compiling in workers since load (and this drafter's) land before any
             # forward: a batch meets row counts one request never does, and each kernel it
             # compiled itself stalled every row for half a minute.
-            if row.speculator is not None:
-                cuda.kernels.precompile(row.speculator.provider)
+            provider = row.speculator.provider if row.speculator is not None else None
+            if provider is not None and id(provider) not in self._precompiled:
+                self._precompiled.add(id(provider))  # once: it walks the drafter's modules
+                cuda.kernels.precompile(provider)
             cuda.kernels.wait()
         kind = row.speculator.kind if row.speculator is not None else None
         row.request = engine._request_cache(row.speculator, row.resume, {

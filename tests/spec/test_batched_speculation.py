@@ -167,3 +167,23 @@ def test_kernels_compiling_in_workers_and_the_drafters_land_before_a_batch_forwa
         _streamed(handle)
         first = calls.index(("forward",))
         assert calls[:first] == [*precompiled, ("wait",)], calls[:first + 1]
+
+
+def test_a_drafters_kernels_are_started_once_per_scheduler(engines, model_dirs, registry,
+                                                           monkeypatch):
+    """Starting a drafter's compiles walks its modules: the first request does, not each."""
+    import types
+
+    from foretell.platform import device
+
+    engine = engines["qwen3"]
+    started = []
+    kernels = types.SimpleNamespace(precompile=lambda *owners: started.append(owners),
+                                    wait=lambda: None)
+    monkeypatch.setattr(device, "cuda_backend", lambda: types.SimpleNamespace(kernels=kernels))
+    speculator = _speculator(engine, "two-model", {"model": str(model_dirs["qwen3-other"])},
+                             registry)
+    scheduler = Scheduler(engine)
+    for prompt in PROMPTS[:3]:
+        _streamed(scheduler.submit(prompt, max_tokens=4, speculate=speculator))
+    assert started == [(speculator.provider,)]
