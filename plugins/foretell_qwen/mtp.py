@@ -172,8 +172,9 @@ def load_head(target: Target) -> MTPHead:
     return head
 
 
-def _head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
-                  caches: list[Any]) -> tuple[mx.array]:
+def head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
+                 caches: list[Any]) -> tuple[mx.array]:
+    """The head as :func:`foretell.model.fixed_for` compiles it (one cache, the head's)."""
     return (head(embedded, hidden, caches[0]),)
 
 
@@ -248,7 +249,7 @@ class MTPSource:
         # On CUDA the head's absorbing forwards replay over fixed shapes, as the verifier's
         # do; a chained one-position step does not: masked over a whole buffer it measured
         # slower (docs/decisions.md).
-        self.fixed = fixed_for(head, "MTP head", _head_forward)
+        self.fixed = fixed_for(head, "MTP head", head_forward)
 
     def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         if self.fixed is not None and embedded.shape[1] > 1:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 
-import pytest
 from benchscript import load
 
 from foretell.model import fixed
@@ -16,8 +15,6 @@ from foretell.tools import bench_spec as bench
 foretell_only = load("spec_paired").foretell_only
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler's verify forward (spec/batch.py) has no "
-                   "fixed-shape path yet: docs/decisions.md, 'One loop'")
 def test_fixed_shapes_ab_runs_each_row_in_both_modes(monkeypatch):
     ran = []
     real = fixed.FixedForward.__call__

@@ -88,8 +88,6 @@ def test_greedy_speculation_over_fixed_shapes_reproduces_plain_decoding(
         assert not forced_on
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler's verify forward (spec/batch.py) has no "
-                   "fixed-shape path yet: docs/decisions.md, 'One loop'")
 def test_a_lone_requests_verify_windows_take_the_fixed_path(engines, model_dirs, registry,
                                                             forced_on):
     from foretell.plugin import Kind

@@ -67,8 +67,6 @@ def test_mtp_over_fixed_shapes_reproduces_plain_greedy(demo, monkeypatch):
     assert all(ran for _name, ran in used)
 
 
-@pytest.mark.xfail(strict=True, reason="the scheduler's verify forward and MTP's rows have no "
-                   "fixed-shape path yet: docs/decisions.md, 'One loop'")
 def test_mtp_replays_its_forwards_over_fixed_shapes(demo, monkeypatch):
     from foretell.model import fixed
 

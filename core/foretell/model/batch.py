@@ -200,6 +200,31 @@ class BatchKVCache:
                      "write": offset % self.window if offset < self.window else 0}
         return ring
 
+    # -- whole buffers, for the fixed-shape forwards (foretell.model.fixed) ----------------
+
+    @property
+    def buffers(self) -> tuple[mx.array, mx.array] | None:
+        """The whole key and value buffers (every slot, written or not), or None while there
+        are none or they hold quantized parts."""
+        if self._k is None or self.bits is not None:
+            return None
+        return self._k[0], self._v[0]
+
+    def reserve(self, tokens: int, step: int) -> None:
+        """Buffers of at least ``tokens`` slots and a whole multiple of ``step`` (a
+        fixed-shape forward traces once per capacity), also where updates grew them by
+        :attr:`step`; every row keeps its tokens. Needs buffers already."""
+        have = self._k[0].shape[2]
+        self._resize(-(-max(tokens, have) // step) * step)
+
+    def written(self, keys: mx.array, values: mx.array, n: int) -> None:
+        """The buffers are now ``keys`` and ``values``, which hold ``n`` new tokens after
+        every row's last (what :meth:`update_and_fetch` would have left)."""
+        self._k, self._v = (keys,), (values,)
+        self.lengths = [length + n for length in self.lengths]
+        if self._device is not None:
+            self._device = (self._device[0] + n, self._device[1] + n)
+
     @property
     def nbytes(self) -> int:
         return 0 if self._k is None else sum(x.nbytes for x in (*self._k, *self._v))

@@ -1,5 +1,4 @@
-"""Compiled forwards over fixed shapes, for verify windows and a head's steps on CUDA (the
-scheduler's batch verify and MTP's rows do not take them yet: docs/decisions.md, "One loop").
+"""Compiled forwards over fixed shapes, for verify windows and a head's steps on CUDA.
 
 On CUDA a speculative round is bound by the host building graph nodes in Python
 (docs/speculation.md, "Pipelining and the GPU"). ``mx.compile`` replays a traced graph
@@ -9,8 +8,11 @@ an array, and traces once per window length and capacity (figures: docs/decision
 
 A compiled forward meets its caches only through the cache protocol (``offset``,
 ``update_and_fetch``, ``mask``); anything else fails the trace, and that forward falls back
-to the ordinary one for good, the real caches untouched. The rows of a ``[B, L]`` window
-share one offset (B = 1 today); per-row speculation will need a per-row write and mask.
+to the ordinary one for good, the real caches untouched. It takes a single request's
+growable caches or a batch's caches holding one row (:func:`fits_fixed_shapes`): the
+scheduler's verify of a lone row and MTP's rows of one. A batch of several rows keeps the
+ordinary forward: its row count changes as rows join and leave, and each count would be
+another trace of every window length (docs/decisions.md, "One loop").
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from foretell.config import engine_choice
+from foretell.model.batch import BatchKVCache
 from foretell.model.kvcache import KVCache
 
 log = logging.getLogger(__name__)
@@ -72,19 +75,44 @@ class _Slot:
 
 
 def fits_fixed_shapes(caches: Sequence[Any]) -> bool:
-    """Growable caches that already hold keys, all at one offset."""
-    return bool(caches) and all(
-        type(c) is KVCache and c.keys is not None and c.offset == caches[0].offset
-        for c in caches
-    )
+    """Growable caches that already hold keys, all at one offset: a single request's
+    :class:`KVCache` layers, or a batch's full-attention, unquantized
+    :class:`~foretell.model.batch.BatchKVCache` layers holding one row."""
+    if not caches:
+        return False
+    offset = _offset(caches[0])
+    return offset is not None and all(_offset(c) == offset for c in caches)
+
+
+def _offset(cache: Any) -> int | None:
+    """Where ``cache``'s next token goes, or None if a fixed forward cannot take it."""
+    if type(cache) is KVCache:
+        return cache.offset if cache.keys is not None else None
+    if type(cache) is BatchKVCache and cache.rows == 1 and cache.buffers is not None \
+            and cache.window is None and not cache.starts[0]:
+        return cache.lengths[0]
+    return None
+
+
+def _buffers(cache: Any) -> tuple[mx.array, mx.array]:
+    return (cache.keys, cache.values) if type(cache) is KVCache else cache.buffers
+
+
+def _advance(cache: Any, keys: mx.array, values: mx.array, n: int) -> None:
+    """``cache`` holds ``keys`` and ``values`` (whole buffers), ``n`` tokens more."""
+    if type(cache) is KVCache:
+        cache.keys, cache.values = keys, values
+        cache.offset += n
+    else:
+        cache.written(keys, values, n)
 
 
 class FixedForward:
     """``fn(owner, *arrays, caches) -> tuple of arrays`` compiled over fixed shapes.
 
     ``owner`` (a model or a head) is held weakly. ``fn`` must treat ``caches`` through the
-    cache protocol only; ``__call__`` takes and updates real :class:`KVCache` objects (see
-    :func:`fits_fixed_shapes`) and returns ``fn``'s outputs. ``None`` comes back instead when
+    cache protocol only; ``__call__`` takes and updates real caches (a single request's or
+    a one-row batch's, see :func:`fits_fixed_shapes`) and returns ``fn``'s outputs. ``None`` comes back instead when
     ``fn`` cannot be traced this way or the caches do not qualify; the caller then runs its
     ordinary forward (nothing changed)."""
 
@@ -103,7 +131,7 @@ class FixedForward:
         outputs = self.fn(self._owner(), *arrays, slots)
         return (*outputs, *[b for s in slots for b in (s.keys, s.values)])
 
-    def __call__(self, *arrays: mx.array, caches: Sequence[KVCache], length: int
+    def __call__(self, *arrays: mx.array, caches: Sequence[Any], length: int
                  ) -> tuple[mx.array, ...] | None:
         """Run over ``length`` new tokens; None (caches untouched) if ``fn`` cannot, the
         caches do not qualify (:func:`fits_fixed_shapes`) or the window is longer than
@@ -111,13 +139,13 @@ class FixedForward:
         global _TRACES
         if self.failed or length > MAX_TOKENS or not fits_fixed_shapes(caches):
             return None
-        offset = caches[0].offset
+        offset = _offset(caches[0])
         for cache in caches:
             # A whole multiple of CAPACITY_STEP, also after plain steps or a head's chained
             # steps grew it by 256: any other capacity would be one more trace per window.
             cache.reserve(offset + length, CAPACITY_STEP)
         self._arity = len(arrays)
-        buffers = [b for c in caches for b in (c.keys, c.values)]
+        buffers = [b for c in caches for b in _buffers(c)]
         shapes = tuple((a.shape, a.dtype) for a in (*arrays, *buffers))
         try:
             out = self._compiled(mx.array(offset, dtype=mx.int32), *arrays, *buffers)
@@ -131,8 +159,7 @@ class FixedForward:
             _TRACES += 1
         n = len(out) - len(buffers)
         for i, cache in enumerate(caches):
-            cache.keys, cache.values = out[n + 2 * i], out[n + 2 * i + 1]
-            cache.offset = offset + length
+            _advance(cache, out[n + 2 * i], out[n + 2 * i + 1], length)
         return out[:n]
 
 

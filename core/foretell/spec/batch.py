@@ -17,6 +17,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.model.batch import layer_caches
+from foretell.model.fixed import fixed_for
 from foretell.sampling import RandomKeys, Sampler
 from foretell.spec.acceptance import judge_row
 from foretell.spec.contract import (
@@ -73,8 +74,7 @@ def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: Ro
     usable = mx.logical_and(tokens >= 0, tokens < vocab)
     window = mx.concatenate([mx.array(pending, dtype=mx.int32)[:, None],
                              mx.where(usable, tokens, 0).astype(mx.int32)], axis=1)
-    hidden, _ = model.forward(window, layer_caches(caches))
-    logits = model.logits(hidden)  # [B, 1 + width, V]
+    hidden, logits = _verify_forward(model, window, layer_caches(caches))  # [B, 1 + width, V]
     results, reported = [], {}
     for b, rule in enumerate(rules):
         n = lengths[b]
@@ -95,6 +95,25 @@ def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: Ro
     for cache in caches:
         cache.trim([width - a for a in accepted])
     return RowsVerified(kept, accepted, hidden, [v[2] for v in values], reported)
+
+
+def _verify(model: Any, window: mx.array, caches: list[Any]) -> tuple[mx.array, mx.array]:
+    hidden, _ = model.forward(window, caches)
+    return hidden, model.logits(hidden)
+
+
+def _verify_forward(model: Any, window: mx.array, caches: list[Any]
+                    ) -> tuple[mx.array, mx.array]:
+    """The target's hidden states and logits over ``window``: compiled over fixed shapes
+    where that is on and the caches allow it (:mod:`foretell.model.fixed`: a lone row), a
+    plain step (one token) the ordinary forward, as a plain step alone takes it."""
+    if window.shape[1] > 1:
+        run = fixed_for(model, "verify forward", _verify)
+        if run is not None:
+            out = run(window, caches=caches, length=window.shape[1])
+            if out is not None:
+                return out[0], out[1]
+    return _verify(model, window, caches)
 
 
 class SourceRows:
