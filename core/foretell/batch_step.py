@@ -18,6 +18,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.model.batch import batch_caches, layer_caches
+from foretell.model.fixed import trace_count
 from foretell.model.kvcache import KVCache
 from foretell.spec.contract import keep_recent_hidden
 from foretell.stream import TokenLogprobs
@@ -65,7 +66,7 @@ class BatchStep:
         if not rows:
             return
         lengths = [min(chosen[id(row)], self._cap(row)) for row in rows]
-        started = time.perf_counter()
+        traces, started = trace_count(), time.perf_counter()
         drafted = self._draft(rows, lengths)
         rows = self._rows  # rows whose drafter failed have left
         if not rows:
@@ -88,10 +89,13 @@ class BatchStep:
         done = verify_rows(self.engine.model, self._batch, [row.pending for row in rows],
                            draft, lengths, rules)
         elapsed = time.perf_counter() - started
-        self._policy.observe(len(rows), max(lengths, default=0), elapsed)
+        # A step that traced a fixed-shape forward (foretell.model.fixed) paid a one-off cost.
+        one_off = trace_count() != traces
+        self._policy.observe(len(rows), max(lengths, default=0), None if one_off else elapsed)
         if len(rows) == 1 and self._alone(rows[0]):
             if lengths[0]:
-                rows[0].speculator.policy.observe(lengths[0], done.accepted[0], elapsed)
+                rows[0].speculator.policy.observe(lengths[0], done.accepted[0], elapsed,
+                                                  one_off=one_off)
             elif rows[0].plain_left:
                 self._stretch_step(rows[0], started)
         broken: dict[int, BaseException] = {}

@@ -102,6 +102,142 @@ def test_a_lone_requests_verify_windows_take_the_fixed_path(engines, model_dirs,
     assert forced_on and all(forced_on)  # every verify window took the fixed path
 
 
+def _one_row_batch(model, tokens):
+    """The batch caches of ``model`` holding one row: ``tokens`` prefilled."""
+    from foretell.model.batch import batch_caches
+
+    batch = batch_caches(model)
+    for layer, single in zip(batch, _prefilled(model, tokens)):
+        layer.append([single])
+    return batch
+
+
+def test_a_one_row_batchs_fixed_forward_matches_the_ordinary_one_across_capacity_steps(
+    engines, monkeypatch
+):
+    """The scheduler's lone row: its batch caches' whole buffers at the row's length."""
+    model = engines["qwen3"].model
+    monkeypatch.setattr(fixed, "CAPACITY_STEP", 16)
+    run = fixed.FixedForward(model, _verify, "test forward")
+    prompt = list(range(3, 14))
+    ordinary, fixed_caches = _one_row_batch(model, prompt), _one_row_batch(model, prompt)
+    for i, width in enumerate([4, 2, 5, 1, 3, 6, 4, 2]):
+        window = mx.array([[(7 * i + j) % 200 + 1 for j in range(width)]])
+        hidden_a, logits_a = _verify(model, window, ordinary)
+        out = run(window, caches=fixed_caches, length=width)
+        assert out is not None, f"window {i} took the ordinary path"
+        hidden_b, logits_b = out
+        assert mx.allclose(logits_a, logits_b, atol=1e-4).item(), f"window {i}"
+        assert mx.allclose(hidden_a, hidden_b, atol=1e-4).item()
+        drop = width // 2
+        for caches in (ordinary, fixed_caches):
+            for c in caches:
+                c.trim([drop])
+        # RoPE's positions: the row's next one, on the device, as the ordinary path keeps it
+        assert fixed_caches[0].offset.tolist() == ordinary[0].offset.tolist()
+    assert fixed_caches[0].buffers[0].shape[2] % 16 == 0
+    for a, b in zip(ordinary, fixed_caches):
+        assert a.lengths == b.lengths
+        assert mx.allclose(a.extract(0).state[0], b.extract(0).state[0], atol=1e-5).item()
+
+
+def test_batches_of_several_rows_windows_or_quantized_kv_keep_the_ordinary_forward(engines):
+    from foretell.model.batch import BatchKVCache
+
+    def batch(rows, **kw):
+        cache = BatchKVCache(**kw)
+        singles = []
+        for n in rows:
+            single = KVCache()
+            single.update_and_fetch(mx.zeros((1, 2, n, 64)), mx.zeros((1, 2, n, 64)))
+            singles.append(single)
+        cache.append(singles)
+        return cache
+
+    assert fixed.fits_fixed_shapes([batch([3]), batch([3])])
+    assert not fixed.fits_fixed_shapes([batch([3]), batch([4])])  # layers apart
+    assert not fixed.fits_fixed_shapes([batch([3, 3])])  # each row count a trace of its own
+    assert not fixed.fits_fixed_shapes([batch([3], window=8)])
+    assert not fixed.fits_fixed_shapes([batch([3], bits=8)])
+    assert not fixed.fits_fixed_shapes([BatchKVCache()])  # no buffers yet
+    empty = BatchKVCache()
+    empty.append([None])  # a row, but nothing written
+    assert not fixed.fits_fixed_shapes([empty])
+    model = engines["qwen3"].model
+    run = fixed.FixedForward(model, _verify, "test forward")
+    two = _one_row_batch(model, list(range(3, 14)))
+    for layer, single in zip(two, _prefilled(model, list(range(20, 29)))):
+        layer.append([single])
+    assert run(mx.array([[4, 5], [6, 7]]), caches=two, length=2) is None
+    assert [c.lengths for c in two] == [[11, 9]] * len(two)  # untouched
+
+
+def test_seeded_sampled_speculation_over_fixed_shapes_draws_what_plain_sampling_draws(
+    engines, model_dirs, registry, forced_on
+):
+    """A seeded request's draws are fixed by its position keys, so the target's
+    distributions over the fixed path must be the ordinary path's for them to agree."""
+    from foretell.config import SamplingConfig
+    from foretell.plugin import Kind
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = engine.use_draft("two-model", config(model=str(model_dirs["qwen3"])),
+                                  max_tokens=3, adaptive=False)
+    prompt = [11, 57, 300, 4, 89, 120, 7, 250, 33]
+    for seed, temp in ((3, 0.8), (9, 1.2)):
+        sampling = SamplingConfig(temp=temp, seed=seed)
+        plain = [t for e in engine.generate(prompt, speculate=False, max_tokens=40,
+                                            ignore_eos=True, sampling=sampling)
+                 for t in getattr(e, "tokens", ())]
+        forced_on.clear()
+        spec = [t for e in engine.generate(prompt, speculate=speculator, max_tokens=40,
+                                           ignore_eos=True, sampling=sampling)
+                for t in getattr(e, "tokens", ())]
+        assert spec == plain
+        assert forced_on and all(forced_on)
+
+
+def test_a_round_that_traced_a_fixed_forward_is_not_timed(
+    engines, model_dirs, registry, forced_on, monkeypatch
+):
+    """A new window length or capacity traces (on CUDA also compiles): that round's time says
+    nothing of what its length costs, so neither the row's policy nor the batch's takes it."""
+    from foretell.plugin import Kind
+    from foretell.spec.batch_policy import BatchDraftPolicy
+    from foretell.spec.warmup import ScriptedPolicy
+
+    monkeypatch.setattr(fixed, "_BY_OWNER", {})  # every shape traces afresh
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = engine.use_draft("two-model", config(model=str(model_dirs["qwen3"])),
+                                  max_tokens=3, adaptive=False)
+    told, seen = [], [fixed.trace_count()]
+
+    class Logged(ScriptedPolicy):
+        def observe(self, drafted, accepted, seconds, *, one_off=False):
+            now = fixed.trace_count()
+            told.append((one_off, now != seen[-1]))
+            seen.append(now)
+
+    batch_told = []
+    real = BatchDraftPolicy.observe
+
+    def observed(self, rows, width, seconds):
+        if width:
+            batch_told.append(seconds is None)
+        return real(self, rows, width, seconds)
+
+    monkeypatch.setattr(BatchDraftPolicy, "observe", observed)
+    object.__setattr__(speculator, "policy", Logged(3, [3, 2, 3, 2, 3, 3]))
+    list(engine.generate([11, 57, 300, 4, 89, 120, 7], speculate=speculator, max_tokens=30,
+                         ignore_eos=True))
+    assert told[0] == (True, True)  # the first round traced its window
+    assert all(one_off == traced for one_off, traced in told)
+    assert any(not one_off for one_off, _ in told)  # the rounds after it are timed
+    assert [one_off for one_off, _ in told] == batch_told[: len(told)]
+
+
 def test_fixed_forwards_see_only_whole_capacity_steps_between_ordinary_steps(
     engines, monkeypatch
 ):
