@@ -172,6 +172,73 @@ def test_batches_of_several_rows_windows_or_quantized_kv_keep_the_ordinary_forwa
     assert [c.lengths for c in two] == [[11, 9]] * len(two)  # untouched
 
 
+def test_a_row_joins_a_batch_whose_lone_row_ran_over_fixed_shapes(engines):
+    """The lone row's buffers grew to a whole capacity step, more slots than its length
+    needs; a joining row takes that capacity and both keep their tokens."""
+    model = engines["qwen3"].model
+    run = fixed.FixedForward(model, _verify, "test forward")
+    batch = _one_row_batch(model, list(range(3, 14)))
+    run(mx.array([[4, 5, 6]]), caches=batch, length=3)
+    capacity = batch[0].buffers[0].shape[2]
+    assert capacity == fixed.CAPACITY_STEP
+    before = batch[0].extract(0).state[0]
+    joining = _prefilled(model, list(range(40, 45)))
+    for layer, single in zip(batch, joining):
+        layer.append([single])
+    assert batch[0].lengths == [14, 5] and batch[0].buffers[0].shape[2] == capacity
+    assert mx.array_equal(batch[0].extract(0).state[0], before).item()
+    assert mx.array_equal(batch[0].extract(1).state[0], joining[0].state[0]).item()
+
+
+def test_requests_joining_and_leaving_a_lone_row_over_fixed_shapes_decode_as_alone(
+    engines, model_dirs, registry, forced_on, monkeypatch
+):
+    """The first request speculates alone over fixed shapes, a second joins its batch (the
+    ordinary forward for both), one leaves, and the other goes on alone over fixed
+    shapes again: each streams what it decodes plainly alone."""
+    import threading
+
+    from foretell.batch_step import BatchStep
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=3,
+                                 adaptive=False)
+    prompts, lengths = [[11, 57, 300, 4, 89, 120, 7], [7, 3, 400, 12, 12, 9, 77, 31]], [60, 40]
+    plain = [[t for e in engine.generate(p, speculate=False, max_tokens=n, ignore_eos=True)
+              for t in getattr(e, "tokens", ())] for p, n in zip(prompts, lengths)]
+    paused, go, rows = threading.Event(), threading.Event(), []
+    real = BatchStep._checkpoint
+
+    def checkpoint(self, finished):  # the worker waits, mid-request, for the second to come
+        real(self, finished)
+        rows.append(len(self._rows))
+        if not paused.is_set() and len(self._rows[0].state.generated) >= 8:
+            paused.set()
+            go.wait(30)
+
+    monkeypatch.setattr(BatchStep, "_checkpoint", checkpoint)
+    scheduler = Scheduler(engine)
+    forced_on.clear()
+    first = scheduler.submit(prompts[0], max_tokens=lengths[0], ignore_eos=True,
+                             speculate=speculator)
+    assert paused.wait(30)
+    alone = len(forced_on)
+    second = scheduler.submit(prompts[1], max_tokens=lengths[1], ignore_eos=True,
+                              speculate=speculator)
+    go.set()
+    assert [t for e in first for t in getattr(e, "tokens", ())] == plain[0]
+    assert [t for e in second for t in getattr(e, "tokens", ())] == plain[1]
+    scheduler.close()
+    assert alone and all(forced_on[:alone])
+    assert 2 in rows  # they ran together
+    assert len(forced_on) > alone and all(forced_on)  # alone again: the fixed path again
+
+
 def test_seeded_sampled_speculation_over_fixed_shapes_draws_what_plain_sampling_draws(
     engines, model_dirs, registry, forced_on
 ):

@@ -125,7 +125,10 @@ class BatchKVCache:
         like = (self._k, self._v) if self._k is not None else (filled[0] if filled else None)
         if like is not None:
             longest = max([0, *self.lengths, *(k[0].shape[2] for k, _ in filled)])
-            capacity = _capacity(longest, self.step)
+            # Never below the buffers' own: rolled-back drafts and fixed-shape forwards
+            # (whole capacity steps) leave more slots than the longest row needs.
+            capacity = max(_capacity(longest, self.step),
+                           self._k[0].shape[2] if self._k is not None else 0)
             self._resize(capacity)
             if self._k is None and self.rows:  # rows that joined empty get their slots now
                 self._k, self._v = (tuple(mx.zeros((self.rows, x.shape[1], capacity, x.shape[3]),
