@@ -4,7 +4,9 @@
 draft padded), judges each row by its own request's rule (greedy or token-match with the
 row's position keys, or rejection sampling), rolls each row's KV back to its accepted
 prefix and hands back each row's kept tokens; a row with no draft gets exactly its plain
-decoding step. :class:`SourceRows` lets a per-request (plugin API 1) drafter serve rows.
+decoding step; on CUDA a lone row's window runs compiled over fixed shapes
+(:mod:`foretell.model.fixed`). :class:`SourceRows` lets a per-request (plugin API 1) drafter
+serve rows.
 """
 
 from __future__ import annotations
@@ -104,9 +106,9 @@ def _verify(model: Any, window: mx.array, caches: list[Any]) -> tuple[mx.array, 
 
 def _verify_forward(model: Any, window: mx.array, caches: list[Any]
                     ) -> tuple[mx.array, mx.array]:
-    """The target's hidden states and logits over ``window``: compiled over fixed shapes
-    where that is on and the caches allow it (:mod:`foretell.model.fixed`: a lone row), a
-    plain step (one token) the ordinary forward, as a plain step alone takes it."""
+    """The target's hidden states and logits over ``window``, compiled over fixed shapes
+    where that is on and the caches allow it (:mod:`foretell.model.fixed`: a lone row). A
+    window of one token (a plain step) keeps the ordinary forward, as plain decoding does."""
     if window.shape[1] > 1:
         run = fixed_for(model, "verify forward", _verify)
         if run is not None:
