@@ -112,9 +112,9 @@ class FixedForward:
 
     ``owner`` (a model or a head) is held weakly. ``fn`` must treat ``caches`` through the
     cache protocol only; ``__call__`` takes and updates real caches (a single request's or
-    a one-row batch's, see :func:`fits_fixed_shapes`) and returns ``fn``'s outputs. ``None`` comes back instead when
-    ``fn`` cannot be traced this way or the caches do not qualify; the caller then runs its
-    ordinary forward (nothing changed)."""
+    a one-row batch's, see :func:`fits_fixed_shapes`) and returns ``fn``'s outputs. ``None``
+    comes back instead when ``fn`` cannot be traced this way or the caches do not qualify;
+    the caller then runs its ordinary forward (nothing changed)."""
 
     def __init__(self, owner: Any, fn: Callable[..., tuple[mx.array, ...]],
                  name: str = "forward"):
