@@ -27,6 +27,11 @@
 #              cache4b at 8-bit KV (TAG=defaults)
 #   digests    the device digests', kept kernels' and cross-thread cache tests, then cache4b
 #              at 8-bit KV (REPEATS, default 7; TAG, default table) (~5 min)
+#   batch      foretell bench --batch (BATCHES, default 1,4,16,32; DRAFTS, default
+#              none,two-model,mtp; REPEATS, default 3) against mlx-lm's BatchGenerator (~5 min)
+#   serve      benchmarks/serve_load.py: foretell serve plain, then two-model, against
+#              mlx_lm.server on the same weights (LEVELS, default 1,2,4,8,16,32) (~6 min); needs
+#              the serve wheels staged too (starlette, uvicorn, llguidance, openai and theirs)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -101,6 +106,19 @@ digests)
     $e::test_engines_on_two_threads_at_once_share_one_tier" ROW=0 \
     bash "$0" verify
   KV_BITS=8 TAG=${TAG:-table} REPEATS=${REPEATS:-7} bash "$0" cache4b
+  ;;
+batch)
+  timeout 580 $PY -m foretell bench --batch "${BATCHES:-1,4,16,32}" \
+    --batch-drafts "${DRAFTS:-none,two-model,mtp}" --repeats "${REPEATS:-3}" \
+    --json "$OUT/batch.json" 2>&1 | tee "$OUT/batch.log" | tail -20
+  ;;
+serve)
+  levels=${LEVELS:-1,2,4,8,16,32}
+  timeout 290 $PY benchmarks/serve_load.py --model demo --levels "$levels" --no-float32-mlx-lm \
+    --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -20
+  timeout 200 $PY benchmarks/serve_load.py --model demo --levels "$levels" --servers foretell \
+    --draft two-model --draft-model demo-draft \
+    --json "$OUT/serve-two-model.json" 2>&1 | tee "$OUT/serve-two-model.log" | tail -12
   ;;
 firstrun)
   TIMEFORMAT="%R s wall, %U s user"
