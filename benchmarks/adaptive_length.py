@@ -130,6 +130,31 @@ class Remembering:
             self.state = self.last.policy.state() or self.state
 
 
+#: The drafted rounds a fresh policy runs before its first choice (policy.WARMUP_ROUNDS).
+WARMUP = 3
+
+
+def spent(told: list[tuple[int, int, float, str]], tokens: int) -> dict[str, float] | None:
+    """Where a run's time went, from what its policy was told: the shares of the rounds'
+    time (drafted rounds as timed, plain stretches at their timed step a token) spent in the
+    warm-up's drafted rounds and in plain steps, the plain tokens, and the tokens a drafted
+    round made after the warm-up. The tokens no drafted round made were plain steps; None
+    for a run that was told nothing."""
+    drafted = [(k, kept, ms) for k, kept, ms, _use in told if k]
+    plain = sorted(ms for k, _kept, ms, _use in told if not k)
+    made = sum(1 + kept for _k, kept, _ms in drafted)
+    plain_tokens = max(tokens - made, 0)
+    # A plain step's time: the run's own timed steps, else a drafted round's least.
+    step = statistics.median(plain) if plain else min((ms for *_x, ms in drafted), default=0.0)
+    total = sum(ms for *_x, ms in drafted) + plain_tokens * step
+    if not total:
+        return None
+    after = drafted[WARMUP:]
+    return {"warmup": sum(ms for *_x, ms in drafted[:WARMUP]) / total,
+            "plain": plain_tokens * step / total, "plain_tokens": plain_tokens,
+            "per_round": sum(1 + kept for _k, kept, _ms in after) / len(after) if after else 0.0}
+
+
 def read_prompt(spec: str, chars: int) -> str:
     path, _, offset = spec.partition("@")
     return (ROOT / path).read_text(encoding="utf-8")[int(offset or 0):][:chars]
@@ -218,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         # What the policy was told during this run: (drafted, kept, ms, how the time was used).
         told = [(k, kept, round(s * 1e3, 2), use) for k, kept, s, use, at in policy.told
                 if at >= started] if policy is not None else None
-        return {"tps": timing.decode_tps, **(timing.extras or {}), "told": told}
+        got = {"tps": timing.decode_tps, **(timing.extras or {}), "told": told}
+        if told is not None:
+            got["spent"] = spent(told, args.generate)
+        return got
 
     def paired(name: str, rows: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         """Every row of ``rows`` (name: a speculator, False, or a callable making one per
@@ -258,6 +286,17 @@ def main(argv: list[str] | None = None) -> int:
                 # favours the fixed rows.
                 table[row]["vs_faster_fixed_median"] = table[row]["median_tps"] / max(
                     table[f]["median_tps"] for f in fixed_rows)
+            shares = [r["spent"] for r in got[row] if r.get("spent")]
+            if shares and not row.startswith(("k=", "plain")):
+                table[row]["spent_median"] = {
+                    what: statistics.median(s[what] for s in shares) for what in shares[0]}
+        if "default-kept" in names:
+            # What learning costs, paired: a run over the same round's run of the policy kept
+            # across requests (the same rounds, without the warm-up and timings).
+            for row in names:
+                if row.startswith("default") and row != "default-kept":
+                    table[row]["vs_kept_median"] = statistics.median(
+                        a["tps"] / b["tps"] for a, b in zip(got[row], got["default-kept"]))
         return table
 
     fresh = lambda: attrs.evolve(draft)  # noqa: E731 (a new policy, as a new process has)
@@ -310,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"x{r['vs_plain_median']:.2f} plain"
                   + (f"  x{share:.2f} best fixed ({min(r['vs_best_fixed']):.2f}-"
                      f"{max(r['vs_best_fixed']):.2f}), x{r['vs_faster_fixed_median']:.2f} "
-                     "the faster fixed row's median" if share else ""))
+                     "the faster fixed row's median" if share else "")
+                  + (f"  x{r['vs_kept_median']:.2f} kept" if "vs_kept_median" in r else "")
+                  + ("  time: warm-up {warmup:.0%}, plain {plain:.0%} ({plain_tokens:.0f} "
+                     "tokens), {per_round:.2f} tokens a round after".format(**r["spent_median"])
+                     if "spent_median" in r else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(portable(report), indent=1) + "\n",
                                    encoding="utf-8")
