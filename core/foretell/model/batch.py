@@ -77,11 +77,12 @@ class BatchKVCache:
             for stored, new in zip((*self._k, *self._v), (*new_k, *new_v)):
                 stored[..., start : start + n, :] = new
         else:
-            rows = mx.arange(self.rows)[:, None]
-            slots = self._arrays()[0][:, None] + mx.arange(n)[None]
-            for stored, new in zip((*self._k, *self._v), (*new_k, *new_v)):
-                # Advanced indices around a slice put their dims first: [B, n, heads, dim].
-                stored[rows, :, slots] = new.swapaxes(1, 2)
+            # One scatter along the token axis per part: advanced indexing (rows and slots)
+            # built about ten graph nodes per part, and a step over ragged rows pays it per layer.
+            slots = self._arrays()[0][:, None, None, None] + mx.arange(n)[:, None]
+            self._k, self._v = (
+                tuple(mx.put_along_axis(x, slots, part, axis=2) for x, part in zip(stored, new))
+                for stored, new in ((self._k, new_k), (self._v, new_v)))
         self.lengths = [length + n for length in self.lengths]
         if self._device is not None:
             self._device = (self._device[0] + n, self._device[1] + n)
