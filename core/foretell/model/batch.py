@@ -79,7 +79,9 @@ class BatchKVCache:
         else:
             # One scatter along the token axis per part: advanced indexing (rows and slots)
             # built about ten graph nodes per part, and a step over ragged rows pays it per layer.
-            slots = self._arrays()[0][:, None, None, None] + mx.arange(n)[:, None]
+            slots = self._arrays()[0][:, None, None, None]
+            if n > 1:
+                slots = slots + mx.arange(n)[:, None]
             self._k, self._v = (
                 tuple(mx.put_along_axis(x, slots, part, axis=2) for x, part in zip(stored, new))
                 for stored, new in ((self._k, new_k), (self._v, new_v)))
