@@ -117,6 +117,9 @@ class _Join:
     def push(self, tokens: list[str]) -> str:
         return "".join(tokens)
 
+    def push_one(self, token: str) -> str:
+        return token
+
     def finish(self) -> str:
         return ""
 
@@ -129,6 +132,9 @@ class _ByteLevel:
 
     def push(self, tokens: list[str]) -> str:
         return self._utf8.decode(b"".join(_byte_level_bytes(t) for t in tokens))
+
+    def push_one(self, token: str) -> str:
+        return self._utf8.decode(_byte_level_bytes(token))
 
     def finish(self) -> str:
         return self._utf8.decode(b"", final=True)
@@ -331,11 +337,16 @@ class StreamingDetokenizer:
     def __init__(self, tokens: Sequence[str | None], chain: DecoderChain):
         self._tokens = tokens
         self._before, self._fuse, self._after = chain.stages()
+        # A chain that only fuses (byte-level BPE's) takes each token straight to its fuse
+        # point: every running request detokenizes a token per step on the scheduler's thread.
+        self._direct = self._fuse.push_one if not (self._before or self._after) else None
 
     def add(self, token: int) -> str:
         text = self._tokens[token] if 0 <= token < len(self._tokens) else None
         if text is None:  # the library skips ids it has no token for
             return ""
+        if self._direct is not None:
+            return self._direct(text)
         return self._run([text], final=False)
 
     def flush(self) -> str:

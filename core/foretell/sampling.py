@@ -78,10 +78,11 @@ def draw_rows(logits: mx.array, rows: Sequence[tuple[Sampler, RandomKeys | None,
     """One plain step's tokens for a batch: ``logits [B, V]``, row ``b`` drawn by
     ``rows[b] = (sampler, keys, position)`` exactly as that request's own plain step draws
     (its sampler, the key of its position). Rows sharing sampling
-    settings are drawn in one call. Returns ``int32 [B]``."""
+    settings are drawn in one call, and greedy rows all in one: without a penalty window a
+    greedy draw reads no setting. Returns ``int32 [B]``."""
     groups: dict[Any, list[int]] = {}
     for b, (sampler, _, _) in enumerate(rows):
-        groups.setdefault(sampler.config, []).append(b)
+        groups.setdefault(None if sampler.greedy else sampler.config, []).append(b)
     parts, order = [], []
     for members in groups.values():
         sampler = rows[members[0]][0]

@@ -9,6 +9,7 @@ from foretell.sampling import (
     RandomKeys,
     Sampler,
     apply_repetition_penalty,
+    draw_rows,
     repetition_windows,
 )
 
@@ -26,6 +27,22 @@ def test_greedy_is_exactly_the_argmax_of_the_logits():
     chosen = Sampler(SamplingConfig(temp=0.0))(logits, None, None)
     assert chosen.dtype == mx.int32
     assert np.array(chosen).tolist() == np.argmax(np.array(logits), axis=-1).tolist()
+
+
+def test_a_batch_draws_each_row_as_its_own_sampler_draws_it_alone():
+    """Greedy rows of different settings are drawn together (their settings change nothing
+    greedy reads); sampled rows by their own settings and the key of their position."""
+    logits = mx.random.normal((5, 300), key=mx.random.key(3)) * 4
+    configs = [SamplingConfig(temp=0.0), SamplingConfig(temp=0.8, top_k=20, seed=1),
+               SamplingConfig(temp=0.0, top_k=5, min_p=0.2), SamplingConfig(temp=0.0),
+               SamplingConfig(temp=1.0, top_p=0.9, seed=2)]
+    rows = [(sampler, sampler.keys(), 7 + b)
+            for b, sampler in enumerate(Sampler(c) for c in configs)]
+    drawn = np.array(draw_rows(logits, rows)).tolist()
+    alone = [np.array(sampler(logits[b : b + 1], None, None if keys is None
+                              else keys.rows(position))).tolist()[0]
+             for b, (sampler, keys, position) in enumerate(rows)]
+    assert drawn == alone
 
 
 def test_greedy_needs_no_random_keys():
