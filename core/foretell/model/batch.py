@@ -86,8 +86,7 @@ class BatchKVCache:
                 tuple(mx.put_along_axis(x, slots, part, axis=2) for x, part in zip(stored, new))
                 for stored, new in ((self._k, new_k), (self._v, new_v)))
         self.lengths = [length + n for length in self.lengths]
-        if self._device is not None:
-            self._device = (self._device[0] + n, self._device[1] + n)
+        self._advance(n)
         return self._fetch(self._k, end), self._fetch(self._v, end)
 
     def mask(self, n_queries: int) -> mx.array | None:
@@ -228,8 +227,7 @@ class BatchKVCache:
         every row's last (what :meth:`update_and_fetch` would have left)."""
         self._k, self._v = (keys,), (values,)
         self.lengths = [length + n for length in self.lengths]
-        if self._device is not None:
-            self._device = (self._device[0] + n, self._device[1] + n)
+        self._advance(n)
 
     @property
     def nbytes(self) -> int:
@@ -238,11 +236,19 @@ class BatchKVCache:
     # -- internals -----------------------------------------------------------------------
 
     def _arrays(self) -> tuple[mx.array, mx.array]:
-        """``(lengths, next positions)`` as ``int32 [B]`` device arrays."""
+        """``(lengths, next positions)`` as ``int32 [B]`` device arrays: one array while no
+        row starts past position 0, so a step advances one array per layer, not two."""
         if self._device is None:
             lengths = mx.array(self.lengths, dtype=mx.int32)
-            self._device = (lengths, lengths + mx.array(self.starts, dtype=mx.int32))
+            self._device = (lengths, lengths + mx.array(self.starts, dtype=mx.int32)
+                            if any(self.starts) else lengths)
         return self._device
+
+    def _advance(self, n: int) -> None:
+        if self._device is not None:
+            lengths, positions = self._device
+            advanced = lengths + n
+            self._device = (advanced, advanced if positions is lengths else positions + n)
 
     def _parts(self, x: mx.array) -> tuple[mx.array, ...]:
         if self.bits is None:
