@@ -15,12 +15,22 @@ on the same prompts at each B. Per decode step, medians over the repeats:
   readers of its handles; mlx-lm's loop), over the run, per step. MLX's compute threads are
   not counted. It splits into ``eval``, the CPU time inside ``mx.eval`` / ``mx.async_eval``
   calls (MLX walking and dispatching the graph: a GPU's kernel launches), and ``python``,
-  the rest (building the graph, per-row work, streaming).
+  the rest (building the graph, per-row work, streaming); on foretell's side ``python``
+  splits again into the scheduler's ``worker`` and the ``readers`` of its handles (one
+  thread per request, as ``foretell bench --batch`` reads them).
+
+``--graph`` times a decode step's graph alone instead, with no scheduler and no threads:
+the model's forward over a batch cache, the greedy draw and ``mx.async_eval``, per step the
+host CPU to build the graph and to dispatch it, and its node count (on a GPU each node is a
+kernel launch; the CPU's count is higher, its fast ops expanding into fallbacks). foretell's
+batch rows of one length (``uniform``) and of two (``ragged``: rows that joined at different
+times, as a wave of prompts longer than one prefill chunk does), mlx-lm's ``BatchKVCache``.
 
 Attention takes the fused kernel on both sides (``FORETELL_ATTENTION=fused``, as a GPU's
 decode step does) unless ``--attention`` says otherwise.
 
     python benchmarks/batch_host_cost.py --batches 1,4,16,32 --repeats 5 --json out.json
+    python benchmarks/batch_host_cost.py --graph --batches 16,32
 """
 
 from __future__ import annotations
@@ -75,14 +85,25 @@ def python_cpu_s() -> float:
 
 
 class EvalClock:
-    """CPU seconds spent inside ``mx.eval`` and ``mx.async_eval``, on whichever thread:
-    both engines call them through the module, so wrapping the module's functions sees all."""
+    """CPU seconds spent inside ``mx.eval`` and ``mx.async_eval``, on whichever thread, while
+    entered: both engines call them through the module, so wrapping the module's functions
+    sees all (put back on exit)."""
 
     def __init__(self) -> None:
+        self.seconds = 0.0
+        self._saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> EvalClock:
         import mlx.core as mx
 
-        self.seconds = 0.0
+        self._saved = mx.eval, mx.async_eval
         mx.eval, mx.async_eval = self._timed(mx.eval), self._timed(mx.async_eval)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import mlx.core as mx
+
+        mx.eval, mx.async_eval = self._saved
 
     def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:
@@ -94,18 +115,41 @@ class EvalClock:
         return run
 
 
+def thread_cpu_s(name: str) -> float:
+    """CPU seconds the living thread called ``name`` has used (0 if there is none)."""
+    for thread in threading.enumerate():
+        if thread.name == name:
+            stat = Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text()
+            return int(stat.split()[0]) / 1e9
+    return 0.0
+
+
 def measure(model: Path, batches: list[int], repeats: int, prompt_tokens: int,
-            max_tokens: int) -> list[dict[str, Any]]:
-    import foretell.scheduler
-    from foretell.tools.bench_batch import _foretell_side, _mlx_lm_side, prompts_for
-    from foretell.tools.measure import median
+            max_tokens: int, names: list[str]) -> list[dict[str, Any]]:
+    """Per B, each side's medians over ``repeats`` runs (see the module docstring)."""
+    import foretell.scheduler as scheduler
 
     # The worker (and the MLX stream threads it made) must outlive every run: an MLX thread
     # that ends between two readings of python_cpu_s() would count as Python time.
-    foretell.scheduler.IDLE_EXIT_S = 1e9
-    clock = EvalClock()
-    sides = {"foretell": _foretell_side(str(model), None, None, 3),
-             "mlx-lm": _mlx_lm_side(str(model))}
+    idle, running = scheduler.IDLE_EXIT_S, set(scheduler._LIVE)
+    scheduler.IDLE_EXIT_S = 1e9
+    try:
+        with EvalClock() as clock:
+            return _measure(clock, model, batches, repeats, prompt_tokens, max_tokens, names)
+    finally:
+        scheduler.IDLE_EXIT_S = idle
+        for made in set(scheduler._LIVE) - running:
+            made.close()
+
+
+def _measure(clock: EvalClock, model: Path, batches: list[int], repeats: int,
+             prompt_tokens: int, max_tokens: int, names: list[str]) -> list[dict[str, Any]]:
+    from foretell.tools.bench_batch import _foretell_side, _mlx_lm_side, prompts_for
+    from foretell.tools.measure import median
+
+    make = {"foretell": lambda: _foretell_side(str(model), None, None, 3),
+            "mlx-lm": lambda: _mlx_lm_side(str(model))}
+    sides = {name: make[name]() for name in names}
     rows = []
     for batch in batches:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
@@ -116,11 +160,16 @@ def measure(model: Path, batches: list[int], repeats: int, prompt_tokens: int,
             order = list(sides.items())
             for name, run in order if r % 2 == 0 else order[::-1]:
                 cpu, evals = python_cpu_s(), clock.seconds
+                worker = thread_cpu_s("foretell-scheduler")
                 got = run(prompts, max_tokens)
                 host = 1e3 * (python_cpu_s() - cpu) / max_tokens
+                worker = 1e3 * (thread_cpu_s("foretell-scheduler") - worker) / max_tokens
                 evals = 1e3 * (clock.seconds - evals) / max_tokens
-                runs[name].append({"wall": 1e3 * batch / got["decode_tps"], "host": host,
-                                   "eval": evals, "python": host - evals})
+                figures = {"wall": 1e3 * batch / got["decode_tps"], "host": host,
+                           "eval": evals, "python": host - evals}
+                if name == "foretell":  # the worker makes every eval call of this side
+                    figures |= {"worker": worker - evals, "readers": host - worker}
+                runs[name].append(figures)
         row: dict[str, Any] = {"batch": batch}
         for name, got in runs.items():
             row[name] = {key: median([g[key] for g in got]) for key in got[0]}
@@ -130,23 +179,127 @@ def measure(model: Path, batches: list[int], repeats: int, prompt_tokens: int,
     return rows
 
 
+def graph_nodes(*outputs: Any) -> int:
+    """Nodes (operations) in the unevaluated graph behind ``outputs``."""
+    import re
+
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, *outputs)
+        return len(re.findall(r'shape=rectangle', dot.read()))
+
+
+def measure_graphs(model: Path, batches: list[int], repeats: int,
+                   prompt_tokens: int, steps: int = 40) -> list[dict[str, Any]]:
+    """Per B: each kind of step's host CPU to build and to dispatch its graph (medians of
+    ``repeats`` rounds of ``steps`` steps, the kinds taking turns) and its node count."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache as TheirCache
+
+    import foretell
+    from foretell.model.batch import batch_caches
+    from foretell.sampling import Sampler, draw_rows
+    from foretell.tools.measure import median
+
+    ours = foretell.load(str(model)).model
+    theirs, _ = load(str(model))
+    greedy = Sampler()
+
+    def foretell_step(batch: int, ragged: bool) -> Callable[[mx.array], mx.array]:
+        caches = batch_caches(ours)
+        for cache, layer in zip(caches, zip(*(_prefilled(ours, prompt_tokens + b % 2 * ragged)
+                                               for b in range(batch)))):
+            cache.append(list(layer))
+        rows = [(greedy, None, 0)] * batch
+        return lambda tokens: draw_rows(ours.logits(ours.forward(tokens[:, None], caches)[0][
+            :, -1, :]), rows)
+
+    def mlx_lm_step(batch: int) -> Callable[[mx.array], mx.array]:
+        caches = [TheirCache([0] * batch) for _ in theirs.layers]
+        theirs(mx.zeros((batch, prompt_tokens), mx.int32), cache=caches)
+        mx.eval([c.state for c in caches])
+
+        def step(tokens: mx.array) -> mx.array:
+            logits = theirs(tokens[:, None], cache=caches)[:, -1, :]
+            return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        return step
+
+    kinds: dict[str, Callable[[int], Callable[[mx.array], mx.array]]] = {
+        "foretell uniform": lambda b: foretell_step(b, False),
+        "foretell ragged": lambda b: foretell_step(b, True),
+        "mlx-lm": mlx_lm_step,
+    }
+    rows = []
+    for batch in batches:
+        got: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+        nodes = {}
+        for r in range(repeats):
+            order = list(kinds.items())
+            for kind, make in order if r % 2 == 0 else order[::-1]:
+                step, tokens = make(batch), mx.zeros((batch,), mx.int32)
+                build, dispatch = [], []
+                for i in range(steps):
+                    begin = time.thread_time()
+                    drawn = step(tokens)
+                    built = time.thread_time()
+                    if i == steps // 2:
+                        nodes[kind] = graph_nodes(drawn)
+                    built_after_count = time.thread_time()
+                    mx.async_eval(drawn)
+                    dispatch.append(time.thread_time() - built_after_count)
+                    build.append(built - begin)
+                    mx.eval(drawn)
+                    tokens = drawn
+                got[kind].append((median(build[5:]), median(dispatch[5:])))
+        row: dict[str, Any] = {"batch": batch}
+        for kind, times in got.items():
+            build_ms = 1e3 * median([t[0] for t in times])
+            dispatch_ms = 1e3 * median([t[1] for t in times])
+            row[kind] = {"build_ms": build_ms, "dispatch_ms": dispatch_ms,
+                         "host_ms": build_ms + dispatch_ms, "nodes": nodes[kind]}
+        rows.append(row)
+        print(f"B={batch:>3} " + "  ".join(
+            f"{kind}: {row[kind]['host_ms']:.2f} ms (build {row[kind]['build_ms']:.2f} + "
+            f"dispatch {row[kind]['dispatch_ms']:.2f}), {row[kind]['nodes']} nodes"
+            for kind in kinds), flush=True)
+    return rows
+
+
+def _prefilled(model: Any, tokens: int) -> list[Any]:
+    import mlx.core as mx
+
+    caches = model.make_caches()
+    model.forward(mx.zeros((1, tokens), mx.int32), caches)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
 def render_row(row: dict[str, Any]) -> str:
-    ours, theirs = row["foretell"], row["mlx-lm"]
+    ours, theirs = row.get("foretell"), row.get("mlx-lm")
     cells = [f"B={row['batch']:>3} ms/step"]
     for key in ("wall", "host", "python", "eval"):
-        cells.append(f"{key} {ours[key]:6.2f} / {theirs[key]:6.2f} "
-                     f"({ours[key] / theirs[key]:.2f}x)")
-    return "  ".join(cells) + "   (foretell / mlx-lm)"
+        got = [f"{side[key]:6.2f}" for side in (ours, theirs) if side is not None]
+        ratio = f" ({ours[key] / theirs[key]:.2f}x)" if ours and theirs else ""
+        cells.append(f"{key} {' / '.join(got)}{ratio}")
+    if ours is not None:
+        cells.append(f"(foretell's python: worker {ours['worker']:.2f} readers "
+                     f"{ours['readers']:.2f})")
+    return "  ".join(cells) + ("   (foretell / mlx-lm)" if ours and theirs else "")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,4,16,32")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--attention", default="fused",
                    help="FORETELL_ATTENTION for foretell's side (mlx-lm always fuses)")
+    p.add_argument("--sides", default="foretell,mlx-lm")
+    p.add_argument("--graph", action="store_true",
+                   help="time a decode step's graph alone (see the module docstring)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = p.parse_args(argv)
     os.environ["FORETELL_ATTENTION"] = args.attention
@@ -159,12 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model = proxy_model(Path(tmp) / "proxy")
-        rows = measure(model, [int(b) for b in args.batches.split(",")], args.repeats,
-                       args.prompt_tokens, args.max_tokens)
+        batches = [int(b) for b in args.batches.split(",")]
+        if args.graph:
+            rows = measure_graphs(model, batches, args.repeats, args.prompt_tokens)
+        else:
+            rows = measure(model, batches, args.repeats, args.prompt_tokens,
+                           args.max_tokens, args.sides.split(","))
     if args.json is not None:
         args.json.write_text(json.dumps({
             "proxy": {"of": "demo", **PROXY_SHAPE, "dtype": "float32"},
-            "attention": args.attention, "prompt_tokens": args.prompt_tokens,
+            "graph": args.graph, "attention": args.attention, "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
             "load_avg_before_after": [load, os.getloadavg()], "machine": machine_info(),
             "runtime": runtime_info(),
