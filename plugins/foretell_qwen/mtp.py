@@ -35,7 +35,7 @@ from foretell.model import (
     PORT_MTP,
     KVCache,
     attention_mask,
-    fixed_for,
+    fixed_or_ordinary,
     make_rope,
     trim_all,
 )
@@ -174,7 +174,7 @@ def load_head(target: Target) -> MTPHead:
 
 def head_forward(head: MTPHead, embedded: mx.array, hidden: mx.array,
                  caches: list[Any]) -> tuple[mx.array]:
-    """The head as :func:`foretell.model.fixed_for` compiles it (one cache, the head's)."""
+    """The head as :func:`foretell.model.fixed_or_ordinary` runs it (one cache, the head's)."""
     return (head(embedded, hidden, caches[0]),)
 
 
@@ -246,17 +246,14 @@ class MTPSource:
         #: follows the sequence), or None before any position was absorbed.
         self.last: mx.array | None = None
         self._chained = 0
+
+    def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:
         # On CUDA the head's absorbing forwards replay over fixed shapes, as the verifier's
         # do; a chained one-position step does not: masked over a whole buffer it measured
         # slower (docs/decisions.md).
-        self.fixed = fixed_for(head, "MTP head", head_forward)
-
-    def _forward(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        if self.fixed is not None and embedded.shape[1] > 1:
-            out = self.fixed(embedded, hidden, caches=self.caches, length=embedded.shape[1])
-            if out is not None:
-                return out[0]
-        return self.head(embedded, hidden, self.caches[0])
+        out, = fixed_or_ordinary(self.head, "MTP head", head_forward, embedded, hidden,
+                                 caches=self.caches)
+        return out
 
     def _absorb(self, feed: Feed) -> None:
         last = absorb(self._forward, self.target.embed, feed.tokens, feed.hidden)

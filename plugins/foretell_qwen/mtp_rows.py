@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from foretell.model import BatchKVCache, KVCache, fixed_for
+from foretell.model import BatchKVCache, KVCache, fixed_or_ordinary
 from foretell.spec import (
     CATCH_UP_MAX,
     Drafting,
@@ -183,7 +183,9 @@ class MTPRows:
             mx.zeros((1, width, like.shape[-1]), like.dtype) if h is None
             else h if len(t) == width else mx.pad(h, [(0, 0), (0, width - len(t)), (0, 0)])
             for t, h in pairs], axis=0)
-        out = self._absorbing(self.target.embed(ids), states)
+        # As MTPSource absorbs: over fixed shapes where the rows allow it (one row).
+        out, = fixed_or_ordinary(self.head, "MTP head", head_forward, self.target.embed(ids),
+                                 states, caches=[self.cache])
         self.cache.trim([width - len(t) for t, _ in pairs])
         newest = mx.take_along_axis(
             out, mx.array([max(len(t) - 1, 0) for t, _ in pairs], dtype=mx.int32)[:, None, None],
@@ -196,18 +198,6 @@ class MTPRows:
             self.last = mx.where(mx.array(got)[:, None, None], newest, kept)
         for row, heard in zip(self.rows, got):
             row.ready = row.ready or heard
-
-    def _absorbing(self, embedded: mx.array, hidden: mx.array) -> mx.array:
-        """The head over every row's feed; on CUDA compiled over fixed shapes where the
-        rows allow it (one row, :mod:`foretell.model.fixed`), as :class:`MTPSource` absorbs
-        (a chained one-position step keeps the ordinary forward there too)."""
-        if embedded.shape[1] > 1:
-            run = fixed_for(self.head, "MTP head", head_forward)
-            if run is not None:
-                out = run(embedded, hidden, caches=[self.cache], length=embedded.shape[1])
-                if out is not None:
-                    return out[0]
-        return self.head(embedded, hidden, self.cache)
 
     def commit(self, accepted: Sequence[int]) -> None:
         # Nothing to roll back: the chained positions left the cache when the drafts were

@@ -3,9 +3,9 @@
 Architecture plugins import from here: the contract (:class:`Model`, :class:`Cache`, the
 ports), the KV caches (:class:`KVCache`, :class:`RotatingKVCache`, :class:`SlidingKVCache`
 and their trim helpers), attention (:func:`attend`, the masks), fixed-shape forwards
-(:func:`fixed_for`), RoPE (:func:`make_rope`) and loading (:func:`load_model`,
-:func:`read_config`, :func:`args_from_config` and the checkpoint-quirk helpers); ``_WHERE``
-below lists every name. Names resolve on first use, so importing this package imports no
+(:func:`fixed_for`, :func:`fixed_or_ordinary`), RoPE (:func:`make_rope`) and loading
+(:func:`load_model`, :func:`read_config`, :func:`args_from_config` and the checkpoint-quirk
+helpers); ``_WHERE`` below lists every name. Names resolve on first use, so importing this package imports no
 MLX: on the CPU the BLAS must be bound before MLX loads (docs/blas.md).
 """
 
@@ -34,6 +34,7 @@ _WHERE = {
     "FixedForward": "foretell.model.fixed",
     "fits_fixed_shapes": "foretell.model.fixed",
     "fixed_for": "foretell.model.fixed",
+    "fixed_or_ordinary": "foretell.model.fixed",
     "fixed_shapes_on": "foretell.model.fixed",
     "RoPE": "foretell.model.rope",
     "make_rope": "foretell.model.rope",

@@ -206,7 +206,7 @@ def fixed_for(owner: Any, name: str, fn: Callable[..., tuple[mx.array, ...]]
     """The one :class:`FixedForward` named ``name`` for ``owner`` (a model or a head), so
     every request replays the same traces; it goes when the owner does (``fn`` must not
     hold the owner: it is handed it). None where fixed shapes are off
-    (:func:`fixed_shapes_on`, read when a request starts)."""
+    (:func:`fixed_shapes_on`, read at each call)."""
     if not fixed_shapes_on():
         return None
     key = (id(owner), name)
@@ -215,3 +215,20 @@ def fixed_for(owner: Any, name: str, fn: Callable[..., tuple[mx.array, ...]]
         found = _BY_OWNER[key] = FixedForward(owner, fn, name)
         weakref.finalize(owner, _BY_OWNER.pop, key, None)
     return found
+
+
+def fixed_or_ordinary(owner: Any, name: str, fn: Callable[..., tuple[mx.array, ...]],
+                      *arrays: mx.array, caches: Sequence[Any]) -> tuple[mx.array, ...]:
+    """``fn(owner, *arrays, caches)``: replayed over fixed shapes (:func:`fixed_for`) where
+    they are on, the window (``arrays[0]``'s second axis) is longer than one token and the
+    caches qualify; otherwise ``fn`` itself. A one-token window (a plain step) keeps the
+    ordinary forward, as plain decoding does."""
+    length = arrays[0].shape[1]
+    if length > 1:
+        run = fixed_for(owner, name, fn)
+        if run is not None:
+            out = run(*arrays, caches=caches, length=length)
+            if out is not None:
+                return out
+    return fn(owner, *arrays, caches)
+

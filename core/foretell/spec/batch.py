@@ -19,7 +19,7 @@ import attrs
 import mlx.core as mx
 
 from foretell.model.batch import layer_caches
-from foretell.model.fixed import fixed_for
+from foretell.model.fixed import fixed_or_ordinary
 from foretell.sampling import RandomKeys, Sampler
 from foretell.spec.acceptance import judge_row
 from foretell.spec.contract import (
@@ -76,7 +76,9 @@ def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: Ro
     usable = mx.logical_and(tokens >= 0, tokens < vocab)
     window = mx.concatenate([mx.array(pending, dtype=mx.int32)[:, None],
                              mx.where(usable, tokens, 0).astype(mx.int32)], axis=1)
-    hidden, logits = _verify_forward(model, window, layer_caches(caches))  # [B, 1 + width, V]
+    # On CUDA a lone row's window replays over fixed shapes (foretell.model.fixed).
+    hidden, logits = fixed_or_ordinary(model, "verify forward", _verify, window,
+                                       caches=layer_caches(caches))  # [B, 1 + width, V]
     results, reported = [], {}
     for b, rule in enumerate(rules):
         n = lengths[b]
@@ -102,20 +104,6 @@ def verify_rows(model: Any, caches: list[Any], pending: Sequence[int], draft: Ro
 def _verify(model: Any, window: mx.array, caches: list[Any]) -> tuple[mx.array, mx.array]:
     hidden, _ = model.forward(window, caches)
     return hidden, model.logits(hidden)
-
-
-def _verify_forward(model: Any, window: mx.array, caches: list[Any]
-                    ) -> tuple[mx.array, mx.array]:
-    """The target's hidden states and logits over ``window``, compiled over fixed shapes
-    where that is on and the caches allow it (:mod:`foretell.model.fixed`: a lone row). A
-    window of one token (a plain step) keeps the ordinary forward, as plain decoding does."""
-    if window.shape[1] > 1:
-        run = fixed_for(model, "verify forward", _verify)
-        if run is not None:
-            out = run(window, caches=caches, length=window.shape[1])
-            if out is not None:
-                return out[0], out[1]
-    return _verify(model, window, caches)
 
 
 class SourceRows:
