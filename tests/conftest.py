@@ -154,3 +154,31 @@ def dies_after():
         return seen
 
     return run
+
+
+@pytest.fixture
+def held_mid_request(monkeypatch):
+    """``held_mid_request() -> (paused, go, rows)``: from then on the scheduler's worker
+    stops after the step that takes its first row to 8 generated tokens (``paused`` is set)
+    and waits for ``go``, so a test can submit a second request while the first is
+    mid-request; ``rows`` records each step's row count (2 in it: the two ran together)."""
+    import threading
+
+    from foretell.batch_step import BatchStep
+
+    paused, go, rows = threading.Event(), threading.Event(), []
+    real = BatchStep._checkpoint
+
+    def checkpoint(self, finished):  # after a step's commits, before its rows finish
+        real(self, finished)
+        rows.append(len(self._rows))
+        if not paused.is_set() and len(self._rows[0].state.generated) >= 8:
+            paused.set()
+            go.wait(60)
+
+    def hold():
+        monkeypatch.setattr(BatchStep, "_checkpoint", checkpoint)
+        return paused, go, rows
+
+    yield hold
+    go.set()  # a failed test never leaves the worker waiting

@@ -191,14 +191,12 @@ def test_a_row_joins_a_batch_whose_lone_row_ran_over_fixed_shapes(engines):
 
 
 def test_requests_joining_and_leaving_a_lone_row_over_fixed_shapes_decode_as_alone(
-    engines, model_dirs, registry, forced_on, monkeypatch
+    engines, model_dirs, registry, forced_on, held_mid_request
 ):
     """The first request speculates alone over fixed shapes, a second joins its batch (the
     ordinary forward for both), one leaves, and the other goes on alone over fixed
     shapes again: each streams what it decodes plainly alone."""
-    import threading
 
-    from foretell.batch_step import BatchStep
     from foretell.plugin import Kind
     from foretell.scheduler import Scheduler
     from foretell.spec import make_speculator
@@ -211,22 +209,12 @@ def test_requests_joining_and_leaving_a_lone_row_over_fixed_shapes_decode_as_alo
     prompts, lengths = [[11, 57, 300, 4, 89, 120, 7], [7, 3, 400, 12, 12, 9, 77, 31]], [60, 40]
     plain = [[t for e in engine.generate(p, speculate=False, max_tokens=n, ignore_eos=True)
               for t in getattr(e, "tokens", ())] for p, n in zip(prompts, lengths)]
-    paused, go, rows = threading.Event(), threading.Event(), []
-    real = BatchStep._checkpoint
-
-    def checkpoint(self, finished):  # the worker waits, mid-request, for the second to come
-        real(self, finished)
-        rows.append(len(self._rows))
-        if not paused.is_set() and len(self._rows[0].state.generated) >= 8:
-            paused.set()
-            go.wait(30)
-
-    monkeypatch.setattr(BatchStep, "_checkpoint", checkpoint)
+    paused, go, rows = held_mid_request()
     scheduler = Scheduler(engine)
     forced_on.clear()
     first = scheduler.submit(prompts[0], max_tokens=lengths[0], ignore_eos=True,
                              speculate=speculator)
-    assert paused.wait(30)
+    assert paused.wait(60)
     alone = len(forced_on)
     second = scheduler.submit(prompts[1], max_tokens=lengths[1], ignore_eos=True,
                               speculate=speculator)

@@ -87,41 +87,30 @@ def test_mtp_replays_its_forwards_over_fixed_shapes(demo, monkeypatch):
 
 
 def test_a_row_joining_mtp_rows_after_a_lone_rows_fixed_forwards_decodes_as_alone(
-    demo, monkeypatch
+    demo, monkeypatch, held_mid_request
 ):
     """A lone row's head cache grew to a whole capacity step over fixed shapes; a second
     request's row joins it (the head's rows share one batch cache) and both stay plain
     greedy's."""
-    import threading
 
-    from foretell.batch_step import BatchStep
     from foretell.model import fixed
     from foretell.scheduler import Scheduler
 
     monkeypatch.setattr(fixed, "_MODE", "on")
-    used, rows = [], []
-    real_call, real_checkpoint = fixed.FixedForward.__call__, BatchStep._checkpoint
+    used = []
+    real_call = fixed.FixedForward.__call__
 
     def counted(self, *arrays, caches, length):
         out = real_call(self, *arrays, caches=caches, length=length)
         used.append((self.name, out is not None))
         return out
 
-    paused, go = threading.Event(), threading.Event()
-
-    def checkpoint(self, finished):  # the worker waits, mid-request, for the second to come
-        real_checkpoint(self, finished)
-        rows.append(len(self._rows))
-        if not paused.is_set() and len(self._rows[0].state.generated) >= 8:
-            paused.set()
-            go.wait(60)
-
     speculator = demo.use_draft("mtp", max_tokens=3, adaptive=False)
     prompts = [demo.tokenizer.encode(p) for p in PROMPTS[:2]]
     plain = [demo.generate_text(p, max_tokens=40, chat=False, ignore_eos=True,
                                 speculate=False) for p in PROMPTS[:2]]
     monkeypatch.setattr(fixed.FixedForward, "__call__", counted)
-    monkeypatch.setattr(BatchStep, "_checkpoint", checkpoint)
+    paused, go, rows = held_mid_request()
     scheduler = Scheduler(demo)
     first = scheduler.submit(prompts[0], max_tokens=40, ignore_eos=True, speculate=speculator)
     assert paused.wait(60)
