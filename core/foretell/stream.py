@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -262,3 +262,40 @@ class RequestHandle:
         wakeup = self._wakeup
         if wakeup is not None:
             wakeup()
+
+
+def merged(handles: Sequence[RequestHandle]) -> Iterator[tuple[int, Event]]:
+    """Every event of ``handles`` as ``(index, event)``, read from the calling thread, each
+    handle's in order, until all have ended (a request's error is raised here).
+
+    One thread reading many requests this way wakes once per batch step, where a thread per
+    handle wakes once per request per step and each waits for the GIL in turn (what a large
+    batch's step costs on a GPU, docs/batching.md). A handle is read one way at a time: not
+    also iterated or awaited elsewhere while merged."""
+    ready = threading.Event()
+    for handle in handles:
+        handle._wakeup = ready.set
+    live = list(range(len(handles)))
+    try:
+        while live:
+            ready.clear()  # before the reads: an item queued after them sets it again
+            got = False
+            for i in list(live):
+                source = handles[i]._queue
+                while True:
+                    try:
+                        item = source.get_nowait()
+                    except queue.Empty:
+                        break
+                    got = True
+                    if item is END:
+                        live.remove(i)
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield i, item
+            if not got:
+                ready.wait()
+    finally:
+        for handle in handles:
+            handle._wakeup = None

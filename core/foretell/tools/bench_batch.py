@@ -18,7 +18,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -90,6 +89,8 @@ def _foretell_side(model: str, draft: str | None, draft_model: str | None,
             options = config(model=draft_model) if draft == "two-model" else config()
         speculate = make_speculator(engine.registry, engine.target, draft, options,
                                     max_tokens=k)
+    from foretell.stream import merged
+
     scheduler = Scheduler(engine, max_rows=64)
 
     def run(prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
@@ -98,19 +99,14 @@ def _foretell_side(model: str, draft: str | None, draft_model: str | None,
         handles = [scheduler.submit(p, max_tokens=max_tokens, ignore_eos=True,
                                     speculate=speculate) for p in prompts]
 
-        def read(i: int) -> None:
-            for event in handles[i]:
-                if event.type == "text" and event.tokens:
-                    if not counts[i]:
-                        firsts[i] = time.perf_counter()
-                    counts[i] += len(event.tokens)
-            ends[i] = time.perf_counter()
-
-        threads = [threading.Thread(target=read, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # One reader for every request, as mlx-lm's loop is one consumer of its batch.
+        for i, event in merged(handles):
+            if event.type == "text" and event.tokens:
+                if not counts[i]:
+                    firsts[i] = time.perf_counter()
+                counts[i] += len(event.tokens)
+            elif event.type == "stats":
+                ends[i] = time.perf_counter()
         return summarize(started, firsts, ends, counts)
 
     return run
