@@ -334,27 +334,33 @@ class BatchStep:
 
     def _alone_length(self, row: _Row) -> int:
         """The length policy's choice for a row running alone: a plain stretch of the
-        length it asks for once it says 0, then it is asked again."""
+        length it asks for once it says 0, then, having learned the stretch's typical step
+        (:meth:`_stretch_step`), it is asked again."""
         if row.plain_left:
             return 0
         policy = row.speculator.policy
+        if row.stretch_times:
+            # The stretch's last gap ends here, at the next round's start: its last step
+            # waited for the compute of the one before, as each pipelined step does, so a
+            # stretch of two steps yields one timing. Another request's prefill chunk, run
+            # just before this, would be in it.
+            times = [*row.stretch_times, time.perf_counter()]
+            row.stretch_times = []
+            gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))
+            if gaps and not self._prefilling:
+                policy.observe(0, 0, gaps[len(gaps) // 2])
         k = policy.choose(self._cap(row))
         if not k:
-            row.plain_left, row.stretch_times = max(policy.stretch, 1), []
+            row.plain_left = max(policy.stretch, 1)
         return k
 
     @staticmethod
     def _stretch_step(row: _Row, started: float) -> None:
-        """One step of a lone row's plain stretch; at its end the policy learns its typical
-        step (the first one, which switched from drafting, untimed), as it does alone."""
+        """One step of a lone row's plain stretch: its start, so that the gaps between the
+        stretch's starts, from its second step's on (the first, which switched from
+        drafting, waited for nothing), time its steps when the policy is next asked."""
         row.stretch_times.append(started)
         row.plain_left -= 1
-        if row.plain_left == 0:
-            times = row.stretch_times
-            gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))
-            if gaps:
-                row.speculator.policy.observe(0, 0, gaps[len(gaps) // 2])
-            row.stretch_times = []
 
     @staticmethod
     def _shares_prefill(row: _Row) -> bool:

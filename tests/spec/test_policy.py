@@ -648,3 +648,36 @@ def test_a_plain_stretch_timed_in_a_busy_moment_misleads_the_policy_for_a_few_ro
     sixteen rounds, with the other probes)."""
     assert _plain_share(lambda p: 0.0, CPU_ROUND, first_plain=2.0) >= 0.93
     assert _plain_share(lambda p: 0.68, (1.8, 0.3), first_plain=2.0) >= 0.93
+
+
+def test_a_lone_rows_two_step_plain_stretch_times_a_plain_step(engines, model_dirs, registry):
+    """The policy times plain steps in stretches of TIMING_STRETCH; the scheduler times a lone
+    row's stretch by the gaps between its steps' starts from the second on, its last gap
+    ending at the next round's start (the last step waited there for the one before), so
+    a stretch of two steps tells the policy one plain step's time (it told nothing while the
+    stretch's own starts were its only gaps)."""
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=3)
+    policy, told, answers = speculator.policy, [], iter([3, 3, 0, 3, 0, 0, 3])
+
+    def choose(limit):
+        k = min(next(answers, 3), limit)
+        policy.stretch = 2
+        return k
+
+    policy.choose = choose
+    policy.observe = lambda drafted, accepted, seconds, **_: told.append((drafted, seconds))
+    scheduler = Scheduler(engine)
+    list(scheduler.submit([11, 57, 300, 4, 89, 120, 7, 250], max_tokens=40, ignore_eos=True,
+                          speculate=speculator))
+    scheduler.close()
+    plain = [seconds for drafted, seconds in told if drafted == 0]
+    assert len(plain) == 3 and all(seconds > 0 for seconds in plain)
+    # Each stretch's timing came before the round after it was chosen.
+    assert [d for d, _ in told][:6] == [3, 3, 0, 3, 0, 0]
