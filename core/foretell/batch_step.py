@@ -187,6 +187,7 @@ class BatchStep:
              len(row.state.prompt) + len(row.state.generated) + row.unread)
             for row in rows])
         mx.async_eval(drawn)
+        first = any(not row.unread and not row.state.generated for row in rows)
         values = tokens.tolist() if any(row.unread for row in rows) else None
         finished = []
         for b, row in enumerate(rows):
@@ -204,6 +205,14 @@ class BatchStep:
             self._stretch_step(rows[0], started)
         self._checkpoint(finished)
         self._end(finished)
+        if first:
+            # A row's first token streams as the step that drew it ends, not after the next
+            # step's forward: time to first token. The next step waits for nothing, so it
+            # times nothing (as after a synchronous step), nor does a stretch begun here.
+            self._plain_rows = None
+            self._settle()
+            for row in self._rows:
+                row.stretch_times = []
 
     def _settle(self) -> None:
         """Read and commit the tokens pipelined steps drew: every row's pending token is on

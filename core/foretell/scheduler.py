@@ -309,6 +309,10 @@ class Scheduler(BatchStep):
                 try:
                     self._drop_cancelled()
                     self._admit()
+                    if self._tokens is not None and any(row.todo for row in self._prefilling):
+                        # What pipelined steps drew streams before a prefill chunk holds the
+                        # worker (a new row's first token among it), not after.
+                        self._settle()
                     self._prefill_one_chunk()
                     if self._rows:
                         self._step()

@@ -76,3 +76,84 @@ def test_requests_waiting_for_admission_count_against_the_waiting_bound(engine):
     running.cancel()
     assert [h.text() for h in waiting] == [alone(engine, "x = 1", 4)] * 2
     scheduler.close()
+
+
+
+def test_a_rows_first_token_streams_before_the_next_decode_step(engine, monkeypatch):
+    """Time to first token: a row's first token reaches its handle as the step that drew it
+    ends, not after the batch's next forward (pipelined steps read each token a step late),
+    whether the row starts alone or joins rows already decoding."""
+    from foretell.stream import RequestHandle
+
+    # Prompts whose first token is text by itself (none held back to grow into a character).
+    candidates = ("def f(x):", "x = 1", "import os", "class A:", "for i in range(10):")
+    first, second = [p for p in candidates if len(first_event(engine, p).tokens) == 1][:2]
+    scheduler = Scheduler(engine)
+    list(scheduler.submit("x = 1", max_tokens=1))  # the worker is up, token bytes measured
+    log, seen = [], set()
+    forward, put = engine.model.forward, RequestHandle._put
+
+    def watched(tokens, caches, *args, **kwargs):
+        log.append("decode" if tokens.shape[1] == 1 else "prefill")
+        return forward(tokens, caches, *args, **kwargs)
+
+    def delivered(handle, item):
+        if getattr(item, "type", None) == "text" and handle not in seen:
+            seen.add(handle)
+            log.append(handle)
+        put(handle, item)
+
+    monkeypatch.setattr(engine.model, "forward", watched)
+    monkeypatch.setattr(RequestHandle, "_put", delivered)
+    try:
+        running = scheduler.submit(first, max_tokens=200, ignore_eos=True)
+        next(iter(running))
+        joining = scheduler.submit(second, max_tokens=4, ignore_eos=True)
+        joined_text = joining.text()
+        running.cancel()
+    finally:
+        monkeypatch.setattr(engine.model, "forward", forward)
+        scheduler.close(drain=False)
+    for handle in (running, joining):
+        at = log.index(handle)
+        prefilled = max(i for i, entry in enumerate(log[:at]) if entry == "prefill")
+        assert log[prefilled + 1 : at] == ["decode"]
+    assert joined_text == alone(engine, second, 4)
+
+
+
+def test_tokens_drawn_before_a_prefill_chunk_stream_before_it(engine, monkeypatch):
+    """A new prompt's prefill holds the worker for as long as its chunk takes: the token a
+    pipelined step already drew for each running row is read and streamed first, not after
+    the prefill (inter-token latency while requests arrive)."""
+    scheduler = Scheduler(engine)
+    list(scheduler.submit("x = 1", max_tokens=1))  # the worker is up, token bytes measured
+    forward, decodes, at_prefill = engine.model.forward, [0], []
+
+    def watched(tokens, caches, *args, **kwargs):
+        if tokens.shape[1] == 1:
+            decodes[0] += 1
+        elif scheduler._rows:  # a prefill while a row decodes: what has that row committed?
+            at_prefill.append((decodes[0], len(scheduler._rows[0].state.generated)))
+        return forward(tokens, caches, *args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", watched)
+    try:
+        running = scheduler.submit("def f(x):", max_tokens=200, ignore_eos=True)
+        events = iter(running)
+        for _ in range(3):
+            next(events)
+        joining = scheduler.submit("import os\nimport sys", max_tokens=4, ignore_eos=True)
+        joining.text()
+        running.cancel()
+    finally:
+        monkeypatch.setattr(engine.model, "forward", forward)
+        scheduler.close(drain=False)
+    assert at_prefill, "the second prompt was never prefilled beside the running row"
+    for steps, committed in at_prefill:
+        assert committed == steps  # every decode step's token, the last one's included
+
+
+def first_event(engine, prompt):
+    return next(e for e in engine.generate(prompt, max_tokens=4, ignore_eos=True,
+                                           speculate=False) if e.type == "text")
