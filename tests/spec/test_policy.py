@@ -513,7 +513,7 @@ def test_a_few_rejected_rounds_at_a_request_s_start_do_not_condemn_a_drafter():
     first 25 tokens), the warm-up keeps one of twelve, and the policy switched drafting off
     for the rest of the request. Before, 7 requests of 24 kept drafting off to their end;
     now at most one in twenty has not drafted again within 80 tokens (a probe into the bad
-    stretch spends the budget, and the next comes late: 7-9 of these 200)."""
+    stretch spends the budget, and the next comes late: 8 of these 200)."""
     def bad_start(p):
         return 0.1 if p < 25 else AGREES
 
@@ -566,11 +566,11 @@ def test_one_request_per_process_on_held_out_code_reaches_the_best_fixed_length_
     the demo pair's real agreement with held-out code, against the best fixed length for
     each prompt. A fresh policy pays for its warm-up, for timing plain steps twice (once
     after the warm-up and again eight rounds on, in case the first stretch met a slow
-    moment) and for probing other lengths; timing them from stretches of three steps (two
-    timed) instead of four: 0.918 -> 0.942 of the best fixed length (0.888 -> 0.925 with
-    the times swinging 30%), every case where drafting cannot pay as before
-    (docs/decisions.md, item 16)."""
-    for noise, floor in ((0.1, 0.93), (0.3, 0.91)):
+    moment) and for probing other lengths. Timed from stretches of four steps, three, then
+    two (each step after the first timed, the last up to the next round's start): 0.918,
+    0.942, 0.952 of the best fixed length (0.888, 0.923, 0.933 with the times swinging 30%),
+    every case where drafting cannot pay within 0.005 (docs/decisions.md, item 16)."""
+    for noise, floor in ((0.1, 0.947), (0.3, 0.928)):
         shares = [_share_of_best_fixed(lambda p, text=text: float(text[p] == "1"), range(12),
                                        tokens=96, round_cost=DEMO_CPU_ROUND, noise=noise)
                   for text in HELD_OUT_AGREEMENT]
@@ -632,13 +632,39 @@ def _plain_share(agrees, round_cost, tokens=256, seeds=range(24), **options) -> 
 
 
 def test_where_drafting_cannot_pay_a_request_keeps_at_least_95_percent_of_plain():
-    """Warm-up and budgeted probes included, over a whole request of 256 tokens: a drafter
-    that never agrees (the CPU's costs), prompt lookup that finds nothing (a failed round
-    costs a longer verify), and the demo draft on a GPU (0.72-0.76x plain at any fixed
-    length: 68% agreement, a round costing 1.8 + 0.3 k plain steps)."""
-    assert _plain_share(lambda p: 0.0, CPU_ROUND) >= 0.95
-    assert _plain_share(lambda p: 0.0, (1.3, 0.02)) >= 0.95
-    assert _plain_share(lambda p: 0.68, (1.8, 0.3)) >= 0.95
+    """Warm-up and budgeted probes included, over a whole request of 96 tokens (the issue's)
+    or 256: a drafter that never agrees (the CPU's costs, as outside testing and the demo
+    pair's traces measured them, and length by length), prompt lookup that finds nothing (a
+    failed round costs a longer verify), and the demo draft on a GPU (0.72-0.76x plain at
+    any fixed length: 68% agreement, a round costing 1.8 + 0.3 k plain steps). At 96 tokens
+    a never-agreeing drafter ran 0.937-0.946x plain and failed lookup 0.949x while a
+    warm-up that kept nothing was not charged to the exploring budget (now 0.957-0.960x).
+    Self-drafting whose round costs 2 + k plain steps stays at 0.93x: its three warm-up
+    rounds keep their drafts and lose four plain steps before any plain step is timed."""
+    for tokens in (96, 256):
+        for never in (CPU_ROUND, DEMO_CPU_ROUND, DEMO_CPU_STEPS):
+            assert _plain_share(lambda p: 0.0, never, tokens) >= 0.95, (tokens, never)
+        assert _plain_share(lambda p: 0.0, (1.3, 0.02), tokens) >= 0.95, tokens
+        assert _plain_share(lambda p: 0.68, (1.8, 0.3), tokens) >= 0.95, tokens
+
+
+def test_a_warm_up_that_kept_nothing_counts_against_the_exploring_budget():
+    """The warm-up is the price of trying a drafter, outside the budget, while it kept any
+    draft (a continuation's first drafts may miss); one that kept none was exploring that
+    found nothing, so the probes it would have bought next wait for the budget to grow."""
+    def after_warm_up(kept: int) -> DraftLengthPolicy:
+        policy = DraftLengthPolicy(4)
+        for accepted in (0, 0, kept):
+            assert policy.choose(100) == 4
+            policy.observe(4, accepted, 0.019)  # 1.9 plain steps
+        assert policy.choose(100) == 0
+        policy.observe(0, 0, 0.010)
+        return policy
+
+    assert after_warm_up(kept=1).exploring_allowed()
+    nothing = after_warm_up(kept=0)
+    assert not nothing.exploring_allowed()
+    assert nothing.choose(100) == 0
 
 
 def test_a_plain_stretch_timed_in_a_busy_moment_misleads_the_policy_for_a_few_rounds_only():

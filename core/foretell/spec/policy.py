@@ -21,10 +21,9 @@ from collections.abc import Sequence
 
 #: Weight kept by old acceptance observations per new drafted round (a memory of about 50).
 DECAY = 0.98
-#: Round times kept per draft length; its estimate is :func:`typical` of them, so a stall
-#: (a kernel compiled on first use by a shape the drafter builds, a busy host) is outvoted
-#: (measured on the H200: one 61 ms round kept an MTP length, really ~2 ms, switched off
-#: under a running mean); a lasting slow-down shows within TIME_SAMPLES rounds.
+#: Round times kept per draft length; its estimate is :func:`typical` of them, so a stall (a
+#: kernel compiled on first use, a busy host) is outvoted (one 61 ms round kept an MTP length,
+#: really ~2 ms, switched off under a running mean); a lasting slow-down shows within them.
 TIME_SAMPLES = 5
 #: Fading never takes a position's evidence below this many rounds. A drafter that never
 #: agrees drifts back towards its prior: how often it is probed again is the budget's to say.
@@ -57,13 +56,13 @@ PLAIN_STRETCH = 8
 #: bound widens: how often it is probed again is then the budget's to say.
 STRETCH_DECAY = DECAY**PLAIN_STRETCH
 #: The stretch that times plain steps while drafting (the first time, and when the estimate
-#: is stale): the verifier never times a run's first step, so two are timed. A fresh policy
-#: times plain steps twice in its first dozen rounds (the second in case the first met a
-#: slow moment), which a short request pays at plain speed: simulated, four steps instead
-#: of three left one request of 96 tokens at 0.92 of the best fixed length on the demo
-#: pair's agreement with held-out code, three 0.94 (docs/decisions.md, item 16).
-TIMING_STRETCH = 3
-#: Drafted rounds (at the most tokens) before the first choice; the first is not timed.
+#: is stale); its first step is never timed. A fresh policy times plain steps twice early on
+#: (in case the first met a slow moment), which a short request pays for: stretches of 4 / 3
+#: / 2 steps replayed 0.92 / 0.94 / 0.95 of the best fixed length (docs/decisions.md, item 16).
+TIMING_STRETCH = 2
+#: Drafted rounds (at the most tokens) before the first choice; the first is not timed. The
+#: price of trying a drafter, outside the exploring budget unless none kept a draft (then it
+#: was exploring that found nothing: a never-agreeing drafter lost both, 0.94x plain in 96).
 WARMUP_ROUNDS = 3
 #: Standard errors of the times by which drafting must beat plain steps to be chosen ...
 CONFIDENCE = 1.0
@@ -73,9 +72,8 @@ THIN_SPREAD = 0.05
 #: beats plain steps by this share on the mean estimates (they were wrong somewhere).
 CLEAR_GAIN = 0.1
 #: While drafting, plain steps are timed again once their estimate is this many rounds old:
-#: a host's speed drifts, and drafting weighed against a plain step timed in a slow moment
-#: looked like a gain for good (docs/decisions.md: self-drafting, which cannot pay on a CPU,
-#: drafted at 0.75x plain).
+#: a host's speed drifts, and against a plain step timed in a slow moment drafting looked like
+#: a gain for good (self-drafting, which cannot pay on a CPU, drafted at 0.75x plain).
 STALE_ROUNDS = 128
 #: A length whose time rests on rounds of one moment is timed again before it switches
 #: drafting off if its rounds would yield this many tokens on the mean acceptance.
@@ -136,14 +134,15 @@ class DraftLengthPolicy:
         self._trial = 0
         #: Lengths timed again once as their few rounds ruled drafting out (_unconfirmed).
         self._confirmed: set[int] = set()
-        #: Plain steps drafting after the warm-up has gained against plain decoding, net
-        #: (negative: lost).
+        #: Plain steps drafting after the warm-up (and a warm-up that kept nothing) has gained
+        #: against plain decoding, net (negative: lost).
         self._balance = 0.0
         #: Tokens produced so far, plain and drafted.
         self._tokens = 0
         #: Drafted rounds ``(drafted, accepted, seconds or None: a length's first)`` the
-        #: balance has yet to count.
+        #: balance has yet to count, and the warm-up's, counted only if none kept a draft.
         self._unaccounted: list[tuple[int, int, float | None]] = []
+        self._warmup: list[tuple[int, int, float | None]] = []
         #: The newest observations ``(drafted, accepted, seconds, use, at)``, ``use`` being
         #: "timed", "untimed" or "first" (a length's first round); for benchmarks only.
         self.told: deque[tuple[int, int, float, str, float]] = deque(maxlen=TOLD_KEPT)
@@ -471,10 +470,9 @@ class DraftLengthPolicy:
 
         A drafted round right after plain steps is not timed: it also pays for switching
         back (a model drafter catches up on every plain token since its last draft, the
-        pipeline refills), which the rounds after it do not. So a probe from plain steps
-        runs two rounds, the second timed, and a drafter whose switch-back is costly is
-        still judged by what its rounds cost while it drafts; the budget counts what both
-        rounds lost."""
+        pipeline refills), which the rounds after it do not. So a probe from plain steps runs
+        two rounds, the second timed, and a drafter whose switch-back is costly is judged by
+        what its rounds cost while it drafts; the budget counts what both rounds lost."""
         switching = bool(drafted) and self._after_plain
         self._after_plain = not drafted
         untimed = switching or (one_off and bool(drafted))
@@ -485,12 +483,15 @@ class DraftLengthPolicy:
             self._probe_again = drafted
         if drafted:
             self._tokens += 1 + accepted
-            if not one_off and self._drafted_rounds >= WARMUP_ROUNDS:
-                # A length's first round (which may have compiled kernels) counts at its
-                # estimate. The warm-up is the price of trying a drafter at all.
-                self._unaccounted.append((drafted, accepted, None if first else seconds))
+            if not one_off:
+                # A length's first round (it may have compiled kernels) counts at its estimate.
+                spent = self._warmup if self._drafted_rounds < WARMUP_ROUNDS else self._unaccounted
+                spent.append((drafted, accepted, None if first else seconds))
             self._learn(drafted, accepted)
             self._drafted_rounds += 1
+            if self._drafted_rounds == WARMUP_ROUNDS and not self._ratios \
+                    and not any(kept for _, kept, _ in self._warmup):
+                self._unaccounted.extend(self._warmup)
         else:
             self._tokens += self.stretch
             self._fade()
@@ -499,9 +500,8 @@ class DraftLengthPolicy:
             self.told.append((drafted, accepted, seconds, "untimed", time.perf_counter()))
             return
         if first:
-            # A length's first round pays its one-off costs: on CUDA, MLX compiles the
-            # kernels of each new window shape on first use (seconds, measured on the H200),
-            # which once kept a drafter at 88% acceptance drafting under one token a round.
+            # A length's first round pays its one-off costs (on CUDA MLX compiles each new
+            # window shape's kernels, seconds): timed, it kept an 88% drafter under 1 token.
             self._seen.add(drafted)
             self.told.append((drafted, accepted, seconds, "first", time.perf_counter()))
             return
