@@ -19,6 +19,13 @@ on the same prompts at each B. Per decode step, medians over the repeats:
   splits again into the scheduler's ``worker`` and the ``readers`` of its handles (one
   thread per request, as ``foretell bench --batch`` reads them).
 
+``--drafts two-model,mtp`` adds a foretell side per drafter, every request speculating with
+it (adaptive length up to 3, as ``foretell bench --batch``): the proxy's drafters have random
+weights, so after its first probes the batch policy drafts nothing and the side measures what
+rows carrying an idle drafter cost a plain step (its ratio is against plain foretell). The
+two-model drafter is the proxy at 2 layers; the MTP head is one at the proxy's widths, written
+beside the proxy's weights as the demo's is (``mtp_config`` in its config.json).
+
 ``--graph`` times a decode step's graph alone instead, with no scheduler and no threads:
 the model's forward over a batch cache, the greedy draw and ``mx.async_eval``, per step the
 host CPU to build the graph and to dispatch it, and its node count (on a GPU each node is a
@@ -30,6 +37,7 @@ Attention takes the fused kernel on both sides (``FORETELL_ATTENTION=fused``, as
 decode step does) unless ``--attention`` says otherwise.
 
     python benchmarks/batch_host_cost.py --batches 1,4,16,32 --repeats 5 --json out.json
+    python benchmarks/batch_host_cost.py --drafts two-model,mtp --sides foretell
     python benchmarks/batch_host_cost.py --graph --batches 16,32
 """
 
@@ -68,6 +76,42 @@ def proxy_model(path: Path) -> Path:
                  "generation_config.json"):
         shutil.copy(DEMO / name, path / name)
     return path
+
+
+def proxy_draft(model: Path, path: Path) -> Path:
+    """The two-model drafter for the proxy: the proxy itself at 2 layers, other weights."""
+    from foretell.tools.synthetic import make_model_dir
+
+    config = json.loads((model / "config.json").read_text())
+    keep = ("vocab_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "rope_theta", "tie_word_embeddings", "max_position_embeddings", "eos_token_id",
+            "bos_token_id", *PROXY_SHAPE)
+    overrides = {key: config[key] for key in keep} | {"num_hidden_layers": 2}
+    make_model_dir(path, config["model_type"], overrides=overrides, seed=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(model / name, path / name)
+    return path
+
+
+def add_mtp_head(model: Path) -> None:
+    """An MTP head at the proxy's widths (random weights) beside its weights, declared in its
+    config.json as the demo declares its own."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import foretell
+    from foretell_qwen.mtp import MTPHead
+
+    head = MTPHead(foretell.load(str(model)).model.args)
+    params = tree_flatten(head.parameters())
+    keys = mx.random.split(mx.random.key(2), len(params))
+    weights = {f"mtp.{name}": mx.ones(p.shape) if name.endswith("norm.weight")
+               else mx.random.normal(p.shape, key=key) / p.shape[-1] ** 0.5
+               for (name, p), key in zip(params, keys)}
+    mx.save_safetensors(str(model / "mtp.safetensors"), weights)
+    config = json.loads((model / "config.json").read_text())
+    config["mtp_config"] = {"file": "mtp.safetensors", "prefix": "mtp."}
+    (model / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def python_cpu_s() -> float:
@@ -116,16 +160,19 @@ class EvalClock:
 
 
 def thread_cpu_s(name: str) -> float:
-    """CPU seconds the living thread called ``name`` has used (0 if there is none)."""
+    """CPU seconds the living threads called ``name`` have used (0 if there is none): each
+    side's scheduler has a worker of that name, and only the running side's works."""
+    total = 0
     for thread in threading.enumerate():
         if thread.name == name:
             stat = Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text()
-            return int(stat.split()[0]) / 1e9
-    return 0.0
+            total += int(stat.split()[0])
+    return total / 1e9
 
 
 def measure(model: Path, batches: list[int], repeats: int, prompt_tokens: int,
-            max_tokens: int, names: list[str]) -> list[dict[str, Any]]:
+            max_tokens: int, names: list[str], drafts: dict[str, str | None] | None = None
+            ) -> list[dict[str, Any]]:
     """Per B, each side's medians over ``repeats`` runs (see the module docstring)."""
     import foretell.scheduler as scheduler
 
@@ -135,7 +182,8 @@ def measure(model: Path, batches: list[int], repeats: int, prompt_tokens: int,
     scheduler.IDLE_EXIT_S = 1e9
     try:
         with EvalClock() as clock:
-            return _measure(clock, model, batches, repeats, prompt_tokens, max_tokens, names)
+            return _measure(clock, model, batches, repeats, prompt_tokens, max_tokens, names,
+                            drafts or {})
     finally:
         scheduler.IDLE_EXIT_S = idle
         for made in set(scheduler._LIVE) - running:
@@ -143,13 +191,17 @@ def measure(model: Path, batches: list[int], repeats: int, prompt_tokens: int,
 
 
 def _measure(clock: EvalClock, model: Path, batches: list[int], repeats: int,
-             prompt_tokens: int, max_tokens: int, names: list[str]) -> list[dict[str, Any]]:
+             prompt_tokens: int, max_tokens: int, names: list[str],
+             drafts: dict[str, str | None]) -> list[dict[str, Any]]:
     from foretell.tools.bench_batch import _foretell_side, _mlx_lm_side, prompts_for
     from foretell.tools.measure import median
 
     make = {"foretell": lambda: _foretell_side(str(model), None, None, 3),
             "mlx-lm": lambda: _mlx_lm_side(str(model))}
-    sides = {name: make[name]() for name in names}
+    for draft, draft_model in drafts.items():
+        make[f"foretell {draft}"] = lambda d=draft, m=draft_model: _foretell_side(
+            str(model), d, m, 3)
+    sides = {name: make[name]() for name in [*names, *(f"foretell {d}" for d in drafts)]}
     rows = []
     for batch in batches:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
@@ -167,7 +219,7 @@ def _measure(clock: EvalClock, model: Path, batches: list[int], repeats: int,
                 evals = 1e3 * (clock.seconds - evals) / max_tokens
                 figures = {"wall": 1e3 * batch / got["decode_tps"], "host": host,
                            "eval": evals, "python": host - evals}
-                if name == "foretell":  # the worker makes every eval call of this side
+                if name.startswith("foretell"):  # its worker makes every eval call
                     figures |= {"worker": worker - evals, "readers": host - worker}
                 runs[name].append(figures)
         row: dict[str, Any] = {"batch": batch}
@@ -277,8 +329,17 @@ def _prefilled(model: Any, tokens: int) -> list[Any]:
 
 
 def render_row(row: dict[str, Any]) -> str:
-    ours, theirs = row.get("foretell"), row.get("mlx-lm")
-    cells = [f"B={row['batch']:>3} ms/step"]
+    """Plain foretell against mlx-lm, then each drafter's side against plain foretell."""
+    lines = [_render_pair(row["batch"], row.get("foretell"), row.get("mlx-lm"), "mlx-lm")]
+    for name in [n for n in row if n.startswith("foretell ")]:
+        lines.append(_render_pair(row["batch"], row[name], row.get("foretell"), "foretell",
+                                  name.removeprefix("foretell ")))
+    return "\n".join(lines)
+
+
+def _render_pair(batch: int, ours: dict[str, Any] | None, theirs: dict[str, Any] | None,
+                 against: str, draft: str | None = None) -> str:
+    cells = [f"B={batch:>3}{f' {draft}' if draft else ''} ms/step"]
     for key in ("wall", "host", "python", "eval"):
         got = [f"{side[key]:6.2f}" for side in (ours, theirs) if side is not None]
         ratio = f" ({ours[key] / theirs[key]:.2f}x)" if ours and theirs else ""
@@ -286,7 +347,8 @@ def render_row(row: dict[str, Any]) -> str:
     if ours is not None:
         cells.append(f"(foretell's python: worker {ours['worker']:.2f} readers "
                      f"{ours['readers']:.2f})")
-    return "  ".join(cells) + ("   (foretell / mlx-lm)" if ours and theirs else "")
+    name = f"foretell {draft}" if draft else "foretell"
+    return "  ".join(cells) + (f"   ({name} / {against})" if ours and theirs else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="fused",
                    help="FORETELL_ATTENTION for foretell's side (mlx-lm always fuses)")
     p.add_argument("--sides", default="foretell,mlx-lm")
+    p.add_argument("--drafts", default="",
+                   help="two-model,mtp: a foretell side speculating with each (see above)")
     p.add_argument("--graph", action="store_true",
                    help="time a decode step's graph alone (see the module docstring)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -312,16 +376,26 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model = proxy_model(Path(tmp) / "proxy")
+        drafts: dict[str, str | None] = {}
+        for draft in filter(None, args.drafts.split(",")):
+            if draft == "two-model":
+                drafts[draft] = str(proxy_draft(model, Path(tmp) / "proxy-draft"))
+            elif draft == "mtp":
+                add_mtp_head(model)
+                drafts[draft] = None
+            else:
+                p.error(f"--drafts: unknown drafter {draft!r} (two-model, mtp)")
         batches = [int(b) for b in args.batches.split(",")]
         if args.graph:
             rows = measure_graphs(model, batches, args.repeats, args.prompt_tokens)
         else:
             rows = measure(model, batches, args.repeats, args.prompt_tokens,
-                           args.max_tokens, args.sides.split(","))
+                           args.max_tokens, list(filter(None, args.sides.split(","))), drafts)
     if args.json is not None:
         args.json.write_text(json.dumps({
             "proxy": {"of": "demo", **PROXY_SHAPE, "dtype": "float32"},
-            "graph": args.graph, "attention": args.attention, "prompt_tokens": args.prompt_tokens,
+            "graph": args.graph, "drafts": list(drafts), "attention": args.attention,
+            "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
             "load_avg_before_after": [load, os.getloadavg()], "machine": machine_info(),
             "runtime": runtime_info(),
