@@ -20,6 +20,7 @@ import mlx.core as mx
 from foretell.model.batch import batch_caches, layer_caches
 from foretell.model.fixed import trace_count
 from foretell.model.kvcache import KVCache
+from foretell.spec.batch import StepHidden
 from foretell.spec.contract import keep_recent_hidden
 from foretell.stream import TokenLogprobs
 
@@ -47,6 +48,9 @@ class BatchStep:
     #: after a synchronous step. A pipelined step's time is its wait for the step before
     #: it, so it is a plain step's cost only when that step was one over the same rows.
     _plain_rows: tuple[int, ...] | None = None
+    #: The target's hidden states of the last steps, for rows whose drafter reads them
+    #: (made on first use: :meth:`_hidden_steps`).
+    _steps_hidden: StepHidden | None = None
 
     def _step(self) -> None:
         """One forward over every running row. While no row drafts and none needs its last
@@ -89,6 +93,9 @@ class BatchStep:
         done = verify_rows(self.engine.model, self._batch, [row.pending for row in rows],
                            draft, lengths, rules)
         elapsed = time.perf_counter() - started
+        if self._keeps_hidden():
+            self._hidden_steps().record(
+                done.hidden, rows, [len(kept) for kept in done.kept] if any(lengths) else None)
         # A step that traced a fixed-shape forward (foretell.model.fixed) paid a one-off cost.
         one_off = trace_count() != traces
         self._policy.observe(len(rows), max(lengths, default=0), None if one_off else elapsed)
@@ -112,15 +119,13 @@ class BatchStep:
                 continue
             if done.distrusted[b]:
                 self._distrusted(row.speculator, done.distrusted[b])
-            hidden = done.hidden[b : b + 1, : len(kept)] if row.speculator is not None \
-                and row.speculator.wants_hidden else None
             if lengths[b]:
                 row.spec_stats.record(lengths[b], lengths[b], done.accepted[b])
                 self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b], row)
             elif row.spec_stats is not None:
                 row.spec_stats.record(0, 0, 0)  # a plain step of a speculating request
             logprobs = done.logprobs.get(b)
-            if self._commit(row, kept, hidden, logprobs):
+            if self._commit(row, kept, logprobs):
                 finished.append(b)
         self._checkpoint(finished)
         self._end(finished)
@@ -181,6 +186,8 @@ class BatchStep:
         tokens = self._tokens if self._tokens is not None else mx.array(
             [row.pending for row in rows], dtype=mx.int32)
         hidden, _ = self.engine.model.forward(tokens[:, None], layer_caches(self._batch))
+        if self._keeps_hidden():
+            self._hidden_steps().record(hidden, rows)
         logits = self.engine.model.logits(hidden[:, -1, :])
         drawn = draw_rows(logits, [
             (row.sampler, row.keys,
@@ -194,11 +201,9 @@ class BatchStep:
             if row.unread:
                 if row.spec_stats is not None:
                     row.spec_stats.record(0, 0, 0)
-                if self._commit(row, [values[b]], row.unread_hidden):
+                if self._commit(row, [values[b]]):
                     finished.append(b)
             row.unread = True
-            row.unread_hidden = hidden[b : b + 1] if row.speculator is not None \
-                and row.speculator.wants_hidden else None
         self._tokens = drawn
         self._policy.observe(len(rows), 0, time.perf_counter() - started if timed else None)
         if len(rows) == 1 and rows[0].plain_left:
@@ -226,22 +231,16 @@ class BatchStep:
                 row.unread = False
                 if row.spec_stats is not None:
                     row.spec_stats.record(0, 0, 0)
-                if self._commit(row, [values[b]], row.unread_hidden):
+                if self._commit(row, [values[b]]):
                     finished.append(b)
-                row.unread_hidden = None
         self._tokens = None
         self._end(finished)
 
-    def _commit(self, row: _Row, kept: list[int], hidden: mx.array | None,
-                logprobs: mx.array | None = None) -> bool:
-        """Row ``row`` gained ``kept`` (and the hidden states that predicted them): its
-        sequence, its drafter's feed, its stream. Returns whether the row is done."""
+    def _commit(self, row: _Row, kept: list[int], logprobs: mx.array | None = None) -> bool:
+        """Row ``row`` gained ``kept``: its sequence (its drafter hears them from there when
+        it is next fed, :class:`~foretell.spec.batch.DraftGroup`), its stream. Returns
+        whether the row is done."""
         row.state.generated.extend(kept)
-        if row.speculator is not None:
-            row.feed_tokens.extend(kept)
-            if hidden is not None:
-                row.feed_hidden.append(hidden)
-                keep_recent_hidden(row.feed_hidden)
         event = row.cut.feed(kept)
         if row.constraint is not None:
             row.constraint.accept(kept[0])
@@ -303,6 +302,17 @@ class BatchStep:
             for b in finished:
                 self._finish(b)
             self._remove(finished)
+            if not self._rows and self._steps_hidden is not None:
+                self._steps_hidden.clear()
+
+    def _keeps_hidden(self) -> bool:
+        """Whether a drafter of the batch reads the target's hidden states."""
+        return any(group.steps is not None for group in self._groups.values())
+
+    def _hidden_steps(self) -> StepHidden:
+        if self._steps_hidden is None:
+            self._steps_hidden = StepHidden()
+        return self._steps_hidden
 
     def _choose_lengths(self, rows: Sequence[_Row]) -> list[int]:
         """Each row's draft length this step: at most its drafter's, never past
@@ -373,18 +383,17 @@ class BatchStep:
 
     @staticmethod
     def _shares_prefill(row: _Row) -> bool:
-        """Whether the row's chunk may go through a shared prefill forward: its drafter reads
-        no hidden states, and no layer of its keeps a window (the batch would hold the whole
-        prompt where the row's own cache holds a window)."""
-        if row.speculator is not None and row.speculator.wants_hidden:
-            return False
+        """Whether the row's chunk may go through a shared prefill forward: no layer of its
+        keeps a window (the batch would hold the whole prompt where the row's own cache
+        holds a window)."""
         return all(isinstance(cache, KVCache) and getattr(cache, "max_size", None) is None
                    for cache in row.state.caches)
 
     def _prefill_together(self, chunks: list[tuple[_Row, list[int]]]) -> None:
         """Several rows' prompt chunks in one forward (the prompts padded to the longest,
         the padding trimmed off each row), each row then holding its own caches again, as
-        a prefill of its own leaves them; on CPUs a wide forward uses the matrix units
+        a prefill of its own leaves them, and a row whose drafter reads hidden states its
+        chunk's (the padding's left out); on CPUs a wide forward uses the matrix units
         better than several narrow ones."""
         rows = [row for row, _ in chunks]
         try:
@@ -395,12 +404,19 @@ class BatchStep:
             width = max(len(chunk) for _, chunk in chunks)
             tokens = mx.array([chunk + [0] * (width - len(chunk)) for _, chunk in chunks],
                               dtype=mx.int32)
-            self.engine.model.forward(tokens, shared)
+            hidden, _ = self.engine.model.forward(tokens, shared)
             for cache in shared:
                 cache.trim([width - len(chunk) for _, chunk in chunks])
-            for b, row in enumerate(rows):
+            kept = []
+            for b, (row, chunk) in enumerate(chunks):
                 row.state.caches = [cache.extract(b) for cache in shared]
-            mx.eval([c.state for row in rows for c in row.state.caches])
+                if row.speculator is not None and row.speculator.wants_hidden:
+                    row.feed_hidden.append(hidden[b : b + 1, : len(chunk)])
+                    keep_recent_hidden(row.feed_hidden)
+                    kept.append(row.feed_hidden[-1])
+            # The hidden states only where a row keeps them: MLX then skips what nothing
+            # reads (the last layer's output for these positions), as prefill() does.
+            mx.eval([c.state for row in rows for c in row.state.caches], kept)
         except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
             self._fail(rows, exc)
         mx.clear_cache()

@@ -73,17 +73,15 @@ class _Row:
     constraint: TokenConstraint | None = None
     #: The row's drafter's link to the cache tier (a :class:`~foretell.spec.attach.DraftLink`).
     link: Any = None
-    #: The drafter this row speculates with (None: plain decoding), and what its drafter
-    #: has not heard yet: tokens and, for drafters reading them, the target's hidden states.
+    #: The drafter this row speculates with (None: plain decoding) and, for a drafter
+    #: reading them, the prompt's hidden states until the row joins (after that its
+    #: :class:`~foretell.spec.batch.DraftGroup` reads what its drafter has not heard).
     speculator: Speculator | None = None
-    feed_tokens: list[int] = attrs.Factory(list)
     feed_hidden: list[mx.array] = attrs.Factory(list)
     spec_stats: Any = None
     #: The row's pending token was drawn on the device by a pipelined step and is not yet in
-    #: ``state.generated`` (the scheduler's ``_tokens`` holds it); the hidden state that
-    #: predicted it, for a drafter reading them.
+    #: ``state.generated`` (the scheduler's ``_tokens`` holds it).
     unread: bool = False
-    unread_hidden: mx.array | None = None
     #: Running alone, the row follows its speculator's own length policy (the one a request
     #: decoding by itself follows): plain steps left in the stretch it asked for, and their
     #: start times (the stretch's typical step is what it learns of plain decoding).
@@ -485,20 +483,34 @@ class Scheduler(BatchStep):
         if self._tokens is not None:
             self._tokens = mx.concatenate([self._tokens, mx.array(
                 [row.pending for row in joining], dtype=mx.int32)])
+        # A drafter's joining rows join it together: one prefill for all of them where the
+        # drafter batches it (a two-model drafter: one draft-model forward, not one per row).
+        by_group: dict[tuple[int, bool], list[_Row]] = {}
         for row in joining:
-            attachment = None
             if row.speculator is not None:
-                try:
-                    group = self._group(row.speculator, row.solo)
-                    if group.add(row, row.link):
-                        if row.link is not None:
-                            attachment = group.attachment(row, row.link, row.state)
-                    else:  # correct, just not faster
-                        row.speculator = row.spec_stats = None
-                except Exception as exc:  # noqa: BLE001 - the row decodes plainly instead
-                    log.warning(
-                        "%s: %s; this request decodes plainly", row.speculator.label(), exc)
-                    row.speculator = row.spec_stats = None
+                by_group.setdefault((id(row.speculator), row.solo), []).append(row)
+        attachments: dict[int, Any] = {}
+        for rows in by_group.values():
+            speculator = rows[0].speculator
+            try:
+                group = self._group(speculator, rows[0].solo)
+                joined = group.add(rows, [row.link for row in rows])
+            except Exception as exc:  # noqa: BLE001 - the rows decode plainly instead
+                joined = [exc] * len(rows)
+            for row, outcome in zip(rows, joined):
+                if outcome is True:
+                    if row.link is not None:
+                        try:
+                            attachments[id(row)] = group.attachment(row, row.link, row.state)
+                        except Exception as exc:  # noqa: BLE001 - caching it is optional
+                            log.warning("not caching the drafter's state: %s", exc)
+                    continue
+                if outcome is not False:  # False: correct, just not faster
+                    log.warning("%s: %s; this request decodes plainly", speculator.label(),
+                                outcome)
+                row.speculator = row.spec_stats = None
+        for row in joining:
+            attachment = attachments.get(id(row))
             if row.link is not None and row.spec_stats is not None:
                 row.spec_stats.draft_cached = row.link.restored_tokens
             if row.request is not None:
@@ -506,7 +518,7 @@ class Scheduler(BatchStep):
                     *row.state.caches, *([attachment] if attachment is not None else [])],
                     row.state.cached)
             row.state.caches = []  # the batch holds them now
-            row.feed_tokens, row.feed_hidden = [], []
+            row.feed_hidden = []
         self._rows.extend(joining)
         # A resumed row streams what its checkpoint holds at once (it may end there).
         self._end([b for b, row in enumerate(self._rows)
@@ -518,7 +530,8 @@ class Scheduler(BatchStep):
             from foretell.spec.batch import DraftGroup
 
             # A row alone drafts through per-request sources: they roll back what rows can't.
-            group = DraftGroup(speculator, self.engine.target, per_request=alone)
+            group = DraftGroup(speculator, self.engine.target, per_request=alone,
+                               steps=self._hidden_steps())
             self._groups[(id(speculator), alone)] = group
         return group
 

@@ -2,9 +2,10 @@
 for every row of the batch at once.
 
 Each row keeps what the per-request source keeps (``source.py``): its sequence, and how much
-of it plus which drafts its row of the draft caches holds. A round feeds every row the tokens
-its caches lack (rows lacking fewer are padded and the padding trimmed back), then chains the
-drafts; ``commit`` trims each row back to its accepted drafts.
+of it plus which drafts its row of the draft caches holds. Rows joining together prefill
+their prompts in one forward (a chunk of tokens at a time), padded as a round is. A round
+feeds every row the tokens its caches lack (rows lacking fewer are padded and the padding
+trimmed back), then chains the drafts; ``commit`` trims each row back to its accepted drafts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from foretell.model import BatchKVCache, batch_caches
-from foretell.request import prefill
+from foretell.request import PREFILL_CHUNK, prefill
 from foretell.spec import (
     CATCH_UP_MAX,
     Drafting,
@@ -50,20 +51,47 @@ class TwoModelRows:
         self._drafted = 0  # drafts chained this round, every row alike
 
     def append(self, starts: Sequence[RowStart]) -> None:
+        # Every new row is built before any joins: a state that does not fit raises with the
+        # rows as they were, and the core appends that row again without it.
+        rows, singles = [], []
         for start in starts:
             row = _Row(start)
-            singles = None
-            if start.state is not None:
-                singles = self._restored(row, start)
-            if singles is None:
-                singles = self.model.make_caches()
+            caches = self._restored(row, start) if start.state is not None else None
+            singles.append(caches if caches is not None else self.model.make_caches())
             row.sequence = list(start.feed.tokens)
-            todo = row.sequence[row.fed : -1]
-            prefill(self.model, todo, singles)
-            row.fed += len(todo)
-            for layer, cache in enumerate(self.caches):
-                cache.append([singles[layer]])
-            self.rows.append(row)
+            rows.append(row)
+        todo = [row.sequence[row.fed : -1] for row in rows]
+        if len(rows) == 1:
+            prefill(self.model, todo[0], singles[0])
+        elif any(todo):
+            singles = self._prefilled(singles, todo)
+        for row, tokens in zip(rows, todo):
+            row.fed += len(tokens)
+        for layer, cache in enumerate(self.caches):
+            cache.append([caches[layer] for caches in singles])
+        self.rows.extend(rows)
+
+    def _prefilled(self, singles: list[list[Any]], todo: list[list[int]]) -> list[list[Any]]:
+        """Each row's caches after its ``todo`` tokens, all rows in one forward per chunk
+        (the shorter padded, the padding trimmed off), as single caches again."""
+        joined = batch_caches(self.model)
+        for layer, cache in enumerate(joined):
+            cache.append([caches[layer] for caches in singles])
+        width = max(len(t) for t in todo)
+        tokens = mx.array([t + [0] * (width - len(t)) for t in todo], dtype=mx.int32)
+        step = max(1, PREFILL_CHUNK // len(todo))  # a single prefill's tokens per forward
+        for lo in range(0, width, step):
+            hidden, _ = self.model.forward(tokens[:, lo : lo + step], joined)
+            # The caches only, where they are plain buffers: MLX then skips the last layer's
+            # output, which nothing reads (as prefill() does).
+            held = [getattr(cache, "buffers", lambda: None)() for cache in joined]
+            mx.eval(held if all(h is not None for h in held) else hidden)
+            mx.clear_cache()
+        for cache in joined:
+            cache.trim([width - len(t) for t in todo])
+        rows = [[cache.extract(b) for cache in joined] for b in range(len(todo))]
+        mx.eval([cache.state for caches in rows for cache in caches])
+        return rows
 
     def _restored(self, row: _Row, start: RowStart) -> list[Any]:
         state = start.state

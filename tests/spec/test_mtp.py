@@ -124,16 +124,16 @@ def test_a_row_joining_mtp_rows_after_a_lone_rows_fixed_forwards_decodes_as_alon
     assert 2 in rows
 
 
-def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, monkeypatch):
-    """While drafting is off the scheduler keeps the plain steps' hidden states for the head,
-    joined HIDDEN_PACK at a time as they come, and only the newest CATCH_UP_MAX positions'
-    (the head starts over from those): holding each step's state cost decode speed. When drafting resumes the head hears those newest states, in order, and
-    the output stays plain greedy's."""
+def test_a_plain_stretch_keeps_each_steps_hidden_once_and_hands_the_head_the_newest(
+        demo, monkeypatch):
+    """While drafting is off a plain step keeps the batch's hidden states once (the last
+    CATCH_UP_MAX + 1 steps' arrays), nothing per row: holding each row's state every step cost
+    decode speed. When drafting resumes the head hears exactly the states that predicted its
+    newest CATCH_UP_MAX tokens, in order, and the output stays plain greedy's."""
     import mlx.core as mx
 
-    from foretell.batch_step import BatchStep
     from foretell.spec import CATCH_UP_MAX
-    from foretell.spec.contract import HIDDEN_PACK
+    from foretell.spec.batch import StepHidden
     from foretell.spec.policy import PLAIN_STRETCH
     from foretell.spec.warmup import ScriptedPolicy
     from foretell_qwen.mtp_rows import MTPRows
@@ -142,22 +142,22 @@ def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, mo
     stretches = 7  # plain stretches, then drafting again
     object.__setattr__(speculator, "policy",
                        ScriptedPolicy(3, [3, 3] + [0] * stretches + [3, 3]))
-    kept, longest, feeds = [], [0], []  # feeds: (feed, single positions kept since the last)
-    real_commit, real_draft = BatchStep._commit, MTPRows.draft
+    # Per step since the last draft: the positions that predicted the row's kept tokens.
+    since, feeds, held, prompt_hidden = [], [], [0], []
+    real_record, real_draft = StepHidden.record, MTPRows.draft
 
-    def commit(self, row, tokens, hidden, logprobs=None):
-        if hidden is not None and hidden.shape[1] == 1:
-            kept.append(hidden)
-        done = real_commit(self, row, tokens, hidden, logprobs)
-        longest[0] = max(longest[0], len(row.feed_hidden))
-        return done
+    def record(self, hidden, rows, kept=None):
+        since.append(hidden[:1, : kept[0]] if kept is not None else hidden[:1])
+        prompt_hidden.append(len(rows[0].feed_hidden))
+        real_record(self, hidden, rows, kept)
+        held[0] = max(held[0], len(self._steps))
 
     def draft(rows, row_feeds, lengths):
-        feeds.extend((feed, list(kept)) for feed, k in zip(row_feeds, lengths) if k)
-        kept.clear()
+        feeds.extend((feed, list(since)) for feed, k in zip(row_feeds, lengths) if k)
+        since.clear()
         return real_draft(rows, row_feeds, lengths)
 
-    monkeypatch.setattr(BatchStep, "_commit", commit)
+    monkeypatch.setattr(StepHidden, "record", record)
     monkeypatch.setattr(MTPRows, "draft", draft)
     prompt = PROMPTS[0]
     n = 90
@@ -166,13 +166,12 @@ def test_a_plain_stretch_hands_the_head_its_newest_hidden_states_packed(demo, mo
     monkeypatch.undo()
     assert text == demo.generate_text(prompt, max_tokens=n, chat=False, ignore_eos=True,
                                       speculate=False)
-    feed, singles = max(feeds, key=lambda pair: len(pair[1]))
-    assert len(singles) >= 6 * PLAIN_STRETCH
-    held = feed.hidden.shape[1]
-    assert CATCH_UP_MAX <= held < CATCH_UP_MAX + HIDDEN_PACK < len(feed.tokens)
-    assert longest[0] <= HIDDEN_PACK + CATCH_UP_MAX // HIDDEN_PACK
-    newest = mx.concatenate(singles, axis=1)[:, -held:]
+    feed, steps = max(feeds, key=lambda pair: len(pair[1]))
+    assert len(steps) >= 6 * PLAIN_STRETCH
+    assert feed.hidden.shape[1] == CATCH_UP_MAX < len(feed.tokens)
+    newest = mx.concatenate(steps, axis=1)[:, -CATCH_UP_MAX:]
     assert mx.array_equal(feed.hidden, newest).item()
+    assert held[0] == CATCH_UP_MAX + 1 and set(prompt_hidden) == {0}
 
 
 def test_a_head_far_behind_starts_over_from_the_last_positions(demo):

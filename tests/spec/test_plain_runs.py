@@ -35,8 +35,8 @@ def test_a_switched_off_drafter_keeps_every_step_queued_ahead(
 
     real_commit = BatchStep._commit
 
-    def commit(self, row, kept, hidden, logprobs=None):
-        done = real_commit(self, row, kept, hidden, logprobs)
+    def commit(self, row, kept, logprobs=None):
+        done = real_commit(self, row, kept, logprobs)
         seen.append((len(row.state.generated), steps[0]))  # (tokens out, steps built)
         return done
 

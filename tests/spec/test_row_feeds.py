@@ -82,7 +82,7 @@ class _SourceProvider:
 
 def _member(prompt):
     return SimpleNamespace(state=SimpleNamespace(prompt=list(prompt), generated=[]),
-                           sampler=Sampler(), feed_tokens=[], feed_hidden=[])
+                           sampler=Sampler(), feed_hidden=[])
 
 
 def _rounds(provider):
@@ -91,15 +91,13 @@ def _rounds(provider):
     target = SimpleNamespace(model=SimpleNamespace(vocab_size=100))
     group = DraftGroup(speculator, target)
     rows = [_member([1, 2, 3]), _member([9])]
-    for row in rows:
-        group.add(row)
+    assert group.add(rows) == [True, True]
     for step, asked in enumerate(([2, 2], [0, 2], [2, 2], [1, 0])):
         group.draft(rows, list(asked))
         group.commit(rows, [0, 0], list(asked))
         for b, row in enumerate(rows):
             token = 10 * (step + 1) + b
             row.state.generated.append(token)
-            row.feed_tokens.append(token)
     group.draft(rows, [1, 1])
     return [r.state.prompt + r.state.generated for r in rows]
 

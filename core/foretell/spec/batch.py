@@ -6,11 +6,15 @@ row's position keys, or rejection sampling), rolls each row's KV back to its acc
 prefix and hands back each row's kept tokens; a row with no draft gets exactly its plain
 decoding step; on CUDA a lone row's window runs compiled over fixed shapes
 (:mod:`foretell.model.fixed`). :class:`SourceRows` lets a per-request (plugin API 1) drafter
-serve rows.
+serve rows. :class:`DraftGroup` is one drafter's rows in the batch; :class:`StepHidden`
+keeps the target's hidden states of the batch's last steps once for every row whose drafter
+reads them.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +27,7 @@ from foretell.model.fixed import fixed_or_ordinary
 from foretell.sampling import RandomKeys, Sampler
 from foretell.spec.acceptance import judge_row
 from foretell.spec.contract import (
+    CATCH_UP_MAX,
     Draft,
     DraftState,
     Feed,
@@ -119,17 +124,25 @@ class SourceRows:
         self._drafted: list[int] = []
 
     def append(self, rows: Sequence[RowStart]) -> None:
-        for row in rows:
-            source = self.provider.open(self.target, row.sampler)
-            if row.state is not None and hasattr(source, "restore"):
-                source.restore(row.state, list(row.state_tokens))
-                rest = list(row.feed.tokens[len(row.state_tokens) :])
-                if rest:
-                    source.prefill(Feed(rest, row.feed.hidden))
-            else:
-                source.prefill(row.feed)
-            self.sources.append(source)
-            self._unheard.append(None)
+        opened: list[Any] = []
+        try:  # every row's source is ready before any joins (DraftRows.append)
+            for row in rows:
+                source = self.provider.open(self.target, row.sampler)
+                opened.append(source)
+                if row.state is not None and hasattr(source, "restore"):
+                    source.restore(row.state, list(row.state_tokens))
+                    rest = list(row.feed.tokens[len(row.state_tokens) :])
+                    if rest:
+                        source.prefill(Feed(rest, row.feed.hidden))
+                else:
+                    source.prefill(row.feed)
+        except BaseException:
+            for source in opened:
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    source.close()
+            raise
+        self.sources.extend(opened)
+        self._unheard.extend([None] * len(opened))
 
     def filter(self, keep: Sequence[int]) -> None:
         kept = set(keep)
@@ -205,24 +218,71 @@ def _row_q(draft: Draft | None, width: int, vocab: int) -> mx.array:
 
 class DraftGroup:
     """The rows of a batch one drafter serves, in batch order: its :class:`DraftRows` row
-    ``i`` is ``members[i]``, a request row with ``state`` (prompt, generated), ``sampler``
-    and what its drafter has not heard yet (``feed_tokens``, ``feed_hidden``)."""
+    ``i`` is ``members[i]``, a request row with ``state`` (prompt, generated), ``sampler``,
+    ``unread`` (its newest token is not in ``state.generated`` yet) and, until it joins, its
+    prompt's hidden states (``feed_hidden``) for a drafter reading them. What a member's
+    drafter has not heard is read when it is fed (it drafts, or its state is captured): the
+    tokens its sequence gained since, and their hidden states from ``steps`` (the batch's
+    :class:`StepHidden`, which its steps record), so a step it does not draft at costs it
+    nothing."""
 
-    def __init__(self, speculator: Any, target: Any, *, per_request: bool = False) -> None:
+    def __init__(self, speculator: Any, target: Any, *, per_request: bool = False,
+                 steps: StepHidden | None = None) -> None:
         self.speculator = speculator
         provider = speculator.provider
         label = speculator.label()
+        #: Where its rows' hidden states are read (None: its drafter reads none).
+        self.steps = (steps or StepHidden()) if speculator.wants_hidden else None
         opener = None if per_request else getattr(provider, "open_rows", None)
         self.rows = opener(target) if opener is not None else SourceRows(provider, target, label)
         self.members: list[Any] = []
+        #: Per member: how many of its generated tokens its drafter has heard, and the first
+        #: step (a :attr:`StepHidden.serial`) whose hidden states it has not.
+        self._heard: list[int] = []
+        self._since: list[int] = []
         self._drafted = False
 
-    def add(self, row: Any, link: Any = None) -> bool:
-        """Row ``row`` joins, its drafter restored from the state the cache tier found with
-        its prefix (``link``: its :class:`~foretell.spec.attach.DraftLink`) where that fits,
-        else prefilled with the prompt. False (and nothing joined) when it cannot speculate:
-        a hidden-state drafter over a cached prefix with no state of its own to restore (the
-        prefix's hidden states were never computed here)."""
+    def add(self, rows: Sequence[Any], links: Sequence[Any] | None = None
+            ) -> list[bool | Exception]:
+        """Rows ``rows`` join, in one :meth:`DraftRows.append` (one prefill for all of them,
+        where the drafter batches it), each restored from the drafter state the cache tier
+        found with its prefix (``links[i]``: its :class:`~foretell.spec.attach.DraftLink`)
+        where that fits, else prefilled with its sequence. Per row: True (joined), False
+        (nothing joined: it cannot speculate, a hidden-state drafter over a cached prefix
+        with no state of its own to restore, whose hidden states were never computed here),
+        or the exception its drafter raised (nothing joined)."""
+        outcome: list[bool | Exception] = [False] * len(rows)
+        starts: dict[int, RowStart] = {}
+        for i, row in enumerate(rows):
+            try:
+                start = self._start(row, links[i] if links is not None else None)
+            except Exception as exc:  # noqa: BLE001 - reported per row, as append's errors
+                outcome[i] = exc
+                continue
+            if start is not None:
+                starts[i] = start
+        if len(starts) > 1:
+            try:
+                self.rows.append(list(starts.values()))
+            except Exception:  # noqa: BLE001 - none joined: one by one, to tell who failed
+                pass
+            else:
+                for i in starts:
+                    self._joined(rows[i])
+                    outcome[i] = True
+                return outcome
+        for i, start in starts.items():
+            try:
+                self._append_one(start)
+            except Exception as exc:  # noqa: BLE001 - this row decodes plainly
+                outcome[i] = exc
+                continue
+            self._joined(rows[i])
+            outcome[i] = True
+        return outcome
+
+    def _start(self, row: Any, link: Any) -> RowStart | None:
+        """Row ``row``'s :class:`RowStart`, or None when it cannot speculate (:meth:`add`)."""
         from foretell.spec.drafting import draft_keys
 
         wants_hidden = self.speculator.wants_hidden
@@ -239,48 +299,70 @@ class DraftGroup:
         if restored is not None and wants_hidden:
             hidden = _joined([h for h in (restored[1], hidden) if h is not None and h.size])
         if restored is None and wants_hidden and state.cached:
-            return False
-        start = RowStart(feed=Feed(sequence, hidden), sampler=row.sampler,
-                         keys=draft_keys(row.sampler), state=slot.state,
-                         state_tokens=slot.tokens)
+            return None
+        return RowStart(feed=Feed(sequence, hidden), sampler=row.sampler,
+                        keys=draft_keys(row.sampler), state=slot.state,
+                        state_tokens=slot.tokens)
+
+    def _append_one(self, start: RowStart) -> None:
         try:
             self.rows.append([start])
         except Exception as exc:
-            if restored is None or wants_hidden:
+            if start.state is None or self.speculator.wants_hidden:
                 raise
             # The state did not fit after all: start over from the prompt.
             logging.getLogger("foretell.spec").warning(
                 "%s failed in restore(): %s: %s; it prefills the prompt instead",
                 self.speculator.label(), type(exc).__name__, exc)
             self.rows.append([attrs.evolve(start, state=None, state_tokens=())])
+
+    def _joined(self, row: Any) -> None:
         self.members.append(row)
-        return True
+        self._heard.append(len(row.state.generated))
+        self._since.append(self.steps.serial if self.steps is not None else 0)
+
+    def _feed_of(self, i: int, unread: bool = False) -> tuple[list[int], mx.array | None]:
+        """Member ``i``'s tokens its drafter has not heard and, for a hidden-state drafter,
+        their newest hidden states (``unread``: the newest state kept is its unread
+        token's)."""
+        member = self.members[i]
+        tokens = member.state.generated[self._heard[i] :]
+        if self.steps is None:
+            return tokens, None
+        return tokens, self.steps.newest([(member, self._since[i], len(tokens), unread)])[0]
 
     def attachment(self, row: Any, link: Any, state: Any) -> Any:
         """Row ``row``'s drafter state as the cache tier stores it with ``state``'s caches
         (:meth:`~foretell.spec.attach.DraftLink.capture`), or None."""
-        hidden = _joined(row.feed_hidden) if self.speculator.wants_hidden else None
-        slot = _Slot(self.rows, self.members.index(row))
-        return link.capture(slot, state, row.feed_tokens, hidden)
+        i = self.members.index(row)
+        tokens, hidden = self._feed_of(i, row.unread)
+        return link.capture(_Slot(self.rows, i), state, tokens, hidden)
 
     def draft(self, rows: Sequence[Any], lengths: list[int]
               ) -> dict[int, tuple[mx.array, mx.array | None, int]]:
-        """``{batch row: (tokens [1, n], q [1, n, V] or None, n)}`` for this group's rows."""
+        """``{batch row: (tokens [1, n], q [1, n, V] or None, n)}`` for this group's rows
+        (every row's pending token on the host)."""
         where = {id(row): b for b, row in enumerate(rows)}
         index = [where[id(member)] for member in self.members]
         asked = [lengths[b] for b in index]
         self._drafted = any(asked)
         if not self._drafted:
             return {}
-        feeds = []
-        for member in self.members:
-            hidden = _joined(member.feed_hidden) if self.speculator.wants_hidden else None
-            feeds.append(Feed(list(member.feed_tokens), hidden,
-                              len(member.state.prompt) + len(member.state.generated)))
+        heard = [len(member.state.generated) for member in self.members]
+        tokens = [member.state.generated[h:] for member, h in zip(self.members, self._heard)]
+        hidden: list[mx.array | None] = [None] * len(self.members)
+        if self.steps is not None:
+            hidden = self.steps.newest([
+                (member, since, len(t), False)
+                for member, since, t in zip(self.members, self._since, tokens)])
+        feeds = [Feed(t, h, len(member.state.prompt) + n)
+                 for member, t, h, n in zip(self.members, tokens, hidden, heard)]
         draft = self.rows.draft(feeds, asked)
         got = checked_lengths(draft, asked, self.speculator.label())
-        for member in self.members:  # every row took its feed, drafting or not
-            member.feed_tokens, member.feed_hidden = [], []
+        # Every row took its feed, drafting or not.
+        self._heard = heard
+        if self.steps is not None:
+            self._since = [self.steps.serial] * len(self.members)
         return {b: (draft.tokens[i : i + 1],
                     draft.q[i : i + 1] if draft.q is not None else None, n)
                 for i, (b, n) in enumerate(zip(index, got))}
@@ -299,6 +381,93 @@ class DraftGroup:
         if len(keep) != len(self.members):
             self.rows.filter(keep)
             self.members = [self.members[i] for i in keep]
+            self._heard = [self._heard[i] for i in keep]
+            self._since = [self._since[i] for i in keep]
+
+
+class StepHidden:
+    """The target's hidden states of a batch's last steps, kept once a step (not sliced out
+    row by row) for the rows whose drafter reads them (:data:`~foretell.spec.PORT_HIDDEN`);
+    a row's are read out only when its drafter is fed (:meth:`newest`).
+
+    A row's feed carries the states of its newest :data:`CATCH_UP_MAX` tokens at most (a
+    drafter further behind starts over from those, :class:`~foretell.spec.Feed`), and every
+    step gives every row at least one token, so the last ``CATCH_UP_MAX`` steps hold them,
+    and one more: a pipelined step's newest state belongs to a token not read yet."""
+
+    def __init__(self) -> None:
+        #: ``(hidden [B, w, H], the batch's rows then, kept per row or None)`` per step.
+        self._steps: collections.deque[tuple[mx.array, Sequence[Any], Sequence[int] | None]] \
+            = collections.deque(maxlen=CATCH_UP_MAX + 1)
+        #: Steps recorded so far: the next step's number.
+        self.serial = 0
+
+    def record(self, hidden: mx.array, rows: Sequence[Any],
+               kept: Sequence[int] | None = None) -> None:
+        """One step's ``hidden`` over ``rows`` (row ``b``'s states are ``hidden[b]``; rows
+        join a batch only at its end, so the batch's own list may be given): its first
+        ``kept[b]`` positions predicted the tokens row ``b`` kept; ``kept`` None: a step of
+        one position that every row kept."""
+        self._steps.append((hidden, rows, kept))
+        self.serial += 1
+
+    def clear(self) -> None:
+        self._steps.clear()
+
+    def newest(self, wanted: Sequence[tuple[Any, int, int, bool]]) -> list[mx.array | None]:
+        """Per ``(row, since, n, unread)``: the states ``[1, m, H]`` that predicted the
+        row's ``n`` newest tokens, ``m = min(n, CATCH_UP_MAX)``, from the steps numbered
+        ``since`` on (None when ``n`` is 0); ``unread``: the row's newest state is that of a
+        token it has not read yet, left out."""
+        runs = self._runs(min((since for _, since, n, _ in wanted if n), default=self.serial))
+        where: dict[int, dict[int, int]] = {}
+        out: list[mx.array | None] = []
+        for row, since, n, unread in wanted:
+            want = min(n, CATCH_UP_MAX)
+            if want <= 0:
+                out.append(None)
+                continue
+            parts: list[mx.array] = []
+            got = 0
+            for first, end, hidden, rows, kept in reversed(runs):
+                if got >= want + unread or end <= since:
+                    break
+                index = where.get(id(rows))
+                if index is None:
+                    index = where[id(rows)] = {id(r): b for b, r in enumerate(rows)}
+                b = index[id(row)]
+                part = hidden[b : b + 1, max(since - first, 0) :] if kept is None \
+                    else hidden[b : b + 1, : kept[b]]
+                parts.append(part)
+                got += part.shape[1]
+            if not parts:  # not recorded (the batch was rebuilt): the drafter hears none
+                out.append(None)
+                continue
+            parts.reverse()
+            joined = _joined(parts)
+            if unread:
+                joined = joined[:, :-1]
+            out.append(joined if joined.shape[1] == want else joined[:, -want:])
+        return out
+
+    def _runs(self, since: int) -> list[tuple[int, int, mx.array, Sequence[Any],
+                                             Sequence[int] | None]]:
+        """The steps from ``since`` on as ``(first, end, hidden, rows, kept)``: one-position
+        steps over the same rows joined into one array (a long plain stretch costs one
+        concatenate, not one slice per row and step), each other step alone."""
+        runs: list[list[Any]] = []
+        first = self.serial - len(self._steps)
+        for serial, (hidden, rows, kept) in enumerate(self._steps, start=first):
+            if serial < since:
+                continue
+            last = runs[-1] if runs else None
+            if (kept is None and last is not None and last[4] is None and last[3] is rows
+                    and last[2][-1].shape[0] == hidden.shape[0]):
+                last[1] = serial + 1
+                last[2].append(hidden)
+            else:
+                runs.append([serial, serial + 1, [hidden], rows, kept])
+        return [(a, b, _joined(parts), rows, kept) for a, b, parts, rows, kept in runs]
 
 
 class _Slot:

@@ -38,22 +38,14 @@ PORT_HIDDEN = "hidden"  # the target's final-normed hidden states arrive in ever
 #: all of them: a catch-up grows with the stretch, and its lengths rarely repeat (what it
 #: cost: docs/decisions.md). Its drafts then see less context; the output stays exact.
 CATCH_UP_MAX = 32
-#: One-position hidden states kept apart before they are joined (:func:`keep_recent_hidden`).
-HIDDEN_PACK = 8
 
 
 def keep_recent_hidden(parts: list[mx.array]) -> None:
     """Trim ``parts`` (``[1, m, H]`` hidden states gathered for a hidden-state drafter while
-    it is not drafting) to what it will read: the newest :data:`CATCH_UP_MAX` positions' (a
-    drafter further behind starts over from those, :class:`Feed`), single steps joined
-    :data:`HIDDEN_PACK` at a time so a long plain stretch holds few arrays (keeping every
-    step's state cost decoding speed: docs/decisions.md)."""
-    tail = parts[-HIDDEN_PACK:]
-    if len(tail) == HIDDEN_PACK and all(h.shape[1] == 1 for h in tail):
-        joined = mx.concatenate(tail, axis=1)
-        mx.async_eval(joined)
-        parts[-HIDDEN_PACK:] = [joined]
-    newer = sum(h.shape[1] for h in parts) - parts[0].shape[1]
+    it is not drafting, oldest first) to what it will read: the newest :data:`CATCH_UP_MAX`
+    positions' (a drafter further behind starts over from those, :class:`Feed`), and at most
+    the rest of the oldest part kept."""
+    newer = sum(h.shape[1] for h in parts) - parts[0].shape[1] if parts else 0
     while newer >= CATCH_UP_MAX:
         parts.pop(0)
         newer -= parts[0].shape[1]
