@@ -72,6 +72,7 @@ class BatchStep:
         lengths = [min(chosen[id(row)], self._cap(row)) for row in rows]
         traces, started = trace_count(), time.perf_counter()
         drafted = self._draft(rows, lengths)
+        asked = dict(zip(map(id, rows), lengths))
         rows = self._rows  # rows whose drafter failed have left
         if not rows:
             return
@@ -100,8 +101,11 @@ class BatchStep:
         one_off = trace_count() != traces
         self._policy.observe(len(rows), max(lengths, default=0), None if one_off else elapsed)
         if len(rows) == 1 and self._alone(rows[0]):
-            if lengths[0]:
-                rows[0].speculator.policy.observe(lengths[0], done.accepted[0], elapsed,
+            # A drafter that found nothing to draft (a lookup without a match) ran a round
+            # that kept nothing: told so, the policy stops asking it every step.
+            tried = lengths[0] or asked.get(id(rows[0]), 0)
+            if tried:
+                rows[0].speculator.policy.observe(tried, done.accepted[0], elapsed,
                                                   one_off=one_off)
             elif rows[0].plain_left:
                 self._stretch_step(rows[0], started)

@@ -50,3 +50,39 @@ def test_a_plain_step_is_timed_only_after_a_plain_step_over_the_same_rows(
         (2, True), (2, True),  # drafted steps time themselves (the policy judges switching)
         (0, False),  # the first pipelined step after them waited for nothing
         (0, True), (0, True)]
+
+
+def test_a_lone_rows_drafter_that_finds_nothing_is_told_and_stops_being_asked(
+        engines, model_dirs, registry, monkeypatch):
+    """A drafter that returns no draft (prompt lookup without a match) ran a round that kept
+    nothing: its length policy hears of it, switches drafting off and the row decodes in
+    pipelined plain steps. Untold, the policy asked it again every step, each step
+    synchronous (0.87x plain, measured)."""
+    from foretell.batch_step import BatchStep
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=3)
+    plain_steps, told = [], []
+    monkeypatch.setattr(BatchStep, "_draft", lambda self, rows, lengths: {})
+    plain_step = BatchStep._plain_step
+    monkeypatch.setattr(BatchStep, "_plain_step",
+                        lambda self: plain_steps.append(1) or plain_step(self))
+    observe = type(speculator.policy).observe
+
+    def observing(policy, drafted, accepted, seconds, **options):
+        told.append((drafted, accepted))
+        return observe(policy, drafted, accepted, seconds, **options)
+
+    monkeypatch.setattr(type(speculator.policy), "observe", observing)
+    scheduler = Scheduler(engine)
+    list(scheduler.submit([11, 57, 300, 4, 89], max_tokens=60, ignore_eos=True,
+                          speculate=speculator))
+    scheduler.close()
+    drafted = [t for t in told if t[0]]
+    assert drafted and all(accepted == 0 for _, accepted in drafted)
+    assert len(plain_steps) >= 30  # most of the 60 tokens came from pipelined plain steps
