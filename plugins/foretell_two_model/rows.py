@@ -84,7 +84,7 @@ class TwoModelRows:
             hidden, _ = self.model.forward(tokens[:, lo : lo + step], joined)
             # The caches only, where they are plain buffers: MLX then skips the last layer's
             # output, which nothing reads (as prefill() does).
-            held = [getattr(cache, "buffers", lambda: None)() for cache in joined]
+            held = [getattr(cache, "buffers", None) for cache in joined]
             mx.eval(held if all(h is not None for h in held) else hidden)
             mx.clear_cache()
         for cache in joined:

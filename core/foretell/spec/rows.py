@@ -77,7 +77,10 @@ class DraftRows(Protocol):
     the ``b``-th row appended and not filtered out, in order."""
 
     def append(self, rows: Sequence[RowStart]) -> None:
-        """New rows at the end (prefill each, or restore its state)."""
+        """New rows at the end (prefill each, or restore its state): the core hands over
+        the rows joining together in one call, so a drafter may prefill them in one
+        forward. All of them join or, raising, none (the core then appends them one by
+        one, to find the row that failed)."""
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (indices into the current rows, in their new order)."""
