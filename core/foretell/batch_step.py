@@ -99,7 +99,10 @@ class BatchStep:
                 done.hidden, rows, [len(kept) for kept in done.kept] if any(lengths) else None)
         # A step that traced a fixed-shape forward (foretell.model.fixed) paid a one-off cost.
         one_off = trace_count() != traces
-        self._policy.observe(len(rows), max(lengths, default=0), None if one_off else elapsed)
+        # The width asked for is what this step cost, drafted or not (a drafter's search
+        # that found nothing took its time too).
+        self._policy.observe(len(rows), max(asked.values(), default=0),
+                             None if one_off else elapsed)
         if len(rows) == 1 and self._alone(rows[0]):
             # A drafter that found nothing to draft (a lookup without a match) ran a round
             # that kept nothing: told so, the policy stops asking it every step.
@@ -128,6 +131,8 @@ class BatchStep:
                 self._policy.learn(row.speculator.kind, lengths[b], done.accepted[b], row)
             elif row.spec_stats is not None:
                 row.spec_stats.record(0, 0, 0)  # a plain step of a speculating request
+                if asked.get(id(row)):  # its drafter found nothing: none of it was kept
+                    self._policy.learn(row.speculator.kind, asked[id(row)], 0, row)
             logprobs = done.logprobs.get(b)
             if self._commit(row, kept, logprobs):
                 finished.append(b)

@@ -5,7 +5,7 @@ a new batch, waited for nothing and is reported untimed."""
 
 from __future__ import annotations
 
-from foretell.spec.batch_policy import BatchDraftPolicy
+from foretell.spec.batch_policy import PRIOR_RATE, BatchDraftPolicy
 
 
 class ScriptedWidths(BatchDraftPolicy):
@@ -52,6 +52,16 @@ def test_a_plain_step_is_timed_only_after_a_plain_step_over_the_same_rows(
         (0, True), (0, True)]
 
 
+def _finds_nothing(self, rows, lengths):
+    """A drafter's search that costs its time (a few milliseconds, as a lookup over a long
+    sequence does: on a toy model a plain step costs little more than a synchronous one)
+    and finds no draft."""
+    import time
+
+    time.sleep(0.005)
+    return {}
+
+
 def test_a_lone_rows_drafter_that_finds_nothing_is_told_and_stops_being_asked(
         engines, model_dirs, registry, monkeypatch):
     """A drafter that returns no draft (prompt lookup without a match) ran a round that kept
@@ -68,7 +78,7 @@ def test_a_lone_rows_drafter_that_finds_nothing_is_told_and_stops_being_asked(
     speculator = make_speculator(registry, engine.target, "two-model",
                                  config(model=str(model_dirs["qwen3"])), max_tokens=3)
     plain_steps, told = [], []
-    monkeypatch.setattr(BatchStep, "_draft", lambda self, rows, lengths: {})
+    monkeypatch.setattr(BatchStep, "_draft", _finds_nothing)
     plain_step = BatchStep._plain_step
     monkeypatch.setattr(BatchStep, "_plain_step",
                         lambda self: plain_steps.append(1) or plain_step(self))
@@ -85,4 +95,36 @@ def test_a_lone_rows_drafter_that_finds_nothing_is_told_and_stops_being_asked(
     scheduler.close()
     drafted = [t for t in told if t[0]]
     assert drafted and all(accepted == 0 for _, accepted in drafted)
-    assert len(plain_steps) >= 30  # most of the 60 tokens came from pipelined plain steps
+    assert len(plain_steps) >= 30, told  # most of the 60 tokens came from pipelined plain steps
+
+
+def test_batch_rows_whose_drafter_finds_nothing_teach_the_batch_policy(
+        engines, model_dirs, registry, monkeypatch):
+    """In a batch too: rows whose drafter returned nothing kept none of what they were asked
+    to draft, so the batch policy's estimate of their acceptance falls, the steps it asked
+    for are timed at the width asked, and the batch goes back to pipelined plain steps
+    instead of a synchronous step each time."""
+    from foretell.batch_step import BatchStep
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=3)
+    plain_steps = []
+    monkeypatch.setattr(BatchStep, "_draft", _finds_nothing)
+    plain_step = BatchStep._plain_step
+    monkeypatch.setattr(BatchStep, "_plain_step",
+                        lambda self: plain_steps.append(1) or plain_step(self))
+    scheduler = Scheduler(engine)
+    handles = [scheduler.submit(p, max_tokens=60, ignore_eos=True, speculate=speculator)
+               for p in ([11, 57, 300, 4, 89], [120, 7, 250, 3, 9])]
+    for handle in handles:
+        list(handle)
+    scheduler.close()
+    assert len(plain_steps) >= 30
+    # What the rows were asked to draft and did not is in the drafter's record: a drafter
+    # whose searches cost nothing is not asked every step on the prior's hopes.
+    assert scheduler._policy.prior(speculator.kind) < PRIOR_RATE
