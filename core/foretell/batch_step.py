@@ -332,27 +332,34 @@ class BatchStep:
             return [0] * len(rows)
         if len(rows) == 1 and self._alone(rows[0]):
             return [self._alone_length(rows[0])]
-        caps, rates, adaptive = [], [], False
+        caps, rates, adaptive, top = [], [], False, 0
         self._policy.retain(rows)
+        rolls_back = self._rolls_rows_back()  # once a step, not once a row: it asks each layer
         for row in rows:
             speculator = row.speculator
-            caps.append(self._cap(row))
             if speculator is None:
+                caps.append(0)
                 rates.append(None)
                 continue
+            caps.append(self._cap(row, rolls_back))
             rates.append(self._policy.row_rate(row, speculator.kind))
             adaptive = adaptive or speculator.adaptive
-        top = max((row.speculator.max_tokens for row in rows if row.speculator is not None),
-                  default=0)
+            top = max(top, speculator.max_tokens)
         return self._policy.choose(caps, rates, top) if adaptive else caps
 
-    def _cap(self, row: _Row) -> int:
-        # A batch whose rows cannot roll back apart (a model's own batch caches over
-        # recurrent state or rings) decodes every row plainly: a rejected draft would stay.
-        if row.speculator is None or not all(getattr(c, "trims_rows", True) for c in self._batch):
+    def _cap(self, row: _Row, rolls_back: bool | None = None) -> int:
+        """The most row ``row`` may draft now (``rolls_back``: :meth:`_rolls_rows_back`,
+        where the caller knows it)."""
+        if row.speculator is None or not (
+                self._rolls_rows_back() if rolls_back is None else rolls_back):
             return 0
         remaining = row.max_tokens - row.state.consumed - row.unread - 1
         return max(0, min(row.speculator.max_tokens, remaining))
+
+    def _rolls_rows_back(self) -> bool:
+        # A batch whose rows cannot roll back apart (a model's own batch caches over
+        # recurrent state or rings) decodes every row plainly: a rejected draft would stay.
+        return all(getattr(c, "trims_rows", True) for c in self._batch)
 
     @staticmethod
     def _alone(row: _Row) -> bool:
