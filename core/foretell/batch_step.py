@@ -51,6 +51,8 @@ class BatchStep:
     #: The target's hidden states of the last steps, for rows whose drafter reads them
     #: (made on first use: :meth:`_hidden_steps`).
     _steps_hidden: StepHidden | None = None
+    #: ``(rows, policy version, rates, adaptive, top)``: :meth:`_row_rates`' last answer.
+    _rates_known: tuple[Any, ...] | None = None
 
     def _step(self) -> None:
         """One forward over every running row. While no row drafts and none needs its last
@@ -332,20 +334,32 @@ class BatchStep:
             return [0] * len(rows)
         if len(rows) == 1 and self._alone(rows[0]):
             return [self._alone_length(rows[0])]
-        caps, rates, adaptive, top = [], [], False, 0
-        self._policy.retain(rows)
+        rates, adaptive, top = self._row_rates(rows)
         rolls_back = self._rolls_rows_back()  # once a step, not once a row: it asks each layer
-        for row in rows:
-            speculator = row.speculator
-            if speculator is None:
-                caps.append(0)
-                rates.append(None)
-                continue
-            caps.append(self._cap(row, rolls_back))
-            rates.append(self._policy.row_rate(row, speculator.kind))
-            adaptive = adaptive or speculator.adaptive
-            top = max(top, speculator.max_tokens)
+        caps = [self._cap(row, rolls_back) for row in rows]
         return self._policy.choose(caps, rates, top) if adaptive else caps
+
+    def _row_rates(self, rows: Sequence[_Row]) -> tuple[list[float | None], bool, int]:
+        """Each row's acceptance estimate (None: it has no drafter), whether any row's
+        length is adaptive, and the most any row drafts a round: worked out again only when
+        the rows or what the batch policy learned changed, as a batch of idle drafters
+        steps on learning nothing."""
+        known = self._rates_known
+        if known is None or known[0] != tuple(rows):
+            self._policy.retain(rows)  # what rows that left taught goes with them
+        key = (tuple(rows), self._policy.version)
+        if known is None or known[:2] != key:
+            rates, adaptive, top = [], False, 0
+            for row in rows:
+                speculator = row.speculator
+                if speculator is None:
+                    rates.append(None)
+                    continue
+                rates.append(self._policy.row_rate(row, speculator.kind))
+                adaptive = adaptive or speculator.adaptive
+                top = max(top, speculator.max_tokens)
+            known = self._rates_known = (*key, rates, adaptive, top)
+        return known[2], known[3], known[4]
 
     def _cap(self, row: _Row, rolls_back: bool | None = None) -> int:
         """The most row ``row`` may draft now (``rolls_back``: :meth:`_rolls_rows_back`,

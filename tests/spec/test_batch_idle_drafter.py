@@ -332,3 +332,77 @@ def _counting_forwards(model):
     model.forward = lambda tokens, caches: (shapes.append(tokens.shape),
                                             forward(tokens, caches))[1]
     return shapes
+
+
+# -- the batch policy's choice, step after step ------------------------------------------------
+
+def test_a_settled_choice_of_plain_decoding_is_the_one_the_full_comparison_makes():
+    """Where plain decoding wins even at the best row's acceptance for every row, the policy
+    decides so without its per-row sums; its choices over a random run are the same as with
+    the sums every step."""
+    import copy
+    import random
+
+    from foretell.spec.batch_policy import BatchDraftPolicy
+
+    rng = random.Random(5)
+    fast = BatchDraftPolicy()
+    full = copy.deepcopy(fast)
+    full._plain_unbeaten = lambda *args: False
+    shortcut = []
+    plain_unbeaten = fast._plain_unbeaten
+    fast._plain_unbeaten = lambda *args: shortcut.append(plain_unbeaten(*args)) or shortcut[-1]
+    rows = [object() for _ in range(8)]
+    for step in range(600):
+        b = rng.choice([2, 4, 8])
+        caps = [rng.choice([0, 3, 3, 3, 1]) for _ in range(b)]
+        rates = [None if i == 0 else fast.row_rate(rows[i], "k") for i in range(b)]
+        chosen = fast.choose(caps, rates, 3)
+        assert chosen == full.choose(caps, rates, 3), step
+        width = max(chosen, default=0)
+        # A draft costs 0.1-0.6 plain steps; rows keep most drafts, then none.
+        seconds = 0.01 * (1 + width * rng.uniform(0.1, 0.6)) * rng.uniform(1, 1.3)
+        kept = [n - rng.randint(0, 1) if step < 300 else 0 for n in chosen]
+        for policy in (fast, full):
+            policy.observe(b, width, seconds if step % 7 else None)
+            for i, (n, k) in enumerate(zip(chosen, kept)):
+                if n:
+                    policy.learn("k", n, max(k, 0), rows[i])
+    assert any(shortcut) and not all(shortcut)
+
+
+def test_a_shapes_cost_follows_its_newest_timings():
+    from foretell.spec.batch_policy import KEEP, BatchDraftPolicy
+
+    policy = BatchDraftPolicy()
+    for _ in range(KEEP):
+        policy.observe(4, 0, 0.02)
+    assert policy.cost(4, 0) == 0.02
+    for _ in range(KEEP // 2):
+        policy.observe(4, 0, 0.01)
+    assert policy.cost(4, 0) == 0.01  # the lower quartile of the last KEEP
+
+
+def test_rows_acceptance_estimates_are_read_again_only_when_something_changed():
+    from foretell.batch_step import BatchStep
+    from foretell.spec.batch_policy import BatchDraftPolicy
+
+    step = BatchStep.__new__(BatchStep)
+    step._policy = BatchDraftPolicy()
+    reads = []
+    row_rate = step._policy.row_rate
+    step._policy.row_rate = lambda row, kind: reads.append(row) or row_rate(row, kind)
+    speculator = SimpleNamespace(kind="k", adaptive=True, max_tokens=3)
+
+    class Row:  # hashable, compared by identity, as the scheduler's rows
+        def __init__(self):
+            self.speculator = speculator
+
+    rows = [Row() for _ in range(3)]
+    for _ in range(5):
+        rates, adaptive, top = step._row_rates(rows)
+    assert len(reads) == 3 and adaptive and top == 3
+    step._policy.learn("k", 3, 3, rows[1])
+    assert step._row_rates(rows)[0][1] > rates[1] and len(reads) == 6
+    step._row_rates(rows[:2])  # a row left
+    assert len(reads) == 8

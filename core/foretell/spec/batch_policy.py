@@ -95,6 +95,12 @@ class BatchDraftPolicy:
         self._again: tuple[int, int] | None = None
         #: Per row (a key the caller gives), decayed (drafted, accepted).
         self._rows: dict[Hashable, list[float]] = {}
+        #: Changes whenever a row's acceptance estimate may have: a caller may keep the
+        #: estimates it read while this stays (a batch of idle drafters learns nothing).
+        self.version = 0
+        #: Per shape, its cost while no timing came since (sorting them every step, for
+        #: every shape an estimate reads, cost a batch step more than its rows' choice).
+        self._quartiles: dict[tuple[int, int], float] = {}
 
     def rate(self, drafted: int, accepted: int, kind: str | None = None) -> float:
         """A row's per-draft acceptance estimate, its prior the record of drafter ``kind``."""
@@ -112,6 +118,7 @@ class BatchDraftPolicy:
         ``accepted`` of ``drafted`` drafts."""
         _decayed_add(self._record.setdefault(kind, [0.0, 0.0]), RECORD_DECAY, drafted,
                      accepted)
+        self.version += 1
         if row is not None:
             _decayed_add(self._rows.setdefault(row, [0.0, 0.0]), ROW_DECAY, drafted, accepted)
 
@@ -125,6 +132,7 @@ class BatchDraftPolicy:
         keep = set(rows)
         if not self._rows.keys() <= keep:
             self._rows = {row: counts for row, counts in self._rows.items() if row in keep}
+            self.version += 1
 
     @staticmethod
     def widths(top: int) -> list[int]:
@@ -150,10 +158,13 @@ class BatchDraftPolicy:
             self._last_tried.setdefault((rows, w), self._step)
         width = self._blind(rows, candidates)
         if width is None:
-            value = {w: self._throughput(rows, w, caps, rates) for w in candidates}
-            width = max(candidates, key=value.__getitem__)
-            if width and value[width] < (1.0 + CLEAR_GAIN) * value[0]:
+            if self._plain_unbeaten(rows, candidates, rates):
                 width = 0
+            else:
+                value = {w: self._throughput(rows, w, caps, rates) for w in candidates}
+                width = max(candidates, key=value.__getitem__)
+                if width and value[width] < (1.0 + CLEAR_GAIN) * value[0]:
+                    width = 0
             self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
             look = self._look(rows, candidates, width, rates)
             if look is not None:
@@ -172,6 +183,7 @@ class BatchDraftPolicy:
             return
         times = self._times.setdefault((rows, width), collections.deque(maxlen=KEEP))
         times.append(seconds)
+        self._quartiles.pop((rows, width), None)
 
     def cost(self, rows: int, width: int) -> float | None:
         """The step's time over ``rows`` rows at ``width``: measured, else estimated (the
@@ -248,11 +260,34 @@ class BatchDraftPolicy:
                     and cost >= expected_tokens(rate, width) * plain)
 
     def _measured(self, rows: int, width: int) -> float | None:
-        times = self._times.get((rows, width))
-        if not times:
-            return None
-        ordered = sorted(times)
-        return ordered[len(ordered) // 4]
+        shape = (rows, width)
+        quartile = self._quartiles.get(shape)
+        if quartile is None:
+            times = self._times.get(shape)
+            if not times:
+                return None
+            quartile = self._quartiles[shape] = sorted(times)[len(times) // 4]
+        return quartile
+
+    def _plain_unbeaten(self, rows: int, candidates: list[int],
+                        rates: Sequence[float | None]) -> bool:
+        """Whether plain decoding wins even were every drafting row to keep drafts as well
+        as the best row does (each row's expected tokens grow with its rate and length):
+        then the choice is plain decoding without a sum over the rows per width, so a
+        batch of idle drafters keeps deciding so at little more than a plain batch's cost
+        (the choice is the one :meth:`_throughput`'s comparison makes)."""
+        plain = self.cost(rows, 0)
+        if plain is None or plain <= 0:
+            return False
+        drafting = len(rates) - rates.count(None)
+        best = max((r for r in rates if r is not None), default=0.0)
+        bar = (1.0 + CLEAR_GAIN) * len(rates) / plain  # plain decoding's value, cleared
+        for width in candidates:
+            cost = self.cost(rows, width) if width else None
+            if cost is not None and cost > 0 and (
+                    len(rates) - drafting + drafting * expected_tokens(best, width)) / cost >= bar:
+                return False
+        return True
 
     def _throughput(self, rows: int, width: int, caps: Sequence[int],
                     rates: Sequence[float | None]) -> float:
