@@ -5,6 +5,10 @@ in one forward, then the drafts it chains; ``commit`` trims that back to the acc
 Drafting chains ``n`` forwards lazily, so the drafts, the target's verify forward and the
 acceptance test evaluate as one graph with one host sync (the verifier's).
 
+It declares what a drafted token costs before any round is timed: the draft's weights' bytes
+over the target's (decoding reads every weight once a token), exactly 1 where the target drafts
+for itself, so the length policy does not spend a warm-up on a pairing that cannot pay.
+
 Its state checkpoints (the cache stores it with the target's entries): the draft caches go
 through the tier's KV codecs, the draft's random stream as keys; the identity is the draft
 model's weights and config, so one draft model's caches never seed another's.
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from foretell.engine import resolve_model_path
 from foretell.model import add_rollback_reserve, stay_trimmable, trim_all
@@ -38,6 +43,11 @@ from foretell.tokenizer import Tokenizer
 ROUND_RESERVE = 16
 
 
+def weights_bytes(model: Any) -> int:
+    """The bytes of ``model``'s parameters as loaded: what one decode step reads."""
+    return sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+
+
 class TwoModelProvider:
     requires = frozenset()
 
@@ -46,6 +56,7 @@ class TwoModelProvider:
         self.path: Path | None = None
         self.model: Any = None
         self._fingerprint: str | None = None
+        self._cost: float | None = None
 
     def prepare(self, target: Target) -> None:
         from foretell.model import load_model, read_config
@@ -68,7 +79,13 @@ class TwoModelProvider:
             raise PairingError(f"{where}: no plugin registry to build the draft model with")
         self.model = load_model(path, target.registry)
         self.path = path
+        self._cost = weights_bytes(self.model) / max(weights_bytes(target.model), 1)
         self._fingerprint = files_fingerprint([path / "config.json", *path.glob("*.safetensors")])
+
+    def draft_cost(self) -> float | None:
+        """A drafted token's cost in the target's decode steps: the weights' bytes ratio
+        (None before :meth:`prepare`)."""
+        return self._cost
 
     def draft_identity(self) -> dict[str, Any]:
         # ROUND_RESERVE shapes the caches' stored form (the sliding reserve), so it is named.

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from foretell.spec.cost_prior import cannot_pay, finite_number
+
 #: Weight kept by old acceptance observations per new drafted round (a memory of about 50).
 DECAY = 0.98
 #: Round times kept per draft length; its estimate is :func:`typical` of them, so a stall (a
@@ -57,12 +59,12 @@ PLAIN_STRETCH = 8
 STRETCH_DECAY = DECAY**PLAIN_STRETCH
 #: The stretch that times plain steps while drafting (the first time, and when the estimate
 #: is stale); its first step is never timed. A fresh policy times plain steps twice early on
-#: (in case the first met a slow moment), which a short request pays for: stretches of 4 / 3
-#: / 2 steps replayed 0.92 / 0.94 / 0.95 of the best fixed length (docs/decisions.md, item 16).
+#: (the first may meet a slow moment): a short request pays for each (decisions.md, item 16).
 TIMING_STRETCH = 2
 #: Drafted rounds (at the most tokens) before the first choice; the first is not timed. The
 #: price of trying a drafter, outside the exploring budget unless none kept a draft (then it
-#: was exploring that found nothing: a never-agreeing drafter lost both, 0.94x plain in 96).
+#: was exploring that found nothing), and skipped where the drafter's declared cost says no
+#: length can pay (:mod:`foretell.spec.cost_prior`).
 WARMUP_ROUNDS = 3
 #: Standard errors of the times by which drafting must beat plain steps to be chosen ...
 CONFIDENCE = 1.0
@@ -72,8 +74,7 @@ THIN_SPREAD = 0.05
 #: beats plain steps by this share on the mean estimates (they were wrong somewhere).
 CLEAR_GAIN = 0.1
 #: While drafting, plain steps are timed again once their estimate is this many rounds old:
-#: a host's speed drifts, and against a plain step timed in a slow moment drafting looked like
-#: a gain for good (self-drafting, which cannot pay on a CPU, drafted at 0.75x plain).
+#: against one timed in a slow moment, a drafter that cannot pay looked like a gain for good.
 STALE_ROUNDS = 128
 #: A length whose time rests on rounds of one moment is timed again before it switches
 #: drafting off if its rounds would yield this many tokens on the mean acceptance.
@@ -101,11 +102,14 @@ TOLD_KEPT = 512
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_k: int, *, adaptive: bool = True):
+    def __init__(self, max_k: int, *, adaptive: bool = True, draft_cost: float | None = None):
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
         self.adaptive = adaptive
+        #: A drafted token's cost in plain steps, as the drafter declares it (None: unknown).
+        self.draft_cost = draft_cost
+        self._warmup_rounds = 0 if cannot_pay(draft_cost) else WARMUP_ROUNDS
         # Observed (decayed) counts per draft position; priors are added in acceptance().
         self._offered = [0.0] * max_k
         self._accepted = [0.0] * max_k
@@ -123,7 +127,7 @@ class DraftLengthPolicy:
         self._drafted_rounds = 0
         self._rounds = 0
         self._probes = 0
-        self._next_probe = PROBE_EVERY
+        self._next_probe = 0 if cannot_pay(draft_cost) else PROBE_EVERY  # _declared_probe
         #: The last observation was a plain stretch (the next drafted round switches back).
         self._after_plain = False
         #: A probe's second round: the length its first, untimed round drafted.
@@ -252,12 +256,10 @@ class DraftLengthPolicy:
         round were timed. A plain step (``k = 0``) and a length timed three times or more
         are their own estimates; any other length comes from the Theil-Sen line through the
         drafted lengths' estimates (through the plain step and the one drafted length while
-        only one is known), never below a plain step. Fitting the plain steps into the same
-        line let one slow drafted round raise the plain estimate threefold on a busy CPU
-        (measured), so self-drafting drafted on at a loss; and a line through old estimates
-        of other lengths kept a length drafted for hundreds of rounds at a loss its own
-        recent rounds showed. The plain step is never taken to cost more than the cheapest
-        drafted round."""
+        only one is known), never below a plain step, and the plain step never above the
+        cheapest drafted round. Plain steps fitted into the line let one slow drafted round
+        raise their estimate threefold (self-drafting drafted on at a loss); a line through
+        old estimates kept a length drafted at a loss its own recent rounds showed."""
         known = self._recalled_times() if self._ratios else self._time
         if 0 not in known or len(known) < 2:
             return None
@@ -336,7 +338,7 @@ class DraftLengthPolicy:
         if limit <= 0:
             return 0
         self.stretch = PLAIN_STRETCH
-        if not self.adaptive or (self._drafted_rounds < WARMUP_ROUNDS and not self._ratios):
+        if not self.adaptive or (self._drafted_rounds < self._warmup_rounds and not self._ratios):
             return limit
         if 0 not in self._time and not self._ratios:
             self.stretch = TIMING_STRETCH
@@ -346,7 +348,7 @@ class DraftLengthPolicy:
             return min(k, limit)
         times = self._round_times()
         if times is None:  # no drafted round timed yet (each was a length's first, say)
-            return limit
+            return min(self._declared_probe(), limit) if cannot_pay(self.draft_cost) else limit
         expected = self._expected(self.acceptance())
         rates = [e / t for e, t in zip(expected, times)]
         best = max(range(self.max_k + 1), key=rates.__getitem__)
@@ -401,10 +403,9 @@ class DraftLengthPolicy:
 
     def _plain_stale(self) -> bool:
         """Whether to time plain steps instead of drafting now (setting the stretch): soon
-        while their estimate rests on one short stretch (which may have been timed in a slow
-        moment), then whenever it is STALE_ROUNDS old. Recalled costs stand in for a first
-        timing while this process's drafted rounds agree with them (:meth:`_recalled_plain_holds`):
-        they rest on more timings than a request could take."""
+        while their estimate rests on one short stretch (perhaps of a slow moment), then
+        whenever it is STALE_ROUNDS old. Recalled costs, resting on more timings than a
+        request could take, stand in for a first timing while :meth:`_recalled_plain_holds`."""
         timed = len(self._samples.get(0, ()))
         if not timed and self._ratios:
             after = STALE_ROUNDS if self._recalled_plain_holds() else 0
@@ -420,8 +421,7 @@ class DraftLengthPolicy:
         probe whose timed round paid by itself (TRIAL_ROUNDS: enough fresh times to outvote
         what a busy moment left in the estimates); else the length that pays best on the
         optimistic acceptance, if that beats plain steps; else, every PROBE_EVERY rounds, a
-        length whose time may be out of date (a busy moment switched drafting off:
-        :meth:`_stale_probe`); else 0."""
+        length whose time may be out of date (:meth:`_stale_probe`); else 0."""
         if not self.exploring_allowed():
             return 0
         if self._trial:
@@ -440,18 +440,23 @@ class DraftLengthPolicy:
 
     def _unconfirmed(self, expected: list[float]) -> int | None:
         """While no drafted length has been timed three times, every drafted time rests on
-        rounds of one moment (the warm-up's two timed rounds follow each other): a length
-        whose rounds would yield UNCONFIRMED tokens on the mean acceptance is then timed once
-        more before its cost switches drafting off, whatever the budget. Measured on the busy
-        2-core CPU: the warm-up's timed rounds took 324 and 665 ms against ~45 (another
-        process's burst), the plain steps timed next 42 ms, and the request decoded its
-        other 90 tokens plainly (0.31x the fixed length); a drafter that cannot pay at any
-        cost (a never-agreeing one) is never timed again this way."""
-        if any(n and len(recent) >= 3 for n, recent in self._samples.items()):
+        rounds of one moment (the warm-up's two timed rounds follow each other; a burst there
+        left a paying drafter off: decisions.md, item 16): a length whose rounds would yield
+        UNCONFIRMED tokens on the mean acceptance is then timed once more before its cost
+        switches drafting off, whatever the budget (even where a declared cost agrees)."""
+        if any(n and len(r) >= 3 for n, r in self._samples.items()):
             return None  # a length was timed at several moments: probes and budget decide
         thin = [n for n in self._time if n and n not in self._confirmed
                 and n <= self.max_k and expected[n] > UNCONFIRMED]
         return max(thin, key=lambda n: expected[n] / self._time[n]) if thin else None
+
+    def _declared_probe(self) -> int:
+        """No length can pay at the declared cost, none timed: plain steps, but k = 1 (the
+        cheapest timing to overrule it) once they are timed, then each PROBE_EVERY in budget."""
+        if not self.exploring_allowed() or self._rounds < self._next_probe:
+            return 0
+        self._next_probe = self._rounds + PROBE_EVERY
+        return 1
 
     def _stale_probe(self, rates: list[float], expected: list[float]) -> int | None:
         """The length timed longest ago among those that would beat the best one by a
@@ -470,26 +475,26 @@ class DraftLengthPolicy:
 
         A drafted round right after plain steps is not timed: it also pays for switching
         back (a model drafter catches up on every plain token since its last draft, the
-        pipeline refills), which the rounds after it do not. So a probe from plain steps runs
-        two rounds, the second timed, and a drafter whose switch-back is costly is judged by
-        what its rounds cost while it drafts; the budget counts what both rounds lost."""
+        pipeline refills). So a probe from plain steps runs two rounds, the second timed: a
+        drafter is judged by what its rounds cost while it drafts; the budget counts both."""
         switching = bool(drafted) and self._after_plain
         self._after_plain = not drafted
         untimed = switching or (one_off and bool(drafted))
         # A plain stretch's first step is never timed (the verifier's doing), so nothing of
         # a first use is left in its time.
         first = bool(drafted) and drafted not in self._seen and not untimed
-        if untimed and self._drafted_rounds >= WARMUP_ROUNDS:
+        if untimed and self._drafted_rounds >= self._warmup_rounds:
             self._probe_again = drafted
         if drafted:
             self._tokens += 1 + accepted
             if not one_off:
                 # A length's first round (it may have compiled kernels) counts at its estimate.
-                spent = self._warmup if self._drafted_rounds < WARMUP_ROUNDS else self._unaccounted
+                spent = self._warmup if self._drafted_rounds < self._warmup_rounds \
+                    else self._unaccounted
                 spent.append((drafted, accepted, None if first else seconds))
             self._learn(drafted, accepted)
             self._drafted_rounds += 1
-            if self._drafted_rounds == WARMUP_ROUNDS and not self._ratios \
+            if self._drafted_rounds == self._warmup_rounds and not self._ratios \
                     and not any(kept for _, kept, _ in self._warmup):
                 self._unaccounted.extend(self._warmup)
         else:
@@ -567,12 +572,8 @@ def _checked_state(state: object
         raise ValueError(f"acceptance: a list of 1 to {STATE_MAX_K} [accepted, offered] pairs")
     if not isinstance(costs, list) or not 1 <= len(costs) <= STATE_MAX_K:
         raise ValueError(f"costs: a list of 1 to {STATE_MAX_K} numbers")
-
-    def number(x: object) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(map(number, pair))
+        if not (isinstance(pair, list) and len(pair) == 2 and all(map(finite_number, pair))
                 and 0 <= pair[0] <= pair[1] <= 1e6):
             raise ValueError(f"acceptance[{i}]: expected [accepted, offered] with "
                              f"0 <= accepted <= offered, got {pair!r}")
@@ -580,14 +581,13 @@ def _checked_state(state: object
         raise ValueError("acceptance[0]: no round was offered")
     for i, cost in enumerate(costs):
         # A round drafting k tokens costs at least a plain step, and no sane one 1000.
-        if not (number(cost) and 1.0 <= cost <= 1e3):
+        if not (finite_number(cost) and 1.0 <= cost <= 1e3):
             raise ValueError(f"costs[{i}]: expected a number in [1, 1000], got {cost!r}")
     timings = state.get("timings", 0)
-    if not (isinstance(timings, int) and not isinstance(timings, bool)
-            and 0 <= timings <= STATE_TIMINGS):
+    if not (type(timings) is int and 0 <= timings <= STATE_TIMINGS):
         raise ValueError(f"timings: expected an integer in [0, {STATE_TIMINGS}], got {timings!r}")
     plain = state.get("plain_s")
-    if not (number(plain) and 0 < plain <= 1e3):
+    if not (finite_number(plain) and 0 < plain <= 1e3):
         raise ValueError(f"plain_s: expected seconds in (0, 1000], got {plain!r}")
     return ([float(a) for a, _ in pairs], [float(o) for _, o in pairs],
             [float(c) for c in costs], timings, float(plain))

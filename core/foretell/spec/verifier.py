@@ -54,13 +54,18 @@ class Speculator:
     #: speculate (``"sampled": false`` in a model's ``speculation.json``, where sampled
     #: drafting measured slower than plain decoding: docs/speculation.md).
     sampled: bool = True
+    #: What drafting one token costs in the target's decode steps, as the provider declares
+    #: it once prepared (``draft_cost()``; None: unknown): the length policy's prior on a
+    #: round's cost before any round is timed (:mod:`foretell.spec.cost_prior`).
+    draft_cost: float | None = None
     #: The draft-length policy, shared by this speculator's requests: what it measured of
     #: the machine and the drafter carries over, so only the first request pays the warm-up.
     policy: DraftLengthPolicy = attrs.field(init=False, eq=False, repr=False)
 
     @policy.default
     def _policy(self) -> DraftLengthPolicy:
-        return DraftLengthPolicy(self.max_tokens, adaptive=self.adaptive)
+        return DraftLengthPolicy(self.max_tokens, adaptive=self.adaptive,
+                                 draft_cost=self.draft_cost)
 
     @property
     def wants_hidden(self) -> bool:
@@ -149,6 +154,7 @@ def make_speculator(
     """
     from foretell.plugin.registry import Kind
     from foretell.spec.contract import PairingError, missing_ports, preferred_tokens
+    from foretell.spec.cost_prior import declared_draft_cost
 
     contribution = registry.get(Kind.DRAFT, kind)
     factory = contribution.load()
@@ -181,5 +187,6 @@ def make_speculator(
         raise DraftError(
             f"{speculator.label()} failed in prepare(): {type(exc).__name__}: {exc}"
         ) from exc
-    return speculator
+    # Known once the draft weights are loaded; the policy is built afresh with it.
+    return attrs.evolve(speculator, draft_cost=declared_draft_cost(provider, speculator.label()))
 
