@@ -1,6 +1,7 @@
 """Qwen-MTP over rows (plugin API 2): the head drafts every row of a batch at once.
 
-The head has one attention layer, so the rows share one :class:`BatchKVCache`. A round
+The head has one attention layer, so the rows share one :class:`BatchKVCache`. Rows joining
+together absorb their prompts in one head forward (a chunk of positions at a time). A round
 absorbs every row's feed in one head forward (each row's tokens paired with the target's
 states as :class:`~foretell_qwen.mtp.MTPSource` pairs them; shorter feeds padded, the
 padding trimmed back per row), then chains the drafts with one head forward per drafted
@@ -27,7 +28,7 @@ from foretell.spec import (
     RowStart,
     resumed_keys,
 )
-from foretell_qwen.mtp import MTPHead, ShortlistHead, absorb, head_forward, paired
+from foretell_qwen.mtp import CHUNK, MTPHead, ShortlistHead, absorb, head_forward, paired
 
 
 class _Row:
@@ -59,6 +60,17 @@ class MTPRows:
         joined = [self._start(start) for start in starts]
         if not joined:
             return
+        if len(joined) == 1:
+            row, single, last, (tokens, hidden) = joined[0]
+            newest = absorb(lambda e, h: self.head(e, h, single), self.target.embed, tokens,
+                            hidden)
+            joined = [(row, single, newest if newest is not None else last)]
+        else:
+            joined = self._absorbed_together(joined)
+        for row, single, last in joined:
+            if last is not None:
+                mx.eval(last, *single.state)
+            row.ready = last is not None
         lasts = [last for _, _, last in joined]
         known = [x for x in (self.last, *lasts) if x is not None]
         if known:
@@ -71,9 +83,10 @@ class MTPRows:
         self.cache.append([single for _, single, _ in joined])
         self.rows.extend(row for row, _, _ in joined)
 
-    def _start(self, start: RowStart) -> tuple[_Row, KVCache, mx.array | None]:
-        """A joining row, its head cache and newest output: restored from ``start.state``
-        when given, then fed the rest of ``start.feed`` in one row's forwards."""
+    def _start(self, start: RowStart) -> tuple[_Row, KVCache, mx.array | None,
+                                               tuple[list[int], mx.array | None]]:
+        """A joining row, its head cache and newest output (restored from ``start.state``
+        when given) and the positions of ``start.feed`` it has yet to absorb."""
         row = _Row(start)
         single, last, fed = KVCache(), None, 0
         if start.state is not None:
@@ -83,16 +96,36 @@ class MTPRows:
                                  "than this row's sequence begins with")
             single, last = self._restored(start.state)
             row.keys = resumed_keys(row.keys, start.state)
+        return row, single, last, paired(start.feed.tokens[fed:], start.feed.hidden)
 
-        def forward(embedded: mx.array, hidden: mx.array) -> mx.array:
-            return self.head(embedded, hidden, single)
-
-        newest = absorb(forward, self.target.embed, start.feed.tokens[fed:], start.feed.hidden)
-        last = newest if newest is not None else last
-        if last is not None:
-            mx.eval(last, *single.state)
-        row.ready = last is not None
-        return row, single, last
+    def _absorbed_together(self, joined: list[Any]) -> list[tuple[_Row, Any, mx.array | None]]:
+        """Every joining row's positions through the head in one forward per chunk (the
+        shorter padded, the padding trimmed off): each row, its head cache and newest
+        output."""
+        pairs = [pair for *_, pair in joined]
+        width = max(len(tokens) for tokens, _ in pairs)
+        if not width:
+            return [(row, single, last) for row, single, last, _ in joined]
+        like = next(hidden for _, hidden in pairs if hidden is not None)
+        ids = mx.array([t + [0] * (width - len(t)) for t, _ in pairs], dtype=mx.int32)
+        states = mx.concatenate([
+            mx.zeros((1, width, like.shape[-1]), like.dtype) if h is None
+            else mx.pad(h, [(0, 0), (0, width - h.shape[1]), (0, 0)]) for _, h in pairs])
+        cache = BatchKVCache()
+        cache.append([single for _, single, _, _ in joined])
+        newest: list[mx.array | None] = [None] * len(joined)
+        step = max(1, CHUNK // len(joined))  # a lone row's positions per forward
+        for lo in range(0, width, step):
+            out = self.head(self.target.embed(ids[:, lo : lo + step]), states[:, lo : lo + step],
+                            cache)
+            for b, (tokens, _) in enumerate(pairs):
+                if lo < len(tokens) <= lo + step:  # the row's newest position is here
+                    newest[b] = out[b : b + 1, len(tokens) - 1 - lo :][:, :1]
+            mx.eval(cache.buffers if cache.buffers is not None else out,
+                    [n for n in newest if n is not None])
+        cache.trim([width - len(tokens) for tokens, _ in pairs])
+        return [(row, cache.extract(b), newest[b] if newest[b] is not None else last)
+                for b, (row, _, last, _) in enumerate(joined)]
 
     def _restored(self, state: DraftState) -> tuple[KVCache, mx.array | None]:
         caches = list(state.caches)

@@ -406,3 +406,29 @@ def test_rows_acceptance_estimates_are_read_again_only_when_something_changed():
     assert step._row_rates(rows)[0][1] > rates[1] and len(reads) == 6
     step._row_rates(rows[:2])  # a row left
     assert len(reads) == 8
+
+
+def test_mtp_rows_joining_together_absorb_their_prompts_in_one_head_forward(demo):
+    """The head absorbs the prompts of rows appended together in one forward, and they
+    draft what rows appended one by one draft."""
+    provider = demo.use_draft("mtp", max_tokens=3, adaptive=False).provider
+    starts = []
+    for text in TEXTS[:3]:
+        prompt = demo.encode_prompt(text, chat=False)
+        hidden, _ = demo.model.forward(mx.array([prompt[:-1]]), demo.model.make_caches())
+        starts.append(RowStart(feed=Feed(prompt, hidden), sampler=Sampler()))
+    together = provider.open_rows(demo.target)
+    one_by_one = provider.open_rows(demo.target)
+    head, shapes = together.head, []
+    together.head = lambda embedded, hidden, cache: (shapes.append(embedded.shape[:2]),
+                                                     head(embedded, hidden, cache))[1]
+    together.append(starts)
+    together.head = head
+    assert shapes == [(3, max(len(s.feed.tokens) for s in starts) - 1)]
+    for start in starts:
+        one_by_one.append([start])
+    assert mx.allclose(together.last, one_by_one.last, atol=1e-4).item()
+    assert together.cache.lengths == one_by_one.cache.lengths
+    feeds = [Feed([], position=len(s.feed.tokens)) for s in starts]
+    assert together.draft(feeds, [3, 3, 3]).tokens.tolist() == \
+        one_by_one.draft(feeds, [3, 3, 3]).tokens.tolist()
