@@ -3,15 +3,22 @@
 official ``openai`` client at concurrency 1, 2, 4, 8, 16, 32.
 
 Every request is a streamed ``/v1/completions`` of a stretch of the Python standard
-library's source (``--prompt-tokens``), greedy, ``--max-tokens`` long; each level sends
-``max(4, 2 * concurrency)`` requests, bounded by ``--timeout`` seconds a level. Reported per
-server and level: generated tokens per second over the level's wall time, TTFT p50/p99 and
-the gaps between streamed chunks (inter-token latency) p50/p99. On the CPU mlx-lm runs on a
-float32 copy of the weights (foretell computes the demo's quantized weights unpacked to
-float32), both with foretell's OpenBLAS (DESIGN.md §5). foretell runs without its model
-stop strings, as mlx-lm has none.
+library's source (``--prompt-tokens``), greedy, ``--max-tokens`` long, each prompt sent once.
+Before a level each server answers one untimed request (``--no-warm`` skips it), so no
+level's figures hold a first request's one-off costs. A level's ``concurrency`` clients
+start together and send ``--requests`` requests (default ``max(4, 2 * concurrency)``) or,
+with ``--level-seconds``, keep sending until that many seconds have passed, so that a p99
+is not one burst's worst; ``--timeout`` bounds a level either way. Reported per server and
+level: generated tokens per second over the level's wall time, TTFT p50/p99, the worst TTFT
+of the first wave (the ``concurrency`` requests sent at once as the level starts) and the
+gaps between streamed chunks (inter-token latency) p50/p99; then each level's TTFT p99
+against c = 1's p50 (the strict reading of "within 3x of TTFT at 1") and against its p99.
+On the CPU mlx-lm runs on a float32 copy of the weights (foretell computes the demo's
+quantized weights unpacked to float32), both with foretell's OpenBLAS (DESIGN.md §5).
+foretell runs without its model stop strings, as mlx-lm has none.
 
     python benchmarks/serve_load.py --model demo --levels 1,2,4,8,16,32 --json out.json
+    python benchmarks/serve_load.py --levels 1,16 --level-seconds 30 --servers foretell
 
 It measures, never asserts; localhost only.
 """
@@ -73,56 +80,100 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
+#: Prompts a timed level holds ready per client and second: more than either server completes
+#: (each request generates ``--max-tokens`` tokens); a level that runs out says so.
+PROMPTS_PER_CLIENT_SECOND = 10
+
+
 async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
-                max_tokens: int, timeout: float) -> dict[str, float]:
+                max_tokens: int, timeout: float, seconds: float = 0.0,
+                warm: str | None = None) -> dict[str, float]:
+    """One level: ``concurrency`` clients sending ``prompts`` (each once) until none is left
+    or, with ``seconds``, until that many seconds have passed; ``warm``, a prompt sent and
+    answered before the level's clock starts."""
     import openai
 
     # The client's own retries, as an application gets them (a server whose listen queue
     # overflows drops connections a retry gets through); the time they take counts.
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
-    queue = list(prompts)
-    ttfts, gaps, counts, failed = [], [], [], []
+    queue = list(reversed(prompts))
+    ttfts, burst, gaps, counts, failed = [], [], [], [], []
+
+    async def request(prompt: str, first_wave: bool = False) -> None:
+        sent = time.perf_counter()
+        try:
+            stream = await client.completions.create(
+                model=model_id, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                stream=True, stream_options={"include_usage": True})
+            last, used = None, 0
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    used = chunk.usage.completion_tokens
+                if chunk.choices and chunk.choices[0].text:
+                    now = time.perf_counter()
+                    if last is None:
+                        ttfts.append(now - sent)
+                        if first_wave:
+                            burst.append(now - sent)
+                    else:
+                        gaps.append(now - last)
+                    last = now
+        except openai.APIError as exc:  # counted and reported, not a crash of the level
+            failed.append(type(exc).__name__)
+            return
+        counts.append(used)
 
     async def worker() -> None:
-        while queue:
-            prompt = queue.pop()
-            sent = time.perf_counter()
-            try:
-                stream = await client.completions.create(
-                    model=model_id, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                    stream=True, stream_options={"include_usage": True})
-                last, used = None, 0
-                async for chunk in stream:
-                    if chunk.usage is not None:
-                        used = chunk.usage.completion_tokens
-                    if chunk.choices and chunk.choices[0].text:
-                        now = time.perf_counter()
-                        if last is None:
-                            ttfts.append(now - sent)
-                        else:
-                            gaps.append(now - last)
-                        last = now
-            except openai.APIError as exc:  # counted and reported, not a crash of the level
-                failed.append(type(exc).__name__)
-                continue
-            counts.append(used)
+        first = True
+        while queue and (not seconds or time.perf_counter() < started + seconds or first):
+            await request(queue.pop(), first_wave=first)
+            first = False
 
+    if warm is not None:
+        await asyncio.wait_for(request(warm), timeout)
+        # Untimed, uncounted; a failure stays counted (the server failed a request).
+        ttfts.clear()
+        gaps.clear()
+        counts.clear()
     started = time.perf_counter()
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout)
     wall = time.perf_counter() - started
     return {"concurrency": concurrency, "requests": len(counts), "failed": len(failed),
-            "tokens": sum(counts),
-            "tokens_per_s": sum(counts) / wall, "ttft_p50_s": percentile(ttfts, 0.5),
-            "ttft_p99_s": percentile(ttfts, 0.99), "itl_p50_s": percentile(gaps, 0.5),
-            "itl_p99_s": percentile(gaps, 0.99)}
+            "prompts_ran_out": bool(seconds) and not queue,
+            "seconds": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
+            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+            "ttft_first_wave_max_s": max(burst, default=0.0),
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
 
 
-def main() -> None:
+def ttft_ratios(rows: list[dict]) -> list[dict]:
+    """Per server and level above 1, TTFT p99 over c = 1's p50 (the target's strict
+    reading) and over c = 1's p99."""
+    ratios = []
+    for row in rows:
+        alone = next((r for r in rows if r["server"] == row["server"]
+                      and r["concurrency"] == 1), None)
+        if alone is None or row["concurrency"] == 1 or not alone["ttft_p50_s"]:
+            continue
+        ratios.append({"server": row["server"], "concurrency": row["concurrency"],
+                       "p99_over_c1_p50": row["ttft_p99_s"] / alone["ttft_p50_s"],
+                       "p99_over_c1_p99": row["ttft_p99_s"] / alone["ttft_p99_s"]})
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo", help="a model directory or shipped name")
     parser.add_argument("--levels", default="1,2,4,8,16,32", help="concurrency levels")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests a level sends (default max(4, 2 * concurrency); "
+                             "with --level-seconds, at least)")
+    parser.add_argument("--level-seconds", type=float, default=0.0,
+                        help="keep each level's clients sending for this many seconds")
+    parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
+                        help="one untimed request to each server before each level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a level may take")
     parser.add_argument("--float32-mlx-lm", action=argparse.BooleanOptionalAction, default=True,
                         help="run mlx-lm on a float32 copy of the weights (the CPU's fair bar)")
@@ -130,7 +181,7 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="foretell's --draft-model")
     parser.add_argument("--servers", default="foretell,mlx-lm", help="which servers to run")
     parser.add_argument("--json", default=None, help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from foretell.engine import resolve_model_path
     from foretell.tokenizer import Tokenizer
     from foretell.tools.bench_batch import float32_copy, prompts_for
@@ -146,26 +197,42 @@ def main() -> None:
     draft = ["--draft", args.draft] + (["--draft-model", args.draft_model]
                                        if args.draft_model else [])
     report = {"model": str(model), "machine": machine_info(), "prompt_tokens":
-              args.prompt_tokens, "max_tokens": args.max_tokens, "foretell": draft, "rows": []}
+              args.prompt_tokens, "max_tokens": args.max_tokens, "foretell": draft,
+              "requests": args.requests, "level_seconds": args.level_seconds,
+              "warm": args.warm, "rows": []}
     for name, path in models.items():
         proc, url = start(name, path, args.max_tokens, draft)
         try:
             model_id = model.name if name == "foretell" else str(path)
             for c in levels:
-                prompts = [tokenizer.decode(ids) for ids in
-                           prompts_for(model, max(4, 2 * c), args.prompt_tokens, 7 * c)]
-                row = asyncio.run(level(url, model_id, prompts, c, args.max_tokens,
-                                        args.timeout))
+                count = args.requests or max(4, 2 * c)
+                if args.level_seconds:
+                    count = max(count, int(args.level_seconds * c * PROMPTS_PER_CLIENT_SECOND))
+                # Each prompt once (a repeat would be a prefix-cache hit); the warm-up's is
+                # the last, so it caches no level prompt.
+                ids = dict.fromkeys(map(tuple, prompts_for(model, count + 1,
+                                                           args.prompt_tokens, 7 * c)))
+                prompts = [tokenizer.decode(list(p)) for p in ids]
+                row = asyncio.run(level(url, model_id, prompts[:-1], c, args.max_tokens,
+                                        args.timeout, args.level_seconds,
+                                        prompts[-1] if args.warm else None))
                 row["server"] = name
                 report["rows"].append(row)
-                print(f"{name:9s} c={c:2d}  {row['tokens_per_s']:7.1f} tok/s  TTFT p50 "
-                      f"{row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} s  ITL p50 "
+                print(f"{name:9s} c={c:2d}  {row['requests']:4d} req  {row['tokens_per_s']:7.1f} "
+                      f"tok/s  TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} s "
+                      f"(first wave max {row['ttft_first_wave_max_s']:.3f})  ITL p50 "
                       f"{row['itl_p50_s'] * 1e3:.1f} p99 {row['itl_p99_s'] * 1e3:.1f} ms"
-                      + (f"  {row['failed']} failed" if row["failed"] else ""),
+                      + (f"  {row['failed']} failed" if row["failed"] else "")
+                      + ("  (ran out of prompts)" if row["prompts_ran_out"] else ""),
                       flush=True)
         finally:
             proc.terminate()
             proc.wait(timeout=120)
+    report["ttft_ratios"] = ttft_ratios(report["rows"])
+    for ratio in report["ttft_ratios"]:
+        print(f"{ratio['server']:9s} c={ratio['concurrency']:2d}: TTFT p99 is "
+              f"{ratio['p99_over_c1_p50']:.1f}x c = 1's p50, {ratio['p99_over_c1_p99']:.1f}x "
+              "its p99")
     if args.json:
         from foretell.tools.measure import portable
 

@@ -1,0 +1,82 @@
+"""``benchmarks/serve_load.py`` against a live ``foretell serve`` on a tiny model: each level
+warms the server with an untimed request, a timed level keeps its clients sending until
+its seconds are up, the first wave's worst TTFT is kept apart, and each level's TTFT p99
+is reported against c = 1's p50 and p99."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from benchscript import load
+
+from foretell.tools import make_model_dir
+
+serve_load = load("serve_load")
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    path = make_model_dir(tmp_path_factory.mktemp("tiny"), "qwen3", overrides=TINY, seed=0)
+    proc, url = serve_load.start("foretell", path, 4, ["--draft", "none"])
+    yield path, url
+    proc.terminate()
+    proc.wait(timeout=120)
+
+
+def test_a_warmed_level_counts_only_its_own_requests(served):
+    path, url = served
+    before = completions_served(url)
+    prompts = ["def f(x):", "x = 1", "import os", "class A:"]
+    row = asyncio_run(serve_load.level(url, path.name, prompts, 2, 4, 120, warm="for i in"))
+    assert completions_served(url) - before == len(prompts) + 1  # the warm-up was sent
+    assert row["requests"] == len(prompts) and row["failed"] == 0  # and not counted
+    assert 0 < row["ttft_first_wave_max_s"] <= row["ttft_p99_s"]
+
+
+def test_a_timed_level_keeps_sending_until_its_seconds_are_up(served):
+    path, url = served
+    prompts = [f"x = {i}" for i in range(2000)]
+    row = asyncio_run(serve_load.level(url, path.name, prompts, 2, 4, 120, seconds=1.5))
+    assert row["seconds"] >= 1.5
+    assert 2 * 2 < row["requests"] < len(prompts)  # beyond the default count, until the time
+    assert not row["prompts_ran_out"]
+
+
+def test_ttft_ratios_set_each_level_against_c1_p50_and_p99():
+    rows = [{"server": "s", "concurrency": 1, "ttft_p50_s": 0.01, "ttft_p99_s": 0.02},
+            {"server": "s", "concurrency": 16, "ttft_p50_s": 0.05, "ttft_p99_s": 0.06},
+            {"server": "t", "concurrency": 16, "ttft_p50_s": 0.05, "ttft_p99_s": 0.06}]
+    assert serve_load.ttft_ratios(rows) == [
+        {"server": "s", "concurrency": 16, "p99_over_c1_p50": pytest.approx(6.0),
+         "p99_over_c1_p99": pytest.approx(3.0)}]
+
+
+def test_the_report_holds_the_rows_and_ratios(served, tmp_path):
+    path, _ = served
+    out = tmp_path / "serve.json"
+    serve_load.main(["--model", str(path), "--servers", "foretell", "--levels", "1,2",
+                     "--prompt-tokens", "16", "--max-tokens", "4", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    assert report["warm"] is True
+    assert [r["concurrency"] for r in report["ttft_ratios"]] == [2]
+
+
+def completions_served(url):
+    """``/v1/completions`` requests the server answered, from its ``/metrics``."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("foretell_requests_total") and '"/v1/completions"' in line)
+
+
+def asyncio_run(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
