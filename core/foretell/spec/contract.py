@@ -235,7 +235,9 @@ class DraftProvider(Protocol):
     requires: frozenset[str]
     # Optional: ``draft_tokens: int``, the most tokens a round drafts when the caller names
     # no length (``--num-draft-tokens``, ``[draft] num_tokens``, the model's
-    # speculation.json); :func:`preferred_tokens` reads it.
+    # speculation.json); :func:`preferred_tokens` reads it. Optional: ``draft_cost() ->
+    # float | None``, a drafted token's cost in target decode steps, read after ``prepare``
+    # (:mod:`foretell.spec.cost_prior`).
 
     def prepare(self, target: Target) -> None:
         """Check the pairing and load draft weights; called once per target."""
