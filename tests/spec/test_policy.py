@@ -755,3 +755,20 @@ def test_a_declared_cost_under_one_step_changes_nothing():
             assert [_request(DraftLengthPolicy(4, draft_cost=draft_cost), agrees, 96, cost, seed=s)
                     for s in range(6)] == [_request(DraftLengthPolicy(4), agrees, 96, cost, seed=s)
                                            for s in range(6)]
+
+
+def test_a_recalled_state_wins_over_a_declared_cost():
+    """A state recalled from another process holds timings of this pairing on this machine:
+    a declared cost (an estimate) then changes nothing."""
+    teacher = DraftLengthPolicy(4)
+    _request(teacher, lambda p: AGREES, 256, CPU_ROUND, seed=99)
+    state = teacher.state()
+
+    def recalled(draft_cost):
+        policy = DraftLengthPolicy(4, draft_cost=draft_cost)
+        policy.recall(state)
+        return policy
+
+    for agrees, cost in ((lambda p: AGREES, CPU_ROUND), (lambda p: 0.95, SELF_ROUND)):
+        assert [_request(recalled(1.0), agrees, 96, cost, seed=s) for s in range(6)] == [
+            _request(recalled(None), agrees, 96, cost, seed=s) for s in range(6)]

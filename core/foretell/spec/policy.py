@@ -96,8 +96,7 @@ STATE_TIMINGS = 8
 PLAIN_DRIFT = 1.5
 #: The most draft positions (and lengths) a state may describe.
 STATE_MAX_K = 64
-#: Observations the policy keeps as it was told them (:attr:`DraftLengthPolicy.told`), for a
-#: benchmark to show what its estimates came from: a request of 512 tokens, every one.
+#: Observations kept as told (:attr:`DraftLengthPolicy.told`), for benchmarks: 512 tokens' worth.
 TOLD_KEPT = 512
 
 
@@ -107,8 +106,7 @@ class DraftLengthPolicy:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         self.max_k = max_k
         self.adaptive = adaptive
-        #: A drafted token's cost in plain steps, as the drafter declares it (None: unknown).
-        self.draft_cost = draft_cost
+        self.draft_cost = draft_cost  # a drafted token's cost in plain steps, declared, or None
         self._warmup_rounds = 0 if cannot_pay(draft_cost) else WARMUP_ROUNDS
         # Observed (decayed) counts per draft position; priors are added in acceptance().
         self._offered = [0.0] * max_k
@@ -127,7 +125,7 @@ class DraftLengthPolicy:
         self._drafted_rounds = 0
         self._rounds = 0
         self._probes = 0
-        self._next_probe = 0 if cannot_pay(draft_cost) else PROBE_EVERY  # _declared_probe
+        self._next_probe = PROBE_EVERY
         #: The last observation was a plain stretch (the next drafted round switches back).
         self._after_plain = False
         #: A probe's second round: the length its first, untimed round drafted.
@@ -205,6 +203,7 @@ class DraftLengthPolicy:
         costs = costs + [costs[-1] + step * i for i in range(1, self.max_k - len(costs) + 1)]
         self._ratios = {k: costs[k - 1] for k in range(1, self.max_k + 1)}
         self._recalled_timings, self._recalled_plain = timings, plain
+        self._warmup_rounds = WARMUP_ROUNDS  # timings (another process's) win over a declaration
 
     # -- the model --------------------------------------------------------------------
 
@@ -453,7 +452,8 @@ class DraftLengthPolicy:
     def _declared_probe(self) -> int:
         """No length can pay at the declared cost, none timed: plain steps, but k = 1 (the
         cheapest timing to overrule it) once they are timed, then each PROBE_EVERY in budget."""
-        if not self.exploring_allowed() or self._rounds < self._next_probe:
+        if not self.exploring_allowed() or (
+                self._drafted_rounds and self._rounds < self._next_probe):
             return 0
         self._next_probe = self._rounds + PROBE_EVERY
         return 1
