@@ -19,7 +19,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from foretell.spec.cost_prior import cannot_pay, finite_number
+from foretell.spec.cost_prior import cannot_pay
+from foretell.spec.policy_state import STATE_FORMAT, STATE_TIMINGS, checked_state
 
 #: Weight kept by old acceptance observations per new drafted round (a memory of about 50).
 DECAY = 0.98
@@ -79,23 +80,15 @@ STALE_ROUNDS = 128
 #: A length whose time rests on rounds of one moment is timed again before it switches
 #: drafting off if its rounds would yield this many tokens on the mean acceptance.
 UNCONFIRMED = 1.5
-#: The format of :meth:`DraftLengthPolicy.state`; a state of another format is refused.
-STATE_FORMAT = 1
 #: A recalled state's acceptance counts weigh at most this many rounds at any position:
 #: what a warm-up would have taught, so the request's own rounds outvote it within a few.
 RECALLED_ROUNDS = 3.0
 #: What a recalled state's acceptance counts keep of their weight at a position each time
 #: this request drafts to it.
 RECALL_FADE = 0.8
-#: The most plain-step timings a state's costs are taken to rest on: a state blends what a
-#: process timed into what it recalled by their timings, so older processes' weigh at most
-#: this many and a lasting change shows within a few processes.
-STATE_TIMINGS = 8
 #: A recalled state's costs are checked by timing plain steps once this process's drafted
 #: rounds imply a plain step this many times dearer or cheaper than the state's.
 PLAIN_DRIFT = 1.5
-#: The most draft positions (and lengths) a state may describe.
-STATE_MAX_K = 64
 #: Observations kept as told (:attr:`DraftLengthPolicy.told`), for benchmarks: 512 tokens' worth.
 TOLD_KEPT = 512
 
@@ -193,7 +186,7 @@ class DraftLengthPolicy:
         :raises ValueError: ``state`` is not a state this format describes (what is wrong)."""
         if self._drafted_rounds or self._time:
             raise ValueError("recall() must come before the policy's first round")
-        accepted, offered, costs, timings, plain = _checked_state(state)
+        accepted, offered, costs, timings, plain = checked_state(state)
         n = min(len(offered), self.max_k)
         scale = min(1.0, RECALLED_ROUNDS / max(offered[0], 1e-9))
         self._prior_accepted[:n] = [a * scale for a in accepted[:n]]
@@ -556,41 +549,6 @@ class DraftLengthPolicy:
             cost = estimate if seconds is None else min(seconds, LOSS_CAP * estimate)
             self._balance += 1 + accepted - cost / plain
         self._unaccounted.clear()
-
-
-def _checked_state(state: object
-                   ) -> tuple[list[float], list[float], list[float], int, float]:
-    """``(accepted, offered, costs, timings, plain_s)`` of a :meth:`DraftLengthPolicy.state`.
-
-    :raises ValueError: naming the first field that is not as the format says."""
-    if not isinstance(state, dict):
-        raise ValueError(f"a state is a JSON object, got {type(state).__name__}")
-    if state.get("format") != STATE_FORMAT:
-        raise ValueError(f"format: {state.get('format')!r}, this version reads {STATE_FORMAT}")
-    pairs, costs = state.get("acceptance"), state.get("costs")
-    if not isinstance(pairs, list) or not 1 <= len(pairs) <= STATE_MAX_K:
-        raise ValueError(f"acceptance: a list of 1 to {STATE_MAX_K} [accepted, offered] pairs")
-    if not isinstance(costs, list) or not 1 <= len(costs) <= STATE_MAX_K:
-        raise ValueError(f"costs: a list of 1 to {STATE_MAX_K} numbers")
-    for i, pair in enumerate(pairs):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(map(finite_number, pair))
-                and 0 <= pair[0] <= pair[1] <= 1e6):
-            raise ValueError(f"acceptance[{i}]: expected [accepted, offered] with "
-                             f"0 <= accepted <= offered, got {pair!r}")
-    if pairs[0][1] <= 0:
-        raise ValueError("acceptance[0]: no round was offered")
-    for i, cost in enumerate(costs):
-        # A round drafting k tokens costs at least a plain step, and no sane one 1000.
-        if not (finite_number(cost) and 1.0 <= cost <= 1e3):
-            raise ValueError(f"costs[{i}]: expected a number in [1, 1000], got {cost!r}")
-    timings = state.get("timings", 0)
-    if not (type(timings) is int and 0 <= timings <= STATE_TIMINGS):
-        raise ValueError(f"timings: expected an integer in [0, {STATE_TIMINGS}], got {timings!r}")
-    plain = state.get("plain_s")
-    if not (finite_number(plain) and 0 < plain <= 1e3):
-        raise ValueError(f"plain_s: expected seconds in (0, 1000], got {plain!r}")
-    return ([float(a) for a, _ in pairs], [float(o) for _, o in pairs],
-            [float(c) for c in costs], timings, float(plain))
 
 
 def typical(recent: Sequence[float]) -> float:
