@@ -313,8 +313,10 @@ class BatchStep:
             for b in finished:
                 self._finish(b)
             self._remove(finished)
-            if not self._rows and self._steps_hidden is not None:
-                self._steps_hidden.clear()
+            if not self._rows:  # what they kept of the rows that ran goes with them
+                self._rates_known = None
+                if self._steps_hidden is not None:
+                    self._steps_hidden.clear()
 
     def _keeps_hidden(self) -> bool:
         """Whether a drafter of the batch reads the target's hidden states."""
