@@ -53,3 +53,19 @@ def test_a_decode_steps_graph_is_timed_and_counted(tmp_path, fused_attention):
         assert row[kind]["nodes"] > 0 and row[kind]["host_ms"] > 0
     # Rows of two lengths need a mask and scatter their writes: a few nodes a layer more.
     assert row["foretell uniform"]["nodes"] < row["foretell ragged"]["nodes"]
+
+
+def test_a_side_per_drafter_reports_its_rows_cost_against_plain(tmp_path, capsys,
+                                                                 fused_attention):
+    out = tmp_path / "drafts.json"
+    assert batch_host_cost.main(["--batches", "2", "--repeats", "1", "--prompt-tokens", "8",
+                                 "--max-tokens", "4", "--sides", "foretell",
+                                 "--drafts", "two-model,mtp", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    row = got["rows"][0]
+    assert got["drafts"] == ["two-model", "mtp"]
+    for side in ("foretell", "foretell two-model", "foretell mtp"):
+        figures = row[side]
+        assert figures["host"] > figures["eval"] > 0 and figures["worker"] > 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"B=  2 mtp ms/step  wall .*\(foretell mtp / foretell\)$", lines[-1])
