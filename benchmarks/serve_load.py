@@ -13,6 +13,10 @@ level: generated tokens per second over the level's wall time, TTFT p50/p99, the
 of the first wave (the ``concurrency`` requests sent at once as the level starts) and the
 gaps between streamed chunks (inter-token latency) p50/p99; then each level's TTFT p99
 against c = 1's p50 (the strict reading of "within 3x of TTFT at 1") and against its p99.
+``--floor-repeats N`` measures what no server can beat, in this process after the servers
+stopped: the model's own compute for a level's first wave (its prompts in one prefill
+forward, then one decode step over them: a first token each), the least of N runs, against
+one prompt's; its ratio is the least a server's TTFT at that level can be over c = 1's here.
 On the CPU mlx-lm runs on a float32 copy of the weights (foretell computes the demo's
 quantized weights unpacked to float32), both with foretell's OpenBLAS (DESIGN.md §5).
 foretell runs without its model stop strings, as mlx-lm has none.
@@ -146,6 +150,45 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
 
 
+def compute_floor(model: Path, levels: list[int], prompt_tokens: int, repeats: int
+                  ) -> list[dict]:
+    """Per level (and c = 1), the least of ``repeats`` runs of the model's compute for that
+    many prompts arriving at once: all but each one's last token in one prefill forward (as
+    the scheduler prefills a burst together, its caches evaluated as it evaluates them), then
+    one decode step over every row, which draws each one's first token."""
+    import mlx.core as mx
+
+    from foretell.concurrency import mlx_work
+    from foretell.engine import load
+    from foretell.model.batch import batch_caches, layer_caches
+    from foretell.tools.bench_batch import prompts_for
+
+    engine = load(model)
+
+    def first_tokens(prompts: list[list[int]]) -> float:
+        started = time.perf_counter()
+        caches = batch_caches(engine.model, bits=engine.kv_bits,
+                              group_size=engine.kv_group_size)
+        for cache in caches:
+            cache.append([None] * len(prompts))
+        engine.model.forward(mx.array([p[:-1] for p in prompts], dtype=mx.int32), caches)
+        mx.eval([c.state for cache in caches for b in range(len(prompts))
+                 for c in [cache.extract(b)]])
+        hidden, _ = engine.model.forward(mx.array([p[-1:] for p in prompts], dtype=mx.int32),
+                                         layer_caches(caches))
+        mx.argmax(engine.model.logits(hidden[:, -1, :]), axis=-1).tolist()
+        return time.perf_counter() - started
+
+    best: dict[int, float] = {}
+    with mlx_work(), engine.settings.active():
+        first_tokens(prompts_for(model, 1, prompt_tokens, 1))  # one-off costs
+        for r in range(repeats):
+            for c in sorted({1, *levels}):
+                took = first_tokens(prompts_for(model, c, prompt_tokens, 1000 * r + c))
+                best[c] = min(best.get(c, took), took)
+    return [{"concurrency": c, "seconds": t, "over_c1": t / best[1]} for c, t in best.items()]
+
+
 def ttft_ratios(rows: list[dict]) -> list[dict]:
     """Per server and level above 1, TTFT p99 over c = 1's p50 (the target's strict
     reading) and over c = 1's p99."""
@@ -175,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                         help="one untimed request to each server before each level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a level may take")
+    parser.add_argument("--floor-repeats", type=int, default=0,
+                        help="then measure each level's compute floor, the least of N runs")
     parser.add_argument("--float32-mlx-lm", action=argparse.BooleanOptionalAction, default=True,
                         help="run mlx-lm on a float32 copy of the weights (the CPU's fair bar)")
     parser.add_argument("--draft", default="none", help="foretell's drafter (--draft)")
@@ -233,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{ratio['server']:9s} c={ratio['concurrency']:2d}: TTFT p99 is "
               f"{ratio['p99_over_c1_p50']:.1f}x c = 1's p50, {ratio['p99_over_c1_p99']:.1f}x "
               "its p99")
+    if args.floor_repeats:
+        report["floor"] = compute_floor(model, levels, args.prompt_tokens, args.floor_repeats)
+        for floor in report["floor"]:
+            print(f"floor     c={floor['concurrency']:2d}: first tokens of a first wave in "
+                  f"{floor['seconds'] * 1e3:.1f} ms of compute, {floor['over_c1']:.1f}x c = 1's")
     if args.json:
         from foretell.tools.measure import portable
 

@@ -1,7 +1,7 @@
 """``benchmarks/serve_load.py`` against a live ``foretell serve`` on a tiny model: each level
 warms the server with an untimed request, a timed level keeps its clients sending until
-its seconds are up, the first wave's worst TTFT is kept apart, and each level's TTFT p99
-is reported against c = 1's p50 and p99."""
+its seconds are up, the first wave's worst TTFT is kept apart, each level's TTFT p99 is
+reported against c = 1's p50 and p99, and each level's compute floor against c = 1's."""
 
 from __future__ import annotations
 
@@ -59,11 +59,16 @@ def test_the_report_holds_the_rows_and_ratios(served, tmp_path):
     path, _ = served
     out = tmp_path / "serve.json"
     serve_load.main(["--model", str(path), "--servers", "foretell", "--levels", "1,2",
-                     "--prompt-tokens", "16", "--max-tokens", "4", "--json", str(out)])
+                     "--prompt-tokens", "16", "--max-tokens", "4", "--floor-repeats", "2",
+                     "--json", str(out)])
     report = json.loads(out.read_text())
     assert [r["concurrency"] for r in report["rows"]] == [1, 2]
     assert report["warm"] is True
     assert [r["concurrency"] for r in report["ttft_ratios"]] == [2]
+    floor = {f["concurrency"]: f for f in report["floor"]}
+    assert set(floor) == {1, 2} and floor[1]["over_c1"] == 1.0
+    assert floor[2]["seconds"] > 0 and floor[2]["over_c1"] == floor[2]["seconds"] / floor[1][
+        "seconds"]
 
 
 def completions_served(url):
