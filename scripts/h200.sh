@@ -32,6 +32,8 @@
 #   serve      benchmarks/serve_load.py: foretell serve plain, then two-model, against
 #              mlx_lm.server on the same weights (LEVELS, default 1,2,4,8,16,32) (~6 min); needs
 #              the serve wheels staged too (starlette, uvicorn, llguidance, openai and theirs)
+#   serveburst serve_load.py at c = 1 and 16, levels of SECONDS_A_LEVEL (default 20) each, both
+#              servers, then the compute floor of a 16-prompt burst (~2 min)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -119,6 +121,11 @@ serve)
   timeout 200 $PY benchmarks/serve_load.py --model demo --levels "$levels" --servers foretell \
     --draft two-model --draft-model demo-draft \
     --json "$OUT/serve-two-model.json" 2>&1 | tee "$OUT/serve-two-model.log" | tail -12
+  ;;
+serveburst)
+  timeout 290 $PY benchmarks/serve_load.py --model demo --levels 1,16 --no-float32-mlx-lm \
+    --level-seconds "${SECONDS_A_LEVEL:-20}" --floor-repeats 5 \
+    --json "$OUT/serve-burst.json" 2>&1 | tee "$OUT/serve-burst.log" | tail -12
   ;;
 firstrun)
   TIMEFORMAT="%R s wall, %U s user"
