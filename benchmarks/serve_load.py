@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--servers", default="foretell,mlx-lm", help="which servers to run")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    from foretell.platform import blas
+
+    blas.preload()  # before mlx is imported: the compute floor runs in this process
     from foretell.engine import resolve_model_path
     from foretell.tokenizer import Tokenizer
     from foretell.tools.bench_batch import float32_copy, prompts_for

@@ -85,3 +85,20 @@ def asyncio_run(coroutine):
     import asyncio
 
     return asyncio.run(coroutine)
+
+
+def test_the_compute_floor_runs_on_foretells_blas(tmp_path):
+    """The floor is measured in the script's own process: MLX there must bind the optimized
+    BLAS as the servers do (imported first, it keeps the reference one, several times
+    slower)."""
+    import subprocess
+    import sys
+
+    path = make_model_dir(tmp_path / "tiny", "qwen3", overrides=TINY, seed=0)
+    run = subprocess.run(
+        [sys.executable, str(serve_load.__file__), "--servers", "", "--levels", "1",
+         "--model", str(path), "--prompt-tokens", "16", "--floor-repeats", "1"],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "floor     c= 1" in run.stdout
+    assert "SlowBlasWarning" not in run.stderr
