@@ -65,7 +65,9 @@ TIMING_STRETCH = 2
 #: Drafted rounds (at the most tokens) before the first choice; the first is not timed. The
 #: price of trying a drafter, outside the exploring budget unless none kept a draft (then it
 #: was exploring that found nothing), and skipped where the drafter's declared cost says no
-#: length can pay (:mod:`foretell.spec.cost_prior`).
+#: length can pay (:mod:`foretell.spec.cost_prior`). A recalled state skips it, but its first
+#: this many rounds count as a warm-up's (outside the budget, a never-agreeing drafter lost
+#: the rounds its recalled prior bought and the whole budget besides).
 WARMUP_ROUNDS = 3
 #: Standard errors of the times by which drafting must beat plain steps to be chosen ...
 CONFIDENCE = 1.0
@@ -84,7 +86,7 @@ UNCONFIRMED = 1.5
 #: what a warm-up would have taught, so the request's own rounds outvote it within a few.
 RECALLED_ROUNDS = 3.0
 #: What a recalled state's acceptance counts keep of their weight at a position each time
-#: this request drafts to it.
+#: this request drafts to it (a round that keeps nothing fades them more: ``_learn``).
 RECALL_FADE = 0.8
 #: A recalled state's costs are checked by timing plain steps once this process's drafted
 #: rounds imply a plain step this many times dearer or cheaper than the state's.
@@ -485,9 +487,9 @@ class DraftLengthPolicy:
                 spent = self._warmup if self._drafted_rounds < self._warmup_rounds \
                     else self._unaccounted
                 spent.append((drafted, accepted, None if first else seconds))
-            self._learn(drafted, accepted)
+            self._learn(drafted, accepted, timed=not (untimed or first))
             self._drafted_rounds += 1
-            if self._drafted_rounds == self._warmup_rounds and not self._ratios \
+            if self._drafted_rounds == self._warmup_rounds \
                     and not any(kept for _, kept, _ in self._warmup):
                 self._unaccounted.extend(self._warmup)
         else:
@@ -513,7 +515,19 @@ class DraftLengthPolicy:
         self._time[drafted] = typical(recent)
         self._account()
 
-    def _learn(self, drafted: int, accepted: int) -> None:
+    def _learn(self, drafted: int, accepted: int, timed: bool) -> None:
+        checked = timed or any(n > 0 for n in self._samples)
+        if not accepted and checked and self._prior_offered[0] > 0:
+            # A round that kept nothing is evidence that the recalled state describes other
+            # text: what is left of it keeps the chance it gave that outcome, at every
+            # position (faded only where rounds reached, a never-agreeing drafter's first
+            # miss left its later positions' paying rates, and it drafted on at a loss).
+            # Only once a drafted round was timed here: until then the state's costs are
+            # unchecked, and a state stored by a busy process would switch drafting off
+            # on them for good (the next state keeps them).
+            keep = 1.0 - self._prior_accepted[0] / self._prior_offered[0]
+            self._prior_offered = [o * keep for o in self._prior_offered]
+            self._prior_accepted = [a * keep for a in self._prior_accepted]
         for i in range(drafted):
             self._offered[i] = self._offered[i] * DECAY + 1.0
             self._accepted[i] = self._accepted[i] * DECAY + (1.0 if i < accepted else 0.0)
