@@ -66,8 +66,8 @@ TIMING_STRETCH = 2
 #: price of trying a drafter, outside the exploring budget unless none kept a draft (then it
 #: was exploring that found nothing), and skipped where the drafter's declared cost says no
 #: length can pay (:mod:`foretell.spec.cost_prior`). A recalled state skips it, but its first
-#: this many rounds count as a warm-up's (outside the budget, a never-agreeing drafter lost
-#: the rounds its recalled prior bought and the whole budget besides).
+#: this many rounds are accounted as a warm-up's: left outside the budget whatever they kept,
+#: they let a never-agreeing drafter spend the whole budget after them.
 WARMUP_ROUNDS = 3
 #: Standard errors of the times by which drafting must beat plain steps to be chosen ...
 CONFIDENCE = 1.0
@@ -518,13 +518,11 @@ class DraftLengthPolicy:
     def _learn(self, drafted: int, accepted: int, timed: bool) -> None:
         checked = timed or any(n > 0 for n in self._samples)
         if not accepted and checked and self._prior_offered[0] > 0:
-            # A round that kept nothing is evidence that the recalled state describes other
-            # text: what is left of it keeps the chance it gave that outcome, at every
-            # position (faded only where rounds reached, a never-agreeing drafter's first
-            # miss left its later positions' paying rates, and it drafted on at a loss).
-            # Only once a drafted round was timed here: until then the state's costs are
-            # unchecked, and a state stored by a busy process would switch drafting off
-            # on them for good (the next state keeps them).
+            # A round that kept nothing is evidence the recalled state describes other text:
+            # what is left of it keeps the chance it gave that outcome, at every position
+            # (faded only where a round reached, its paying rates further on kept a
+            # never-agreeing drafter drafting). Only once a round was timed here: a busy
+            # process's state would otherwise stop drafting on costs never checked.
             keep = 1.0 - self._prior_accepted[0] / self._prior_offered[0]
             self._prior_offered = [o * keep for o in self._prior_offered]
             self._prior_accepted = [a * keep for a in self._prior_accepted]
