@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 class BatchStep:
     """The step half of :class:`~foretell.scheduler.Scheduler` (and its shared prefill
     forward), which owns the state it reads: the running rows (``_rows``), their batch caches (``_batch``), the pipelined
-    tokens (``_tokens``), the drafter groups (``_groups``), the batch policy (``_policy``),
-    and ``_finish``, ``_remove`` and ``_fail``."""
+    tokens (``_tokens``), the drafter groups (``_groups``, made by ``_group``), the batch
+    policy (``_policy``), and ``_finish``, ``_remove`` and ``_fail``."""
 
     engine: Any
     _rows: list[_Row]
@@ -142,6 +142,41 @@ class BatchStep:
         self._end(finished)
         for row in [row for row in rows if id(row) in broken]:
             self._fail([row], broken[id(row)])
+
+    def _join_drafters(self, joining: list[_Row]) -> dict[int, Any]:
+        """Joining rows join their drafters' groups, each group's together: one prefill for
+        all of them where the drafter batches it (a two-model drafter: one draft-model
+        forward, not one per row). A row that cannot speculate decodes plainly. Returns the
+        drafter states to store with each row's prompt (by ``id(row)``), where it has a link
+        to the cache tier."""
+        import logging
+
+        log = logging.getLogger("foretell.scheduler")
+        by_group: dict[tuple[int, bool], list[_Row]] = {}
+        for row in joining:
+            if row.speculator is not None:
+                by_group.setdefault((id(row.speculator), row.solo), []).append(row)
+        attachments: dict[int, Any] = {}
+        for rows in by_group.values():
+            speculator = rows[0].speculator
+            try:
+                group = self._group(speculator, rows[0].solo)
+                joined = group.add(rows, [row.link for row in rows])
+            except Exception as exc:  # noqa: BLE001 - the rows decode plainly instead
+                joined = [exc] * len(rows)
+            for row, outcome in zip(rows, joined):
+                if outcome is True:
+                    if row.link is not None:
+                        try:
+                            attachments[id(row)] = group.attachment(row, row.link, row.state)
+                        except Exception as exc:  # noqa: BLE001 - caching it is optional
+                            log.warning("not caching the drafter's state: %s", exc)
+                    continue
+                if outcome is not False:  # False: correct, just not faster
+                    log.warning("%s: %s; this request decodes plainly", speculator.label(),
+                                outcome)
+                row.speculator = row.spec_stats = None
+        return attachments
 
     def _draft(self, rows: list[_Row], lengths: list[int]
                ) -> dict[int, tuple[mx.array, mx.array | None, int]]:

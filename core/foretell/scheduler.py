@@ -483,32 +483,7 @@ class Scheduler(BatchStep):
         if self._tokens is not None:
             self._tokens = mx.concatenate([self._tokens, mx.array(
                 [row.pending for row in joining], dtype=mx.int32)])
-        # A drafter's joining rows join it together: one prefill for all of them where the
-        # drafter batches it (a two-model drafter: one draft-model forward, not one per row).
-        by_group: dict[tuple[int, bool], list[_Row]] = {}
-        for row in joining:
-            if row.speculator is not None:
-                by_group.setdefault((id(row.speculator), row.solo), []).append(row)
-        attachments: dict[int, Any] = {}
-        for rows in by_group.values():
-            speculator = rows[0].speculator
-            try:
-                group = self._group(speculator, rows[0].solo)
-                joined = group.add(rows, [row.link for row in rows])
-            except Exception as exc:  # noqa: BLE001 - the rows decode plainly instead
-                joined = [exc] * len(rows)
-            for row, outcome in zip(rows, joined):
-                if outcome is True:
-                    if row.link is not None:
-                        try:
-                            attachments[id(row)] = group.attachment(row, row.link, row.state)
-                        except Exception as exc:  # noqa: BLE001 - caching it is optional
-                            log.warning("not caching the drafter's state: %s", exc)
-                    continue
-                if outcome is not False:  # False: correct, just not faster
-                    log.warning("%s: %s; this request decodes plainly", speculator.label(),
-                                outcome)
-                row.speculator = row.spec_stats = None
+        attachments = self._join_drafters(joining)
         for row in joining:
             attachment = attachments.get(id(row))
             if row.link is not None and row.spec_stats is not None:
