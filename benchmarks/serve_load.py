@@ -4,8 +4,9 @@ official ``openai`` client at concurrency 1, 2, 4, 8, 16, 32.
 
 Every request is a streamed ``/v1/completions`` of a stretch of the Python standard
 library's source (``--prompt-tokens``), greedy, ``--max-tokens`` long, each prompt sent once.
-Before a level each server answers one untimed request (``--no-warm`` skips it), so no
-level's figures hold a first request's one-off costs. A level's ``concurrency`` clients
+Before a level each server answers one untimed wave of ``concurrency`` requests sent at
+once (``--no-warm`` skips it), so no level's figures hold one-off costs: a first request's,
+or a batch shape's first use (CUDA kernels compiled on first sight). A level's clients
 start together and send ``--requests`` requests (default ``max(4, 2 * concurrency)``) or,
 with ``--level-seconds``, keep sending until that many seconds have passed, so that a p99
 is not one burst's worst; ``--timeout`` bounds a level either way. Reported per server and
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 #: mlx_lm.server, started with foretell's BLAS bound first (the same BLAS on both sides).
@@ -85,16 +87,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 #: Prompts a timed level holds ready per client and second: more than either server completes
-#: (each request generates ``--max-tokens`` tokens); a level that runs out says so.
-PROMPTS_PER_CLIENT_SECOND = 10
+#: (each request generates ``--max-tokens`` tokens; 10 ran out at c = 1 on a GPU); a level
+#: that runs out says so.
+PROMPTS_PER_CLIENT_SECOND = 40
 
 
 async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
                 max_tokens: int, timeout: float, seconds: float = 0.0,
-                warm: str | None = None) -> dict[str, float]:
+                warm: Sequence[str] = ()) -> dict[str, float]:
     """One level: ``concurrency`` clients sending ``prompts`` (each once) until none is left
-    or, with ``seconds``, until that many seconds have passed; ``warm``, a prompt sent and
-    answered before the level's clock starts."""
+    or, with ``seconds``, until that many seconds have passed; ``warm``, prompts sent at once
+    and answered before the level's clock starts."""
     import openai
 
     # The client's own retries, as an application gets them (a server whose listen queue
@@ -133,8 +136,8 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
             await request(queue.pop(), first_wave=first)
             first = False
 
-    if warm is not None:
-        await asyncio.wait_for(request(warm), timeout)
+    if warm:
+        await asyncio.wait_for(asyncio.gather(*map(request, warm)), timeout)
         # Untimed, uncounted; a failure stays counted (the server failed a request).
         ttfts.clear()
         gaps.clear()
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--level-seconds", type=float, default=0.0,
                         help="keep each level's clients sending for this many seconds")
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
-                        help="one untimed request to each server before each level")
+                        help="one untimed wave of requests to each server before each level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a level may take")
     parser.add_argument("--floor-repeats", type=int, default=0,
                         help="then measure each level's compute floor, the least of N runs")
@@ -256,14 +259,14 @@ def main(argv: list[str] | None = None) -> None:
                 count = args.requests or max(4, 2 * c)
                 if args.level_seconds:
                     count = max(count, int(args.level_seconds * c * PROMPTS_PER_CLIENT_SECOND))
-                # Each prompt once (a repeat would be a prefix-cache hit); the warm-up's is
-                # the last, so it caches no level prompt.
-                ids = dict.fromkeys(map(tuple, prompts_for(model, count + 1,
+                # Each prompt once (a repeat would be a prefix-cache hit); the warm-up's are
+                # the last, so they cache no level prompt.
+                ids = dict.fromkeys(map(tuple, prompts_for(model, count + c,
                                                            args.prompt_tokens, 7 * c)))
                 prompts = [tokenizer.decode(list(p)) for p in ids]
-                row = asyncio.run(level(url, model_id, prompts[:-1], c, args.max_tokens,
+                row = asyncio.run(level(url, model_id, prompts[:-c], c, args.max_tokens,
                                         args.timeout, args.level_seconds,
-                                        prompts[-1] if args.warm else None))
+                                        prompts[-c:] if args.warm else ()))
                 row["server"] = name
                 report["rows"].append(row)
                 print(f"{name:9s} c={c:2d}  {row['requests']:4d} req  {row['tokens_per_s']:7.1f} "

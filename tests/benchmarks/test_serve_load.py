@@ -1,5 +1,5 @@
 """``benchmarks/serve_load.py`` against a live ``foretell serve`` on a tiny model: each level
-warms the server with an untimed request, a timed level keeps its clients sending until
+warms the server with an untimed wave of requests, a timed level keeps its clients sending until
 its seconds are up, the first wave's worst TTFT is kept apart, each level's TTFT p99 is
 reported against c = 1's p50 and p99, and each level's compute floor against c = 1's."""
 
@@ -31,8 +31,9 @@ def test_a_warmed_level_counts_only_its_own_requests(served):
     path, url = served
     before = completions_served(url)
     prompts = ["def f(x):", "x = 1", "import os", "class A:"]
-    row = asyncio_run(serve_load.level(url, path.name, prompts, 2, 4, 120, warm="for i in"))
-    assert completions_served(url) - before == len(prompts) + 1  # the warm-up was sent
+    row = asyncio_run(serve_load.level(url, path.name, prompts, 2, 4, 120,
+                                       warm=["for i in", "while x:"]))
+    assert completions_served(url) - before == len(prompts) + 2  # the warm-up wave was sent
     assert row["requests"] == len(prompts) and row["failed"] == 0  # and not counted
     assert 0 < row["ttft_first_wave_max_s"] <= row["ttft_p99_s"]
 
