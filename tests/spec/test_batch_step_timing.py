@@ -53,12 +53,12 @@ def test_a_plain_step_is_timed_only_after_a_plain_step_over_the_same_rows(
 
 
 def _finds_nothing(self, rows, lengths):
-    """A drafter's search that costs its time (a few milliseconds, as a lookup over a long
+    """A drafter's search that costs its time (milliseconds, as a lookup over a long
     sequence does: on a toy model a plain step costs little more than a synchronous one)
     and finds no draft."""
     import time
 
-    time.sleep(0.005)
+    time.sleep(0.02)
     return {}
 
 
