@@ -4,13 +4,23 @@ that never change the donor, supersession only by entries that can serve the anc
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 from cachefill import feed, filled_kv, filled_rotating
 from hypothesis import given
 from hypothesis import strategies as st
 
-from foretell.cache.prefix import PrefixCache, can_serve, common_prefix, usable_length
+from foretell.cache import prefix as prefix_module
+from foretell.cache.prefix import (
+    PrefixCache,
+    PrefixEntry,
+    can_serve,
+    common_prefix,
+    match_rank,
+    usable_length,
+)
 from foretell.model.kvcache import KVCache
 
 WINDOW = 16
@@ -185,3 +195,116 @@ def test_common_prefix_counts_the_shared_leading_tokens(a, b):
     while expected < min(len(a), len(b)) and a[expected] == b[expected]:
         expected += 1
     assert common_prefix(a, tuple(b)) == expected
+
+
+# -- the sorted lookup against a scan of every entry ----------------------------------------
+
+class LinearCache:
+    """The reference: every lookup scans every entry, least recently used first, and the
+    first of the best rank wins; storing scans every entry for the ones it serves."""
+
+    def __init__(self, max_bytes):
+        self.max_bytes = max_bytes
+        self.held = []  # least recently used first
+        self.evictions = 0
+
+    def best(self, prompt, namespace, prefer):
+        best, length, rank = None, 0, match_rank(0, ())
+        for entry in self.held:
+            if entry.namespace != namespace:
+                continue
+            n = entry.usable(tuple(prompt))
+            candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
+            if n > 0 and candidate > rank:
+                best, length, rank = entry, n, candidate
+        return best, length
+
+    def touch(self, entry):
+        self.held.remove(entry)
+        self.held.append(entry)
+
+    def exact(self, tokens, namespace):
+        for entry in self.held:
+            if entry.namespace == namespace and entry.tokens == tuple(tokens):
+                self.touch(entry)
+                return True
+        return False
+
+    def hold(self, entry):
+        if entry.nbytes > self.max_bytes:
+            return False
+        self.held = [old for old in self.held if not entry.serves(old)] + [entry]
+        while sum(e.nbytes for e in self.held) > self.max_bytes:
+            self.held.pop(0)
+            self.evictions += 1
+        return True
+
+
+def facts(entry):
+    return None if entry is None else (entry.namespace, entry.tokens)
+
+
+def random_tokens(rng, held):
+    """Few token values and short sequences, so entries share prefixes, extend and
+    supersede each other; often a cut or an extension of an entry already held."""
+    if held and rng.random() < 0.6:
+        base = list(rng.choice(held).tokens)
+        base = base[:rng.randint(0, len(base))] if rng.random() < 0.5 else base
+        return tuple(base + [rng.randint(0, 3) for _ in range(rng.randint(0, 3))])
+    return tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 8)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lookups_choose_what_a_scan_of_every_entry_chooses(codecs, seed):
+    rng = random.Random(seed)
+    ram, reference = PrefixCache(codecs, max_bytes=60), LinearCache(max_bytes=60)
+    namespaces, drafters = ["", "mtp"], [None, None, "d1", "d2"]
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.4:
+            tokens = random_tokens(rng, reference.held) or (0,)
+            fields = dict(tokens=tokens, namespace=rng.choice(namespaces), caches=[],
+                          nbytes=rng.randint(1, 12), trimmable=rng.random() < 0.7,
+                          min_offset=rng.choice([0, 0, 1, 2, 4]),
+                          attachment=rng.choice(drafters))
+            assert ram.hold(PrefixEntry(**fields)) == reference.hold(PrefixEntry(**fields))
+        elif op < 0.9:
+            prompt, namespace = random_tokens(rng, reference.held), rng.choice(namespaces)
+            prefer = rng.choice([*drafters, "d3"])
+            entry, length = ram.best(prompt, namespace, prefer)
+            expected, expected_length = reference.best(prompt, namespace, prefer)
+            assert (facts(entry), length) == (facts(expected), expected_length)
+            if entry is not None and rng.random() < 0.5:
+                ram.take(entry, length)
+                reference.touch(expected)
+        else:
+            tokens, namespace = random_tokens(rng, reference.held), rng.choice(namespaces)
+            assert ram.exact(tokens, namespace) == reference.exact(tokens, namespace)
+        assert [facts(e) for e in ram.entries()] == [facts(e) for e in reference.held]
+        assert ram.bytes() == sum(e.nbytes for e in reference.held)
+        assert ram.evictions == reference.evictions
+
+
+def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(
+        codecs, monkeypatch):
+    ram = PrefixCache(codecs, max_bytes=1 << 30)
+    for first in range(200):
+        ram.hold(PrefixEntry(tokens=(first, 1, 2, 3), namespace="", caches=[], nbytes=1,
+                             trimmable=True, min_offset=0))
+    for second in range(100):  # all tied at one token for the prompt below
+        ram.hold(PrefixEntry(tokens=(500, second), namespace="", caches=[], nbytes=1,
+                             trimmable=True, min_offset=0))
+    compared = []
+
+    def counting(a, b):
+        compared.append(tuple(b))
+        return common_prefix(a, b)
+
+    monkeypatch.setattr(prefix_module, "common_prefix", counting)
+    entry, length = ram.best((120, 1, 9), "")
+    assert (entry.tokens, length) == ((120, 1, 2, 3), 2)
+    assert len(compared) <= 4
+    compared.clear()
+    entry, length = ram.best((500, 1000, 9), "")
+    assert (entry.tokens, length) == ((500, 0), 1)  # the least recently used of the tie
+    assert len(compared) <= 4

@@ -7,13 +7,20 @@ system prompt's prefill serves any number of requests.
 
 The rules live once, in :func:`usable_length` and :func:`can_serve`, and the SSD index
 (:mod:`foretell.cache.ssd`) uses the same two functions on stored headers.
+
+Each namespace's entries are also kept sorted by tokens (:class:`SortedEntries`): the entries
+sharing the most leading tokens with a prompt are its neighbours in that order, so a lookup
+costs the prompt's length and the entries sharing a prefix with it, not the cache's size.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -60,10 +67,16 @@ def usable_length(prompt: Sequence[int], tokens: Sequence[int], *, trimmable: bo
     ``len(prompt) - 1``. Serving fewer tokens than the entry holds means trimming it, which
     only a trimmable entry can, and never below its minimum reusable offset (invariant 4).
     """
-    matched = min(common_prefix(prompt, tokens), len(prompt) - 1)
+    return usable_match(min(common_prefix(prompt, tokens), len(prompt) - 1), len(tokens),
+                        trimmable=trimmable, min_offset=min_offset)
+
+
+def usable_match(matched: int, held: int, *, trimmable: bool, min_offset: int) -> int:
+    """:func:`usable_length` once the shared tokens are known: ``matched`` leading prompt
+    tokens (already capped at ``len(prompt) - 1``) shared with an entry of ``held`` tokens."""
     if matched <= 0:
         return 0
-    if matched == len(tokens):
+    if matched == held:
         return matched
     if not trimmable or matched < min_offset:
         return 0
@@ -114,6 +127,9 @@ class PrefixEntry:
     #: The identity of the drafter state the entry carries (None: none). An attached entry
     #: serves its drafter exactly and is superseded only by an entry of its tokens.
     attachment: str | None = None
+    #: When the cache last used it (a clock, higher is more recent): among equal matches
+    #: the least recently used entry serves, as the LRU order would pick it.
+    used: int = attrs.field(default=0, init=False)
 
     @property
     def attached(self) -> bool:
@@ -134,6 +150,78 @@ def entry_facts(entry: Entry, codecs: Sequence[CacheCodec]) -> tuple[bool, int]:
     return entry_trimmable(entry.layers, codecs), entry_minimum_reusable_offset(entry.layers, codecs)
 
 
+class SortedEntries:
+    """One namespace's entries in token order, each token tuple once (an entry supersedes
+    one of its own tokens).
+
+    In that order the leading tokens a prompt shares with an entry never grow walking away
+    from the prompt's place, so the entries sharing the most are found first and the walk
+    stops at the first run nothing usable can follow.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, ...]] = []
+        self.entries: list[PrefixEntry] = []
+        self.attachments: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, entry: PrefixEntry) -> None:
+        at = bisect_left(self.keys, entry.tokens)
+        self.keys.insert(at, entry.tokens)
+        self.entries.insert(at, entry)
+        if entry.attachment is not None:
+            self.attachments[entry.attachment] += 1
+
+    def remove(self, entry: PrefixEntry) -> None:
+        at = bisect_left(self.keys, entry.tokens)
+        del self.keys[at], self.entries[at]
+        if entry.attachment is not None:
+            self.attachments[entry.attachment] -= 1
+
+    def find(self, tokens: tuple[int, ...]) -> PrefixEntry | None:
+        at = bisect_left(self.keys, tokens)
+        return self.entries[at] if at < len(self.keys) and self.keys[at] == tokens else None
+
+    def runs(self, tokens: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+        """``(shared, start, stop)``: the entries ``entries[start:stop]`` share exactly
+        ``shared`` (at least 1) leading tokens with ``tokens``; most shared first. A run
+        before ``tokens``' place starts with the entry holding ``tokens[:shared]``, if any."""
+        at = bisect_left(self.keys, tokens)
+        return heapq.merge(self._runs_before(tokens, at - 1), self._runs_after(tokens, at),
+                           key=lambda run: -run[0])
+
+    def prefixes(self, tokens: tuple[int, ...]) -> list[PrefixEntry]:
+        """The entries whose tokens begin ``tokens``, ``tokens`` itself included."""
+        at = bisect_left(self.keys, tokens)
+        found = [self.entries[at]] if at < len(self.keys) and self.keys[at] == tokens else []
+        for shared, start, _ in self._runs_before(tokens, at - 1):
+            if len(self.keys[start]) == shared:
+                found.append(self.entries[start])
+        return found
+
+    def _runs_before(self, tokens: tuple[int, ...], last: int) -> Iterator[tuple[int, int, int]]:
+        while last >= 0:
+            shared = common_prefix(tokens, self.keys[last])
+            if shared == 0:
+                return
+            first = bisect_left(self.keys, tokens[:shared], 0, last)
+            yield shared, first, last + 1
+            last = first - 1
+
+    def _runs_after(self, tokens: tuple[int, ...], first: int) -> Iterator[tuple[int, int, int]]:
+        while first < len(self.keys):
+            shared = common_prefix(tokens, self.keys[first])
+            if shared == 0:
+                return
+            # The first tuple past every one that begins tokens[:shared].
+            bound = (*tokens[:shared - 1], tokens[shared - 1] + 1)
+            stop = bisect_left(self.keys, bound, first + 1)
+            yield shared, first, stop
+            first = stop
+
+
 class PrefixCache:
     """Byte-capped LRU of prefix entries (bytes decide, never entry counts: invariant 10).
 
@@ -145,6 +233,9 @@ class PrefixCache:
         self.codecs = list(codecs)
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # oldest first
+        self._sorted: dict[str, SortedEntries] = {}  # by namespace
+        self._bytes = 0
+        self._clock = itertools.count(1)
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -155,7 +246,7 @@ class PrefixCache:
 
     def bytes(self) -> int:
         with self._lock:
-            return sum(e.nbytes for e in self._entries.values())
+            return self._bytes
 
     def entries(self) -> list[PrefixEntry]:
         """Entries, least recently used first."""
@@ -164,35 +255,48 @@ class PrefixCache:
 
     def best(self, prompt: Sequence[int], namespace: str, prefer: str | None = None
              ) -> tuple[PrefixEntry | None, int]:
-        """The entry serving ``prompt`` best (:func:`match_rank`) and how many tokens it
-        serves (no clone made)."""
+        """The entry serving ``prompt`` best (:func:`match_rank`; among equals the least
+        recently used) and how many tokens it serves (no clone made)."""
         best, length, rank = None, 0, match_rank(0, ())
         prompt = tuple(prompt)
+        cap = len(prompt) - 1  # one prompt token is always fed
         with self._lock:
-            for entry in self._entries.values():
-                if entry.namespace != namespace:
-                    continue
-                n = entry.usable(prompt)
-                candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
-                if n > 0 and candidate > rank:
-                    best, length, rank = entry, n, candidate
+            index = self._sorted.get(namespace)
+            if index is None or cap < 1:
+                return None, 0
+            # Past the longest usable match only an exact boundary carrying ``prefer``'s
+            # state can outrank it (match_rank), and such a boundary starts its run.
+            seeking = prefer is not None and index.attachments[prefer] > 0
+            for n, runs in itertools.groupby(index.runs(prompt), key=lambda r: min(r[0], cap)):
+                if best is not None and (rank[0] or not seeking):
+                    break
+                found = best is not None
+                for _, start, stop in runs:
+                    for entry in index.entries[start:start + 1 if found else stop]:
+                        if not usable_match(n, len(entry.tokens), trimmable=entry.trimmable,
+                                            min_offset=entry.min_offset):
+                            continue
+                        candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
+                        if candidate > rank or (candidate == rank and entry.used < best.used):
+                            best, length, rank = entry, n, candidate
         return best, length
 
     def exact(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether an entry holds exactly ``tokens`` (marks it recently used)."""
         tokens = tuple(tokens)
         with self._lock:
-            for key, entry in self._entries.items():
-                if entry.namespace == namespace and entry.tokens == tokens:
-                    self._entries.move_to_end(key)
-                    return True
-        return False
+            index = self._sorted.get(namespace)
+            entry = index.find(tokens) if index is not None else None
+            if entry is None:
+                return False
+            self._touch(entry)
+        return True
 
     def take(self, entry: PrefixEntry, length: int) -> list[Any]:
         """Fresh clones of ``entry``'s caches trimmed to ``length`` tokens; marks it used."""
         with self._lock:
             if id(entry) in self._entries:
-                self._entries.move_to_end(id(entry))
+                self._touch(entry)
         caches = clone_caches(entry.caches, self.codecs)
         trim_all(caches, len(entry.tokens) - length)
         return caches
@@ -234,20 +338,42 @@ class PrefixCache:
                             nbytes=max(snapshot.tensor_bytes, held_bytes), trimmable=trimmable,
                             min_offset=min_offset,
                             attachment=attachment_identity(snapshot.layers))
+        return entry if self.hold(entry) else None
+
+    def hold(self, entry: PrefixEntry) -> bool:
+        """Keep a built entry as the most recently used: it drops the entries it serves
+        (:meth:`PrefixEntry.serves`), then the least recently used go past the cap. False
+        (nothing changed) if the entry alone exceeds the cap."""
         if entry.nbytes > self.max_bytes:
-            return None
+            return False
         with self._lock:
-            for key, old in list(self._entries.items()):
-                if entry.serves(old):
-                    del self._entries[key]
+            index = self._sorted.get(entry.namespace)
+            for old in index.prefixes(entry.tokens) if index is not None else ():
+                if entry.serves(old):  # only an entry's prefixes can be served by it
+                    self._drop(old)
+            self._sorted.setdefault(entry.namespace, SortedEntries()).add(entry)
             self._entries[id(entry)] = entry
-            total = sum(e.nbytes for e in self._entries.values())
-            while total > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                total -= evicted.nbytes
+            entry.used = next(self._clock)
+            self._bytes += entry.nbytes
+            while self._bytes > self.max_bytes:
+                self._drop(next(iter(self._entries.values())))
                 self.evictions += 1
-        return entry
+        return True
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._sorted.clear()
+            self._bytes = 0
+
+    def _touch(self, entry: PrefixEntry) -> None:
+        self._entries.move_to_end(id(entry))
+        entry.used = next(self._clock)
+
+    def _drop(self, entry: PrefixEntry) -> None:
+        del self._entries[id(entry)]
+        index = self._sorted[entry.namespace]
+        index.remove(entry)
+        if not index:
+            del self._sorted[entry.namespace]
+        self._bytes -= entry.nbytes
