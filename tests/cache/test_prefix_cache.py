@@ -254,8 +254,10 @@ def random_tokens(rng, held):
     return tuple(rng.randint(0, 3) for _ in range(rng.randint(0, 8)))
 
 
+@pytest.mark.parametrize("probe_from", [1, prefix_module.LRU_PROBE_FROM])
 @pytest.mark.parametrize("seed", range(40))
-def test_lookups_choose_what_a_scan_of_every_entry_chooses(codecs, seed):
+def test_lookups_choose_what_a_scan_of_every_entry_chooses(codecs, monkeypatch, seed, probe_from):
+    monkeypatch.setattr(prefix_module, "LRU_PROBE_FROM", probe_from)
     rng = random.Random(seed)
     ram, reference = PrefixCache(codecs, max_bytes=60), LinearCache(max_bytes=60)
     namespaces, drafters = ["", "mtp"], [None, None, "d1", "d2"]
@@ -285,22 +287,32 @@ def test_lookups_choose_what_a_scan_of_every_entry_chooses(codecs, seed):
         assert ram.evictions == reference.evictions
 
 
+def held_entry(tokens):
+    return PrefixEntry(tokens=tokens, namespace="", caches=[], nbytes=1, trimmable=True,
+                       min_offset=0)
+
+
+def counted(monkeypatch, name):
+    """The arguments of each call of the module's function ``name`` from now on."""
+    calls, function = [], getattr(prefix_module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_module, name, counting)
+    return calls
+
+
 def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(
         codecs, monkeypatch):
+    monkeypatch.setattr(prefix_module, "LRU_PROBE_FROM", 1000)
     ram = PrefixCache(codecs, max_bytes=1 << 30)
     for first in range(200):
-        ram.hold(PrefixEntry(tokens=(first, 1, 2, 3), namespace="", caches=[], nbytes=1,
-                             trimmable=True, min_offset=0))
+        ram.hold(held_entry((first, 1, 2, 3)))
     for second in range(100):  # all tied at one token for the prompt below
-        ram.hold(PrefixEntry(tokens=(500, second), namespace="", caches=[], nbytes=1,
-                             trimmable=True, min_offset=0))
-    compared = []
-
-    def counting(a, b):
-        compared.append(tuple(b))
-        return common_prefix(a, b)
-
-    monkeypatch.setattr(prefix_module, "common_prefix", counting)
+        ram.hold(held_entry((500, second)))
+    compared = counted(monkeypatch, "common_prefix")
     entry, length = ram.best((120, 1, 9), "")
     assert (entry.tokens, length) == ((120, 1, 2, 3), 2)
     assert len(compared) <= 4
@@ -308,3 +320,16 @@ def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(
     entry, length = ram.best((500, 1000, 9), "")
     assert (entry.tokens, length) == ((500, 0), 1)  # the least recently used of the tie
     assert len(compared) <= 4
+
+
+def test_a_long_tie_is_looked_for_in_the_lru_order_first(codecs, monkeypatch):
+    ram = PrefixCache(codecs, max_bytes=1 << 30)
+    for second in range(100):  # one system prompt, then each its own conversation
+        ram.hold(held_entry((500, 7, second)))
+    for first in range(100):
+        ram.hold(held_entry((first, 1, 2, 3)))
+    ram.take(ram.best((500, 7, 0, 1), "")[0], 3)  # the oldest becomes the most recent
+    weighed = counted(monkeypatch, "usable_match")
+    entry, length = ram.best((500, 7, 1000, 9), "")
+    assert (entry.tokens, length) == ((500, 7, 1), 2)
+    assert len(weighed) == 1

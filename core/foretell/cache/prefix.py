@@ -37,6 +37,10 @@ from foretell.cache.codecs import (
 from foretell.model.kvcache import trim_all
 from foretell.store.entry import Entry
 
+#: A tie of at least this many entries is looked for in the LRU order first
+#: (:meth:`PrefixCache.best`), through at most an eighth as many entries as it holds.
+LRU_PROBE_FROM = 64
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share.
@@ -154,9 +158,9 @@ class SortedEntries:
     """One namespace's entries in token order, each token tuple once (an entry supersedes
     one of its own tokens).
 
-    In that order the leading tokens a prompt shares with an entry never grow walking away
-    from the prompt's place, so the entries sharing the most are found first and the walk
-    stops at the first run nothing usable can follow.
+    In that order the leading tokens an entry shares with a prompt never grow walking away
+    from the prompt's place: the entries sharing the most are its neighbours, and a lookup
+    walks outwards only until a match is found.
     """
 
     def __init__(self) -> None:
@@ -265,21 +269,43 @@ class PrefixCache:
             if index is None or cap < 1:
                 return None, 0
             # Past the longest usable match only an exact boundary carrying ``prefer``'s
-            # state can outrank it (match_rank), and such a boundary starts its run.
+            # state can outrank it (match_rank).
             seeking = prefer is not None and index.attachments[prefer] > 0
-            for n, runs in itertools.groupby(index.runs(prompt), key=lambda r: min(r[0], cap)):
+            for n, group in itertools.groupby(index.runs(prompt), key=lambda r: min(r[0], cap)):
                 if best is not None and (rank[0] or not seeking):
                     break
-                found = best is not None
-                for _, start, stop in runs:
-                    for entry in index.entries[start:start + 1 if found else stop]:
-                        if not usable_match(n, len(entry.tokens), trimmable=entry.trimmable,
-                                            min_offset=entry.min_offset):
-                            continue
-                        candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
-                        if candidate > rank or (candidate == rank and entry.used < best.used):
-                            best, length, rank = entry, n, candidate
+                runs = list(group)
+                # An entry of the prompt's first n tokens starts its run.
+                exact = next((index.entries[start] for _, start, _ in runs
+                              if len(index.keys[start]) == n), None)
+                if best is not None:  # seeking
+                    entry = exact
+                elif exact is not None and exact.attached:  # served whole: outranks a trim
+                    entry = exact
+                else:  # every other usable match of n tokens ranks alike
+                    entry = self._least_recent(index, runs, prompt, n)
+                if entry is None:
+                    continue
+                candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
+                if candidate > rank:
+                    best, length, rank = entry, n, candidate
         return best, length
+
+    def _least_recent(self, index: SortedEntries, runs: list[tuple[int, int, int]],
+                      prompt: tuple[int, ...], n: int) -> PrefixEntry | None:
+        """The least recently used entry of ``runs`` that serves ``n`` prompt tokens."""
+        size = sum(stop - start for _, start, stop in runs)
+        if size >= LRU_PROBE_FROM:
+            # Entries opening with one system prompt all tie for a new conversation: the
+            # LRU order's first entries are then the likeliest, and the cheapest to find.
+            namespace = index.entries[runs[0][1]].namespace
+            for entry in itertools.islice(self._entries.values(), size // 8 + 1):
+                if entry.namespace == namespace and entry.usable(prompt) == n:
+                    return entry
+        usable = (entry for _, start, stop in runs for entry in index.entries[start:stop]
+                  if usable_match(n, len(entry.tokens), trimmable=entry.trimmable,
+                                  min_offset=entry.min_offset))
+        return min(usable, key=lambda entry: entry.used, default=None)
 
     def exact(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether an entry holds exactly ``tokens`` (marks it recently used)."""
