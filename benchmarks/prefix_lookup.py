@@ -107,13 +107,13 @@ def measure(count: int, repeats: int, seed: int) -> dict[str, dict[str, float]]:
     return row
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--entries", default="32,200,2000")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report = {}
     print(f"{'entries':>8} {'lookup':>10} {'sorted us':>10} {'scan us':>10} {'served':>7}")
     for count in (int(c) for c in args.entries.split(",")):
@@ -124,7 +124,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(report, out, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
