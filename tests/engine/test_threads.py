@@ -65,8 +65,10 @@ def test_closing_a_generation_midway_cancels_its_request(engine):
     # The worker drops cancelled rows before it admits the next request.
     assert alone(engine, PROMPTS[1], 2) == alone(engine, PROMPTS[1], 12)[:2]
     assert engine.scheduler.running == 0 and engine.scheduler.queue_depth == 0
-    events = list(stream.handle)  # what was streamed before the cancel, then the end
-    assert events and all(e.type == "text" for e in events)
+    # What was streamed before the cancel (perhaps nothing more: a first token streams as
+    # soon as it is drawn), then the end: no stats, no error.
+    events = list(stream.handle)
+    assert all(e.type == "text" for e in events)
 
 
 def test_an_idle_worker_ends_and_the_next_request_starts_another(engine, monkeypatch):
