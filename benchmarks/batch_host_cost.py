@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     from foretell.platform import blas
 
     blas.preload()  # before mlx is imported: both engines on the optimized BLAS
-    from foretell.tools.measure import machine_info, runtime_info
+    from foretell.tools.measure import machine_info, portable, runtime_info
 
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -392,14 +392,14 @@ def main(argv: list[str] | None = None) -> int:
             rows = measure(model, batches, args.repeats, args.prompt_tokens,
                            args.max_tokens, list(filter(None, args.sides.split(","))), drafts)
     if args.json is not None:
-        args.json.write_text(json.dumps({
+        args.json.write_text(json.dumps(portable({
             "proxy": {"of": "demo", **PROXY_SHAPE, "dtype": "float32"},
             "graph": args.graph, "drafts": list(drafts), "attention": args.attention,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
             "load_avg_before_after": [load, os.getloadavg()], "machine": machine_info(),
             "runtime": runtime_info(),
-        }, indent=2))
+        }), indent=2))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import mlx.core as mx
 import pytest
@@ -31,6 +32,8 @@ def test_both_engines_host_cost_per_step_is_reported(tmp_path, capsys, fused_att
                                  "--max-tokens", "4", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 2]
+    # A saved report is committed: no path of this machine's environment in it.
+    assert sys.prefix not in out.read_text()
     for row in rows:
         for side in ("foretell", "mlx-lm"):
             got = row[side]
