@@ -6,20 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-import foretell
 from foretell.errors import GenerationError
 from foretell.scheduler import Scheduler
 from foretell.stream import merged
-from foretell.tools import make_model_dir
 
 PROMPTS = ["def fib(n):", "import os\nimport sys\n", "x = 1", "for i in range(10):\n" * 3]
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = make_model_dir(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=0, overrides={
-        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128})
-    return foretell.load(path)
 
 
 def texts(events):

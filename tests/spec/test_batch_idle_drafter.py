@@ -11,11 +11,12 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from spec_helpers import RecordingRows
 
 import foretell
 from foretell.sampling import Sampler
 from foretell.scheduler import Scheduler
-from foretell.spec import CATCH_UP_MAX, Feed, RowDraft, RowStart
+from foretell.spec import CATCH_UP_MAX, Feed, RowStart
 from foretell.spec.batch import DraftGroup, StepHidden
 
 H = 4
@@ -71,35 +72,18 @@ def test_a_rows_unread_token_state_is_left_out_and_only_the_newest_kept():
 
 # -- DraftGroup joins ------------------------------------------------------------------------
 
-class _Rows:
+class _Rows(RecordingRows):
     """Rows that record each append; an append holding a poisoned start raises (none join)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.appends: list[list[list[int]]] = []
-        self.heard: list[list[int]] = []
 
     def append(self, starts):
         if any(99 in s.feed.tokens for s in starts):
             raise ValueError("poisoned")
         self.appends.append([list(s.feed.tokens) for s in starts])
-        self.heard.extend(list(s.feed.tokens) for s in starts)
-
-    def filter(self, keep):
-        self.heard = [self.heard[i] for i in keep]
-
-    def draft(self, feeds, lengths):
-        for heard, feed in zip(self.heard, feeds):
-            heard.extend(feed.tokens)
-        return RowDraft.of([[0] * n for n in lengths])
-
-    def commit(self, accepted):
-        pass
-
-    def capture(self, row):
-        return None
-
-    def close(self):
-        pass
+        super().append(starts)
 
 
 def _group():

@@ -8,37 +8,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import mlx.core as mx
+from spec_helpers import RecordingRows
 
 from foretell.sampling import Sampler
-from foretell.spec import Draft, Feed, RowDraft
+from foretell.spec import Draft, Feed
 from foretell.spec.batch import DraftGroup
-
-
-class _RecordingRows:
-    """Rows that remember every token they were fed and propose nothing useful."""
-
-    def __init__(self) -> None:
-        self.heard: list[list[int]] = []
-
-    def append(self, rows):
-        self.heard.extend(list(r.feed.tokens) for r in rows)
-
-    def filter(self, keep):
-        self.heard = [self.heard[i] for i in keep]
-
-    def draft(self, feeds, lengths):
-        for row, feed in zip(self.heard, feeds):
-            row.extend(feed.tokens)
-        return RowDraft.of([[0] * n for n in lengths])
-
-    def commit(self, accepted):
-        pass
-
-    def capture(self, row):
-        return None
-
-    def close(self):
-        self.heard = []
 
 
 class _RecordingSource:
@@ -63,7 +37,7 @@ class _RowsProvider:
     requires = frozenset()
 
     def __init__(self) -> None:
-        self.rows = _RecordingRows()
+        self.rows = RecordingRows()
 
     def open_rows(self, target):
         return self.rows
