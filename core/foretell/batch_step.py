@@ -20,6 +20,7 @@ import mlx.core as mx
 from foretell.model.batch import batch_caches, layer_caches
 from foretell.model.fixed import trace_count
 from foretell.model.kvcache import KVCache
+from foretell.request import prefill_rows
 from foretell.spec.batch import StepHidden
 from foretell.spec.contract import keep_recent_hidden
 from foretell.stream import TokenLogprobs
@@ -466,17 +467,13 @@ class BatchStep:
         try:
             shared = batch_caches(self.engine.model, bits=self.engine.kv_bits,
                                   group_size=self.engine.kv_group_size)
-            for layer, cache in enumerate(shared):
-                cache.append([row.state.caches[layer] for row in rows])
-            width = max(len(chunk) for _, chunk in chunks)
-            tokens = mx.array([chunk + [0] * (width - len(chunk)) for _, chunk in chunks],
-                              dtype=mx.int32)
-            hidden, _ = self.engine.model.forward(tokens, shared)
-            for cache in shared:
-                cache.trim([width - len(chunk) for _, chunk in chunks])
+            todo = [chunk for _, chunk in chunks]
+            singles, hidden = prefill_rows(self.engine.model, todo,
+                                           [row.state.caches for row in rows], shared=shared,
+                                           chunk=max(len(t) for t in todo))
             kept = []
             for b, (row, chunk) in enumerate(chunks):
-                row.state.caches = [cache.extract(b) for cache in shared]
+                row.state.caches = singles[b]
                 if row.speculator is not None and row.speculator.wants_hidden:
                     row.feed_hidden.append(hidden[b : b + 1, : len(chunk)])
                     keep_recent_hidden(row.feed_hidden)

@@ -101,3 +101,43 @@ def prefill(
     if not hiddens:
         return mx.zeros((1, 0, 0))
     return hiddens[0] if len(hiddens) == 1 else mx.concatenate(hiddens, axis=1)
+
+
+def prefill_rows(
+    model: Model,
+    todo: Sequence[Sequence[int]],
+    caches: Sequence[list[Any]],
+    *,
+    shared: list[Any] | None = None,
+    chunk: int | None = None,
+) -> tuple[list[list[Any]], mx.array]:
+    """Several rows' tokens (``todo[b]`` after what row ``b``'s single ``caches[b]`` hold)
+    through ``model`` together: the rows joined in one batch cache (``shared``, else
+    :func:`~foretell.model.batch_caches`'), the shorter padded, one forward per ``chunk``
+    positions (default: a single prefill's tokens, :data:`PREFILL_CHUNK`, over the rows), the
+    padding trimmed off. Returns each row's caches after its tokens (fresh single caches; the
+    given ones stay as they were) and the forwards' hidden states ``[B, width, H]`` (row
+    ``b``'s first ``len(todo[b])`` positions are its own). On CPUs a wide forward uses the
+    matrix units better than several narrow ones."""
+    from foretell.model.batch import batch_caches
+
+    joined = shared if shared is not None else batch_caches(model)
+    for layer, cache in enumerate(joined):
+        cache.append([row[layer] for row in caches])
+    width = max(len(t) for t in todo)
+    tokens = mx.array([list(t) + [0] * (width - len(t)) for t in todo], dtype=mx.int32)
+    step = chunk or max(1, PREFILL_CHUNK // len(todo))
+    hiddens = []
+    for lo in range(0, width, step):
+        hidden, _ = model.forward(tokens[:, lo : lo + step], joined)
+        hiddens.append(hidden)
+        if lo + step < width:
+            # The caches only, where they are plain buffers: MLX then skips the last layer's
+            # output for these positions unless a caller reads it (as prefill() does).
+            held = [getattr(cache, "buffers", None) for cache in joined]
+            mx.eval(held if all(h is not None for h in held) else hidden)
+            mx.clear_cache()
+    for cache in joined:
+        cache.trim([width - len(t) for t in todo])
+    rows = [[cache.extract(b) for cache in joined] for b in range(len(todo))]
+    return rows, hiddens[0] if len(hiddens) == 1 else mx.concatenate(hiddens, axis=1)

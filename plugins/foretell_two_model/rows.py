@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from foretell.model import BatchKVCache, batch_caches
-from foretell.request import PREFILL_CHUNK, prefill
+from foretell.request import prefill, prefill_rows
 from foretell.spec import (
     CATCH_UP_MAX,
     Drafting,
@@ -64,34 +64,13 @@ class TwoModelRows:
         if len(rows) == 1:
             prefill(self.model, todo[0], singles[0])
         elif any(todo):
-            singles = self._prefilled(singles, todo)
+            singles, _ = prefill_rows(self.model, todo, singles)
+            mx.eval([cache.state for caches in singles for cache in caches])
         for row, tokens in zip(rows, todo):
             row.fed += len(tokens)
         for layer, cache in enumerate(self.caches):
             cache.append([caches[layer] for caches in singles])
         self.rows.extend(rows)
-
-    def _prefilled(self, singles: list[list[Any]], todo: list[list[int]]) -> list[list[Any]]:
-        """Each row's caches after its ``todo`` tokens, all rows in one forward per chunk
-        (the shorter padded, the padding trimmed off), as single caches again."""
-        joined = batch_caches(self.model)
-        for layer, cache in enumerate(joined):
-            cache.append([caches[layer] for caches in singles])
-        width = max(len(t) for t in todo)
-        tokens = mx.array([t + [0] * (width - len(t)) for t in todo], dtype=mx.int32)
-        step = max(1, PREFILL_CHUNK // len(todo))  # a single prefill's tokens per forward
-        for lo in range(0, width, step):
-            hidden, _ = self.model.forward(tokens[:, lo : lo + step], joined)
-            # The caches only, where they are plain buffers: MLX then skips the last layer's
-            # output, which nothing reads (as prefill() does).
-            held = [getattr(cache, "buffers", None) for cache in joined]
-            mx.eval(held if all(h is not None for h in held) else hidden)
-            mx.clear_cache()
-        for cache in joined:
-            cache.trim([width - len(t) for t in todo])
-        rows = [[cache.extract(b) for cache in joined] for b in range(len(todo))]
-        mx.eval([cache.state for caches in rows for cache in caches])
-        return rows
 
     def _restored(self, row: _Row, start: RowStart) -> list[Any]:
         state = start.state
