@@ -158,10 +158,11 @@ class BatchDraftPolicy:
             self._last_tried.setdefault((rows, w), self._step)
         width = self._blind(rows, candidates)
         if width is None:
-            if self._plain_unbeaten(rows, candidates, rates):
+            costs = {w: self.cost(rows, w) for w in candidates}  # once a step, for both
+            if self._plain_unbeaten(costs, rates):
                 width = 0
             else:
-                value = {w: self._throughput(rows, w, caps, rates) for w in candidates}
+                value = {w: self._throughput(costs[w], w, caps, rates) for w in candidates}
                 width = max(candidates, key=value.__getitem__)
                 if width and value[width] < (1.0 + CLEAR_GAIN) * value[0]:
                     width = 0
@@ -269,29 +270,28 @@ class BatchDraftPolicy:
             quartile = self._quartiles[shape] = sorted(times)[len(times) // 4]
         return quartile
 
-    def _plain_unbeaten(self, rows: int, candidates: list[int],
-                        rates: Sequence[float | None]) -> bool:
+    @staticmethod
+    def _plain_unbeaten(costs: dict[int, float | None], rates: Sequence[float | None]) -> bool:
         """Whether plain decoding wins even were every drafting row to keep drafts as well
         as the best row does (each row's expected tokens grow with its rate and length):
         then the choice is plain decoding without a sum over the rows per width, so a
         batch of idle drafters keeps deciding so at little more than a plain batch's cost
         (the choice is the one :meth:`_throughput`'s comparison makes)."""
-        plain = self.cost(rows, 0)
+        plain = costs.get(0)
         if plain is None or plain <= 0:
             return False
         drafting = len(rates) - rates.count(None)
         best = max((r for r in rates if r is not None), default=0.0)
         bar = (1.0 + CLEAR_GAIN) * len(rates) / plain  # plain decoding's value, cleared
-        for width in candidates:
-            cost = self.cost(rows, width) if width else None
-            if cost is not None and cost > 0 and (
+        for width, cost in costs.items():
+            if width and cost is not None and cost > 0 and (
                     len(rates) - drafting + drafting * expected_tokens(best, width)) / cost >= bar:
                 return False
         return True
 
-    def _throughput(self, rows: int, width: int, caps: Sequence[int],
+    @staticmethod
+    def _throughput(cost: float | None, width: int, caps: Sequence[int],
                     rates: Sequence[float | None]) -> float:
-        cost = self.cost(rows, width)
         if cost is None or cost <= 0:
             return 0.0
         tokens = sum(expected_tokens(rate, min(width, cap)) if rate is not None else 1.0
