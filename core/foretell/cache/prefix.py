@@ -261,35 +261,32 @@ class PrefixCache:
              ) -> tuple[PrefixEntry | None, int]:
         """The entry serving ``prompt`` best (:func:`match_rank`; among equals the least
         recently used) and how many tokens it serves (no clone made)."""
-        best, length, rank = None, 0, match_rank(0, ())
         prompt = tuple(prompt)
         cap = len(prompt) - 1  # one prompt token is always fed
         with self._lock:
             index = self._sorted.get(namespace)
             if index is None or cap < 1:
                 return None, 0
-            # Past the longest usable match only an exact boundary carrying ``prefer``'s
-            # state can outrank it (match_rank).
-            seeking = prefer is not None and index.attachments[prefer] > 0
+            if prefer is not None and index.attachments[prefer] > 0:
+                # An exact boundary carrying ``prefer``'s state outranks any other match
+                # (match_rank), the longest such first.
+                kept = [e for e in index.prefixes(prompt[:cap])
+                        if e.attachment == prefer and e.tokens]
+                if kept:
+                    entry = max(kept, key=lambda e: len(e.tokens))
+                    return entry, len(entry.tokens)
             for n, group in itertools.groupby(index.runs(prompt), key=lambda r: min(r[0], cap)):
-                if best is not None and (rank[0] or not seeking):
-                    break
                 runs = list(group)
                 # An entry of the prompt's first n tokens starts its run.
                 exact = next((index.entries[start] for _, start, _ in runs
                               if len(index.keys[start]) == n), None)
-                if best is not None:  # seeking
-                    entry = exact
-                elif exact is not None and exact.attached:  # served whole: outranks a trim
-                    entry = exact
-                else:  # every other usable match of n tokens ranks alike
-                    entry = self._least_recent(index, runs, prompt, n)
-                if entry is None:
-                    continue
-                candidate = match_rank(n, entry.tokens, entry.attachment, prefer)
-                if candidate > rank:
-                    best, length, rank = entry, n, candidate
-        return best, length
+                if exact is not None and exact.attached:  # served whole: outranks a trim
+                    return exact, n
+                # Every other usable match of n tokens ranks alike.
+                entry = self._least_recent(index, runs, prompt, n)
+                if entry is not None:
+                    return entry, n
+        return None, 0
 
     def _least_recent(self, index: SortedEntries, runs: list[tuple[int, int, int]],
                       prompt: tuple[int, ...], n: int) -> PrefixEntry | None:
