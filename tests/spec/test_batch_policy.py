@@ -47,9 +47,35 @@ def test_drafting_that_cannot_pay_goes_off_at_a_large_batch():
 
 
 def test_early_rejections_move_a_rows_rate_only_partway():
-    rate = BatchDraftPolicy().rate(drafted=4, accepted=0)  # four rejections in a row
+    rate = BatchDraftPolicy().rate(tried=4, kept=0)  # four rejections in a row
     assert 0.3 < rate < 0.6
-    assert BatchDraftPolicy().rate(drafted=400, accepted=0) < 0.02
+    assert BatchDraftPolicy().rate(tried=400, kept=0) < 0.02
+
+
+def test_a_rows_rate_is_the_chance_a_draft_is_kept_after_the_ones_before_it():
+    """The verifier stops at the first rejection, so a round of ``k`` drafts that kept ``a``
+    tried ``a + 1`` positions: counted so, a row whose drafts are each kept with chance 0.75
+    reads 0.75, and the step's expected tokens (what the choice weighs) come out as the rows
+    make them. Counted as ``a`` of ``k`` it read 0.64 and drafting that paid 1.3x plain
+    decoding was turned off."""
+    import random
+
+    rng = random.Random(0)
+    policy, row, kept_total, rounds = BatchDraftPolicy(), object(), 0, 4000
+    for _ in range(rounds):
+        kept = 0
+        while kept < 2 and rng.random() < 0.75:
+            kept += 1
+        kept_total += kept
+        policy.learn("two-model", 2, kept, row)
+    assert abs(policy.prior("two-model") - 0.75) < 0.05
+    made = 1 + kept_total / rounds
+    assert abs(expected_tokens(policy.prior("two-model"), 2) - made) < 0.1
+    # Two drafts over two rows cost 1.8 plain steps and return 2.31 tokens a row: 1.28x
+    # plain decoding, which the policy keeps (read as 0.66, they promised 1.16x).
+    rate = policy.prior("two-model")
+    chosen = run(policy, [2, 2], [rate, rate], lambda rows, w: 1.0 + 0.4 * w, 40)
+    assert chosen[-20:].count(2) >= 19
 
 
 def test_a_new_row_starts_from_its_drafters_record_not_from_zero():
@@ -219,6 +245,29 @@ def test_an_estimated_width_that_would_win_is_measured_and_kept():
     chosen = run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 20)
     assert chosen[:4] == [0, 2, 2, 4]
     assert chosen[4:] == [4] * 16
+
+
+def test_drafting_once_chosen_goes_on_while_it_still_pays():
+    """A batch that stopped drafting learns nothing more of its rows' acceptance until a
+    look: drafting chosen goes on while it promises HOLD_GAIN over plain decoding (a few
+    rejections in a row dip a row's estimate under CLEAR_GAIN), and stops where it does not."""
+    from foretell.spec.batch_policy import CLEAR_GAIN, HOLD_GAIN
+
+    cost = lambda rows, w: 1.0 + 0.3 * w  # noqa: E731 - width 2 costs 1.6 plain steps
+    policy = BatchDraftPolicy()
+    assert run(policy, [2, 2], [0.8, 0.8], cost, 10)[-5:] == [2] * 5  # 1.53x: drafted
+    # Estimates dip to a 1.12x promise: under the bar to start, over the bar to stop.
+    dipped = next(r / 100 for r in range(80, 0, -1)
+                  if expected_tokens(r / 100, 2) / 1.6 < 1 + (CLEAR_GAIN + HOLD_GAIN) / 2)
+    assert expected_tokens(dipped, 2) / 1.6 > 1 + HOLD_GAIN
+    assert all(run(policy, [2, 2], [dipped, dipped], cost, 10))  # width 2 or 1 (1.17x)
+    fresh = BatchDraftPolicy()
+    run(fresh, [2, 2], [0.0, 0.0], cost, 4)  # plain and width 2 measured, plain chosen
+    assert run(fresh, [2, 2], [dipped, dipped], cost, 10) == [0] * 10
+    # Where drafting stops paying (under 1.0x at either width) it stops.
+    low = next(r / 100 for r in range(80, 0, -1)
+               if max(expected_tokens(r / 100, w) / cost(2, w) for w in (1, 2)) < 1.0)
+    assert run(policy, [2, 2], [low, low], cost, 10)[-5:] == [0] * 5
 
 
 def test_drafting_must_clearly_beat_plain_decoding():

@@ -1,10 +1,14 @@
 """How far a batch's rows draft each step: acceptance learned per row, cost per batch shape.
 
-Each step the scheduler asks for every row's draft length. A row's acceptance rate is
-estimated from its own recent rounds (decayed: acceptance moves within a request, the start
-of a continuation being the hardest to guess) with a prior worth a few rounds: what its
-drafter's earlier rows accepted, decayed (:meth:`BatchDraftPolicy.learn`), so a new request
-starts from its drafter's record. A step's cost is measured per batch shape ``(rows,
+Each step the scheduler asks for every row's draft length. A row's acceptance rate is the
+chance that a draft is kept given the drafts before it were (what :func:`expected_tokens`
+reads), estimated from its own recent rounds: a round that kept ``a`` of ``k`` drafts tried
+``a + 1`` positions and kept ``a`` of them (``a`` of ``a`` where it kept all), since the
+verifier stops at the first rejection. (Counting ``a`` of ``k`` instead reads a row keeping
+1.27 of 2 drafts as 0.64 where it is 0.73, and the step's tokens 10% short.) The estimate is
+decayed (acceptance moves within a request, the start of a continuation being the hardest
+to guess), with a prior worth a few positions: what its drafter's earlier rows kept, decayed
+(:meth:`BatchDraftPolicy.learn`), so a new request starts from its drafter's record. A step's cost is measured per batch shape ``(rows,
 width)`` as the lower quartile of its recent timings: another process on the host only ever
 adds time, so that tracks what the step itself costs, one noisy step moves nothing, and
 shapes timed at busy and at quiet moments compare fairly. The width
@@ -14,7 +18,10 @@ return, drafting goes off; drafting must beat plain decoding by ``CLEAR_GAIN``, 
 the per-step estimate leaves out: switching back and forth, rows that started together
 drifting apart as their drafts are kept unevenly (a batch of equal requests ends with a few
 steps over its slowest rows), and costs timed at different moments of a host whose speed
-drifts.
+drifts. Drafting once chosen goes on while it promises ``HOLD_GAIN``: its own rounds keep
+its rows' estimates current, where a batch that stopped drafting learns nothing more of its
+rows until a look (a row's estimate, remembering a dozen positions, dips below the bar on a
+few rejections in a row, and at 64 tokens a request no look came before it ended).
 
 A shape not measured is estimated, not tried blind: a step's cost grows about linearly with
 its width (the drafter runs once per draft, the target verifies one more token per row), so
@@ -46,7 +53,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable, Iterable, Sequence
 
-#: The prior on a row's per-token acceptance: ``PRIOR_RATE`` worth ``PRIOR_WEIGHT`` drafts.
+#: The prior on a row's per-position acceptance: ``PRIOR_RATE`` worth ``PRIOR_WEIGHT`` positions.
 PRIOR_RATE = 0.6
 PRIOR_WEIGHT = 6.0
 #: Timings kept per batch shape (their lower quartile is the shape's cost).
@@ -63,14 +70,16 @@ HOPE = 0.15
 HOPELESS_SLOWER = 4
 #: A width looked at again and again without winning waits at most this many intervals.
 MAX_BACKOFF = 8
-#: Weight a drafter's record keeps per new draft (a memory of about 200 drafts).
+#: Weight a drafter's record keeps per position tried (a memory of about 200).
 RECORD_DECAY = 0.995
-#: Weight a row's own evidence keeps per new draft (a memory of about 12 drafts).
+#: Weight a row's own evidence keeps per position tried (a memory of about 12).
 ROW_DECAY = 0.92
 #: How much more throughput drafting must promise than plain decoding to be chosen (a CPU
 #: case where the per-step estimate said ~1.1x and the batch ran 1.0x: docs/decisions.md,
 #: "The batch policy at B = 4-8").
 CLEAR_GAIN = 0.2
+#: How much more drafting, once chosen, must go on promising to stay chosen.
+HOLD_GAIN = 0.05
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -87,13 +96,13 @@ class BatchDraftPolicy:
         self._last_tried: dict[tuple[int, int], int] = {}
         self._step = 0
         self._last_width = 0
-        #: Per drafter kind, decayed (drafted, accepted) over all its rows.
+        #: Per drafter kind, decayed (positions tried, kept) over all its rows.
         self._record: dict[str, list[float]] = {}
         #: Per shape, its looks in a row since it was last the choice on merit.
         self._losing: dict[tuple[int, int], int] = {}
         #: A shape whose last step went untimed: it is chosen once more, timed.
         self._again: tuple[int, int] | None = None
-        #: Per row (a key the caller gives), decayed (drafted, accepted).
+        #: Per row (a key the caller gives), decayed (positions tried, kept).
         self._rows: dict[Hashable, list[float]] = {}
         #: Changes whenever a row's acceptance estimate may have: a caller may keep the
         #: estimates it read while this stays (a batch of idle drafters learns nothing).
@@ -101,31 +110,35 @@ class BatchDraftPolicy:
         #: Per shape, its cost while no timing came since (sorting them every step, for
         #: every shape an estimate reads, cost a batch step more than its rows' choice).
         self._quartiles: dict[tuple[int, int], float] = {}
+        #: Whether the last choice on merit was a drafted width (HOLD_GAIN then holds).
+        self._drafting = False
 
-    def rate(self, drafted: int, accepted: int, kind: str | None = None) -> float:
-        """A row's per-draft acceptance estimate, its prior the record of drafter ``kind``."""
-        return (accepted + self.prior(kind) * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+    def rate(self, tried: float, kept: float, kind: str | None = None) -> float:
+        """A row's per-position acceptance estimate from ``kept`` of ``tried`` positions,
+        its prior the record of drafter ``kind``."""
+        return (kept + self.prior(kind) * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def prior(self, kind: str | None) -> float:
         record = self._record.get(kind) if kind is not None else None
         if not record or record[0] <= 0:
             return PRIOR_RATE
-        drafted, accepted = record
-        return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+        tried, kept = record
+        return (kept + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def learn(self, kind: str, drafted: int, accepted: int, row: Hashable = None) -> None:
         """A row of drafter ``kind`` (``row``: its key, for :meth:`row_rate`) kept
-        ``accepted`` of ``drafted`` drafts."""
-        _decayed_add(self._record.setdefault(kind, [0.0, 0.0]), RECORD_DECAY, drafted,
-                     accepted)
+        ``accepted`` of ``drafted`` drafts (0 drafted: its drafter found nothing, a
+        position lost). Counted by positions tried (the module docstring)."""
+        tried = accepted + (accepted < drafted or not drafted)
+        _decayed_add(self._record.setdefault(kind, [0.0, 0.0]), RECORD_DECAY, tried, accepted)
         self.version += 1
         if row is not None:
-            _decayed_add(self._rows.setdefault(row, [0.0, 0.0]), ROW_DECAY, drafted, accepted)
+            _decayed_add(self._rows.setdefault(row, [0.0, 0.0]), ROW_DECAY, tried, accepted)
 
     def row_rate(self, row: Hashable, kind: str | None = None) -> float:
         """Row ``row``'s acceptance estimate from its recent drafts (module docstring)."""
-        drafted, accepted = self._rows.get(row, (0.0, 0.0))
-        return self.rate(drafted, accepted, kind)
+        tried, kept = self._rows.get(row, (0.0, 0.0))
+        return self.rate(tried, kept, kind)
 
     def retain(self, rows: Iterable[Hashable]) -> None:
         """Forget the evidence of rows other than ``rows`` (they left the batch)."""
@@ -159,13 +172,15 @@ class BatchDraftPolicy:
         width = self._blind(rows, candidates)
         if width is None:
             costs = {w: self.cost(rows, w) for w in candidates}  # once a step, for both
-            if self._plain_unbeaten(costs, rates):
+            gain = HOLD_GAIN if self._drafting else CLEAR_GAIN
+            if self._plain_unbeaten(costs, rates, gain):
                 width = 0
             else:
                 value = {w: self._throughput(costs[w], w, caps, rates) for w in candidates}
                 width = max(candidates, key=value.__getitem__)
-                if width and value[width] < (1.0 + CLEAR_GAIN) * value[0]:
+                if width and value[width] < (1.0 + gain) * value[0]:
                     width = 0
+            self._drafting = width > 0
             self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
             look = self._look(rows, candidates, width, rates)
             if look is not None:
@@ -271,7 +286,8 @@ class BatchDraftPolicy:
         return quartile
 
     @staticmethod
-    def _plain_unbeaten(costs: dict[int, float | None], rates: Sequence[float | None]) -> bool:
+    def _plain_unbeaten(costs: dict[int, float | None], rates: Sequence[float | None],
+                        gain: float) -> bool:
         """Whether plain decoding wins even were every drafting row to keep drafts as well
         as the best row does (each row's expected tokens grow with its rate and length):
         then the choice is plain decoding without a sum over the rows per width, so a
@@ -282,7 +298,7 @@ class BatchDraftPolicy:
             return False
         drafting = len(rates) - rates.count(None)
         best = max((r for r in rates if r is not None), default=0.0)
-        bar = (1.0 + CLEAR_GAIN) * len(rates) / plain  # plain decoding's value, cleared
+        bar = (1.0 + gain) * len(rates) / plain  # plain decoding's value, cleared
         for width, cost in costs.items():
             if width and cost is not None and cost > 0 and (
                     len(rates) - drafting + drafting * expected_tokens(best, width)) / cost >= bar:
@@ -304,9 +320,9 @@ def _lengths(width: int, caps: Sequence[int], rates: Sequence[float | None]) -> 
     return [min(width, cap) if rate is not None else 0 for cap, rate in zip(caps, rates)]
 
 
-def _decayed_add(counts: list[float], decay: float, drafted: int, accepted: int) -> None:
-    """Add a round to decayed ``[drafted, accepted]`` counts, older rounds fading by
-    ``decay`` per draft."""
-    fade = decay**drafted
-    counts[0] = counts[0] * fade + drafted
-    counts[1] = counts[1] * fade + accepted
+def _decayed_add(counts: list[float], decay: float, tried: int, kept: int) -> None:
+    """Add a round to decayed ``[tried, kept]`` counts, older rounds fading by ``decay`` per
+    position tried."""
+    fade = decay**tried
+    counts[0] = counts[0] * fade + tried
+    counts[1] = counts[1] * fade + kept
