@@ -8,9 +8,10 @@ system prompt's prefill serves any number of requests.
 The rules live once, in :func:`usable_length` and :func:`can_serve`, and the SSD index
 (:mod:`foretell.cache.ssd`) uses the same two functions on stored headers.
 
-Each namespace's entries are also kept sorted by tokens (:class:`SortedEntries`): the entries
-sharing the most leading tokens with a prompt are its neighbours in that order, so a lookup
-costs the prompt's length and the entries sharing a prefix with it, not the cache's size.
+Each namespace's entries are also kept sorted by tokens (:class:`SortedEntries`, which the
+SSD index keeps too): the entries sharing the most leading tokens with a prompt are its
+neighbours in that order, so a lookup costs the prompt's length and the entries sharing a
+prefix with it, not the cache's size.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import mlx.core as mx
@@ -38,7 +40,7 @@ from foretell.model.kvcache import trim_all
 from foretell.store.entry import Entry
 
 #: A tie of at least this many entries is looked for in the LRU order first
-#: (:meth:`PrefixCache.best`), through at most an eighth as many entries as it holds.
+#: (:meth:`SortedEntries.best`), through at most an eighth as many entries as it holds.
 LRU_PROBE_FROM = 64
 
 
@@ -154,56 +156,146 @@ def entry_facts(entry: Entry, codecs: Sequence[CacheCodec]) -> tuple[bool, int]:
     return entry_trimmable(entry.layers, codecs), entry_minimum_reusable_offset(entry.layers, codecs)
 
 
-class SortedEntries:
-    """One namespace's entries in token order, each token tuple once (an entry supersedes
-    one of its own tokens).
+class Indexed(Protocol):
+    """What :class:`SortedEntries` keeps: a RAM entry (:class:`PrefixEntry`) or a stored
+    one's index record (:class:`foretell.cache.ssd.Stored`)."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def trimmable(self) -> bool: ...
+
+    @property
+    def min_offset(self) -> int: ...
+
+    @property
+    def attachment(self) -> str | None: ...
+
+
+E = TypeVar("E", bound=Indexed)
+
+
+class SortedEntries(Generic[E]):
+    """One namespace's entries in token order.
 
     In that order the leading tokens an entry shares with a prompt never grow walking away
     from the prompt's place: the entries sharing the most are its neighbours, and a lookup
-    walks outwards only until a match is found.
+    walks outwards only until a match is found. Entries of equal tokens (a stored index may
+    list one state under two keys; the RAM cache never holds two) sit side by side, and
+    every choice among equals goes by the caller's ``age``.
     """
 
-    def __init__(self) -> None:
-        self.keys: list[tuple[int, ...]] = []
-        self.entries: list[PrefixEntry] = []
-        self.attachments: Counter[str] = Counter()
+    def __init__(self, entries: Iterable[E] = ()) -> None:
+        self.entries: list[E] = sorted(entries, key=attrgetter("tokens"))
+        self.keys: list[tuple[int, ...]] = [entry.tokens for entry in self.entries]
+        self.attachments: Counter[str] = Counter(
+            entry.attachment for entry in self.entries if entry.attachment is not None)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def add(self, entry: PrefixEntry) -> None:
-        at = bisect_left(self.keys, entry.tokens)
+    def add(self, entry: E) -> None:
+        at = bisect_right(self.keys, entry.tokens)
         self.keys.insert(at, entry.tokens)
         self.entries.insert(at, entry)
         if entry.attachment is not None:
             self.attachments[entry.attachment] += 1
 
-    def remove(self, entry: PrefixEntry) -> None:
+    def remove(self, entry: E) -> None:
+        """Drop ``entry`` itself (not an equal one): it must be held."""
         at = bisect_left(self.keys, entry.tokens)
+        while self.entries[at] is not entry:
+            at += 1
         del self.keys[at], self.entries[at]
         if entry.attachment is not None:
             self.attachments[entry.attachment] -= 1
 
-    def find(self, tokens: tuple[int, ...]) -> PrefixEntry | None:
+    def find(self, tokens: tuple[int, ...]) -> E | None:
         at = bisect_left(self.keys, tokens)
         return self.entries[at] if at < len(self.keys) and self.keys[at] == tokens else None
 
     def runs(self, tokens: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
         """``(shared, start, stop)``: the entries ``entries[start:stop]`` share exactly
         ``shared`` (at least 1) leading tokens with ``tokens``; most shared first. A run
-        before ``tokens``' place starts with the entry holding ``tokens[:shared]``, if any."""
+        before ``tokens``' place starts with the entries holding ``tokens[:shared]``, if any."""
         at = bisect_left(self.keys, tokens)
         return heapq.merge(self._runs_before(tokens, at - 1), self._runs_after(tokens, at),
                            key=lambda run: -run[0])
 
-    def prefixes(self, tokens: tuple[int, ...]) -> list[PrefixEntry]:
+    def prefixes(self, tokens: tuple[int, ...]) -> list[E]:
         """The entries whose tokens begin ``tokens``, ``tokens`` itself included."""
         at = bisect_left(self.keys, tokens)
-        found = [self.entries[at]] if at < len(self.keys) and self.keys[at] == tokens else []
+        found = self._twins(at) if at < len(self.keys) and self.keys[at] == tokens else []
         for shared, start, _ in self._runs_before(tokens, at - 1):
             if len(self.keys[start]) == shared:
-                found.append(self.entries[start])
+                found += self._twins(start)
         return found
+
+    def extensions(self, tokens: tuple[int, ...]) -> Iterator[E]:
+        """The entries whose tokens ``tokens`` begins, ``tokens`` itself first."""
+        start = bisect_left(self.keys, tokens)
+        return (self.entries[at] for at in range(start, self._past(tokens, start)))
+
+    def best(self, prompt: tuple[int, ...], prefer: str | None, *, age: Callable[[E], Any],
+             oldest: Iterable[E]) -> tuple[E | None, int]:
+        """The entry serving ``prompt`` best (:func:`match_rank`; among equals the one of
+        least ``age``) and how many tokens it serves. ``oldest``: the cache's entries, of
+        every namespace, in ``age`` order (where a long tie is looked for first)."""
+        cap = len(prompt) - 1  # one prompt token is always fed
+        if cap < 1:
+            return None, 0
+        if prefer is not None and self.attachments[prefer] > 0:
+            # An exact boundary carrying ``prefer``'s state outranks any other match
+            # (match_rank), the longest such first.
+            kept = [e for e in self.prefixes(prompt[:cap]) if e.attachment == prefer and e.tokens]
+            if kept:
+                longest = max(len(e.tokens) for e in kept)
+                return min((e for e in kept if len(e.tokens) == longest), key=age), longest
+        for n, group in itertools.groupby(self.runs(prompt), key=lambda r: min(r[0], cap)):
+            runs = list(group)
+            # Entries of the prompt's first n tokens start their run; one carrying a
+            # drafter's state is served whole: it outranks a trim.
+            kept = [e for _, start, _ in runs if len(self.keys[start]) == n
+                    for e in self._twins(start) if e.attachment is not None]
+            if kept:
+                return min(kept, key=age), n
+            # Every other usable match of n tokens ranks alike.
+            entry = self._least_recent(runs, prompt, n, age, oldest)
+            if entry is not None:
+                return entry, n
+        return None, 0
+
+    def _least_recent(self, runs: list[tuple[int, int, int]], prompt: tuple[int, ...], n: int,
+                      age: Callable[[E], Any], oldest: Iterable[E]) -> E | None:
+        """The entry of least ``age`` among ``runs``' that serve ``n`` prompt tokens."""
+        size = sum(stop - start for _, start, stop in runs)
+        if size >= LRU_PROBE_FROM:
+            # Entries opening with one system prompt all tie for a new conversation: the
+            # oldest entries are then the likeliest, and the cheapest to find.
+            namespace = self.entries[runs[0][1]].namespace
+            for entry in itertools.islice(oldest, size // 8 + 1):
+                if entry.namespace == namespace and usable_length(
+                        prompt, entry.tokens, trimmable=entry.trimmable,
+                        min_offset=entry.min_offset) == n:
+                    return entry
+        usable = (entry for _, start, stop in runs for entry in self.entries[start:stop]
+                  if usable_match(n, len(entry.tokens), trimmable=entry.trimmable,
+                                  min_offset=entry.min_offset))
+        return min(usable, key=age, default=None)
+
+    def _twins(self, at: int) -> list[E]:
+        """The entries from ``at`` on that hold ``keys[at]``."""
+        return self.entries[at:bisect_right(self.keys, self.keys[at], at)]
+
+    def _past(self, tokens: tuple[int, ...], lo: int) -> int:
+        """The first place past every entry whose tokens begin ``tokens`` (from ``lo``)."""
+        if not tokens:
+            return len(self.keys)
+        return bisect_left(self.keys, (*tokens[:-1], tokens[-1] + 1), lo)
 
     def _runs_before(self, tokens: tuple[int, ...], last: int) -> Iterator[tuple[int, int, int]]:
         while last >= 0:
@@ -219,9 +311,7 @@ class SortedEntries:
             shared = common_prefix(tokens, self.keys[first])
             if shared == 0:
                 return
-            # The first tuple past every one that begins tokens[:shared].
-            bound = (*tokens[:shared - 1], tokens[shared - 1] + 1)
-            stop = bisect_left(self.keys, bound, first + 1)
+            stop = self._past(tokens[:shared], first + 1)
             yield shared, first, stop
             first = stop
 
@@ -237,7 +327,7 @@ class PrefixCache:
         self.codecs = list(codecs)
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # oldest first
-        self._sorted: dict[str, SortedEntries] = {}  # by namespace
+        self._sorted: dict[str, SortedEntries[PrefixEntry]] = {}  # by namespace
         self._bytes = 0
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
@@ -261,48 +351,12 @@ class PrefixCache:
              ) -> tuple[PrefixEntry | None, int]:
         """The entry serving ``prompt`` best (:func:`match_rank`; among equals the least
         recently used) and how many tokens it serves (no clone made)."""
-        prompt = tuple(prompt)
-        cap = len(prompt) - 1  # one prompt token is always fed
         with self._lock:
             index = self._sorted.get(namespace)
-            if index is None or cap < 1:
+            if index is None:
                 return None, 0
-            if prefer is not None and index.attachments[prefer] > 0:
-                # An exact boundary carrying ``prefer``'s state outranks any other match
-                # (match_rank), the longest such first.
-                kept = [e for e in index.prefixes(prompt[:cap])
-                        if e.attachment == prefer and e.tokens]
-                if kept:
-                    entry = max(kept, key=lambda e: len(e.tokens))
-                    return entry, len(entry.tokens)
-            for n, group in itertools.groupby(index.runs(prompt), key=lambda r: min(r[0], cap)):
-                runs = list(group)
-                # An entry of the prompt's first n tokens starts its run.
-                exact = next((index.entries[start] for _, start, _ in runs
-                              if len(index.keys[start]) == n), None)
-                if exact is not None and exact.attached:  # served whole: outranks a trim
-                    return exact, n
-                # Every other usable match of n tokens ranks alike.
-                entry = self._least_recent(index, runs, prompt, n)
-                if entry is not None:
-                    return entry, n
-        return None, 0
-
-    def _least_recent(self, index: SortedEntries, runs: list[tuple[int, int, int]],
-                      prompt: tuple[int, ...], n: int) -> PrefixEntry | None:
-        """The least recently used entry of ``runs`` that serves ``n`` prompt tokens."""
-        size = sum(stop - start for _, start, stop in runs)
-        if size >= LRU_PROBE_FROM:
-            # Entries opening with one system prompt all tie for a new conversation: the
-            # LRU order's first entries are then the likeliest, and the cheapest to find.
-            namespace = index.entries[runs[0][1]].namespace
-            for entry in itertools.islice(self._entries.values(), size // 8 + 1):
-                if entry.namespace == namespace and entry.usable(prompt) == n:
-                    return entry
-        usable = (entry for _, start, stop in runs for entry in index.entries[start:stop]
-                  if usable_match(n, len(entry.tokens), trimmable=entry.trimmable,
-                                  min_offset=entry.min_offset))
-        return min(usable, key=lambda entry: entry.used, default=None)
+            return index.best(tuple(prompt), prefer, age=attrgetter("used"),
+                              oldest=self._entries.values())
 
     def exact(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether an entry holds exactly ``tokens`` (marks it recently used)."""

@@ -10,9 +10,11 @@ bytes not counts: invariant 10).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 
 import attrs
@@ -24,7 +26,7 @@ from foretell.cache.codecs import (
     entry_minimum_reusable_offset,
     entry_trimmable,
 )
-from foretell.cache.prefix import can_serve, match_rank, usable_length
+from foretell.cache.prefix import SortedEntries, can_serve
 from foretell.store.entry import Entry, EntryHeader, LayerForm, form_mismatch
 from foretell.store.layout import FindsPrefixes, LimitsCapacity, ScanJournal, StorageLayout
 
@@ -48,6 +50,10 @@ class Stored:
     @property
     def tokens(self) -> tuple[int, ...]:
         return self.header.tokens
+
+    @property
+    def namespace(self) -> str:
+        return self.header.namespace
 
 
 #: How old this process's view of the store may be when a write evicts, at least: other
@@ -78,6 +84,16 @@ class SsdIndex:
         self._warned: set[str] = set()
         self._lock = threading.RLock()
         self._index: dict[str, Stored] = {}
+        #: Each namespace's entries in token order, in step with ``_index``: a lookup looks
+        #: at the prompt's neighbours, not at every entry. A layout's keys need not be its
+        #: ``key_for``'s (a plugin's, or what ``prefixes`` returns), so one namespace may
+        #: hold equal tokens under two keys: both are kept, and ties go as below.
+        self._sorted: dict[str, SortedEntries[Stored]] = {}
+        #: Each key's place in ``_index``'s order: among equal ranks the entry first in
+        #: that order serves (the order of the last re-read, least recently used first,
+        #: then each key as it was indexed).
+        self._order: dict[str, int] = {}
+        self._placed = itertools.count()
         self._journal = ScanJournal()
         self.restores = 0
         self.restore_failures = 0
@@ -118,7 +134,7 @@ class SsdIndex:
                 if seen is not None and seen.header.last_used > stored.header.last_used:
                     found[key] = attrs.evolve(stored, header=attrs.evolve(
                         stored.header, last_used=seen.header.last_used))
-            self._index = found
+            self._replace(found)
             self._scanned_at = time.monotonic()
             self._rescan_cost = self._scanned_at - started
 
@@ -130,16 +146,42 @@ class SsdIndex:
         except CodecError:  # the layout checked providers; a codec may still refuse meta
             return None
 
+    def _replace(self, index: dict[str, Stored]) -> None:
+        """Index exactly ``index``, in its order (under the lock)."""
+        self._index = index
+        self._order = {key: next(self._placed) for key in index}
+        by_namespace: defaultdict[str, list[Stored]] = defaultdict(list)
+        for stored in index.values():
+            by_namespace[stored.namespace].append(stored)
+        self._sorted = {namespace: SortedEntries(entries)
+                        for namespace, entries in by_namespace.items()}
+
     def _put(self, stored: Stored, *, update: bool = False) -> None:
         """Index ``stored`` (under the lock); ``update``: a newer last use of an entry that
         a re-read running meanwhile must not bring back if it found the entry gone."""
-        self._index[stored.header.key] = stored
-        self._journal.record(stored.header.key, stored, if_present=update)
+        key = stored.header.key
+        old = self._index.get(key)
+        if old is not None:
+            self._unsort(old)
+        else:
+            self._order[key] = next(self._placed)
+        self._index[key] = stored  # a known key keeps its place in the order
+        self._sorted.setdefault(stored.namespace, SortedEntries()).add(stored)
+        self._journal.record(key, stored, if_present=update)
 
     def _drop(self, key: str) -> None:
         """Unindex ``key`` (under the lock)."""
-        self._index.pop(key, None)
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._unsort(old)
+            del self._order[key]
         self._journal.record(key, None)
+
+    def _unsort(self, stored: Stored) -> None:
+        index = self._sorted[stored.namespace]
+        index.remove(stored)
+        if not index:
+            del self._sorted[stored.namespace]
 
     def entries(self) -> list[Stored]:
         with self._lock:
@@ -154,7 +196,8 @@ class SsdIndex:
     def find(self, prompt: Sequence[int], namespace: str, prefer: str | None = None, *,
              beyond: int = 0) -> tuple[Stored | None, int]:
         """The stored entry serving ``prompt`` best (:func:`match_rank`; no bytes read) and
-        how many tokens it serves. From the index; a layout that finds prefixes itself
+        how many tokens it serves; among equals the first in the index's order. From the
+        index (the prompt's neighbours in token order); a layout that finds prefixes itself
         (:class:`~foretell.store.layout.FindsPrefixes`: one shared by other processes) is
         asked too when the best it could add serves more than ``beyond`` tokens (what RAM
         serves) and the index's, and what it returns joins the index."""
@@ -191,21 +234,22 @@ class SsdIndex:
 
     def _best(self, prompt: tuple[int, ...], namespace: str, prefer: str | None
               ) -> tuple[Stored | None, int]:
-        best, length, rank = None, 0, match_rank(0, ())
         with self._lock:
-            for stored in self._index.values():
-                if stored.header.namespace != namespace:
-                    continue
-                n = usable_length(prompt, stored.tokens, trimmable=stored.trimmable,
-                                  min_offset=stored.min_offset)
-                candidate = match_rank(n, stored.tokens, stored.attachment, prefer)
-                if n > 0 and candidate > rank:
-                    best, length, rank = stored, n, candidate
-        return best, length
+            index = self._sorted.get(namespace)
+            if index is None:
+                return None, 0
+            return index.best(prompt, prefer, age=self._place, oldest=self._index.values())
+
+    def _place(self, stored: Stored) -> int:
+        return self._order[stored.header.key]
 
     def in_namespace(self, namespace: str) -> list[Stored]:
-        """Every entry of one namespace (a generation's checkpoints), oldest first."""
-        return [s for s in self.entries() if s.header.namespace == namespace]
+        """Every entry of one namespace (a generation's checkpoints), oldest first (as
+        :meth:`entries` orders them)."""
+        with self._lock:
+            index = self._sorted.get(namespace)
+            return sorted(index.entries if index is not None else (),
+                          key=lambda s: (s.header.last_used, self._place(s)))
 
     def find_exact(self, tokens: Sequence[int], namespace: str) -> Stored | None:
         """The entry holding exactly ``tokens`` (a known session's checkpoint)."""
@@ -229,11 +273,11 @@ class SsdIndex:
         """Whether some stored entry can restore exactly ``tokens`` (with a drafter's
         attachment, when the state had one)."""
         with self._lock:
-            return any(
-                s.header.namespace == namespace and can_serve(
-                    s.tokens, trimmable=s.trimmable, min_offset=s.min_offset, old_tokens=tokens,
-                    old_attached=attached)
-                for s in self._index.values())
+            index = self._sorted.get(namespace)
+            return index is not None and any(  # only an entry beginning with them can
+                can_serve(s.tokens, trimmable=s.trimmable, min_offset=s.min_offset,
+                          old_tokens=tokens, old_attached=attached)
+                for s in index.extensions(tuple(tokens)))
 
     def read(self, stored: Stored) -> Entry | None:
         """The entry's bytes, verified by the layout; a failed read drops it from the index.
@@ -322,11 +366,13 @@ class SsdIndex:
                 return True
             self._put(new)
             removed = self.evictions
-            for old_key, old in list(self._index.items()):
-                if old_key != key and old.header.namespace == entry.namespace and can_serve(
+            index = self._sorted.get(entry.namespace)
+            # Only an entry's prefixes can be served by it.
+            for old in index.prefixes(new.tokens) if index is not None else ():
+                if old.header.key != key and can_serve(
                         new.tokens, trimmable=new.trimmable, min_offset=new.min_offset,
                         old_tokens=old.tokens, old_attached=old.attached):
-                    self._remove(old_key)
+                    self._remove(old.header.key)
                     removed -= 1
         self._evict_to_cap(keep=(key,))
         if removed != self.evictions:  # free what only the removed entries used (blocks)
@@ -351,6 +397,8 @@ class SsdIndex:
             # The layout's figure, re-read after each removal: an entry sharing blocks with
             # others frees only what no other entry uses.
             total, cap = self.layout.bytes(), self.cap()
+            if total <= cap:  # the usual write: no need to order every entry
+                return
             for stored in sorted(self._index.values(), key=lambda s: s.header.last_used):
                 if total <= cap:
                     break
