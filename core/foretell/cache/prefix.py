@@ -233,6 +233,8 @@ class SortedEntries(Generic[E]):
         for shared, start, _ in self._runs_before(tokens, at - 1):
             if len(self.keys[start]) == shared:
                 found += self._twins(start)
+        if tokens and self.keys and not self.keys[0]:  # no tokens: shares none, begins all
+            found += self._twins(0)
         return found
 
     def extensions(self, tokens: tuple[int, ...]) -> Iterator[E]:
