@@ -1,7 +1,9 @@
 """What a RAM prefix cache lookup costs at a given number of entries, against a scan of
-every entry (the lookup before the cache kept its entries sorted by tokens).
+every entry (the lookup before the cache kept its entries sorted by tokens); with ``--ssd``,
+the SSD tier's index lookup (``SsdIndex.find``, ``covers``) against its scan.
 
-    python benchmarks/prefix_lookup.py [--entries 32,200,2000] [--repeats 200] [--json FILE]
+    python benchmarks/prefix_lookup.py [--ssd] [--entries 32,200,2000] [--repeats 200]
+                                       [--json FILE]
 
 Entries are what a server keeps of finished requests: a 128-token prompt and a 64-token
 reply, one namespace, trimmable (a plain KV cache). Each lookup kind is timed on the same
@@ -16,10 +18,15 @@ cache both ways, and both ways must choose the same entry:
   prompt: the LRU order's first entries are not in the tie, and the whole tie is looked at
   (the sorted lookup's worst case);
 - ``follow-up``: an entry's tokens and a new 40-token turn (one entry serves all of it);
-- ``exact``: whether an entry holds a follow-up's tokens (``CacheTier.store``'s question).
+- ``exact``: whether an entry holds a follow-up's tokens (``CacheTier.store``'s question);
+- ``covers`` (``--ssd``, in place of ``exact``): whether a stored entry can restore a
+  follow-up's tokens (``CacheTier.flush``'s question).
 
-The lookups need no arrays, so entries hold none. Printed: microseconds per lookup, median
-of ``--repeats``. Numbers only, never assertions.
+The lookups need no arrays, so entries hold none (stored ones are headers in memory, as a
+layout's scan lists them, with no layers: trimmable from any offset). The SSD index breaks
+ties by its order, the order the entries were stored in here, as the RAM cache by least
+recent use. Printed: microseconds per lookup, median of ``--repeats``. Numbers only, never
+assertions.
 """
 
 from __future__ import annotations
@@ -30,8 +37,11 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
-from foretell.cache.prefix import PrefixCache, PrefixEntry, match_rank
+from foretell.cache.prefix import PrefixCache, PrefixEntry, can_serve, match_rank, usable_length
+from foretell.cache.ssd import SsdIndex, Stored
+from foretell.store.entry import EntryHeader
 
 PROMPT, REPLY, SYSTEM, TURN, VOCABULARY = 128, 64, 32, 40, 32_000
 
@@ -56,15 +66,68 @@ def linear_exact(cache: PrefixCache, tokens: Sequence[int], namespace: str) -> b
     return any(e.namespace == namespace and e.tokens == tokens for e in cache.entries())
 
 
+def linear_find(entries: Sequence[Stored], prompt: Sequence[int], namespace: str
+                ) -> tuple[Stored | None, int]:
+    """The SSD index's lookup as it was: every entry, in the index's order."""
+    best, length, rank = None, 0, match_rank(0, ())
+    prompt = tuple(prompt)
+    for stored in entries:
+        if stored.header.namespace != namespace:
+            continue
+        n = usable_length(prompt, stored.tokens, trimmable=stored.trimmable,
+                          min_offset=stored.min_offset)
+        candidate = match_rank(n, stored.tokens, stored.attachment)
+        if n > 0 and candidate > rank:
+            best, length, rank = stored, n, candidate
+    return best, length
+
+
+def linear_covers(entries: Sequence[Stored], tokens: Sequence[int], namespace: str) -> bool:
+    return any(s.header.namespace == namespace and can_serve(
+        s.tokens, trimmable=s.trimmable, min_offset=s.min_offset, old_tokens=tokens)
+        for s in entries)
+
+
+class HeldLayout:
+    """Stored headers in memory: what :class:`SsdIndex` asks of a layout to look up."""
+
+    def __init__(self) -> None:
+        self.held: list[EntryHeader] = []
+
+    def add(self, tokens: tuple[int, ...]) -> None:
+        self.held.append(EntryHeader(key=str(len(self.held)), tokens=tokens, layers=(),
+                                     namespace="", nbytes=1, last_used=len(self.held)))
+
+    def scan(self) -> list[EntryHeader]:
+        return list(self.held)
+
+    def collect(self) -> int:
+        return 0
+
+    def bytes(self) -> int:
+        return len(self.held)
+
+
+def conversation(rng: random.Random, opening: tuple[int, ...]) -> tuple[int, ...]:
+    return opening + tuple(rng.randrange(VOCABULARY) for _ in range(PROMPT + REPLY - len(opening)))
+
+
 def filled(count: int, rng: random.Random, opening: tuple[int, ...],
            cache: PrefixCache | None = None) -> PrefixCache:
     cache = cache if cache is not None else PrefixCache([], max_bytes=1 << 62)
     for _ in range(count):
-        tokens = opening + tuple(rng.randrange(VOCABULARY)
-                                 for _ in range(PROMPT + REPLY - len(opening)))
-        cache.hold(PrefixEntry(tokens=tokens, namespace="", caches=[], nbytes=1,
-                               trimmable=True, min_offset=0))
+        cache.hold(PrefixEntry(tokens=conversation(rng, opening), namespace="", caches=[],
+                               nbytes=1, trimmable=True, min_offset=0))
     return cache
+
+
+def stored(count: int, rng: random.Random, opening: tuple[int, ...],
+           index: SsdIndex | None = None) -> SsdIndex:
+    index = index if index is not None else SsdIndex(HeldLayout(), [], max_bytes=1 << 62)
+    for _ in range(count):
+        index.layout.add(conversation(rng, opening))
+    index.scan()
+    return index
 
 
 def micros(call: Callable[[], object], repeats: int) -> float:
@@ -76,11 +139,13 @@ def micros(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def measure(count: int, repeats: int, seed: int) -> dict[str, dict[str, float]]:
+def measure(count: int, repeats: int, seed: int, ssd: bool = False
+            ) -> dict[str, dict[str, float]]:
     rng = random.Random(seed)
+    fill = stored if ssd else filled
     system = tuple(rng.randrange(VOCABULARY) for _ in range(SYSTEM))
-    plain, shared = filled(count, rng, ()), filled(count, rng, system)
-    late = filled(count - count // 2, rng, system, filled(count // 2, rng, ()))
+    plain, shared = fill(count, rng, ()), fill(count, rng, system)
+    late = fill(count - count // 2, rng, system, fill(count // 2, rng, ()))
     held = rng.choice(plain.entries()).tokens
     follow_up = held + tuple(rng.randrange(VOCABULARY) for _ in range(TURN))
     # A token no entry holds, where the prompts part from the entries: no chance match.
@@ -93,13 +158,25 @@ def measure(count: int, repeats: int, seed: int) -> dict[str, dict[str, float]]:
     }
     row = {}
     for kind, (cache, prompt) in prompts.items():
-        entry, length = cache.best(prompt, "")
-        if (entry, length) != linear_best(cache, prompt, ""):
+        if ssd:  # entries() lists them in the index's order: each last used as stored
+            lookup, scan = (partial(cache.find, prompt, ""),
+                            partial(linear_find, cache.entries(), prompt, ""))
+        else:
+            lookup, scan = partial(cache.best, prompt, ""), partial(linear_best, cache, prompt, "")
+        entry, length = lookup()
+        if (entry, length) != scan():
             raise SystemExit(f"{kind} at {count} entries: the lookups disagree")
-        row[kind] = {
-            "sorted_us": micros(lambda c=cache, p=prompt: c.best(p, ""), repeats),
-            "scan_us": micros(lambda c=cache, p=prompt: linear_best(c, p, ""), repeats),
-            "served": length}
+        row[kind] = {"sorted_us": micros(lookup, repeats), "scan_us": micros(scan, repeats),
+                     "served": length}
+    if ssd:
+        entries = plain.entries()
+        if plain.covers(follow_up, "") != linear_covers(entries, follow_up, ""):
+            raise SystemExit(f"covers at {count} entries: the lookups disagree")
+        row["covers"] = {"sorted_us": micros(lambda: plain.covers(follow_up, ""), repeats),
+                         "scan_us": micros(lambda: linear_covers(entries, follow_up, ""),
+                                           repeats),
+                         "served": 0}
+        return row
     # exact() marks what it finds as used: asked of a missing tuple, nothing changes.
     row["exact"] = {"sorted_us": micros(lambda: plain.exact(follow_up, ""), repeats),
                     "scan_us": micros(lambda: linear_exact(plain, follow_up, ""), repeats),
@@ -109,15 +186,19 @@ def measure(count: int, repeats: int, seed: int) -> dict[str, dict[str, float]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--entries", default="32,200,2000")
+    parser.add_argument("--ssd", action="store_true",
+                        help="the SSD tier's index instead of the RAM cache")
+    parser.add_argument("--entries", help="sizes to time (default 32,200,2000; with --ssd "
+                        "200,2000,10000)")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     report = {}
     print(f"{'entries':>8} {'lookup':>10} {'sorted us':>10} {'scan us':>10} {'served':>7}")
-    for count in (int(c) for c in args.entries.split(",")):
-        report[count] = measure(count, args.repeats, args.seed)
+    sizes = args.entries or ("200,2000,10000" if args.ssd else "32,200,2000")
+    for count in (int(c) for c in sizes.split(",")):
+        report[count] = measure(count, args.repeats, args.seed, args.ssd)
         for kind, row in report[count].items():
             print(f"{count:>8} {kind:>10} {row['sorted_us']:>10.1f} {row['scan_us']:>10.1f} "
                   f"{row['served']:>7}")

@@ -16,3 +16,13 @@ def test_the_prefix_lookup_benchmark_reports_every_kind_at_every_size(capsys):
         for kind, served in [("new", 0), ("system", 32), ("sys-late", 32),
                              ("follow-up", 192), ("exact", 0)]]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_the_ssd_lookup_benchmark_reports_every_kind_at_every_size(capsys):
+    assert prefix_lookup.main(["--ssd", "--entries", "4,40", "--repeats", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(int(r[0]), r[1], int(r[4])) for r in rows] == [
+        (count, kind, served) for count in (4, 40)
+        for kind, served in [("new", 0), ("system", 32), ("sys-late", 32),
+                             ("follow-up", 192), ("covers", 0)]]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)

@@ -73,6 +73,8 @@ class SsdIndex:
     def __init__(self, layout: StorageLayout, codecs: Sequence[CacheCodec], max_bytes: int,
                  rescan_s: float = RESCAN_S, structure: Sequence[LayerForm] | None = None):
         self.layout = layout
+        #: Asked once: a protocol check costs microseconds, and each lookup would ask it.
+        self._finds_prefixes = isinstance(layout, FindsPrefixes)
         self.codecs = list(codecs)
         self.max_bytes = max_bytes
         #: The form of the model's cache layers (``foretell.cache.tier.engine_structure``):
@@ -203,7 +205,7 @@ class SsdIndex:
         serves) and the index's, and what it returns joins the index."""
         prompt = tuple(prompt)
         best, length = self._best(prompt, namespace, prefer)
-        if (isinstance(self.layout, FindsPrefixes)
+        if (self._finds_prefixes
                 and max(beyond, length) < len(prompt) - 1 and self._learn(
                     prompt, namespace, max(beyond, length))):
             best, length = self._best(prompt, namespace, prefer)
