@@ -11,6 +11,7 @@ import pytest
 from cachefill import filled_kv, filled_rotating
 
 from foretell.cache import prefix as prefix_module
+from foretell.cache import ssd as ssd_module
 from foretell.cache.attachment import ATTACHMENT_PROVIDER, DraftAttachmentCodec
 from foretell.cache.codecs import snapshot_entry
 from foretell.cache.prefix import can_serve, match_rank, usable_length
@@ -289,15 +290,15 @@ def test_a_key_that_comes_back_with_other_tokens_is_found_by_the_new_ones():
     assert_in_step(index)
 
 
-def counted(monkeypatch, name):
-    """The arguments of each call of the prefix module's function ``name`` from now on."""
-    calls, function = [], getattr(prefix_module, name)
+def counted(monkeypatch, module, name):
+    """The arguments of each call of ``module``'s function ``name`` from now on."""
+    calls, function = [], getattr(module, name)
 
     def counting(*args, **kwargs):
         calls.append(args)
         return function(*args, **kwargs)
 
-    monkeypatch.setattr(prefix_module, name, counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
 
 
@@ -307,14 +308,16 @@ def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(m
         layout.place(layout.key_for((first, 1, 2, 3)), (first, 1, 2, 3), "", (True, 0, None), 1)
     index = SsdIndex(layout, FACT_CODECS, max_bytes=1 << 30)
     index.scan()
-    compared = counted(monkeypatch, "common_prefix")
+    compared = counted(monkeypatch, prefix_module, "common_prefix")
+    served = counted(monkeypatch, ssd_module, "can_serve")
     assert facts(index.find((120, 1, 9), "")[0]) == (layout.key_for((120, 1, 2, 3)),
                                                      (120, 1, 2, 3))
-    assert index.covers((120, 1), "") and not index.covers((120, 2), "")
     assert len(compared) <= 4
-    served = counted(monkeypatch, "can_serve")
+    assert index.covers((120, 1), "") and not index.covers((120, 2), "")
+    assert len(served) == 1  # (120, 1, 2, 3) only: no entry begins with (120, 2)
+    served.clear()
     index.write(FakeEntry((120, 1, 2, 3, 4), "", 1, layers(True, 0, None)))
-    assert len(served) <= 2  # only the entries it begins with
+    assert len(served) == 1  # the one entry the new one begins with
     assert layout.key_for((120, 1, 2, 3)) not in layout.stored
 
 
