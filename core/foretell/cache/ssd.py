@@ -2,10 +2,11 @@
 over a service such as Redis: nothing here knows where the bytes are).
 
 The layout stores and verifies bytes (:class:`foretell.store.layout.StorageLayout`); this
-index decides: which stored entry serves a prompt (the same :func:`usable_length` as RAM),
-which entries a new one supersedes (:func:`can_serve`, so the restart-0 defect cannot
-return), and what is evicted to keep stored bytes under the cap (least recently used,
-bytes not counts: invariant 10).
+index decides: which stored entry serves a prompt (the same :func:`usable_length` as RAM,
+looked up the same way: :class:`~foretell.cache.prefix.SortedEntries`), which entries a new
+one supersedes (:func:`can_serve`, so the restart-0 defect cannot return), and what is
+evicted to keep stored bytes under the cap (least recently used, bytes not counts:
+invariant 10).
 """
 
 from __future__ import annotations
