@@ -45,6 +45,8 @@ class BatchStep:
     _policy: Any
     _warned: dict[str, int]
     _prefilling: Any
+    _waiting: Any
+    _queued: int
     #: The rows (by id) the last step ran over, when it was a pipelined plain step; None
     #: after a synchronous step. A pipelined step's time is its wait for the step before
     #: it, so it is a plain step's cost only when that step was one over the same rows.
@@ -375,7 +377,13 @@ class BatchStep:
         rates, adaptive, top = self._row_rates(rows)
         rolls_back = self._rolls_rows_back()  # once a step, not once a row: it asks each layer
         caps = [self._cap(row, rolls_back) for row in rows]
-        return self._policy.choose(caps, rates, top) if adaptive else caps
+        if not adaptive:
+            return caps
+        # With no request waiting to take a finished row's place, the batch ends with its
+        # slowest row: the policy weighs the drift drafting adds (batch_policy's docstring).
+        draining = None if (self._waiting or self._prefilling or self._queued) else [
+            row.max_tokens - row.state.consumed - row.unread for row in rows]
+        return self._policy.choose(caps, rates, top, draining)
 
     def _row_rates(self, rows: Sequence[_Row]) -> tuple[list[float | None], bool, int]:
         """Each row's acceptance estimate (None: it has no drafter), whether any row's

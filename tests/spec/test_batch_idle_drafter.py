@@ -212,7 +212,7 @@ def test_mtp_rows_idle_past_the_catch_up_then_drafting_hear_their_newest_states(
     scheduler = Scheduler(demo)
     chosen = []
 
-    def choose(caps, rates, top=None):
+    def choose(caps, rates, top=None, draining=None):
         chosen.append(len(chosen) >= idle)
         return [min(3, cap) if chosen[-1] else 0 for cap in caps]
 

@@ -341,3 +341,74 @@ def test_a_busy_host_while_decoding_plainly_does_not_make_drafting_look_cheap():
         policy.choose([4] * 8, [0.77] * 8)
         policy.observe(8, 0, 2.0)
     assert max(policy.choose([4] * 8, [0.77] * 8)) == 0
+
+
+def test_round_token_variance_is_the_kept_counts():
+    """``tokens_variance`` against the distribution itself: ``P(kept = a) = r^a (1 - r)``
+    for ``a < k``, ``r^k`` for ``a = k``."""
+    from foretell.spec.batch_policy import slowest_of, tokens_variance
+
+    for rate in (0.0, 0.3, 0.75, 1.0):
+        for k in (1, 2, 4):
+            p = [rate**a * (1 - rate) for a in range(k)] + [rate**k]
+            mean = sum(a * q for a, q in enumerate(p))
+            var = sum((a - mean) ** 2 * q for a, q in enumerate(p))
+            assert abs(tokens_variance(rate, k) - var) < 1e-12
+            assert abs(expected_tokens(rate, k) - 1 - mean) < 1e-12
+    assert slowest_of(1) == 0.0 and 0.5 < slowest_of(2) < 0.6
+    assert 1.4 < slowest_of(8) < 1.45 and slowest_of(32) > slowest_of(16)
+
+
+def test_a_draining_batch_weighs_the_drift_drafting_adds():
+    """Rows drafting keep their drafts unevenly and drift apart; a batch no request will
+    refill ends with its slowest row. A width whose per-step estimate clears the bar by a
+    little is not drafted over 8 rows with 64 tokens left each, is drafted where finished
+    rows are replaced (``draining`` None), and over 2 rows, whose drift is small, still is."""
+    from foretell.spec.batch_policy import CLEAR_GAIN, drift_factor
+
+    rate = 0.75
+    gain = 1.0 + CLEAR_GAIN + 0.05  # what width 2 promises per step
+    share = (expected_tokens(rate, 2) / gain - 1.0) / 2
+    cost = lambda rows, w: 1.0 + share * w  # noqa: E731
+
+    def chosen(rows, draining):
+        policy = BatchDraftPolicy()
+        widths = []
+        for _ in range(30):
+            lengths = policy.choose([2] * rows, [rate] * rows, 2, draining)
+            width = max(lengths)
+            policy.observe(rows, width, cost(rows, width))
+            widths.append(width)
+        return widths[-10:]
+
+    assert drift_factor(2, [2] * 8, [rate] * 8, [64] * 8) > gain / (1.0 + CLEAR_GAIN)
+    assert chosen(8, [64] * 8) == [0] * 10
+    assert chosen(8, None) == [2] * 10
+    assert drift_factor(2, [2] * 2, [rate] * 2, [64] * 2) < gain / (1.0 + CLEAR_GAIN)
+    assert chosen(2, [64] * 2) == [2] * 10
+
+
+def test_the_batch_tells_the_policy_the_tokens_left_only_while_no_request_waits():
+    from types import SimpleNamespace
+
+    from foretell.batch_step import BatchStep
+
+    step = BatchStep.__new__(BatchStep)
+    step._policy, step._batch = BatchDraftPolicy(), []
+    told = []
+    step._policy.choose = lambda caps, rates, top, draining: told.append(draining) or caps
+    speculator = SimpleNamespace(kind="k", adaptive=True, max_tokens=3)
+
+    class Row:  # hashable, compared by identity, as the scheduler's rows
+        def __init__(self, consumed):
+            self.speculator, self.max_tokens, self.unread = speculator, 64, True
+            self.state = SimpleNamespace(consumed=consumed)
+
+    rows = [Row(10), Row(40)]
+    step._waiting, step._prefilling, step._queued = [object()], [], 0
+    step._choose_lengths(rows)
+    step._waiting, step._queued = [], 1
+    step._choose_lengths(rows)
+    step._queued = 0
+    step._choose_lengths(rows)
+    assert told == [None, None, [53, 23]]
