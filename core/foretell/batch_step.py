@@ -20,7 +20,7 @@ import mlx.core as mx
 from foretell.model.batch import batch_caches, layer_caches
 from foretell.model.fixed import trace_count
 from foretell.model.kvcache import KVCache
-from foretell.request import prefill_rows
+from foretell.request import prefill_rows, release_buffers
 from foretell.spec.batch import StepHidden
 from foretell.spec.contract import keep_recent_hidden
 from foretell.stream import TokenLogprobs
@@ -491,7 +491,7 @@ class BatchStep:
             mx.eval([c.state for row in rows for c in row.state.caches], kept)
         except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
             self._fail(rows, exc)
-        mx.clear_cache()
+        release_buffers()
 
 
 def _draft_error(group: DraftGroup, what: str, exc: BaseException) -> BaseException:

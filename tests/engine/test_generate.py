@@ -330,3 +330,21 @@ def test_every_architecture_decodes_like_mlx_lm_through_chunked_prefill(
             break
         expected.append(token)
     assert ours == expected
+
+
+def test_a_prefill_releases_mlxs_cached_buffers_only_past_the_bound(engine, monkeypatch):
+    """Freed buffers stay cached for the next forward (on CUDA releasing them returns them
+    to the driver, and a server admitting requests would allocate them afresh each time)
+    until they pass ``CACHE_KEEP_BYTES``; then the prefill releases them."""
+    prompt = engine.encode_prompt(" ".join([PROMPT] * 100), chat=False)
+
+    def cached_after_prefill() -> int:
+        mx.clear_cache()
+        request_module.prefill(engine.model, prompt, engine.make_caches())
+        return mx.get_cache_memory()
+
+    monkeypatch.setattr(request_module, "CACHE_KEEP_BYTES", 1 << 40)
+    kept = cached_after_prefill()
+    monkeypatch.setattr(request_module, "CACHE_KEEP_BYTES", 0)
+    released = cached_after_prefill()  # (what the forward's last arrays free afterwards)
+    assert kept > 4 * released
