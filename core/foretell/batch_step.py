@@ -375,15 +375,20 @@ class BatchStep:
         if len(rows) == 1 and self._alone(rows[0]):
             return [self._alone_length(rows[0])]
         rates, adaptive, top = self._row_rates(rows)
-        rolls_back = self._rolls_rows_back()  # once a step, not once a row: it asks each layer
-        caps = [self._cap(row, rolls_back) for row in rows]
+
+        def caps() -> list[int]:
+            rolls_back = self._rolls_rows_back()  # once a step: it asks each layer
+            return [self._cap(row, rolls_back) for row in rows]
+
         if not adaptive:
-            return caps
+            return caps()
         # With no request waiting to take a finished row's place, the batch ends with its
         # slowest row: the policy weighs the drift drafting adds (batch_policy's docstring).
-        draining = None if (self._waiting or self._prefilling or self._queued) else [
-            row.max_tokens - row.state.consumed - row.unread for row in rows]
-        return self._policy.choose(caps, rates, top, draining)
+        def left() -> list[int]:
+            return [row.max_tokens - row.state.consumed - row.unread for row in rows]
+
+        draining = None if (self._waiting or self._prefilling or self._queued) else left
+        return self._policy.choose(caps, rates, top, draining)  # each asked only if needed
 
     def _row_rates(self, rows: Sequence[_Row]) -> tuple[list[float | None], bool, int]:
         """Each row's acceptance estimate (None: it has no drafter), whether any row's

@@ -213,6 +213,7 @@ def test_mtp_rows_idle_past_the_catch_up_then_drafting_hear_their_newest_states(
     chosen = []
 
     def choose(caps, rates, top=None, draining=None):
+        caps = caps() if callable(caps) else caps
         chosen.append(len(chosen) >= idle)
         return [min(3, cap) if chosen[-1] else 0 for cap in caps]
 

@@ -411,4 +411,24 @@ def test_the_batch_tells_the_policy_the_tokens_left_only_while_no_request_waits(
     step._choose_lengths(rows)
     step._queued = 0
     step._choose_lengths(rows)
-    assert told == [None, None, [53, 23]]
+    assert told[:2] == [None, None] and told[2]() == [53, 23]
+
+
+def test_a_plain_choice_never_works_out_the_rows_caps():
+    """Caps given as a function are asked for only where a length depends on them: a
+    batch whose choice is plain decoding (a large batch of idle drafters, every step)
+    skips the per-row work; the probes and looks that draft do ask."""
+    policy = BatchDraftPolicy()
+    asked = []
+
+    def caps():
+        asked.append(True)
+        return [2] * 8
+
+    widths = []
+    for _ in range(200):
+        width = max(policy.choose(caps, [0.3] * 8, 2))
+        policy.observe(8, width, 1.0 + 0.8 * width)  # drafting cannot pay
+        widths.append(width)
+    assert widths.count(0) >= 190
+    assert len(asked) == sum(1 for w in widths if w)  # asked only for drafted steps

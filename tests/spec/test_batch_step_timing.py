@@ -18,7 +18,7 @@ class ScriptedWidths(BatchDraftPolicy):
 
     def choose(self, caps, rates, top=None, draining=None):
         width = self.script.pop(0) if self.script else 0
-        return [min(width, cap) for cap in caps]
+        return [min(width, cap) for cap in (caps() if callable(caps) else caps)]
 
     def observe(self, rows, width, seconds):
         self.told.append((rows, width, seconds))

@@ -64,7 +64,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 #: The prior on a row's per-position acceptance: ``PRIOR_RATE`` worth ``PRIOR_WEIGHT`` positions.
 PRIOR_RATE = 0.6
@@ -193,47 +193,64 @@ class BatchDraftPolicy:
         """The candidate widths for drafters drafting at most ``top`` a round."""
         return sorted({0, top, max(1, top // 2)}) if top else [0]
 
-    def choose(self, caps: Sequence[int], rates: Sequence[float | None],
-               top: int | None = None, draining: Sequence[int] | None = None) -> list[int]:
+    def choose(self, caps: Sequence[int] | Callable[[], Sequence[int]],
+               rates: Sequence[float | None], top: int | None = None,
+               draining: Sequence[int] | Callable[[], Sequence[int]] | None = None
+               ) -> list[int]:
         """Each row's draft length: ``caps[b]`` is the most it may draft now (0: it cannot),
         ``rates[b]`` its acceptance estimate (None: it has no drafter), ``top`` the most its
         drafters draft a round (default: the largest cap), ``draining`` each row's tokens
         left where no request waits to take a finished row's place (None: rows are
         replaced as they end; the module docstring). Widths come from ``top``, each row's
         length capped, so rows nearing their ends (smaller caps) bring no new widths to
-        measure."""
+        measure. ``caps`` and ``draining`` may be functions giving them, called only where
+        the choice depends on them: a plain choice needs neither, and working them out row
+        by row cost a large batch's step more than the choice itself."""
         self._step += 1
-        rows = len(caps)
-        if not max(caps, default=0):
+        rows = len(rates)
+        known = None if callable(caps) else caps
+        if top is None:
+            known = known if known is not None else caps()
+            top = max(known, default=0)
+        if not top:
             return [0] * rows
-        candidates = self.widths(top if top is not None else max(caps))
+        candidates = self.widths(top)
         again, self._again = self._again, None
         if again is not None and again[0] == rows and again[1] in candidates:
-            return _lengths(again[1], caps, rates)
-        for w in candidates:  # a shape first met is as fresh as what its estimate rests on
-            self._last_tried.setdefault((rows, w), self._step)
-        width = self._blind(rows, candidates)
+            width = again[1]
+        else:
+            for w in candidates:  # a shape first met is as fresh as what its estimate rests on
+                self._last_tried.setdefault((rows, w), self._step)
+            width = self._blind(rows, candidates)
         if width is None:
-            costs = {w: self.cost(rows, w) for w in candidates}  # once a step, for both
+            costs = {w: self.cost(rows, w) for w in candidates}  # once a step, for all
+            best = max((r for r in rates if r is not None), default=0.0)
             gain = HOLD_GAIN if self._drafting else CLEAR_GAIN
-            if self._plain_unbeaten(costs, rates, gain):
+            if self._plain_unbeaten(costs, rows, rows - rates.count(None), best, gain):
                 width = 0
             else:
-                value = {w: self._throughput(costs[w], w, caps, rates) for w in candidates}
+                known = known if known is not None else caps()
+                value = {w: self._throughput(costs[w], w, known, rates) for w in candidates}
                 if draining is not None:
-                    value = {w: v / drift_factor(w, caps, rates, draining) if w else v
+                    left = draining() if callable(draining) else draining
+                    value = {w: v / drift_factor(w, known, rates, left) if w else v
                              for w, v in value.items()}
                 width = max(candidates, key=value.__getitem__)
                 if width and value[width] < (1.0 + gain) * value[0]:
                     width = 0
             self._drafting = width > 0
             self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
-            look = self._look(rows, candidates, width, rates)
+            look = self._look(rows, candidates, width, best, costs)
             if look is not None:
                 width = look
                 self._losing[(rows, width)] = self._losing.get((rows, width), 0) + 1
-        self._last_tried[(rows, width)] = self._step
-        return _lengths(width, caps, rates)
+        if width:
+            known = known if known is not None else caps()
+            if not max(known, default=0):
+                return [0] * rows  # no row can draft now: nothing to try or time
+        if again is None or again[0] != rows or again[1] not in candidates:
+            self._last_tried[(rows, width)] = self._step
+        return _lengths(width, known, rates) if width else [0] * rows
 
     def observe(self, rows: int, width: int, seconds: float | None) -> None:
         """A step over ``rows`` rows whose widest draft was ``width`` took ``seconds``
@@ -287,37 +304,40 @@ class BatchDraftPolicy:
             return drafted[0]
         return None
 
-    def _look(self, rows: int, candidates: list[int], chosen: int,
-              rates: Sequence[float | None]) -> int | None:
-        """The narrowest width not chosen whose next look is due, if any."""
-        hope = min(1.0, max((r for r in rates if r is not None), default=0.0) + HOPE)
-        hopeless = {w: self._hopeless(rows, w, hope) for w in candidates}
+    def _look(self, rows: int, candidates: list[int], chosen: int, best: float,
+              costs: dict[int, float | None]) -> int | None:
+        """The narrowest width not chosen whose next look is due, if any (``best``: the
+        best row's acceptance estimate; ``costs``: each candidate's, this step's)."""
+        hope = min(1.0, best + HOPE)
+        hopeless = {w: self._hopeless(w, hope, costs) for w in candidates}
         for w in candidates:
             if w == chosen or any(hopeless[v] for v in candidates if 0 < v < w):
                 continue
             if self._step - self._last_tried[(rows, w)] >= self._interval(
-                    rows, w, chosen, hopeless[w]):
+                    rows, w, chosen, hopeless[w], costs):
                 return w
         return None
 
-    def _interval(self, rows: int, width: int, chosen: int, hopeless: bool) -> float:
+    def _interval(self, rows: int, width: int, chosen: int, hopeless: bool,
+                  costs: dict[int, float | None]) -> float:
         """Steps between looks at ``width`` while ``chosen`` is the choice: long enough
         that a look's two steps lose at most LOOK_SHARE of them, at least REPROBE; for a
         drafted width doubled for each look in a row that did not make it the choice (up
         to MAX_BACKOFF times), HOPELESS_SLOWER times longer where it could not pay at all.
         Plain decoding is looked at every REPROBE steps: every choice weighs against it, and
         a host's speed drifts."""
-        cost, base = self.cost(rows, width), self.cost(rows, chosen)
+        cost, base = costs[width], costs[chosen]
         steps = float(REPROBE)
         if cost is not None and base:
             steps = max(steps, 2.0 * max(0.0, cost - base) / (LOOK_SHARE * base))
         backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF) if width else 1
         return steps * backoff * (HOPELESS_SLOWER if hopeless else 1)
 
-    def _hopeless(self, rows: int, width: int, rate: float) -> bool:
-        """Drafting ``width`` over ``rows`` rows costs more than it returns even were each
-        draft kept with probability ``rate``."""
-        cost, plain = self.cost(rows, width), self.cost(rows, 0)
+    @staticmethod
+    def _hopeless(width: int, rate: float, costs: dict[int, float | None]) -> bool:
+        """Drafting ``width`` (at this step's ``costs``) costs more than it returns even
+        were each draft kept with probability ``rate``."""
+        cost, plain = costs[width], costs[0]
         return bool(width and cost and plain
                     and cost >= expected_tokens(rate, width) * plain)
 
@@ -332,8 +352,8 @@ class BatchDraftPolicy:
         return quartile
 
     @staticmethod
-    def _plain_unbeaten(costs: dict[int, float | None], rates: Sequence[float | None],
-                        gain: float) -> bool:
+    def _plain_unbeaten(costs: dict[int, float | None], rows: int, drafting: int,
+                        best: float, gain: float) -> bool:
         """Whether plain decoding wins even were every drafting row to keep drafts as well
         as the best row does (each row's expected tokens grow with its rate and length):
         then the choice is plain decoding without a sum over the rows per width, so a
@@ -342,12 +362,10 @@ class BatchDraftPolicy:
         plain = costs.get(0)
         if plain is None or plain <= 0:
             return False
-        drafting = len(rates) - rates.count(None)
-        best = max((r for r in rates if r is not None), default=0.0)
-        bar = (1.0 + gain) * len(rates) / plain  # plain decoding's value, cleared
+        bar = (1.0 + gain) * rows / plain  # plain decoding's value, cleared
         for width, cost in costs.items():
             if width and cost is not None and cost > 0 and (
-                    len(rates) - drafting + drafting * expected_tokens(best, width)) / cost >= bar:
+                    rows - drafting + drafting * expected_tokens(best, width)) / cost >= bar:
                 return False
         return True
 
