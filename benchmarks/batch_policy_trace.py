@@ -31,7 +31,7 @@ def traced(trace: list[list]) -> Iterator[None]:
     def choosing(self, caps, rates, top=None, draining=None):
         widths = choose(self, caps, rates, top, draining)
         known = [r for r in rates if r is not None]
-        trace.append(["choose", len(caps), max(widths, default=0),
+        trace.append(["choose", len(rates), max(widths, default=0),
                       round(sum(known) / len(known), 3) if known else None])
         return widths
 
