@@ -208,15 +208,22 @@ class BatchDraftPolicy:
         by row cost a large batch's step more than the choice itself."""
         self._step += 1
         rows = len(rates)
-        known = None if callable(caps) else caps
+        given = None if callable(caps) else caps
+
+        def row_caps() -> Sequence[int]:
+            nonlocal given
+            if given is None:
+                given = caps()
+            return given
+
         if top is None:
-            known = known if known is not None else caps()
-            top = max(known, default=0)
+            top = max(row_caps(), default=0)
         if not top:
             return [0] * rows
         candidates = self.widths(top)
         again, self._again = self._again, None
-        if again is not None and again[0] == rows and again[1] in candidates:
+        repeat = again is not None and again[0] == rows and again[1] in candidates
+        if repeat:
             width = again[1]
         else:
             for w in candidates:  # a shape first met is as fresh as what its estimate rests on
@@ -229,11 +236,11 @@ class BatchDraftPolicy:
             if self._plain_unbeaten(costs, rows, rows - rates.count(None), best, gain):
                 width = 0
             else:
-                known = known if known is not None else caps()
-                value = {w: self._throughput(costs[w], w, known, rates) for w in candidates}
+                value = {w: self._throughput(costs[w], w, row_caps(), rates)
+                         for w in candidates}
                 if draining is not None:
                     left = draining() if callable(draining) else draining
-                    value = {w: v / drift_factor(w, known, rates, left) if w else v
+                    value = {w: v / drift_factor(w, row_caps(), rates, left) if w else v
                              for w, v in value.items()}
                 width = max(candidates, key=value.__getitem__)
                 if width and value[width] < (1.0 + gain) * value[0]:
@@ -244,13 +251,11 @@ class BatchDraftPolicy:
             if look is not None:
                 width = look
                 self._losing[(rows, width)] = self._losing.get((rows, width), 0) + 1
-        if width:
-            known = known if known is not None else caps()
-            if not max(known, default=0):
-                return [0] * rows  # no row can draft now: nothing to try or time
-        if again is None or again[0] != rows or again[1] not in candidates:
+        if width and not max(row_caps(), default=0):
+            return [0] * rows  # no row can draft now: nothing to try or time
+        if not repeat:
             self._last_tried[(rows, width)] = self._step
-        return _lengths(width, known, rates) if width else [0] * rows
+        return _lengths(width, row_caps(), rates) if width else [0] * rows
 
     def observe(self, rows: int, width: int, seconds: float | None) -> None:
         """A step over ``rows`` rows whose widest draft was ``width`` took ``seconds``
