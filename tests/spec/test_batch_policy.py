@@ -364,7 +364,7 @@ def test_a_draining_batch_weighs_the_drift_drafting_adds():
     refill ends with its slowest row. A width whose per-step estimate clears the bar by a
     little is not drafted over 8 rows with 64 tokens left each, is drafted where finished
     rows are replaced (``draining`` None), and over 2 rows, whose drift is small, still is."""
-    from foretell.spec.batch_policy import CLEAR_GAIN, drift_factor
+    from foretell.spec.batch_policy import CLEAR_GAIN, drift_factor, tokens_variance
 
     rate = 0.75
     gain = 1.0 + CLEAR_GAIN + 0.05  # what width 2 promises per step
@@ -381,10 +381,11 @@ def test_a_draining_batch_weighs_the_drift_drafting_adds():
             widths.append(width)
         return widths[-10:]
 
-    assert drift_factor(2, [2] * 8, [rate] * 8, [64] * 8) > gain / (1.0 + CLEAR_GAIN)
+    row = (expected_tokens(rate, 2), tokens_variance(rate, 2), 64)  # width 2, 64 tokens left
+    assert drift_factor([row] * 8) > gain / (1.0 + CLEAR_GAIN)
     assert chosen(8, [64] * 8) == [0] * 10
     assert chosen(8, None) == [2] * 10
-    assert drift_factor(2, [2] * 2, [rate] * 2, [64] * 2) < gain / (1.0 + CLEAR_GAIN)
+    assert drift_factor([row] * 2) < gain / (1.0 + CLEAR_GAIN)
     assert chosen(2, [64] * 2) == [2] * 10
 
 

@@ -8,17 +8,15 @@ verifier stops at the first rejection. (Counting ``a`` of ``k`` instead reads a 
 1.27 of 2 drafts as 0.64 where it is 0.73, and the step's tokens 10% short.) The estimate is
 decayed (acceptance moves within a request, the start of a continuation being the hardest
 to guess), with a prior worth a few positions: what its drafter's earlier rows kept, decayed
-(:meth:`BatchDraftPolicy.learn`), so a new request starts from its drafter's record. A step's cost is measured per batch shape ``(rows,
-width)`` as the lower quartile of its recent timings: another process on the host only ever
-adds time, so that tracks what the step itself costs, one noisy step moves nothing, and
-shapes timed at busy and at quiet moments compare fairly. The width
-chosen maximizes the expected tokens the step produces per second, plain decoding (width 0)
-included, so where a batch is large enough that verifying drafts costs more than they
-return, drafting goes off; drafting must beat plain decoding by ``CLEAR_GAIN``, for what
-the per-step estimate leaves out: switching back and forth, rows that started together
-drifting apart as their drafts are kept unevenly (a batch of equal requests ends with a few
-steps over its slowest rows), and costs timed at different moments of a host whose speed
-drifts. Drafting once chosen goes on while it promises ``HOLD_GAIN``: its own rounds keep
+(:meth:`BatchDraftPolicy.learn`), so a new request starts from its drafter's record. A
+step's cost is measured per batch shape ``(rows, width)`` as the lower quartile of its
+recent timings: another process on the host only ever adds time, so that tracks what the
+step itself costs, one noisy step moves nothing, and shapes timed at busy and at quiet
+moments compare fairly. The width chosen maximizes the expected tokens the step produces
+per second, plain decoding (width 0) included, so where a batch is large enough that
+verifying drafts costs more than they return, drafting goes off; drafting must beat plain
+decoding by ``CLEAR_GAIN``, for what the per-step estimate leaves out: switching back and
+forth, and costs timed at different moments of a host whose speed drifts. Drafting once chosen goes on while it promises ``HOLD_GAIN``: its own rounds keep
 its rows' estimates current, where a batch that stopped drafting learns nothing more of its
 rows until a look (a row's estimate, remembering a dozen positions, dips below the bar on a
 few rejections in a row, and at 64 tokens a request no look came before it ended).
@@ -115,18 +113,16 @@ def slowest_of(rows: int) -> float:
     return statistics.NormalDist().inv_cdf((rows - 0.375) / (rows + 0.25))
 
 
-def drift_factor(width: int, caps: Sequence[int], rates: Sequence[float | None],
-                 left: Sequence[int]) -> float:
-    """How many times the steps a draining batch takes at ``width`` (module docstring):
-    its drafting rows' slowest behind their mean, over the tokens they have left."""
-    drafting = [(expected_tokens(r, min(width, cap)), tokens_variance(r, min(width, cap)), n)
-                for cap, r, n in zip(caps, rates, left) if r is not None and min(width, cap)]
-    if len(drafting) < 2:
+def drift_factor(rounds: Sequence[tuple[float, float, int]]) -> float:
+    """How many times the steps a draining batch takes (module docstring): its drafting
+    rows' slowest behind their mean. ``rounds``: per drafting row, its expected tokens a
+    step, their variance and the tokens it has left."""
+    if len(rounds) < 2:
         return 1.0
-    mu = statistics.fmean(m for m, _, _ in drafting)
-    var = statistics.fmean(v for _, v, _ in drafting)
-    tokens = statistics.fmean(max(1, n) for _, _, n in drafting)
-    return 1.0 + slowest_of(len(drafting)) * math.sqrt(var / (mu * tokens))
+    mu = statistics.fmean(m for m, _, _ in rounds)
+    var = statistics.fmean(v for _, v, _ in rounds)
+    tokens = statistics.fmean(max(1, n) for _, _, n in rounds)
+    return 1.0 + slowest_of(len(rounds)) * math.sqrt(var / (mu * tokens))
 
 
 class BatchDraftPolicy:
@@ -236,12 +232,9 @@ class BatchDraftPolicy:
             if self._plain_unbeaten(costs, rows, rows - rates.count(None), best, gain):
                 width = 0
             else:
-                value = {w: self._throughput(costs[w], w, row_caps(), rates)
+                left = draining() if callable(draining) else draining
+                value = {w: self._throughput(costs[w], w, row_caps(), rates, left)
                          for w in candidates}
-                if draining is not None:
-                    left = draining() if callable(draining) else draining
-                    value = {w: v / drift_factor(w, row_caps(), rates, left) if w else v
-                             for w, v in value.items()}
                 width = max(candidates, key=value.__getitem__)
                 if width and value[width] < (1.0 + gain) * value[0]:
                     width = 0
@@ -376,12 +369,20 @@ class BatchDraftPolicy:
 
     @staticmethod
     def _throughput(cost: float | None, width: int, caps: Sequence[int],
-                    rates: Sequence[float | None]) -> float:
+                    rates: Sequence[float | None], left: Sequence[int] | None = None) -> float:
+        """Tokens a second at ``width``: the rows' expected tokens a step over the step's
+        cost and, for a draining batch (``left``: each row's tokens left), over the steps
+        its rows' drift adds (:func:`drift_factor`)."""
         if cost is None or cost <= 0:
             return 0.0
-        tokens = sum(expected_tokens(rate, min(width, cap)) if rate is not None else 1.0
-                     for cap, rate in zip(caps, rates))
-        return tokens / cost
+        tokens, rounds = 0.0, []
+        for b, (cap, rate) in enumerate(zip(caps, rates)):
+            k = min(width, cap) if rate is not None else 0
+            mu = expected_tokens(rate, k) if k else 1.0
+            tokens += mu
+            if k and left is not None:
+                rounds.append((mu, tokens_variance(rate, k), left[b]))
+        return tokens / cost / drift_factor(rounds)
 
 
 def _lengths(width: int, caps: Sequence[int], rates: Sequence[float | None]) -> list[int]:
