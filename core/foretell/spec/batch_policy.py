@@ -6,20 +6,21 @@ reads), estimated from its own recent rounds: a round that kept ``a`` of ``k`` d
 ``a + 1`` positions and kept ``a`` of them (``a`` of ``a`` where it kept all), since the
 verifier stops at the first rejection. (Counting ``a`` of ``k`` instead reads a row keeping
 1.27 of 2 drafts as 0.64 where it is 0.73, and the step's tokens 10% short.) The estimate is
-decayed (acceptance moves within a request, the start of a continuation being the hardest
-to guess), with a prior worth a few positions: what its drafter's earlier rows kept, decayed
+decayed (acceptance moves within a request, the start of a continuation being the hardest to
+guess), with a prior worth a few positions: what its drafter's earlier rows kept, decayed
 (:meth:`BatchDraftPolicy.learn`), so a new request starts from its drafter's record. A
 step's cost is measured per batch shape ``(rows, width)`` as the lower quartile of its
 recent timings: another process on the host only ever adds time, so that tracks what the
 step itself costs, one noisy step moves nothing, and shapes timed at busy and at quiet
-moments compare fairly. The width chosen maximizes the expected tokens the step produces
-per second, plain decoding (width 0) included, so where a batch is large enough that
-verifying drafts costs more than they return, drafting goes off; drafting must beat plain
-decoding by ``CLEAR_GAIN``, for what the per-step estimate leaves out: switching back and
-forth, and costs timed at different moments of a host whose speed drifts. Drafting once chosen goes on while it promises ``HOLD_GAIN``: its own rounds keep
-its rows' estimates current, where a batch that stopped drafting learns nothing more of its
-rows until a look (a row's estimate, remembering a dozen positions, dips below the bar on a
-few rejections in a row, and at 64 tokens a request no look came before it ended).
+moments compare fairly. The width chosen maximizes the expected tokens the step produces per
+second, plain decoding (width 0) included, so where a batch is large enough that verifying
+drafts costs more than they return, drafting goes off; drafting must beat plain decoding by
+``CLEAR_GAIN``, for what the per-step estimate leaves out: switching back and forth, and
+costs timed at different moments of a host whose speed drifts. Drafting once chosen goes on
+while it promises ``HOLD_GAIN``: its own rounds keep its rows' estimates current, where a
+batch that stopped drafting learns nothing more of its rows until a look (a row's estimate,
+remembering a dozen positions, dips below the bar on a few rejections in a row, and at 64
+tokens a request no look came before it ended).
 
 A batch that will not be refilled (no request waiting) ends with its slowest row: drafted
 rows keep their drafts unevenly, so they drift apart, and the batch's last steps run over
