@@ -380,13 +380,13 @@ class BatchStep:
             rolls_back = self._rolls_rows_back()  # once a step: it asks each layer
             return [self._cap(row, rolls_back) for row in rows]
 
+        def left() -> list[int]:
+            return [row.max_tokens - row.state.consumed - row.unread for row in rows]
+
         if not adaptive:
             return caps()
         # With no request waiting to take a finished row's place, the batch ends with its
         # slowest row: the policy weighs the drift drafting adds (batch_policy's docstring).
-        def left() -> list[int]:
-            return [row.max_tokens - row.state.consumed - row.unread for row in rows]
-
         draining = None if (self._waiting or self._prefilling or self._queued) else left
         return self._policy.choose(caps, rates, top, draining)  # each asked only if needed
 
