@@ -21,3 +21,21 @@ def identity(codecs):
         tokenizer_hash="tok-aaaa",
         codec_providers=[c.provider_id for c in codecs],
     )
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """``counted(module, name)``: the arguments of each call of ``module``'s function
+    ``name`` from then on (how many comparisons a lookup makes, say)."""
+
+    def count(module, name):
+        calls, function = [], getattr(module, name)
+
+        def counting(*args, **kwargs):
+            calls.append(args)
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+        return calls
+
+    return count

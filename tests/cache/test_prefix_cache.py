@@ -292,27 +292,15 @@ def held_entry(tokens):
                        min_offset=0)
 
 
-def counted(monkeypatch, name):
-    """The arguments of each call of the module's function ``name`` from now on."""
-    calls, function = [], getattr(prefix_module, name)
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return function(*args, **kwargs)
-
-    monkeypatch.setattr(prefix_module, name, counting)
-    return calls
-
-
 def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(
-        codecs, monkeypatch):
+        codecs, monkeypatch, counted):
     monkeypatch.setattr(prefix_module, "LRU_PROBE_FROM", 1000)
     ram = PrefixCache(codecs, max_bytes=1 << 30)
     for first in range(200):
         ram.hold(held_entry((first, 1, 2, 3)))
     for second in range(100):  # all tied at one token for the prompt below
         ram.hold(held_entry((500, second)))
-    compared = counted(monkeypatch, "common_prefix")
+    compared = counted(prefix_module, "common_prefix")
     entry, length = ram.best((120, 1, 9), "")
     assert (entry.tokens, length) == ((120, 1, 2, 3), 2)
     assert len(compared) <= 4
@@ -322,14 +310,14 @@ def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(
     assert len(compared) <= 4
 
 
-def test_a_long_tie_is_looked_for_in_the_lru_order_first(codecs, monkeypatch):
+def test_a_long_tie_is_looked_for_in_the_lru_order_first(codecs, counted):
     ram = PrefixCache(codecs, max_bytes=1 << 30)
     for second in range(100):  # one system prompt, then each its own conversation
         ram.hold(held_entry((500, 7, second)))
     for first in range(100):
         ram.hold(held_entry((first, 1, 2, 3)))
     ram.take(ram.best((500, 7, 0, 1), "")[0], 3)  # the oldest becomes the most recent
-    weighed = counted(monkeypatch, "usable_match")
+    weighed = counted(prefix_module, "usable_match")
     entry, length = ram.best((500, 7, 1000, 9), "")
     assert (entry.tokens, length) == ((500, 7, 1), 2)
     assert len(weighed) == 1

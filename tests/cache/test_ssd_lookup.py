@@ -290,26 +290,14 @@ def test_a_key_that_comes_back_with_other_tokens_is_found_by_the_new_ones():
     assert_in_step(index)
 
 
-def counted(monkeypatch, module, name):
-    """The arguments of each call of ``module``'s function ``name`` from now on."""
-    calls, function = [], getattr(module, name)
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return function(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counting)
-    return calls
-
-
-def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(monkeypatch):
+def test_a_lookup_compares_the_prompt_with_its_neighbours_not_with_every_entry(counted):
     layout = MemoryLayout()
     for first in range(300):
         layout.place(layout.key_for((first, 1, 2, 3)), (first, 1, 2, 3), "", (True, 0, None), 1)
     index = SsdIndex(layout, FACT_CODECS, max_bytes=1 << 30)
     index.scan()
-    compared = counted(monkeypatch, prefix_module, "common_prefix")
-    served = counted(monkeypatch, ssd_module, "can_serve")
+    compared = counted(prefix_module, "common_prefix")
+    served = counted(ssd_module, "can_serve")
     assert facts(index.find((120, 1, 9), "")[0]) == (layout.key_for((120, 1, 2, 3)),
                                                      (120, 1, 2, 3))
     assert len(compared) <= 4
