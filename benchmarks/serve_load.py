@@ -136,15 +136,18 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
             await request(queue.pop(), first_wave=first)
             first = False
 
-    if warm:
-        await asyncio.wait_for(asyncio.gather(*map(request, warm)), timeout)
-        # Untimed, uncounted; a failure stays counted (the server failed a request).
-        ttfts.clear()
-        gaps.clear()
-        counts.clear()
-    started = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout)
-    wall = time.perf_counter() - started
+    try:
+        if warm:
+            await asyncio.wait_for(asyncio.gather(*map(request, warm)), timeout)
+            # Untimed, uncounted; a failure stays counted (the server failed a request).
+            ttfts.clear()
+            gaps.clear()
+            counts.clear()
+        started = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout)
+        wall = time.perf_counter() - started
+    finally:
+        await client.close()  # in this loop: closed after it ends, it raised at exit
     return {"concurrency": concurrency, "requests": len(counts), "failed": len(failed),
             "prompts_ran_out": bool(seconds) and not queue,
             "seconds": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
