@@ -494,6 +494,9 @@ class BatchStep:
             # The hidden states only where a row keeps them: MLX then skips what nothing
             # reads (the last layer's output for these positions), as prefill() does.
             mx.eval([c.state for row in rows for c in row.state.caches], kept)
+            if not any(row.todo for row in rows):
+                # All join the batch this step: as the shared batch's rows (Scheduler._join).
+                self._merging = (rows, shared)
         except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
             self._fail(rows, exc)
         release_buffers()

@@ -31,7 +31,7 @@ import mlx.core as mx
 from foretell import request as request_module
 from foretell.batch_step import BatchStep
 from foretell.errors import ForetellError, GenerationError, QueueFull
-from foretell.model.batch import SoloCache, batch_caches, batches, default_kv_budget
+from foretell.model.batch import BatchKVCache, SoloCache, batch_caches, batches, default_kv_budget
 from foretell.model.kvcache import trim_all
 from foretell.platform import device
 from foretell.request import Progress, RequestState, prefill
@@ -172,6 +172,8 @@ class Scheduler(BatchStep):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._token_bytes: int | None = None
+        #: Rows a shared prefill left all joining now, and its batch caches (_join merges them).
+        self._merging: tuple[list[_Row], list[Any]] | None = None
         #: No batch holds this model's caches (None: not known yet); its batch trims rows.
         self._solo: bool | None = None
         self._trims_rows = True
@@ -469,13 +471,23 @@ class Scheduler(BatchStep):
             self._join(joining)
 
     def _join(self, joining: list[_Row]) -> None:
+        merging, self._merging = self._merging, None
         try:
             if self._batch is None:
                 self._batch = [SoloCache() for _ in joining[0].state.caches] if joining[0].solo \
                     else batch_caches(self.engine.model, bits=self.engine.kv_bits,
                                       group_size=self.engine.kv_group_size)
+            merged = []
+            if merging is not None and all(row in joining for row in merging[0]) and all(
+                    isinstance(c, BatchKVCache) for c in (*self._batch, *merging[1])):
+                merged = merging[0]  # a shared prefill's rows: its batch merges in whole
+                joining = [row for row in joining if row not in merged] + merged
             for layer, cache in enumerate(self._batch):
-                cache.append([row.state.caches[layer] for row in joining])
+                alone = joining[: len(joining) - len(merged)]
+                if alone:
+                    cache.append([row.state.caches[layer] for row in alone])
+                if merged:
+                    cache.merge(merging[1][layer])
         except Exception as exc:  # noqa: BLE001 - a half-joined batch cannot go on
             self._fail([*self._rows, *joining], exc)
             self._rows, self._batch, self._groups, self._tokens = [], None, {}, None

@@ -14,6 +14,7 @@ from foretell.cache.codecs import load_codecs
 from foretell.cache.tier import CacheTier
 from foretell.config import SamplingConfig
 from foretell.errors import GenerationError
+from foretell.model.batch import BatchKVCache
 from foretell.scheduler import Scheduler
 from foretell.tools import make_model_dir
 
@@ -348,6 +349,13 @@ def test_prompts_arriving_together_are_prefilled_in_one_forward(engine, monkeypa
         return forward(tokens, caches, *args, **kwargs)
 
     monkeypatch.setattr(engine.model, "forward", watched)
+    merge, merged = BatchKVCache.merge, []
+
+    def merging(cache, other):
+        merged.append(other.rows)
+        return merge(cache, other)
+
+    monkeypatch.setattr(BatchKVCache, "merge", merging)
     first = scheduler.submit(PROMPTS[0], max_tokens=12, ignore_eos=True)
     assert held.wait(timeout=60)
     together = [scheduler.submit(p, max_tokens=n, ignore_eos=True)
@@ -360,6 +368,8 @@ def test_prompts_arriving_together_are_prefilled_in_one_forward(engine, monkeypa
     windowed = any(getattr(c, "max_size", None) is not None for c in engine.make_caches())
     if not windowed:  # a sliding-window model prefills each prompt alone (its own window)
         assert (len(PROMPTS) - 1, max(lengths)) in shared
+        # ... and they join the running batch as the shared batch's rows, merged in whole.
+        assert len(PROMPTS) - 1 in merged
     for prompt, n, got in zip(PROMPTS, [12, 9, 14, 6], outputs):
         assert got == alone(engine, prompt, max_tokens=n, ignore_eos=True)[0]
     scheduler.close()

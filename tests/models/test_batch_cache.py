@@ -142,3 +142,42 @@ def test_rows_that_joined_empty_keep_their_place_when_a_filled_row_joins(model):
     logits = model.logits(hidden)[:, -1]
     close(logits[0], alone(model, [9])[1])
     close(logits[1], alone(model, PROMPTS[1])[1])
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("running", [0, 1, 2])
+def test_a_batch_merged_in_holds_what_its_rows_appended_one_by_one_hold(bits, running):
+    """merge() adds another batch's rows (a shared prefill's, padding trimmed, slots past
+    each row's length stale) as appending their extracted rows does, to a batch with rows,
+    with only empty rows, or with none: every row's tokens, lengths and starts alike."""
+    def batch(rows: list[int]) -> BatchKVCache:
+        rng = np.random.default_rng(len(rows))  # a batch built twice holds the same keys
+
+        def keys(n: int) -> mx.array:
+            return mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32))
+
+        cache = BatchKVCache(bits=bits)
+        cache.append([None] * len(rows))
+        width = max(rows, default=0)
+        if width:  # one update of the widest row's length, then each row trimmed to its own
+            cache.update_and_fetch(mx.concatenate([keys(width) for _ in rows]),
+                                   mx.concatenate([keys(width) for _ in rows]))
+            cache.trim([width - n for n in rows])
+        return cache
+
+    base = [9, 3][:running] if running != 1 else [0]
+    shared = batch([7, 300, 2])  # 300: past the 256-slot step, wider than the running batch
+    merged, appended = batch(base), batch(base)
+    appended.append([shared.extract(b) for b in range(shared.rows)])
+    merged.merge(shared)
+    assert (merged.lengths, merged.starts) == (appended.lengths, appended.starts)
+    for b in range(merged.rows):
+        mine, theirs = merged.extract(b), appended.extract(b)
+        assert mine.offset == theirs.offset
+        for x, y in zip(mine.state, theirs.state):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_merging_batches_of_different_kv_bits_is_refused():
+    with pytest.raises(ValueError, match="KV bits"):
+        BatchKVCache().merge(BatchKVCache(bits=8))

@@ -149,6 +149,41 @@ class BatchKVCache:
         self.lengths += [0 if keys is None else keys[0].shape[2] for _, keys, _ in states]
         self._device = None
 
+    def merge(self, other: BatchKVCache) -> None:
+        """Add every row of ``other`` (a batch cache of this layer's kind), after these: one
+        pad and one concatenation per part, where :meth:`append` of its rows one by one
+        takes three operations a row (on a GPU each is a kernel launched from the host)."""
+        if (other.window, other.bits, other.group_size) != (self.window, self.bits,
+                                                            self.group_size):
+            raise ValueError("cannot merge batch caches of different windows or KV bits")
+        if other._k is None or not other.rows:
+            if any(other.starts):
+                raise ValueError("cannot merge rows that hold no tokens past their start")
+            self.append([None] * other.rows)
+            return
+        capacity = max(_capacity(max([0, *self.lengths, *other.lengths]), self.step),
+                       self._k[0].shape[2] if self._k is not None else 0)
+        self._resize(capacity)
+        theirs = (other._k, other._v)
+        if self._k is None and self.rows:  # rows that joined empty get their slots now
+            self._k, self._v = (tuple(mx.zeros((self.rows, *x.shape[1:2], capacity, x.shape[3]),
+                                               x.dtype) for x in parts) for parts in theirs)
+
+        def fit(x: mx.array, like: mx.array | None) -> mx.array:
+            have = x.shape[2]  # a row's slots past its length are stale: never read
+            x = x[..., :capacity, :] if have >= capacity else mx.pad(
+                x, [(0, 0), (0, 0), (0, capacity - have), (0, 0)])
+            return x if like is None else x.astype(like.dtype)
+
+        ours = (self._k, self._v) if self._k is not None else (None, None)
+        self._k, self._v = (
+            tuple(fit(x, None) if mine is None else mx.concatenate([mine[i], fit(x, mine[i])])
+                  for i, x in enumerate(parts))
+            for mine, parts in zip(ours, theirs))
+        self.starts += other.starts
+        self.lengths += other.lengths
+        self._device = None
+
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (indices, in the new order)."""
         keep = list(keep)
