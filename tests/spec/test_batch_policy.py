@@ -123,6 +123,7 @@ def test_a_row_count_never_measured_borrows_the_nearest_ones_relative_cost():
     policy.observe(4, 4, 1.0)  # a switch back, untimed
     policy.observe(4, 4, 1.5)
     policy.observe(3, 0, 0.8)
+    policy.observe(3, 0, 0.8)  # plain decoding timed once is timed again before it weighs
     assert policy.cost(3, 4) == 0.8 * 1.5
     assert policy.cost(3, 2) == 0.8 * 1.25  # nobody measured width 2: half width 4's share
     assert policy.cost(5, 4) == 1.5  # nor plain decoding over 5 rows: 4 rows' plain step
@@ -141,9 +142,9 @@ def test_no_wider_width_is_tried_once_a_narrower_one_cannot_pay_and_it_is_retrie
     chosen = run(policy, [4] * 16, [0.5] * 16, lambda rows, w: 1.0 + w, 2000)
     assert 4 not in chosen  # width 2 could not pay even at 0.65: 4 is never measured
     drafted = [i for i, w in enumerate(chosen) if w]
-    # Width 2's first look is two steps (the switch back untimed), then it waits
-    # HOPELESS_SLOWER times longer than a width that might pay.
-    assert drafted[:2] == [1, 2]
+    # After plain decoding's two timings, width 2's first look is two steps (the switch
+    # back untimed), then it waits HOPELESS_SLOWER times longer than a width that might pay.
+    assert drafted[:2] == [2, 3]
     assert len(drafted) > 2
     assert all(b - a >= HOPELESS_SLOWER * REPROBE - 2 for a, b in zip(drafted[1::2],
                                                                     drafted[2::2]))
@@ -241,10 +242,11 @@ def test_a_wider_width_the_narrower_ones_cost_says_cannot_win_is_never_probed():
 def test_an_estimated_width_that_would_win_is_measured_and_kept():
     policy = BatchDraftPolicy()
     # Verifying is cheap here (width 4 costs 1.3 plain steps) and rows keep 80% of their
-    # drafts: width 2 is measured, width 4 estimated from it to win, then measured winning.
+    # drafts: plain decoding is timed twice, width 2 measured, width 4 estimated from it to
+    # win, then measured winning.
     chosen = run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 20)
-    assert chosen[:4] == [0, 2, 2, 4]
-    assert chosen[4:] == [4] * 16
+    assert chosen[:5] == [0, 0, 2, 2, 4]
+    assert chosen[5:] == [4] * 15
 
 
 def test_drafting_once_chosen_goes_on_while_it_still_pays():
@@ -433,3 +435,19 @@ def test_a_plain_choice_never_works_out_the_rows_caps():
         widths.append(width)
     assert widths.count(0) >= 190
     assert len(asked) == sum(1 for w in widths if w)  # asked only for drafted steps
+
+
+def test_plain_decoding_timed_once_is_timed_again_before_drafting_is_weighed_against_it():
+    """A shape's first step on a GPU may compile its kernels (H100: a plain step over 4
+    rows timed 6.4 ms, the next 0.9 ms): plain decoding measured once over a row count is
+    measured again before a drafted width is weighed against it, so a one-off never makes
+    drafting at 5 ms a step look cheap."""
+    policy = BatchDraftPolicy()
+    compiling = iter([6.4])
+
+    def cost(rows: int, width: int) -> float:
+        return 5.0 if width else next(compiling, 0.9)
+
+    chosen = run(policy, [4] * 4, [0.85] * 4, cost, 12)
+    assert chosen[:2] == [0, 0]  # measured, then measured again
+    assert chosen[-6:] == [0] * 6  # width 2 (measured once, at 5 ms) lost to 0.9 ms

@@ -43,6 +43,8 @@ estimate is the best; only where no plain or no drafted step was ever measured i
 narrowest width tried blind. So a wide width that the narrow one's cost says cannot win is
 not probed at a request's start: on a CPU each probe step at a large batch costs several
 plain steps, and a batch of equal requests ends with its slowest row.
+Plain decoding timed once over a row count is timed again before anything is weighed
+against it: on a GPU a shape's first step may compile its kernels.
 
 Widths not chosen are looked at again, so a change in the batch or the text is noticed, but
 spaced so that what a look may lose (two steps at its cost above the chosen width's) stays
@@ -294,9 +296,11 @@ class BatchDraftPolicy:
 
     def _blind(self, rows: int, candidates: list[int]) -> int | None:
         """The width to measure because nothing can be estimated without it: plain
-        decoding, where it was never measured, then, where no drafted step was ever
-        measured, the narrowest drafted width."""
-        if self.cost(rows, 0) is None:
+        decoding, where it was never measured or only once over these rows (a shape's first
+        step on a GPU may compile its kernels: one plain step over 4 rows timed 6.4 ms where
+        the next took 0.9, and drafting at 5 ms a step ran on against it), then, where no
+        drafted step was ever measured, the narrowest drafted width."""
+        if self.cost(rows, 0) is None or len(self._times.get((rows, 0), ())) == 1:
             return 0
         drafted = [w for w in candidates if w]
         if drafted and self.cost(rows, drafted[0]) is None:
