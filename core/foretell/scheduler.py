@@ -469,6 +469,7 @@ class Scheduler(BatchStep):
             self._prefilling.remove(row)
         if joining:
             self._join(joining)
+        self._merging = None  # (rows whose prefill failed left it unjoined)
 
     def _join(self, joining: list[_Row]) -> None:
         merging, self._merging = self._merging, None
@@ -482,8 +483,8 @@ class Scheduler(BatchStep):
                     isinstance(c, BatchKVCache) for c in (*self._batch, *merging[1])):
                 merged = merging[0]  # a shared prefill's rows: its batch merges in whole
                 joining = [row for row in joining if row not in merged] + merged
+            alone = joining[: len(joining) - len(merged)]
             for layer, cache in enumerate(self._batch):
-                alone = joining[: len(joining) - len(merged)]
                 if alone:
                     cache.append([row.state.caches[layer] for row in alone])
                 if merged:

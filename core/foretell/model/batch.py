@@ -166,7 +166,7 @@ class BatchKVCache:
         self._resize(capacity)
         theirs = (other._k, other._v)
         if self._k is None and self.rows:  # rows that joined empty get their slots now
-            self._k, self._v = (tuple(mx.zeros((self.rows, *x.shape[1:2], capacity, x.shape[3]),
+            self._k, self._v = (tuple(mx.zeros((self.rows, x.shape[1], capacity, x.shape[3]),
                                                x.dtype) for x in parts) for parts in theirs)
 
         def fit(x: mx.array, like: mx.array | None) -> mx.array:
