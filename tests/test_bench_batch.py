@@ -20,3 +20,33 @@ def test_each_batch_size_is_warmed_up_once_before_its_first_timed_run():
     assert results == [{"decode_tps": b} for b in (1.0, 4.0, 4.0, 16.0)]
     # The warm-up runs as long as the timed run: a speculating side's probes draft there.
     assert calls == [(1, 64), (1, 64), (4, 64), (4, 64), (4, 64), (16, 64), (16, 64)]
+
+
+def test_the_bench_says_which_batch_size_it_is_warming_before_its_figures(monkeypatch):
+    """Each batch size is announced before its sides run (a fresh GPU host compiles kernels
+    for minutes during the warm-up: silence would read as a hang), then its row."""
+    from foretell.tools import bench_batch
+
+    order = []
+
+    class Side:
+        def __init__(self, argv):
+            self.name = argv[1]
+
+        def run(self, job):
+            order.append(("run", len(job["prompts"])))
+            return {"decode_tps": 1.0, "total_tps": 1.0, "ttft_p50_s": 0.0,
+                    "ttft_p99_s": 0.0, "tokens": 1.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_batch, "_Side", Side)
+    monkeypatch.setattr(bench_batch, "prompts_for", lambda model, b, n, seed: [[1]] * b)
+    bench_batch.run_batch_bench(
+        "model", batches=[1, 4], prompt_tokens=8, max_tokens=4, repeats=1, drafts=[None],
+        draft_model=None, k=4, float32_mlx_lm=False,
+        progress=lambda line: order.append(("said", line.split("|")[0].strip(),
+                                            "warming" in line)))
+    assert order == [("said", "B=  1", True), ("run", 1), ("run", 1), ("said", "B=  1", False),
+                     ("said", "B=  4", True), ("run", 4), ("run", 4), ("said", "B=  4", False)]

@@ -222,6 +222,10 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
     rows = []
     try:
         for batch in batches:
+            # Before anything is timed each side warms up at this B: on a fresh GPU host its
+            # kernels compile then, minutes in all, and silence would read as a hang.
+            progress(f"B={batch:>3} | warming up, then {repeats} timed run(s) on each of "
+                     f"{len(sides)} sides ...")
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
             for r in range(repeats):
                 job = {"prompts": prompts_for(model, batch, prompt_tokens, 1000 * batch + r),
