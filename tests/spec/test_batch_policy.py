@@ -451,3 +451,35 @@ def test_plain_decoding_timed_once_is_timed_again_before_drafting_is_weighed_aga
     chosen = run(policy, [4] * 4, [0.85] * 4, cost, 12)
     assert chosen[:2] == [0, 0]  # measured, then measured again
     assert chosen[-6:] == [0] * 6  # width 2 (measured once, at 5 ms) lost to 0.9 ms
+
+
+def test_a_plain_choice_stands_a_few_steps_for_the_same_rows_and_estimates(monkeypatch):
+    """A plain choice over unchanged rows and estimates is not worked out again for
+    PLAIN_HOLD steps (idle drafter rows' choice cost a host-bound GPU step ~5%): the same
+    choices and the same looks as working it out every step, a fraction of the work; new
+    estimates end the hold at once."""
+    from foretell.spec import batch_policy
+
+    def decide(hold: int, steps: int = 400) -> tuple[list[int], int]:
+        monkeypatch.setattr(batch_policy, "PLAIN_HOLD", hold)
+        policy = BatchDraftPolicy()
+        worked = []
+        unbeaten = policy._plain_unbeaten
+        monkeypatch.setattr(policy, "_plain_unbeaten",
+                            lambda *args: worked.append(1) or unbeaten(*args))
+        chosen = []
+        for _ in range(steps):  # as the scheduler asks: its drafters' top length given
+            width = max(policy.choose([4] * 16, [0.5] * 16, 4))
+            policy.observe(16, width, 1.0 + width)
+            chosen.append(width)
+        return chosen, len(worked)
+
+    held, work_held = decide(4)
+    every, work_every = decide(0)
+    assert held == every and 2 in held  # looks at width 2 included
+    assert work_held < work_every / 3
+
+    policy = BatchDraftPolicy()
+    run(policy, [4] * 4, [0.1] * 4, lambda rows, w: 1.0 + 0.05 * w, 8)
+    assert max(policy.choose([4] * 4, [0.1] * 4, 4)) == 0
+    assert max(policy.choose([4] * 4, [0.95] * 4, 4)) > 0
