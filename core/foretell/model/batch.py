@@ -126,15 +126,8 @@ class BatchKVCache:
         filled = [(k, v) for _, k, v in states if k is not None]
         like = (self._k, self._v) if self._k is not None else (filled[0] if filled else None)
         if like is not None:
-            longest = max([0, *self.lengths, *(k[0].shape[2] for k, _ in filled)])
-            # Never below the buffers' own: rolled-back drafts and fixed-shape forwards
-            # (whole capacity steps) leave more slots than the longest row needs.
-            capacity = max(_capacity(longest, self.step),
-                           self._k[0].shape[2] if self._k is not None else 0)
-            self._resize(capacity)
-            if self._k is None and self.rows:  # rows that joined empty get their slots now
-                self._k, self._v = (tuple(mx.zeros((self.rows, x.shape[1], capacity, x.shape[3]),
-                                                   x.dtype) for x in parts) for parts in like)
+            capacity = self._make_room(
+                max([0, *self.lengths, *(k[0].shape[2] for k, _ in filled)]), like)
             old = (self._k, self._v) if self._k is not None else ((), ())
             joined = []
             for which in (0, 1):
@@ -161,13 +154,8 @@ class BatchKVCache:
                 raise ValueError("cannot merge rows that hold no tokens past their start")
             self.append([None] * other.rows)
             return
-        capacity = max(_capacity(max([0, *self.lengths, *other.lengths]), self.step),
-                       self._k[0].shape[2] if self._k is not None else 0)
-        self._resize(capacity)
         theirs = (other._k, other._v)
-        if self._k is None and self.rows:  # rows that joined empty get their slots now
-            self._k, self._v = (tuple(mx.zeros((self.rows, x.shape[1], capacity, x.shape[3]),
-                                               x.dtype) for x in parts) for parts in theirs)
+        capacity = self._make_room(max([0, *self.lengths, *other.lengths]), theirs)
 
         def fit(x: mx.array, like: mx.array | None) -> mx.array:
             have = x.shape[2]  # a row's slots past its length are stale: never read
@@ -183,6 +171,19 @@ class BatchKVCache:
         self.starts += other.starts
         self.lengths += other.lengths
         self._device = None
+
+    def _make_room(self, longest: int, like: tuple[tuple[mx.array, ...], ...]) -> int:
+        """Buffers of room for ``longest`` tokens a row, the slots of rows that joined
+        empty made now (shaped as ``like``'s keys and values parts); returns the capacity.
+        Never below the buffers' own: rolled-back drafts and fixed-shape forwards (whole
+        capacity steps) leave more slots than the longest row needs."""
+        capacity = max(_capacity(longest, self.step),
+                       self._k[0].shape[2] if self._k is not None else 0)
+        self._resize(capacity)
+        if self._k is None and self.rows:
+            self._k, self._v = (tuple(mx.zeros((self.rows, x.shape[1], capacity, x.shape[3]),
+                                               x.dtype) for x in parts) for parts in like)
+        return capacity
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (indices, in the new order)."""
