@@ -470,13 +470,17 @@ class BatchStep:
         return all(isinstance(cache, KVCache) and getattr(cache, "max_size", None) is None
                    for cache in row.state.caches)
 
-    def _prefill_together(self, chunks: list[tuple[_Row, list[int]]]) -> None:
+    def _prefill_together(self, chunks: list[tuple[_Row, list[int]]]
+                          ) -> tuple[list[_Row], list[Any]] | None:
         """Several rows' prompt chunks in one forward (the prompts padded to the longest,
         the padding trimmed off each row), each row then holding its own caches again, as
         a prefill of its own leaves them, and a row whose drafter reads hidden states its
         chunk's (the padding's left out); on CPUs a wide forward uses the matrix units
-        better than several narrow ones."""
+        better than several narrow ones. Returns the rows and the shared batch caches
+        where every row's prompt is in (they join the batch as that batch, merged whole),
+        else None."""
         rows = [row for row, _ in chunks]
+        joins = None
         try:
             shared = batch_caches(self.engine.model, bits=self.engine.kv_bits,
                                   group_size=self.engine.kv_group_size)
@@ -495,11 +499,11 @@ class BatchStep:
             # reads (the last layer's output for these positions), as prefill() does.
             mx.eval([c.state for row in rows for c in row.state.caches], kept)
             if not any(row.todo for row in rows):
-                # All join the batch this step: as the shared batch's rows (Scheduler._join).
-                self._merging = (rows, shared)
+                joins = (rows, shared)
         except Exception as exc:  # noqa: BLE001 - these requests fail, not the others
             self._fail(rows, exc)
         release_buffers()
+        return joins
 
 
 def _draft_error(group: DraftGroup, what: str, exc: BaseException) -> BaseException:

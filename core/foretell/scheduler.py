@@ -172,8 +172,6 @@ class Scheduler(BatchStep):
         self._thread: threading.Thread | None = None
         self._closing = False
         self._token_bytes: int | None = None
-        #: Rows a shared prefill left all joining now, and its batch caches (_join merges them).
-        self._merging: tuple[list[_Row], list[Any]] | None = None
         #: No batch holds this model's caches (None: not known yet); its batch trims rows.
         self._solo: bool | None = None
         self._trims_rows = True
@@ -444,8 +442,9 @@ class Scheduler(BatchStep):
             budget -= len(chunk)
             chunks.append((row, chunk))
         together = [(row, chunk) for row, chunk in chunks if self._shares_prefill(row)]
+        shared = None
         if len(together) > 1:
-            self._prefill_together(together)
+            shared = self._prefill_together(together)
         else:
             together = []
         for row, chunk in chunks:
@@ -468,27 +467,29 @@ class Scheduler(BatchStep):
         for row in joining:
             self._prefilling.remove(row)
         if joining:
-            self._join(joining)
-        self._merging = None  # (rows whose prefill failed left it unjoined)
+            self._join(joining, shared)
 
-    def _join(self, joining: list[_Row]) -> None:
-        merging, self._merging = self._merging, None
+    def _join(self, joining: list[_Row],
+              shared: tuple[list[_Row], list[Any]] | None = None) -> None:
+        """Rows whose prompts are in join the batch; ``shared``: rows of a shared prefill
+        and its batch caches, merged in whole where all of them join
+        (:meth:`_prefill_together`)."""
         try:
             if self._batch is None:
                 self._batch = [SoloCache() for _ in joining[0].state.caches] if joining[0].solo \
                     else batch_caches(self.engine.model, bits=self.engine.kv_bits,
                                       group_size=self.engine.kv_group_size)
             merged = []
-            if merging is not None and all(row in joining for row in merging[0]) and all(
-                    isinstance(c, BatchKVCache) for c in (*self._batch, *merging[1])):
-                merged = merging[0]  # a shared prefill's rows: its batch merges in whole
+            if shared is not None and all(row in joining for row in shared[0]) and all(
+                    isinstance(c, BatchKVCache) for c in (*self._batch, *shared[1])):
+                merged = shared[0]
                 joining = [row for row in joining if row not in merged] + merged
             alone = joining[: len(joining) - len(merged)]
             for layer, cache in enumerate(self._batch):
                 if alone:
                     cache.append([row.state.caches[layer] for row in alone])
                 if merged:
-                    cache.merge(merging[1][layer])
+                    cache.merge(shared[1][layer])
         except Exception as exc:  # noqa: BLE001 - a half-joined batch cannot go on
             self._fail([*self._rows, *joining], exc)
             self._rows, self._batch, self._groups, self._tokens = [], None, {}, None
