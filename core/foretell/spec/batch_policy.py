@@ -65,6 +65,7 @@ chosen once more and that step is timed, as the single-request policy does.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import statistics
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -115,6 +116,7 @@ def tokens_variance(rate: float, k: int) -> float:
     return sum((2 * i - 1) * rate**i for i in range(1, k + 1)) - mean * mean
 
 
+@functools.cache  # a pure function of the row count, asked per width every drafting step
 def slowest_of(rows: int) -> float:
     """The expected largest of ``rows`` standard normals (Blom's approximation; 0 for one)."""
     if rows < 2:
