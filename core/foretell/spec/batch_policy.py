@@ -42,18 +42,18 @@ batch whose rows finish apart, set off no probes). An estimated width is measure
 estimate is the best; only where no plain or no drafted step was ever measured is the
 narrowest width tried blind. So a wide width that the narrow one's cost says cannot win is
 not probed at a request's start: on a CPU each probe step at a large batch costs several
-plain steps, and a batch of equal requests ends with its slowest row.
-Plain decoding timed once over a row count is timed again before anything is weighed
-against it: on a GPU a shape's first step may compile its kernels.
-A plain choice over the same rows and estimates stands for ``PLAIN_HOLD`` steps (never past
-a look's due step) without being worked out again: on a host-bound GPU step it cost ~5%.
+plain steps, and a batch of equal requests ends with its slowest row. Plain decoding timed
+once over a row count is timed again before anything is weighed against it: on a GPU a
+shape's first step may compile its kernels.
 
 Widths not chosen are looked at again, so a change in the batch or the text is noticed, but
 spaced so that what a look may lose (two steps at its cost above the chosen width's) stays
 under ``LOOK_SHARE`` of the steps between looks, and never closer than ``REPROBE`` steps; a
 width whose looks keep losing is looked at half as often each time (up to ``MAX_BACKOFF``),
 one that could not pay even at the best row's hopes ``HOPELESS_SLOWER`` times less, and none
-wider than one that could not pay.
+wider than one that could not pay. A plain choice over the same rows and estimates stands
+``PLAIN_HOLD`` steps (never past a look's due step) without being worked out again: on a
+host-bound GPU step working it out cost ~5%.
 
 A step right after a change of kind is not timed: a drafted step after plain ones also pays
 for switching back (a model drafter catches up on every plain token since its last draft),
