@@ -105,6 +105,7 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
     queue = list(reversed(prompts))
     ttfts, burst, gaps, counts, failed = [], [], [], [], []
+    walls, tails = [], []  # a request's whole time; its last text chunk to the stream's end
 
     async def request(prompt: str, first_wave: bool = False) -> None:
         sent = time.perf_counter()
@@ -128,7 +129,11 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
         except openai.APIError as exc:  # counted and reported, not a crash of the level
             failed.append(type(exc).__name__)
             return
+        ended = time.perf_counter()
         counts.append(used)
+        walls.append(ended - sent)
+        if last is not None:
+            tails.append(ended - last)
 
     async def worker() -> None:
         first = True
@@ -140,9 +145,8 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
         if warm:
             await asyncio.wait_for(asyncio.gather(*map(request, warm)), timeout)
             # Untimed, uncounted; a failure stays counted (the server failed a request).
-            ttfts.clear()
-            gaps.clear()
-            counts.clear()
+            for kept in (ttfts, gaps, counts, walls, tails):
+                kept.clear()
         started = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout)
         wall = time.perf_counter() - started
@@ -153,7 +157,10 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
             "seconds": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
             "ttft_first_wave_max_s": max(burst, default=0.0),
-            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99)}
+            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
+            "itl_mean_s": sum(gaps) / max(len(gaps), 1),
+            "request_mean_s": sum(walls) / max(len(walls), 1),
+            "tail_p50_s": percentile(tails, 0.5), "tail_p99_s": percentile(tails, 0.99)}
 
 
 def compute_floor(model: Path, levels: list[int], prompt_tokens: int, repeats: int
@@ -275,7 +282,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name:9s} c={c:2d}  {row['requests']:4d} req  {row['tokens_per_s']:7.1f} "
                       f"tok/s  TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} s "
                       f"(first wave max {row['ttft_first_wave_max_s']:.3f})  ITL p50 "
-                      f"{row['itl_p50_s'] * 1e3:.1f} p99 {row['itl_p99_s'] * 1e3:.1f} ms"
+                      f"{row['itl_p50_s'] * 1e3:.1f} p99 {row['itl_p99_s'] * 1e3:.1f} mean "
+                      f"{row['itl_mean_s'] * 1e3:.1f} ms  request {row['request_mean_s'] * 1e3:.0f}"
+                      f" ms (last token to end p50 {row['tail_p50_s'] * 1e3:.1f} ms)"
                       + (f"  {row['failed']} failed" if row["failed"] else "")
                       + ("  (ran out of prompts)" if row["prompts_ran_out"] else ""),
                       flush=True)

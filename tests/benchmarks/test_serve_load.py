@@ -36,6 +36,9 @@ def test_a_warmed_level_counts_only_its_own_requests(served):
     assert completions_served(url) - before == len(prompts) + 2  # the warm-up wave was sent
     assert row["requests"] == len(prompts) and row["failed"] == 0  # and not counted
     assert 0 < row["ttft_first_wave_max_s"] <= row["ttft_p99_s"]
+    # A request's whole time holds its first token and the gaps after it.
+    assert row["request_mean_s"] >= row["ttft_p50_s"] * 0.5 + row["itl_mean_s"]
+    assert 0 <= row["tail_p50_s"] <= row["tail_p99_s"] < row["request_mean_s"]
 
 
 def test_a_timed_level_keeps_sending_until_its_seconds_are_up(served):
