@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -220,16 +221,9 @@ class RequestHandle:
         the loop's executor)."""
         import asyncio
 
-        loop = asyncio.get_running_loop()
         ready = asyncio.Event()
-
-        def wakeup() -> None:
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the loop closed while this request ran on
-                pass
-
-        self._wakeup = wakeup
+        waker = _LoopWaker.of(asyncio.get_running_loop())
+        self._wakeup = lambda: waker.wake(ready)
         try:
             while True:
                 ready.clear()  # before the check: an item queued after it sets it again
@@ -262,6 +256,49 @@ class RequestHandle:
         wakeup = self._wakeup
         if wakeup is not None:
             wakeup()
+
+
+class _LoopWaker:
+    """Wakes an event loop's waiting streams from the worker's thread with one call into
+    the loop for all that became ready before it ran, not one per row: a batch step queues
+    an item for each of its rows, and each ``call_soon_threadsafe`` writes to the loop's
+    wake-up pipe while holding the interpreter the worker needs for its next step."""
+
+    def __init__(self, loop: Any) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: set[Any] = set()
+        self._called = False  # a call into the loop is on its way
+
+    @staticmethod
+    def of(loop: Any) -> _LoopWaker:
+        waker = _WAKERS.get(loop)
+        if waker is None:
+            waker = _WAKERS[loop] = _LoopWaker(loop)
+        return waker
+
+    def wake(self, ready: Any) -> None:
+        with self._lock:
+            self._ready.add(ready)
+            if self._called:
+                return
+            self._called = True
+        try:
+            self._loop.call_soon_threadsafe(self._set)
+        except RuntimeError:  # the loop closed while its requests ran on
+            with self._lock:
+                self._ready.clear()
+                self._called = False
+
+    def _set(self) -> None:
+        with self._lock:
+            ready, self._ready, self._called = self._ready, set(), False
+        for event in ready:
+            event.set()
+
+
+#: Each event loop's waker; a closed loop's goes with it.
+_WAKERS: weakref.WeakKeyDictionary[Any, _LoopWaker] = weakref.WeakKeyDictionary()
 
 
 def merged(handles: Sequence[RequestHandle]) -> Iterator[tuple[int, Event]]:

@@ -1,0 +1,63 @@
+"""``RequestHandle.events`` on an event loop: the worker's thread wakes the loop's waiting
+streams with one call into the loop for every stream that became ready before it ran."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from foretell.stream import END, RequestHandle
+
+
+def test_one_call_into_the_loop_wakes_every_stream_a_step_made_ready():
+    handles = [RequestHandle(lambda: None, 1) for _ in range(8)]
+    calls = []
+
+    async def main() -> list[list[str]]:
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a, **k: (calls.append(a), real(*a, **k))[1]
+
+        async def read(handle: RequestHandle) -> list[str]:
+            return [item async for item in handle.events()]
+
+        readers = [asyncio.ensure_future(read(h)) for h in handles]
+        await asyncio.sleep(0.05)  # every reader waits
+
+        def step() -> None:  # a batch step: an item for each row, then each row ends
+            for h in handles:
+                h._put("token")
+            for h in handles:
+                h._put(END)
+
+        worker = threading.Thread(target=step)
+        worker.start()
+        worker.join()  # the loop is not running meanwhile: nothing woke it yet
+        return await asyncio.gather(*readers)
+
+    got = asyncio.run(main())
+    assert got == [["token"]] * len(handles)
+    assert len(calls) == 1  # one wake-up for the 16 items
+
+
+def test_items_queued_while_the_loop_runs_its_wake_up_are_not_lost():
+    handle = RequestHandle(lambda: None, 1)
+    count = 2000
+
+    async def main() -> int:
+        def produce() -> None:
+            for i in range(count):
+                handle._put(i)
+                if i % 97 == 0:
+                    time.sleep(0.0005)  # the loop catches up and waits again
+            handle._put(END)
+
+        threading.Thread(target=produce).start()
+        seen = 0
+        async for item in handle.events():
+            assert item == seen
+            seen += 1
+        return seen
+
+    assert asyncio.run(main()) == count
