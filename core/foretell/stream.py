@@ -219,6 +219,13 @@ class RequestHandle:
         """The events, awaited without blocking the event loop or holding a thread (a
         server streams many requests at once; a thread per waiting stream would exhaust
         the loop's executor)."""
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events as :meth:`events` has them, in lists: each, every event that had
+        arrived when the caller was woken (a server writes each list out in one piece)."""
         import asyncio
 
         ready = asyncio.Event()
@@ -226,17 +233,24 @@ class RequestHandle:
         self._wakeup = lambda: waker.wake(ready)
         try:
             while True:
-                ready.clear()  # before the check: an item queued after it sets it again
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
+                ready.clear()  # before the reads: an item queued after them sets it again
+                batch: list[Event] = []
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is END or isinstance(item, BaseException):
+                        if batch:
+                            yield batch
+                        if item is END:
+                            return
+                        raise item
+                    batch.append(item)
+                if batch:
+                    yield batch
+                else:
                     await ready.wait()
-                    continue
-                if item is END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
         finally:
             self._wakeup = None
 

@@ -61,3 +61,37 @@ def test_items_queued_while_the_loop_runs_its_wake_up_are_not_lost():
         return seen
 
     assert asyncio.run(main()) == count
+
+
+def test_batches_hold_every_item_that_arrived_before_the_reader_woke():
+    handle = RequestHandle(lambda: None, 1)
+
+    async def main() -> list[list[int]]:
+        got = []
+        async for batch in handle.batches():
+            got.append(batch)
+            if len(got) == 1:  # the reader is busy while a step queues three items
+                for i in (1, 2, 3):
+                    handle._put(i)
+                handle._put(END)
+        return got
+
+    handle._put(0)
+    assert asyncio.run(main()) == [[0], [1, 2, 3]]
+
+
+def test_an_error_ends_the_batches_after_the_items_before_it():
+    handle = RequestHandle(lambda: None, 1)
+    for item in ("a", "b", ValueError("broken"), "never"):
+        handle._put(item)
+
+    async def main() -> list[list[str]]:
+        got = []
+        try:
+            async for batch in handle.batches():
+                got.append(batch)
+        except ValueError:
+            got.append(["raised"])
+        return got
+
+    assert asyncio.run(main()) == [["a", "b"], ["raised"]]

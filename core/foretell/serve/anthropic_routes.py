@@ -220,29 +220,32 @@ async def _stream(backend: Backend, handle: Any, message_id: str, model: str, pa
     parser = ToolCallParser() if parse else None
     reply, texts, blocks = Reply(), [], _Blocks()
     try:
-        async for item in backend.events(handle):
-            if item.type == "stats":
-                reply.stats = item
-                continue
-            texts.append(item.text)
-            reply.tokens += item.tokens
-            content, calls = parser.feed(item.text) if parser else (item.text, [])
-            for out in blocks.text(content) + blocks.tool_uses(calls):
-                yield out
+        async for batch in backend.batches(handle):
+            out = []
+            for item in batch:
+                if item.type == "stats":
+                    reply.stats = item
+                    continue
+                texts.append(item.text)
+                reply.tokens += item.tokens
+                content, calls = parser.feed(item.text) if parser else (item.text, [])
+                out += blocks.text(content) + blocks.tool_uses(calls)
+            if out:  # what arrived together goes out in one write
+                yield "".join(out)
+        end = []
         if parser:
             content, calls = parser.close()
-            for out in blocks.text(content) + blocks.tool_uses(calls):
-                yield out
+            end += blocks.text(content) + blocks.tool_uses(calls)
     except APIError as exc:
         yield f"event: error\ndata: {json.dumps(exc.anthropic_body())}\n\n"
         return
-    for out in blocks.close():
-        yield out
+    end += blocks.close()
     reply.text = "".join(texts)
     reason, sequence = _stop(backend, reply, parser.calls if parser else [], stops)
-    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                  "usage": _usage(reply.stats, prompt_tokens)})
-    yield event("message_stop", {})
+    end.append(event("message_delta", {"delta": {"stop_reason": reason,
+                                                 "stop_sequence": sequence},
+                                       "usage": _usage(reply.stats, prompt_tokens)}))
+    yield "".join(end) + event("message_stop", {})
 
 
 class _Blocks:

@@ -222,17 +222,19 @@ class Backend:
             raise APIError(400, str(exc), code="request_too_large"
                            if "never fit" in str(exc) else None) from None
 
-    async def events(self, handle: RequestHandle) -> AsyncIterator[Event]:
-        """The handle's events as they come; closing early (the client went away) cancels
+    async def batches(self, handle: RequestHandle) -> AsyncIterator[list[Event]]:
+        """The handle's events as they come, in lists (:meth:`RequestHandle.batches`: a
+        stream writes each out in one piece); closing early (the client went away) cancels
         the request."""
         done = False
         try:
-            async for event in handle.events():
-                if event.type == "text":
-                    self.metrics.tokens(len(event.tokens))
-                else:
-                    self.metrics.finished(event)
-                yield event
+            async for batch in handle.batches():
+                for event in batch:
+                    if event.type == "text":
+                        self.metrics.tokens(len(event.tokens))
+                    else:
+                        self.metrics.finished(event)
+                yield batch
             done = True
         except GenerationError as exc:
             done = True
@@ -249,13 +251,14 @@ class Backend:
         async def gather() -> Reply:
             reply = Reply()
             texts = []
-            async for event in self.events(handle):
-                if event.type == "text":
-                    texts.append(event.text)
-                    reply.tokens += event.tokens
-                    reply.logprobs += event.logprobs
-                else:
-                    reply.stats = event
+            async for batch in self.batches(handle):
+                for event in batch:
+                    if event.type == "text":
+                        texts.append(event.text)
+                        reply.tokens += event.tokens
+                        reply.logprobs += event.logprobs
+                    else:
+                        reply.stats = event
             reply.text = "".join(texts)
             return reply
 

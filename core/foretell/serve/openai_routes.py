@@ -268,34 +268,35 @@ async def _chat_stream(backend: Backend, handle: Any, reply_id: str, model: str,
     parser = ToolCallParser() if parse else None
     calls: list[ToolCall] = []
     reply = Reply()
+
+    def content_chunks(content: str, new: list[ToolCall], lps: Any = None) -> list[str]:
+        out = [chunk({"content": content}, lps=lps)] if content or lps else []
+        for call in new:
+            out.append(chunk({"tool_calls": [_call(call, len(calls))]}))
+            calls.append(call)
+        return out
+
     try:
-        async for event in backend.events(handle):
-            if event.type == "stats":
-                reply.stats = event
-                continue
-            lps = _chat_logprobs(backend, list(event.logprobs)) if logprobs else None
-            content, new = parser.feed(event.text) if parser else (event.text, [])
-            if content or lps:
-                yield chunk({"content": content}, lps=lps)
-            for call in new:
-                yield chunk({"tool_calls": [_call(call, len(calls))]})
-                calls.append(call)
-        if parser:
-            content, new = parser.close()
-            if content:
-                yield chunk({"content": content})
-            for call in new:
-                yield chunk({"tool_calls": [_call(call, len(calls))]})
-                calls.append(call)
+        async for batch in backend.batches(handle):
+            out = []
+            for event in batch:
+                if event.type == "stats":
+                    reply.stats = event
+                    continue
+                lps = _chat_logprobs(backend, list(event.logprobs)) if logprobs else None
+                out += content_chunks(*(parser.feed(event.text) if parser
+                                        else (event.text, [])), lps=lps)
+            if out:  # what arrived together goes out in one write
+                yield "".join(out)
+        end = content_chunks(*parser.close()) if parser else []
     except APIError as exc:
-        yield sse(exc.openai_body())
-        yield "data: [DONE]\n\n"
+        yield sse(exc.openai_body()) + "data: [DONE]\n\n"
         return
-    yield chunk({}, _finish(reply, calls))
+    end.append(chunk({}, _finish(reply, calls)))
     if include_usage:
-        yield sse({"id": reply_id, "object": "chat.completion.chunk", "created": created,
-                   "model": model, "choices": [], "usage": usage(reply.stats)})
-    yield "data: [DONE]\n\n"
+        end.append(sse({"id": reply_id, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [], "usage": usage(reply.stats)}))
+    yield "".join(end) + "data: [DONE]\n\n"
 
 
 # -- completions ---------------------------------------------------------------------------
@@ -352,21 +353,24 @@ async def _completion_stream(backend: Backend, handle: Any, reply_id: str, model
 
     reply, offset = Reply(), 0
     try:
-        async for event in backend.events(handle):
-            if event.type == "stats":
-                reply.stats = event
-                continue
-            lps = _completion_logprobs(backend, list(event.logprobs), offset) \
-                if logprobs is not None else None
-            offset += len(event.text)
-            if event.text or lps:
-                yield chunk(event.text, lps=lps)
+        async for batch in backend.batches(handle):
+            out = []
+            for event in batch:
+                if event.type == "stats":
+                    reply.stats = event
+                    continue
+                lps = _completion_logprobs(backend, list(event.logprobs), offset) \
+                    if logprobs is not None else None
+                offset += len(event.text)
+                if event.text or lps:
+                    out.append(chunk(event.text, lps=lps))
+            if out:  # what arrived together goes out in one write
+                yield "".join(out)
     except APIError as exc:
-        yield sse(exc.openai_body())
-        yield "data: [DONE]\n\n"
+        yield sse(exc.openai_body()) + "data: [DONE]\n\n"
         return
-    yield chunk("", _finish(reply, []))
+    end = [chunk("", _finish(reply, []))]
     if include_usage:
-        yield sse({"id": reply_id, "object": "text_completion", "created": created,
-                   "model": model, "choices": [], "usage": usage(reply.stats)})
-    yield "data: [DONE]\n\n"
+        end.append(sse({"id": reply_id, "object": "text_completion", "created": created,
+                        "model": model, "choices": [], "usage": usage(reply.stats)}))
+    yield "".join(end) + "data: [DONE]\n\n"
