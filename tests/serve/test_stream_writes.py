@@ -68,3 +68,17 @@ def test_a_messages_stream_writes_each_batch_in_one_piece():
                if p["type"] == "content_block_delta"] for piece in out[1:3]]
     assert deltas == [["a", "b", "c"], ["d"]]
     assert out[-1].endswith('"type": "message_stop"}\n\n')
+
+
+@pytest.mark.parametrize("text", ["", "a", "é\n\"\\", "\ue000", "\x00\u2028", "x" * 300])
+def test_a_chunk_from_the_template_is_the_chunk_encoded_whole(text):
+    def make(t):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
+                "choices": [{"index": 0, "text": t, "finish_reason": None, "logprobs": None}]}
+
+    def chunk(t):
+        return openai_routes.sse(make(t))
+
+    assert openai_routes.sse_text(chunk)(text) == chunk(text)
+    odd = openai_routes.sse_text(lambda t: openai_routes.sse({**make(t), "model": "\ue000"}))
+    assert odd(text) == openai_routes.sse({**make(text), "model": "\ue000"})
