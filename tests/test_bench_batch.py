@@ -50,3 +50,24 @@ def test_the_bench_says_which_batch_size_it_is_warming_before_its_figures(monkey
                                             "warming" in line)))
     assert order == [("said", "B=  1", True), ("run", 1), ("run", 1), ("said", "B=  1", False),
                      ("said", "B=  4", True), ("run", 4), ("run", 4), ("said", "B=  4", False)]
+
+
+def test_a_speculating_side_sets_its_drafter_as_a_user_does_warm_up_included(
+        tmp_path, monkeypatch):
+    """The side's drafter comes from ``Engine.use_draft``, which warms every draft length
+    where the device compiles kernels per shape (``make_speculator`` alone skips that, and
+    a GPU's timed runs paid the compiles)."""
+    from foretell.spec import warmup
+    from foretell.tools import make_model_dir
+    from foretell.tools.bench_batch import _foretell_side
+
+    tiny_model = make_model_dir(tmp_path, "qwen3", seed=0, overrides={
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128})
+    warmed = []
+    monkeypatch.setattr(warmup, "compiles_per_shape", lambda: True)
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda engine, speculator, progress=None: (
+        warmed.append(speculator.max_tokens), real(engine, speculator, progress))[1])
+    run = _foretell_side(str(tiny_model), "ngram", None, 3)
+    assert warmed == [3]
+    assert run([[5, 6, 7, 5, 6, 7, 5, 6]], 4)["tokens"] == 4

@@ -81,14 +81,14 @@ def _foretell_side(model: str, draft: str | None, draft_model: str | None,
     speculate: Any = False
     if draft is not None:
         from foretell.plugin import Kind
-        from foretell.spec import make_speculator
 
         config = engine.registry.get(Kind.DRAFT, draft).config
         options = None
         if config is not None:
             options = config(model=draft_model) if draft == "two-model" else config()
-        speculate = make_speculator(engine.registry, engine.target, draft, options,
-                                    max_tokens=k)
+        # As a user sets a drafter: where the device compiles kernels per shape, this also
+        # runs its warm-up over every draft length (foretell.spec.warmup).
+        speculate = engine.use_draft(draft, options, max_tokens=k)
     from foretell.stream import merged
 
     scheduler = Scheduler(engine, max_rows=64)
