@@ -393,7 +393,9 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds BOS
         (and ``add_bos_token`` from tokenizer_config.json is enforced either way)."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the interpreter while it works (encode holds it: a server's
+        # worker thread could build no step while a long prompt was tokenized); same ids.
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None or self._add_bos_token is None:
             return ids

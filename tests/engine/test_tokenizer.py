@@ -195,3 +195,45 @@ def test_no_template_is_an_error_that_says_what_to_do(byte_level):
     assert not byte_level.has_chat_template
     with pytest.raises(ChatTemplateError, match="no chat template"):
         byte_level.apply_chat_template(MESSAGES)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+@pytest.mark.parametrize("special", [True, False])
+def test_encode_gives_the_backends_own_ids(kind, special, request):
+    """``encode`` goes through the backend's batch call (it lets go of the interpreter while
+    it works); the ids are the single call's, special tokens or not."""
+    tokenizer = request.getfixturevalue(kind)
+    for text in ("", "a", TEXT, TEXT * 40, "the fox\n\n  jumps"):
+        ids = tokenizer.backend.encode(text, add_special_tokens=special).ids
+        assert tokenizer.encode(text, add_special_tokens=special)[-len(ids) or None:] == ids
+
+
+def test_encoding_lets_other_threads_run(byte_level):
+    """A long prompt's tokenizing leaves the interpreter to other threads (a server's worker
+    builds steps meanwhile): a counting thread gets far more done than it could in the
+    switch-interval slices a call holding the interpreter leaves it."""
+    import sys
+    import threading
+
+    text = TEXT * 4000
+    counts, done = [0], threading.Event()
+
+    def count() -> None:
+        while not done.is_set():
+            counts[0] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # a holder of the interpreter keeps it the whole call
+    counter = threading.Thread(target=count)
+    try:
+        counter.start()
+        while counts[0] < 1000:  # running (after one interval, this thread's turn is back)
+            pass
+        before = counts[0]
+        byte_level.encode(text)
+        during = counts[0] - before
+    finally:
+        done.set()
+        counter.join()
+        sys.setswitchinterval(old)
+    assert during > 10_000
