@@ -279,7 +279,7 @@ class _LoopWaker:
     wake-up pipe while holding the interpreter the worker needs for its next step."""
 
     def __init__(self, loop: Any) -> None:
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # a strong one would keep _WAKERS' key alive for good
         self._lock = threading.Lock()
         self._ready: set[Any] = set()
         self._called = False  # a call into the loop is on its way
@@ -297,8 +297,11 @@ class _LoopWaker:
             if self._called:
                 return
             self._called = True
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._set)
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self._set)
         except RuntimeError:  # the loop closed while its requests ran on
             with self._lock:
                 self._ready.clear()

@@ -95,3 +95,19 @@ def test_an_error_ends_the_batches_after_the_items_before_it():
         return got
 
     assert asyncio.run(main()) == [["a", "b"], ["raised"]]
+
+
+def test_a_finished_loops_waker_goes_with_it():
+    import gc
+
+    from foretell import stream
+
+    async def main() -> None:
+        handle = RequestHandle(lambda: None, 1)
+        handle._put(END)
+        assert [item async for item in handle.events()] == []
+
+    for _ in range(3):
+        asyncio.run(main())
+    gc.collect()
+    assert len(stream._WAKERS) == 0
