@@ -61,13 +61,15 @@ def test_a_speculating_side_sets_its_drafter_as_a_user_does_warm_up_included(
     from foretell.tools import make_model_dir
     from foretell.tools.bench_batch import _foretell_side
 
-    tiny_model = make_model_dir(tmp_path, "qwen3", seed=0, overrides={
+    tiny_model = make_model_dir(tmp_path / "target", "qwen3", seed=0, overrides={
         "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128})
     warmed = []
     monkeypatch.setattr(warmup, "compiles_per_shape", lambda: True)
     real = warmup.warm_up
     monkeypatch.setattr(warmup, "warm_up", lambda engine, speculator, progress=None: (
         warmed.append(speculator.max_tokens), real(engine, speculator, progress))[1])
-    run = _foretell_side(str(tiny_model), "ngram", None, 3)
+    draft = make_model_dir(tmp_path / "draft", "qwen3", seed=1, overrides={
+        "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64})
+    run = _foretell_side(str(tiny_model), "two-model", str(draft), 3)
     assert warmed == [3]
     assert run([[5, 6, 7, 5, 6, 7, 5, 6]], 4)["tokens"] == 4
