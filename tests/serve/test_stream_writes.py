@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from foretell.serve import anthropic_routes, openai_routes  # noqa: E402
+from foretell.serve import anthropic_routes, generation, openai_routes  # noqa: E402
 from foretell.stream import Stats, TextEvent  # noqa: E402
 
 STATS = Stats(prompt_tokens=3, generated_tokens=4, cached_tokens=0, ttft_s=0.01,
@@ -27,6 +27,8 @@ class Backend:
     async def batches(self, handle):
         yield [TextEvent("a", (1,)), TextEvent("b", (2,)), TextEvent("c", (3,))]
         yield [TextEvent("d", (4,)), STATS]
+
+    writes = generation.Backend.writes  # the server's own, over these batches
 
 
 def writes(stream) -> list[str]:

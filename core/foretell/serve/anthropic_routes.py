@@ -219,19 +219,15 @@ async def _stream(backend: Backend, handle: Any, message_id: str, model: str, pa
         "usage": _usage(None, prompt_tokens)}})
     parser = ToolCallParser() if parse else None
     reply, texts, blocks = Reply(), [], _Blocks()
+    def text_chunks(item: Any) -> list[str]:
+        texts.append(item.text)
+        reply.tokens += item.tokens
+        content, calls = parser.feed(item.text) if parser else (item.text, [])
+        return blocks.text(content) + blocks.tool_uses(calls)
+
     try:
-        async for batch in backend.batches(handle):
-            out = []
-            for item in batch:
-                if item.type == "stats":
-                    reply.stats = item
-                    continue
-                texts.append(item.text)
-                reply.tokens += item.tokens
-                content, calls = parser.feed(item.text) if parser else (item.text, [])
-                out += blocks.text(content) + blocks.tool_uses(calls)
-            if out:  # what arrived together goes out in one write
-                yield "".join(out)
+        async for piece in backend.writes(handle, reply, text_chunks):
+            yield piece
         end = []
         if parser:
             content, calls = parser.close()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,7 +29,7 @@ from foretell.serve.tools import TemplateSupport, Tool, render
 if TYPE_CHECKING:
     from foretell.engine import Engine
     from foretell.scheduler import RequestHandle, Scheduler
-    from foretell.stream import Event, Stats, TokenLogprobs
+    from foretell.stream import Event, Stats, TextEvent, TokenLogprobs
 
 #: The extension field's name in a request body, and what it may hold.
 EXTENSION = "foretell"
@@ -243,6 +243,21 @@ class Backend:
             if not done:
                 handle.cancel()
                 self.metrics.cancelled()
+
+    async def writes(self, handle: RequestHandle, reply: Reply,
+                     chunks: Callable[[TextEvent], list[str]]) -> AsyncIterator[str]:
+        """A streamed reply's writes: each batch of the handle's events (:meth:`batches`),
+        every text event as ``chunks`` writes it (its SSE events) and the batch joined into
+        one piece; the request's stats go into ``reply``."""
+        async for batch in self.batches(handle):
+            out: list[str] = []
+            for event in batch:
+                if event.type == "text":
+                    out += chunks(event)
+                else:
+                    reply.stats = event
+            if out:
+                yield "".join(out)
 
     async def collect(self, handle: RequestHandle, receive: Any) -> Reply:
         """The whole reply; ``receive`` (the ASGI channel) is watched meanwhile, and a

@@ -295,18 +295,14 @@ async def _chat_stream(backend: Backend, handle: Any, reply_id: str, model: str,
             calls.append(call)
         return out
 
+    def text_chunks(event: Any) -> list[str]:
+        lps = _chat_logprobs(backend, list(event.logprobs)) if logprobs else None
+        return content_chunks(*(parser.feed(event.text) if parser else (event.text, [])),
+                              lps=lps)
+
     try:
-        async for batch in backend.batches(handle):
-            out = []
-            for event in batch:
-                if event.type == "stats":
-                    reply.stats = event
-                    continue
-                lps = _chat_logprobs(backend, list(event.logprobs)) if logprobs else None
-                out += content_chunks(*(parser.feed(event.text) if parser
-                                        else (event.text, [])), lps=lps)
-            if out:  # what arrived together goes out in one write
-                yield "".join(out)
+        async for piece in backend.writes(handle, reply, text_chunks):
+            yield piece
         end = content_chunks(*parser.close()) if parser else []
     except APIError as exc:
         yield sse(exc.openai_body()) + "data: [DONE]\n\n"
@@ -373,22 +369,19 @@ async def _completion_stream(backend: Backend, handle: Any, reply_id: str, model
     text_chunk = sse_text(chunk)
 
     reply, offset = Reply(), 0
+
+    def text_chunks(event: Any) -> list[str]:
+        nonlocal offset
+        lps = _completion_logprobs(backend, list(event.logprobs), offset) \
+            if logprobs is not None else None
+        offset += len(event.text)
+        if lps:
+            return [chunk(event.text, lps=lps)]
+        return [text_chunk(event.text)] if event.text else []
+
     try:
-        async for batch in backend.batches(handle):
-            out = []
-            for event in batch:
-                if event.type == "stats":
-                    reply.stats = event
-                    continue
-                lps = _completion_logprobs(backend, list(event.logprobs), offset) \
-                    if logprobs is not None else None
-                offset += len(event.text)
-                if lps:
-                    out.append(chunk(event.text, lps=lps))
-                elif event.text:
-                    out.append(text_chunk(event.text))
-            if out:  # what arrived together goes out in one write
-                yield "".join(out)
+        async for piece in backend.writes(handle, reply, text_chunks):
+            yield piece
     except APIError as exc:
         yield sse(exc.openai_body()) + "data: [DONE]\n\n"
         return
