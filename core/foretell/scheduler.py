@@ -149,8 +149,7 @@ class Scheduler(BatchStep):
                                   f"{max_rows}, {max_waiting}")
         self.engine = engine
         self.max_rows = max_rows
-        self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None \
-            else default_kv_budget()
+        self.kv_budget_bytes = default_kv_budget() if kv_budget_bytes is None else kv_budget_bytes
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue[_Row | None] = queue.SimpleQueue()
         self._waiting: collections.deque[_Row] = collections.deque()
@@ -258,6 +257,11 @@ class Scheduler(BatchStep):
     def queue_depth(self) -> int:
         """Requests submitted and not yet decoding."""
         return self._queued + len(self._waiting) + len(self._prefilling)
+
+    @property
+    def submits_at_once(self) -> bool:
+        """Whether :meth:`submit` can't wait on MLX (the first measures a token's KV bytes)."""
+        return self._token_bytes is not None
 
     @property
     def running(self) -> int:
@@ -590,9 +594,7 @@ class Scheduler(BatchStep):
             try:
                 self._remove(running)
             except Exception:  # noqa: BLE001 - the batch itself is broken: start it over
-                self._rows = [row for row in self._rows if row not in rows]
-                self._batch, self._groups, self._tokens = None, {}, None
                 for row in self._rows:
-                    row.handle._put(exc)
-                self._rows = []
-
+                    if row not in rows:
+                        row.handle._put(exc)
+                self._rows, self._batch, self._groups, self._tokens = [], None, {}, None

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import threading
 
+import attrs
 import pytest
 
 import foretell
@@ -157,3 +158,45 @@ def test_tokens_drawn_before_a_prefill_chunk_stream_before_it(engine, monkeypatc
 def first_event(engine, prompt):
     return next(e for e in engine.generate(prompt, max_tokens=4, ignore_eos=True,
                                            speculate=False) if e.type == "text")
+
+
+def test_the_server_submits_on_its_loop_once_submitting_cannot_wait_on_mlx(engine):
+    """A hop to an executor thread costs a request two GIL hand-offs, each waiting up to a
+    switch interval while the worker runs Python; the server takes one only where
+    submitting can block: the scheduler's first request (it measures a token's KV bytes on
+    MLX, behind the worker) and a grammar's (it compiles)."""
+    from foretell.config import SamplingConfig
+    from foretell.serve.generation import Backend, Job
+
+    class Routes:
+        start = Backend.start
+
+        def __init__(self, scheduler):
+            self.scheduler, self.on = scheduler, []
+
+        def _submit(self, job):
+            self.on.append(threading.current_thread())
+            return None if job.grammar else Backend._submit(self, job)
+
+    scheduler = Scheduler(engine)
+    routes = Routes(scheduler)
+    job = Job(ids=engine.tokenizer.encode("x = 1"), max_tokens=3, sampling=SamplingConfig())
+
+    async def start(job, executor=None):
+        if executor is not None:
+            asyncio.get_running_loop().set_default_executor(executor)
+        return await routes.start(job)
+
+    try:
+        assert not scheduler.submits_at_once
+        first = asyncio.run(start(job))
+        assert routes.on[-1] is not threading.main_thread()  # it measured on MLX
+        want = alone(engine, "x = 1", 3)
+        assert first.text() == want and scheduler.submits_at_once
+        second = asyncio.run(start(job, NoThreads(max_workers=1)))
+        assert routes.on[-1] is threading.main_thread()
+        assert second.text() == want
+        asyncio.run(start(attrs.evolve(job, grammar="start: /[a-z]+/")))
+        assert routes.on[-1] is not threading.main_thread()
+    finally:
+        scheduler.close(drain=False)

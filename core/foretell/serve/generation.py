@@ -205,7 +205,11 @@ class Backend:
     # -- running --------------------------------------------------------------------------
 
     async def start(self, job: Job) -> RequestHandle:
-        return await asyncio.to_thread(self._submit, job)
+        if job.grammar is None and self.scheduler.submits_at_once:
+            # On the loop: a hop to a thread costs two GIL hand-offs, each waiting up to a
+            # switch interval while the worker runs Python (most of a GPU step).
+            return self._submit(job)
+        return await asyncio.to_thread(self._submit, job)  # a grammar compiles; MLX work
 
     def _submit(self, job: Job) -> RequestHandle:
         constraint = self.grammars.constraint(job.grammar) if job.grammar else None
