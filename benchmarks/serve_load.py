@@ -81,6 +81,27 @@ def start(name: str, model: Path, tokens: int, draft: list[str]) -> tuple[subpro
     raise RuntimeError(f"{name} server never answered")
 
 
+def server_latency(url: str) -> dict[str, float] | None:
+    """foretell's own latency sums and counts (its ``/metrics`` histograms: time to first
+    token from submission, and the wait for admission within it); None for a server
+    without them."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                  if line and not line.startswith("#"))
+    names = {"ttft": "foretell_time_to_first_token_seconds",
+             "queue": "foretell_request_queue_seconds"}
+    if not all(f"{name}_count" in values for name in names.values()):
+        return None
+    return {f"{key}_{part}": float(values[f"{name}_{part}"])
+            for key, name in names.items() for part in ("sum", "count")}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
@@ -147,15 +168,26 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
             # Untimed, uncounted; a failure stays counted (the server failed a request).
             for kept in (ttfts, gaps, counts, walls, tails):
                 kept.clear()
+        before = await asyncio.to_thread(server_latency, url)
         started = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout)
         wall = time.perf_counter() - started
+        after = await asyncio.to_thread(server_latency, url) if before is not None else None
     finally:
         await client.close()  # in this loop: closed after it ends, it raised at exit
-    return {"concurrency": concurrency, "requests": len(counts), "failed": len(failed),
+    # The server's own view of the level's requests: what of the client's TTFT it saw (from
+    # submission) and the wait for admission within that; the rest is HTTP and the loop.
+    inside = {}
+    if before is not None and after is not None:
+        served = after["ttft_count"] - before["ttft_count"]
+        if served:
+            inside = {f"server_{key}_mean_s": (after[f"{key}_sum"] - before[f"{key}_sum"]) / served
+                      for key in ("ttft", "queue")}
+    return {**inside, "concurrency": concurrency, "requests": len(counts), "failed": len(failed),
             "prompts_ran_out": bool(seconds) and not queue,
             "seconds": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+            "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
             "ttft_first_wave_max_s": max(burst, default=0.0),
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
             "itl_mean_s": sum(gaps) / max(len(gaps), 1),
@@ -285,6 +317,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['itl_p50_s'] * 1e3:.1f} p99 {row['itl_p99_s'] * 1e3:.1f} mean "
                       f"{row['itl_mean_s'] * 1e3:.1f} ms  request {row['request_mean_s'] * 1e3:.0f}"
                       f" ms (last token to end p50 {row['tail_p50_s'] * 1e3:.1f} ms)"
+                      + (f"  server: TTFT mean {row['server_ttft_mean_s'] * 1e3:.1f} ms, queue "
+                         f"{row['server_queue_mean_s'] * 1e3:.1f} ms (TTFT mean "
+                         f"{row['ttft_mean_s'] * 1e3:.1f} ms)" if "server_ttft_mean_s" in row
+                         else "")
                       + (f"  {row['failed']} failed" if row["failed"] else "")
                       + ("  (ran out of prompts)" if row["prompts_ran_out"] else ""),
                       flush=True)

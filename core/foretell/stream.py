@@ -75,6 +75,9 @@ class Stats:
     finish_reason: str
     #: Drafting figures (drafter, drafted, accepted, ...) when the request speculated.
     speculation: dict[str, Any] | None = None
+    #: Seconds the request waited for a place in the batch (submitted to admitted); not in
+    #: ``ttft_s``, which starts at admission.
+    queued_s: float = 0.0
     #: Where the ``cached_tokens`` came from: "ram", "ssd", "checkpoint" (None: computed).
     cached_from: str | None = None
     #: Generated tokens a resumed request restored from its checkpoint (counted in
@@ -200,6 +203,8 @@ class RequestHandle:
 
     def __init__(self, wake: Callable[[], None], prompt_tokens: int) -> None:
         self._wake = wake
+        #: When it was submitted (``time.perf_counter``): its wait for admission starts here.
+        self.submitted_at = time.perf_counter()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self.prompt_tokens = prompt_tokens

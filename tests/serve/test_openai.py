@@ -141,4 +141,10 @@ def test_metrics_count_requests_tokens_and_the_scheduler(server, openai_client, 
     assert metrics["foretell_running_requests"] == 0
     assert metrics["foretell_live_kv_bytes"] == 0
     assert 'foretell_prefix_cache_hits_total{tier="ram"}' in metrics
+    for name in ("foretell_time_to_first_token_seconds", "foretell_request_queue_seconds"):
+        # Histograms: cumulative buckets, the last holding every request counted.
+        buckets = [v for k, v in metrics.items() if k.startswith(name + "_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == metrics[name + "_count"] >= 1
+    assert metrics["foretell_time_to_first_token_seconds_sum"] >= \
+        metrics["foretell_request_queue_seconds_sum"]
     assert json.loads(server.request("GET", "/health")[2])["status"] == "ok"

@@ -200,3 +200,19 @@ def test_the_server_submits_on_its_loop_once_submitting_cannot_wait_on_mlx(engin
         assert routes.on[-1] is not threading.main_thread()
     finally:
         scheduler.close(drain=False)
+
+
+def test_a_request_waiting_for_a_row_reports_its_wait_apart_from_its_ttft(engine):
+    """``Stats.queued_s``: submitted to admitted. With one row, the second request waits
+    out the whole of the first."""
+    scheduler = Scheduler(engine, max_rows=1)
+    try:
+        first = scheduler.submit("def f(x):", max_tokens=16, ignore_eos=True)
+        second = scheduler.submit("x = 1", max_tokens=2, ignore_eos=True)
+        a = [e for e in first if e.type == "stats"][0]
+        b = [e for e in second if e.type == "stats"][0]
+    finally:
+        scheduler.close()
+    ran = a.ttft_s + (a.generated_tokens - 1) / a.generation_tps  # admitted to finished
+    assert b.queued_s >= 0.9 * ran > 0
+    assert a.queued_s < b.queued_s and b.ttft_s < b.queued_s

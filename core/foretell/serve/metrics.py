@@ -3,12 +3,15 @@
 Counters grow from the server's start (requests by route and status, prompt, cached and
 generated tokens, prefix-cache hits by tier, drafted and accepted tokens); gauges are read at
 scrape time from the scheduler (queue depth, running rows, live KV bytes) and the cache tier;
-tokens per second is over the last :data:`RATE_WINDOW_S` seconds.
+tokens per second is over the last :data:`RATE_WINDOW_S` seconds; histograms hold each
+request's time to first token and its part spent waiting for admission.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import copy
 import math
 import threading
 import time
@@ -20,6 +23,28 @@ if TYPE_CHECKING:
 
 #: The window tokens per second and the completion rate are measured over.
 RATE_WINDOW_S = 10.0
+#: Upper bounds (seconds) of the latency histograms' buckets.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Histogram:
+    """Observations counted into :data:`LATENCY_BUCKETS` (Prometheus' cumulative form when
+    rendered), with their sum and count."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, count in zip((*map(repr, LATENCY_BUCKETS), "+Inf"), self.counts):
+            total += count
+            out.append(f'{name}_bucket{{le="{bound}"}} {total}')
+        return [*out, f"{name}_sum {self.sum!r}", f"{name}_count {total}"]
 
 
 class Metrics:
@@ -37,8 +62,10 @@ class Metrics:
         self.drafted = 0
         self.accepted = 0
         self.cancelled_requests = 0
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
+        #: From submission (its wait for a place in the batch included) to the first token.
+        self.ttft = Histogram()
+        #: From submission to admission.
+        self.queued = Histogram()
         self._tokens: collections.deque[tuple[float, int]] = collections.deque()
         self._finished: collections.deque[float] = collections.deque()
 
@@ -71,8 +98,8 @@ class Metrics:
             if stats.speculation:
                 self.drafted += int(stats.speculation.get("drafted", 0))
                 self.accepted += int(stats.speculation.get("accepted", 0))
-            self.ttft_sum += stats.ttft_s
-            self.ttft_count += 1
+            self.ttft.observe(stats.queued_s + stats.ttft_s)
+            self.queued.observe(stats.queued_s)
             self._finished.append(time.monotonic())
 
     def _trim(self, now: float) -> None:
@@ -113,9 +140,9 @@ class Metrics:
             requests = sorted(self.requests.items())
             hits, cached = dict(self.prefix_hits), dict(self.cached_tokens)
             counters = (self.prompt_tokens, self.generated_tokens, self.prefix_misses,
-                        self.drafted, self.accepted, self.ttft_sum, self.ttft_count,
-                        self.cancelled_requests)
-        prompt, generated, misses, drafted, accepted, ttft_sum, ttft_count, cancelled = counters
+                        self.drafted, self.accepted, self.cancelled_requests)
+            ttft, queued = copy.deepcopy(self.ttft), copy.deepcopy(self.queued)
+        prompt, generated, misses, drafted, accepted, cancelled = counters
         metric("requests_total", "counter", "HTTP requests by route and status",
                [({"route": r, "status": str(s)}, n) for (r, s), n in requests])
         metric("requests_cancelled_total", "counter",
@@ -146,9 +173,12 @@ class Metrics:
         metric("draft_tokens_total", "counter", "tokens drafters proposed", [({}, drafted)])
         metric("draft_accepted_tokens_total", "counter", "drafted tokens the model accepted",
                [({}, accepted)])
-        metric("time_to_first_token_seconds", "summary", "time to the first token", [])
-        out.append(f"foretell_time_to_first_token_seconds_sum {ttft_sum!r}")
-        out.append(f"foretell_time_to_first_token_seconds_count {ttft_count}")
+        metric("time_to_first_token_seconds", "histogram",
+               "submission to first token, the wait for admission included", [])
+        out += ttft.lines("foretell_time_to_first_token_seconds")
+        metric("request_queue_seconds", "histogram",
+               "submission to admission (the wait for a place in the batch)", [])
+        out += queued.lines("foretell_request_queue_seconds")
         if cache is not None:
             stats = cache.stats()
             metric("cache_bytes", "gauge", "bytes the prefix cache holds, by tier",
