@@ -12,8 +12,13 @@ with ``--level-seconds``, keep sending until that many seconds have passed, so t
 is not one burst's worst; ``--timeout`` bounds a level either way. Reported per server and
 level: generated tokens per second over the level's wall time, TTFT p50/p99, the worst TTFT
 of the first wave (the ``concurrency`` requests sent at once as the level starts) and the
-gaps between streamed chunks (inter-token latency) p50/p99; then each level's TTFT p99
-against c = 1's p50 (the strict reading of "within 3x of TTFT at 1") and against its p99.
+gaps between streamed chunks (inter-token latency) p50/p99; for foretell, its own mean TTFT
+(from submission, its ``/metrics``) and the wait for admission within it, so that a level's
+TTFT splits into HTTP (with the clients' own time), queue, and prefill with the first step;
+then each level's TTFT p99 against c = 1's p50 (the strict reading of "within 3x of TTFT at
+1") and against its p99. The openai client's own Python costs ~0.1 ms a streamed chunk (a
+core at ~8,000 chunks/s): on a host with cores to spare, ``--client-processes N`` spreads a
+level's clients over N processes, so that a busy client is not what a level measures.
 ``--floor-repeats N`` measures what no server can beat, in this process after the servers
 stopped: the model's own compute for a level's first wave (its prompts in one prefill
 forward, then one decode step over them: a first token each), the least of N runs, against
@@ -39,6 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 #: mlx_lm.server, started with foretell's BLAS bound first (the same BLAS on both sides).
 MLX_LM_SERVER = ("from foretell.platform import blas; blas.preload(); import runpy, sys; "
@@ -113,22 +119,22 @@ def percentile(values: list[float], q: float) -> float:
 PROMPTS_PER_CLIENT_SECOND = 40
 
 
-async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
-                max_tokens: int, timeout: float, seconds: float = 0.0,
-                warm: Sequence[str] = ()) -> dict[str, float]:
-    """One level: ``concurrency`` clients sending ``prompts`` (each once) until none is left
-    or, with ``seconds``, until that many seconds have passed; ``warm``, prompts sent at once
-    and answered before the level's clock starts."""
+async def clients(url: str, model_id: str, prompts: list[str], concurrency: int,
+                  max_tokens: int, timeout: float, seconds: float = 0.0,
+                  start_at: float | None = None) -> dict:
+    """``concurrency`` clients in this process sending ``prompts`` (each once) until none is
+    left or, with ``seconds``, until that many seconds have passed, from ``start_at``
+    (``time.monotonic``; default: now). Returns what each request measured, unreduced."""
     import openai
 
     # The client's own retries, as an application gets them (a server whose listen queue
     # overflows drops connections a retry gets through); the time they take counts.
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
     queue = list(reversed(prompts))
-    ttfts, burst, gaps, counts, failed = [], [], [], [], []
-    walls, tails = [], []  # a request's whole time; its last text chunk to the stream's end
+    got: dict[str, Any] = {k: [] for k in ("ttfts", "burst", "gaps", "counts", "failed",
+                                           "walls", "tails")}
 
-    async def request(prompt: str, first_wave: bool = False) -> None:
+    async def request(prompt: str, first_wave: bool) -> None:
         sent = time.perf_counter()
         try:
             stream = await client.completions.create(
@@ -141,40 +147,99 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
                 if chunk.choices and chunk.choices[0].text:
                     now = time.perf_counter()
                     if last is None:
-                        ttfts.append(now - sent)
+                        got["ttfts"].append(now - sent)
                         if first_wave:
-                            burst.append(now - sent)
+                            got["burst"].append(now - sent)
                     else:
-                        gaps.append(now - last)
+                        got["gaps"].append(now - last)
                     last = now
         except openai.APIError as exc:  # counted and reported, not a crash of the level
-            failed.append(type(exc).__name__)
+            got["failed"].append(type(exc).__name__)
             return
         ended = time.perf_counter()
-        counts.append(used)
-        walls.append(ended - sent)
+        got["counts"].append(used)
+        got["walls"].append(ended - sent)
         if last is not None:
-            tails.append(ended - last)
+            got["tails"].append(ended - last)
 
     async def worker() -> None:
         first = True
-        while queue and (not seconds or time.perf_counter() < started + seconds or first):
+        while queue and (not seconds or time.monotonic() < started + seconds or first):
             await request(queue.pop(), first_wave=first)
             first = False
 
     try:
-        if warm:
-            await asyncio.wait_for(asyncio.gather(*map(request, warm)), timeout)
-            # Untimed, uncounted; a failure stays counted (the server failed a request).
-            for kept in (ttfts, gaps, counts, walls, tails):
-                kept.clear()
-        before = await asyncio.to_thread(server_latency, url)
-        started = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        started = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout)
-        wall = time.perf_counter() - started
-        after = await asyncio.to_thread(server_latency, url) if before is not None else None
+        got["started_at"], got["ended_at"] = started, time.monotonic()
     finally:
         await client.close()  # in this loop: closed after it ends, it raised at exit
+    got["ran_out"] = bool(seconds) and not queue
+    return got
+
+
+def _client_process() -> None:
+    """One process of a level's clients (``--client-processes``): "ready" once its imports
+    are done, then its arguments (JSON) on stdin, its measurements (JSON) on stdout."""
+    import openai  # noqa: F401 - imported before it says ready: not on the level's clock
+
+    print("ready", flush=True)
+    args = json.loads(sys.stdin.readline())
+    print(json.dumps(asyncio.run(clients(**args))), flush=True)
+
+
+def in_processes(processes: int, url: str, model_id: str, prompts: list[str],
+                 concurrency: int, max_tokens: int, timeout: float, seconds: float) -> dict:
+    """:func:`clients` over ``processes`` processes, the level's clients and prompts dealt out
+    between them, all starting at one moment; their measurements merged."""
+    share = [n for n in (concurrency // processes + (i < concurrency % processes)
+                         for i in range(processes)) if n]
+    procs = [subprocess.Popen([sys.executable, __file__, "--client-process"], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in share]
+    try:
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("a client process failed to start")
+        start_at = time.monotonic() + 0.5  # CLOCK_MONOTONIC: one clock for every process
+        for i, (proc, n) in enumerate(zip(procs, share)):
+            proc.stdin.write(json.dumps({
+                "url": url, "model_id": model_id, "prompts": prompts[i::len(share)],
+                "concurrency": n, "max_tokens": max_tokens, "timeout": timeout,
+                "seconds": seconds, "start_at": start_at}) + "\n")
+            proc.stdin.flush()
+        parts = [json.loads(proc.stdout.readline()) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    merged = {key: [v for part in parts for v in part[key]] for key in parts[0]
+              if isinstance(parts[0][key], list)}
+    merged["started_at"] = min(part["started_at"] for part in parts)
+    merged["ended_at"] = max(part["ended_at"] for part in parts)
+    merged["ran_out"] = any(part["ran_out"] for part in parts)
+    return merged
+
+
+async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
+                max_tokens: int, timeout: float, seconds: float = 0.0,
+                warm: Sequence[str] = (), processes: int = 1) -> dict[str, float]:
+    """One level: ``warm``, prompts sent at once and answered before the clock starts (a
+    failure among them stays counted); then :func:`clients`, in ``processes`` processes
+    where a host has cores to spare, so that the clients' own Python is not what is measured.
+    Reduced to the level's figures, with the server's own view where it reports one."""
+    failed = []
+    if warm:
+        failed = (await clients(url, model_id, list(warm), len(warm), max_tokens,
+                                timeout))["failed"]
+    before = await asyncio.to_thread(server_latency, url)
+    if processes > 1:
+        got = await asyncio.to_thread(in_processes, processes, url, model_id, prompts,
+                                      concurrency, max_tokens, timeout, seconds)
+    else:
+        got = await clients(url, model_id, prompts, concurrency, max_tokens, timeout, seconds)
+    after = await asyncio.to_thread(server_latency, url) if before is not None else None
     # The server's own view of the level's requests: what of the client's TTFT it saw (from
     # submission) and the wait for admission within that; the rest is HTTP and the loop.
     inside = {}
@@ -183,12 +248,15 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
         if served:
             inside = {f"server_{key}_mean_s": (after[f"{key}_sum"] - before[f"{key}_sum"]) / served
                       for key in ("ttft", "queue")}
-    return {**inside, "concurrency": concurrency, "requests": len(counts), "failed": len(failed),
-            "prompts_ran_out": bool(seconds) and not queue,
+    ttfts, gaps, counts = got["ttfts"], got["gaps"], got["counts"]
+    walls, tails, wall = got["walls"], got["tails"], got["ended_at"] - got["started_at"]
+    return {**inside, "concurrency": concurrency, "client_processes": processes,
+            "requests": len(counts), "failed": len(failed) + len(got["failed"]),
+            "prompts_ran_out": got["ran_out"],
             "seconds": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
             "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
-            "ttft_first_wave_max_s": max(burst, default=0.0),
+            "ttft_first_wave_max_s": max(got["burst"], default=0.0),
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
             "itl_mean_s": sum(gaps) / max(len(gaps), 1),
             "request_mean_s": sum(walls) / max(len(walls), 1),
@@ -263,6 +331,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                         help="one untimed wave of requests to each server before each level")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a level may take")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="spread a level's clients over this many processes (on a host "
+                             "with cores to spare: the openai client's own Python costs "
+                             "~0.1 ms a streamed chunk, a core at ~8,000 chunks/s)")
     parser.add_argument("--floor-repeats", type=int, default=0,
                         help="then measure each level's compute floor, the least of N runs")
     parser.add_argument("--float32-mlx-lm", action=argparse.BooleanOptionalAction, default=True,
@@ -308,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
                 prompts = [tokenizer.decode(list(p)) for p in ids]
                 row = asyncio.run(level(url, model_id, prompts[:-c], c, args.max_tokens,
                                         args.timeout, args.level_seconds,
-                                        prompts[-c:] if args.warm else ()))
+                                        prompts[-c:] if args.warm else (),
+                                        processes=min(args.client_processes, c)))
                 row["server"] = name
                 report["rows"].append(row)
                 print(f"{name:9s} c={c:2d}  {row['requests']:4d} req  {row['tokens_per_s']:7.1f} "
@@ -353,4 +426,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--client-process"]:
+        _client_process()
+    else:
+        main()

@@ -106,3 +106,20 @@ def test_the_compute_floor_runs_on_foretells_blas(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "floor     c= 1" in run.stdout
     assert "SlowBlasWarning" not in run.stderr
+
+
+def test_a_level_over_client_processes_sends_every_prompt_once_and_merges_what_they_measured(
+        served):
+    """``--client-processes``: the clients' own Python is off the measured process; the level
+    reads as one (every prompt sent once, each request's figures kept)."""
+    path, url = served
+    before = completions_served(url)
+    prompts = [f"x = {i}" for i in range(9)]
+    row = asyncio_run(serve_load.level(url, path.name, prompts, 3, 4, 120, processes=2,
+                                       warm=["for i in"]))
+    assert completions_served(url) - before == len(prompts) + 1
+    assert row["requests"] == len(prompts) and row["failed"] == 0
+    assert row["client_processes"] == 2 and row["tokens"] == 4 * len(prompts)
+    # The first wave: one request a client, three clients over the two processes.
+    assert 0 < row["ttft_first_wave_max_s"] <= row["ttft_p99_s"]
+    assert row["server_ttft_mean_s"] > row["server_queue_mean_s"] >= 0
