@@ -16,7 +16,9 @@ gaps between streamed chunks (inter-token latency) p50/p99; for foretell, its ow
 (from submission, its ``/metrics``) and the wait for admission within it, so that a level's
 TTFT splits into HTTP (with the clients' own time), queue, and prefill with the first step;
 then each level's TTFT p99 against c = 1's p50 (the strict reading of "within 3x of TTFT at
-1") and against its p99. The openai client's own Python costs ~0.1 ms a streamed chunk (a
+1") and against its p99. Every request asks for ``--max-tokens``, so a level's clients
+finish and send again together, each wave a burst; ``--max-tokens-spread S`` draws each
+request's from ``--max-tokens`` +- S instead. The openai client's own Python costs ~0.1 ms a streamed chunk (a
 core at ~8,000 chunks/s): on a host with cores to spare, ``--client-processes N`` spreads a
 level's clients over N processes, so that a busy client is not what a level measures.
 ``--floor-repeats N`` measures what no server can beat, in this process after the servers
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -120,25 +123,27 @@ PROMPTS_PER_CLIENT_SECOND = 40
 
 
 async def clients(url: str, model_id: str, prompts: list[str], concurrency: int,
-                  max_tokens: int, timeout: float, seconds: float = 0.0,
+                  max_tokens: int | list[int], timeout: float, seconds: float = 0.0,
                   start_at: float | None = None) -> dict:
-    """``concurrency`` clients in this process sending ``prompts`` (each once) until none is
-    left or, with ``seconds``, until that many seconds have passed, from ``start_at``
-    (``time.monotonic``; default: now). Returns what each request measured, unreduced."""
+    """``concurrency`` clients in this process sending ``prompts`` (each once; ``max_tokens``
+    for each, or one for all) until none is left or, with ``seconds``, until that many
+    seconds have passed, from ``start_at`` (``time.monotonic``; default: now). Returns what
+    each request measured, unreduced."""
     import openai
 
     # The client's own retries, as an application gets them (a server whose listen queue
     # overflows drops connections a retry gets through); the time they take counts.
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
-    queue = list(reversed(prompts))
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    queue = list(reversed(list(zip(prompts, lengths))))
     got: dict[str, Any] = {k: [] for k in ("ttfts", "burst", "gaps", "counts", "failed",
                                            "walls", "tails")}
 
-    async def request(prompt: str, first_wave: bool) -> None:
+    async def request(prompt: str, length: int, first_wave: bool) -> None:
         sent = time.perf_counter()
         try:
             stream = await client.completions.create(
-                model=model_id, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                model=model_id, prompt=prompt, max_tokens=length, temperature=0.0,
                 stream=True, stream_options={"include_usage": True})
             last, used = None, 0
             async for chunk in stream:
@@ -165,7 +170,7 @@ async def clients(url: str, model_id: str, prompts: list[str], concurrency: int,
     async def worker() -> None:
         first = True
         while queue and (not seconds or time.monotonic() < started + seconds or first):
-            await request(queue.pop(), first_wave=first)
+            await request(*queue.pop(), first_wave=first)
             first = False
 
     try:
@@ -191,7 +196,8 @@ def _client_process() -> None:
 
 
 def in_processes(processes: int, url: str, model_id: str, prompts: list[str],
-                 concurrency: int, max_tokens: int, timeout: float, seconds: float) -> dict:
+                 concurrency: int, max_tokens: int | list[int], timeout: float,
+                 seconds: float) -> dict:
     """:func:`clients` over ``processes`` processes, the level's clients and prompts dealt out
     between them, all starting at one moment; their measurements merged."""
     share = [n for n in (concurrency // processes + (i < concurrency % processes)
@@ -206,7 +212,8 @@ def in_processes(processes: int, url: str, model_id: str, prompts: list[str],
         for i, (proc, n) in enumerate(zip(procs, share)):
             proc.stdin.write(json.dumps({
                 "url": url, "model_id": model_id, "prompts": prompts[i::len(share)],
-                "concurrency": n, "max_tokens": max_tokens, "timeout": timeout,
+                "concurrency": n, "timeout": timeout, "max_tokens": max_tokens[i::len(share)]
+                if isinstance(max_tokens, list) else max_tokens,
                 "seconds": seconds, "start_at": start_at}) + "\n")
             proc.stdin.flush()
         parts = [json.loads(proc.stdout.readline()) for proc in procs]
@@ -224,11 +231,18 @@ def in_processes(processes: int, url: str, model_id: str, prompts: list[str],
 
 async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
                 max_tokens: int, timeout: float, seconds: float = 0.0,
-                warm: Sequence[str] = (), processes: int = 1) -> dict[str, float]:
+                warm: Sequence[str] = (), processes: int = 1,
+                spread: int = 0) -> dict[str, float]:
     """One level: ``warm``, prompts sent at once and answered before the clock starts (a
     failure among them stays counted); then :func:`clients`, in ``processes`` processes
     where a host has cores to spare, so that the clients' own Python is not what is measured.
-    Reduced to the level's figures, with the server's own view where it reports one."""
+    Reduced to the level's figures, with the server's own view where it reports one.
+    ``spread``: each request's ``max_tokens`` drawn from ``max_tokens`` +- ``spread`` (the
+    same draws for every server), so that clients do not finish, and send again, together."""
+    lengths: int | list[int] = max_tokens
+    if spread:
+        draw = random.Random(concurrency)
+        lengths = [max_tokens + draw.randint(-spread, spread) for _ in prompts]
     failed = []
     if warm:
         failed = (await clients(url, model_id, list(warm), len(warm), max_tokens,
@@ -236,9 +250,9 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
     before = await asyncio.to_thread(server_latency, url)
     if processes > 1:
         got = await asyncio.to_thread(in_processes, processes, url, model_id, prompts,
-                                      concurrency, max_tokens, timeout, seconds)
+                                      concurrency, lengths, timeout, seconds)
     else:
-        got = await clients(url, model_id, prompts, concurrency, max_tokens, timeout, seconds)
+        got = await clients(url, model_id, prompts, concurrency, lengths, timeout, seconds)
     after = await asyncio.to_thread(server_latency, url) if before is not None else None
     # The server's own view of the level's requests: what of the client's TTFT it saw (from
     # submission) and the wait for admission within that; the rest is HTTP and the loop.
@@ -323,6 +337,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levels", default="1,2,4,8,16,32", help="concurrency levels")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens-spread", type=int, default=0,
+                        help="each request's max_tokens drawn from --max-tokens +- this (the "
+                             "same draws for both servers): clients then finish, and send "
+                             "again, at different moments instead of in one wave")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests a level sends (default max(4, 2 * concurrency); "
                              "with --level-seconds, at least)")
@@ -362,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     draft = ["--draft", args.draft] + (["--draft-model", args.draft_model]
                                        if args.draft_model else [])
     report = {"model": str(model), "machine": machine_info(), "prompt_tokens":
-              args.prompt_tokens, "max_tokens": args.max_tokens, "foretell": draft,
+              args.prompt_tokens, "max_tokens": args.max_tokens,
+              "max_tokens_spread": args.max_tokens_spread, "foretell": draft,
               "requests": args.requests, "level_seconds": args.level_seconds,
               "warm": args.warm, "rows": []}
     for name, path in models.items():
@@ -381,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
                 row = asyncio.run(level(url, model_id, prompts[:-c], c, args.max_tokens,
                                         args.timeout, args.level_seconds,
                                         prompts[-c:] if args.warm else (),
-                                        processes=min(args.client_processes, c)))
+                                        processes=min(args.client_processes, c),
+                                        spread=args.max_tokens_spread))
                 row["server"] = name
                 report["rows"].append(row)
                 print(f"{name:9s} c={c:2d}  {row['requests']:4d} req  {row['tokens_per_s']:7.1f} "

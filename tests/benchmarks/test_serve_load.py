@@ -123,3 +123,16 @@ def test_a_level_over_client_processes_sends_every_prompt_once_and_merges_what_t
     # The first wave: one request a client, three clients over the two processes.
     assert 0 < row["ttft_first_wave_max_s"] <= row["ttft_p99_s"]
     assert row["server_ttft_mean_s"] > row["server_queue_mean_s"] >= 0
+
+
+def test_a_spread_level_asks_each_request_for_its_own_length(served):
+    """``--max-tokens-spread``: lengths drawn around ``--max-tokens``, the same draws for
+    every server (seeded by the level), so clients stop finishing in one wave."""
+    path, url = served
+    prompts = [f"y = {i}" for i in range(8)]
+    rows = [asyncio_run(serve_load.level(url, path.name, prompts, 2, 6, 120, spread=4,
+                                         processes=processes)) for processes in (1, 2)]
+    draw = __import__("random").Random(2)
+    want = sum(6 + draw.randint(-4, 4) for _ in prompts)
+    assert [row["tokens"] for row in rows] == [want, want]  # the tiny model never ends early
+    assert [row["requests"] for row in rows] == [8, 8]
