@@ -136,8 +136,8 @@ async def clients(url: str, model_id: str, prompts: list[str], concurrency: int,
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = list(reversed(list(zip(prompts, lengths))))
-    got: dict[str, Any] = {k: [] for k in ("ttfts", "burst", "gaps", "counts", "failed",
-                                           "walls", "tails")}
+    got: dict[str, Any] = {k: [] for k in ("ttfts", "burst", "steady", "gaps", "counts",
+                                           "failed", "walls", "tails")}
 
     async def request(prompt: str, length: int, first_wave: bool) -> None:
         sent = time.perf_counter()
@@ -153,8 +153,7 @@ async def clients(url: str, model_id: str, prompts: list[str], concurrency: int,
                     now = time.perf_counter()
                     if last is None:
                         got["ttfts"].append(now - sent)
-                        if first_wave:
-                            got["burst"].append(now - sent)
+                        got["burst" if first_wave else "steady"].append(now - sent)
                     else:
                         got["gaps"].append(now - last)
                     last = now
@@ -271,6 +270,8 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
             "ttft_mean_s": sum(ttfts) / max(len(ttfts), 1),
             "ttft_first_wave_max_s": max(got["burst"], default=0.0),
+            # Past the level's first wave (all its clients sending at once as it starts).
+            "ttft_steady_p99_s": percentile(got["steady"], 0.99),
             "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
             "itl_mean_s": sum(gaps) / max(len(gaps), 1),
             "request_mean_s": sum(walls) / max(len(walls), 1),
@@ -318,16 +319,20 @@ def compute_floor(model: Path, levels: list[int], prompt_tokens: int, repeats: i
 
 def ttft_ratios(rows: list[dict]) -> list[dict]:
     """Per server and level above 1, TTFT p99 over c = 1's p50 (the target's strict
-    reading) and over c = 1's p99."""
+    reading) and over c = 1's p99; and the p99 past the level's first wave over c = 1's p50,
+    where measured."""
     ratios = []
     for row in rows:
         alone = next((r for r in rows if r["server"] == row["server"]
                       and r["concurrency"] == 1), None)
         if alone is None or row["concurrency"] == 1 or not alone["ttft_p50_s"]:
             continue
-        ratios.append({"server": row["server"], "concurrency": row["concurrency"],
-                       "p99_over_c1_p50": row["ttft_p99_s"] / alone["ttft_p50_s"],
-                       "p99_over_c1_p99": row["ttft_p99_s"] / alone["ttft_p99_s"]})
+        ratio = {"server": row["server"], "concurrency": row["concurrency"],
+                 "p99_over_c1_p50": row["ttft_p99_s"] / alone["ttft_p50_s"],
+                 "p99_over_c1_p99": row["ttft_p99_s"] / alone["ttft_p99_s"]}
+        if row.get("ttft_steady_p99_s"):
+            ratio["steady_p99_over_c1_p50"] = row["ttft_steady_p99_s"] / alone["ttft_p50_s"]
+        ratios.append(ratio)
     return ratios
 
 
@@ -406,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
                 report["rows"].append(row)
                 print(f"{name:9s} c={c:2d}  {row['requests']:4d} req  {row['tokens_per_s']:7.1f} "
                       f"tok/s  TTFT p50 {row['ttft_p50_s']:.3f} p99 {row['ttft_p99_s']:.3f} s "
-                      f"(first wave max {row['ttft_first_wave_max_s']:.3f})  ITL p50 "
+                      f"(first wave max {row['ttft_first_wave_max_s']:.3f}, after it p99 "
+                      f"{row['ttft_steady_p99_s']:.3f})  ITL p50 "
                       f"{row['itl_p50_s'] * 1e3:.1f} p99 {row['itl_p99_s'] * 1e3:.1f} mean "
                       f"{row['itl_mean_s'] * 1e3:.1f} ms  request {row['request_mean_s'] * 1e3:.0f}"
                       f" ms (last token to end p50 {row['tail_p50_s'] * 1e3:.1f} ms)"
@@ -424,7 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     for ratio in report["ttft_ratios"]:
         print(f"{ratio['server']:9s} c={ratio['concurrency']:2d}: TTFT p99 is "
               f"{ratio['p99_over_c1_p50']:.1f}x c = 1's p50, {ratio['p99_over_c1_p99']:.1f}x "
-              "its p99")
+              "its p99" + (f"; past the first wave {ratio['steady_p99_over_c1_p50']:.1f}x c = 1's "
+                           "p50" if "steady_p99_over_c1_p50" in ratio else ""))
     if args.floor_repeats:
         report["floor"] = compute_floor(model, levels, args.prompt_tokens, args.floor_repeats)
         for floor in report["floor"]:

@@ -36,6 +36,7 @@ def test_a_warmed_level_counts_only_its_own_requests(served):
     assert completions_served(url) - before == len(prompts) + 2  # the warm-up wave was sent
     assert row["requests"] == len(prompts) and row["failed"] == 0  # and not counted
     assert 0 < row["ttft_first_wave_max_s"] <= row["ttft_p99_s"]
+    assert 0 < row["ttft_steady_p99_s"] <= row["ttft_p99_s"]  # the two clients' second requests
     # A request's whole time holds its first token and the gaps after it.
     assert row["request_mean_s"] >= row["ttft_p50_s"] * 0.5 + row["itl_mean_s"]
     assert 0 <= row["tail_p50_s"] <= row["tail_p99_s"] < row["request_mean_s"]
@@ -53,10 +54,14 @@ def test_a_timed_level_keeps_sending_until_its_seconds_are_up(served):
 def test_ttft_ratios_set_each_level_against_c1_p50_and_p99():
     rows = [{"server": "s", "concurrency": 1, "ttft_p50_s": 0.01, "ttft_p99_s": 0.02},
             {"server": "s", "concurrency": 16, "ttft_p50_s": 0.05, "ttft_p99_s": 0.06},
-            {"server": "t", "concurrency": 16, "ttft_p50_s": 0.05, "ttft_p99_s": 0.06}]
+            {"server": "t", "concurrency": 16, "ttft_p50_s": 0.05, "ttft_p99_s": 0.06},
+            {"server": "s", "concurrency": 8, "ttft_p50_s": 0.05, "ttft_p99_s": 0.06,
+             "ttft_steady_p99_s": 0.03}]
     assert serve_load.ttft_ratios(rows) == [
         {"server": "s", "concurrency": 16, "p99_over_c1_p50": pytest.approx(6.0),
-         "p99_over_c1_p99": pytest.approx(3.0)}]
+         "p99_over_c1_p99": pytest.approx(3.0)},
+        {"server": "s", "concurrency": 8, "p99_over_c1_p50": pytest.approx(6.0),
+         "p99_over_c1_p99": pytest.approx(3.0), "steady_p99_over_c1_p50": pytest.approx(3.0)}]
 
 
 def test_the_report_holds_the_rows_and_ratios(served, tmp_path):
