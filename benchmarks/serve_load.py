@@ -241,7 +241,7 @@ async def level(url: str, model_id: str, prompts: list[str], concurrency: int,
     lengths: int | list[int] = max_tokens
     if spread:
         draw = random.Random(concurrency)
-        lengths = [max_tokens + draw.randint(-spread, spread) for _ in prompts]
+        lengths = [max(1, max_tokens + draw.randint(-spread, spread)) for _ in prompts]
     failed = []
     if warm:
         failed = (await clients(url, model_id, list(warm), len(warm), max_tokens,
