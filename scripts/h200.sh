@@ -31,9 +31,12 @@
 #              none,two-model,mtp; REPEATS, default 3) against mlx-lm's BatchGenerator (~5 min)
 #   serve      benchmarks/serve_load.py: foretell serve plain, then two-model, against
 #              mlx_lm.server on the same weights (LEVELS, default 1,2,4,8,16,32) (~6 min); needs
-#              the serve wheels staged too (starlette, uvicorn, llguidance, openai and theirs)
+#              the serve wheels staged too (starlette, uvicorn, llguidance, openai and theirs);
+#              the clients in CLIENTS processes (default 4: one openai client process is most
+#              of a core at the GPU's chunk rates)
 #   serveburst serve_load.py at c = 1 and 16, levels of SECONDS_A_LEVEL (default 20) each, both
-#              servers, then the compute floor of a 16-prompt burst (~2 min)
+#              servers, lengths all 64 then drawn from 32-96, then the compute floor of a
+#              16-prompt burst (~3 min)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -117,15 +120,19 @@ batch)
 serve)
   levels=${LEVELS:-1,2,4,8,16,32}
   timeout 290 $PY benchmarks/serve_load.py --model demo --levels "$levels" --no-float32-mlx-lm \
-    --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -20
+    --client-processes "${CLIENTS:-4}" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log" | tail -20
   timeout 200 $PY benchmarks/serve_load.py --model demo --levels "$levels" --servers foretell \
-    --draft two-model --draft-model demo-draft \
+    --draft two-model --draft-model demo-draft --client-processes "${CLIENTS:-4}" \
     --json "$OUT/serve-two-model.json" 2>&1 | tee "$OUT/serve-two-model.log" | tail -12
   ;;
 serveburst)
+  timeout 200 $PY benchmarks/serve_load.py --model demo --levels 1,16 --no-float32-mlx-lm \
+    --level-seconds "${SECONDS_A_LEVEL:-20}" --client-processes "${CLIENTS:-4}" \
+    --json "$OUT/serve-burst.json" 2>&1 | tee "$OUT/serve-burst.log" | tail -8
   timeout 290 $PY benchmarks/serve_load.py --model demo --levels 1,16 --no-float32-mlx-lm \
-    --level-seconds "${SECONDS_A_LEVEL:-20}" --floor-repeats 5 \
-    --json "$OUT/serve-burst.json" 2>&1 | tee "$OUT/serve-burst.log" | tail -12
+    --level-seconds "${SECONDS_A_LEVEL:-20}" --client-processes "${CLIENTS:-4}" \
+    --max-tokens-spread 32 --floor-repeats 5 \
+    --json "$OUT/serve-burst-spread.json" 2>&1 | tee "$OUT/serve-burst-spread.log" | tail -12
   ;;
 firstrun)
   TIMEFORMAT="%R s wall, %U s user"
