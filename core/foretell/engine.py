@@ -382,8 +382,8 @@ class Engine:
         return RequestState(prompt=ids, caches=caches, cached=cached, cached_from=tier,
                             generated=replay, keys=keys, resumed=len(replay))
 
-    def _stats(self, state: RequestState, started: float, first_at: float | None,
-               submitted: float | None = None) -> Stats:
+    def _stats(self, state: RequestState, submitted: float, started: float,
+               first_at: float | None) -> Stats:
         ended = time.perf_counter()
         first_at = first_at if first_at is not None else ended
         computed = len(state.prompt) - state.cached
@@ -394,7 +394,7 @@ class Engine:
             generated_tokens=state.consumed,
             cached_tokens=state.cached,
             ttft_s=prompt_time,
-            queued_s=max(0.0, started - submitted) if submitted is not None else 0.0,
+            queued_s=started - submitted,
             prompt_tps=computed / prompt_time if prompt_time > 0 else 0.0,
             # A resumed request's restored tokens stream out at once: not decode speed.
             generation_tps=(state.consumed - state.resumed) / decode_time

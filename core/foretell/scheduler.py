@@ -544,7 +544,7 @@ class Scheduler(BatchStep):
             except Exception as exc:  # noqa: BLE001 - caching the drafter never fails a row
                 log.warning(
                     "not caching the drafter's state: %s", exc)
-        stats = self.engine._stats(state, row.started, row.cut.first_at, row.handle.submitted_at)
+        stats = self.engine._stats(state, row.handle.submitted_at, row.started, row.cut.first_at)
         if row.spec_stats is not None:
             stats = attrs.evolve(stats, speculation=row.spec_stats.to_dict())
         if row.request is not None:

@@ -180,13 +180,13 @@ def test_streamed_text_is_the_decoded_tokens(engine):
 def test_speeds_are_the_prompt_over_ttft_and_the_rest_over_the_time_after_it(engine, monkeypatch):
     from foretell.request import RequestState
 
-    # The scheduler's worker reads the clock at every step; the stats are made of three
-    # readings: the request's start (its admission), its first token, and its end.
+    # The scheduler's worker reads the clock at every step; the stats are made of four
+    # readings: the request's submission, its start (its admission), its first token, its end.
     state = RequestState(prompt=list(range(3, 14)), caches=[], cached=3,
                          generated=[5] * 6, consumed=6)
     monkeypatch.setattr(time, "perf_counter", lambda: 16.0)  # the end
-    stats = engine._stats(state, 10.0, 12.0)
-    assert stats.ttft_s == 2.0
+    stats = engine._stats(state, 9.5, 10.0, 12.0)
+    assert stats.ttft_s == 2.0 and stats.queued_s == 0.5
     assert stats.prompt_tps == (11 - 3) / 2.0
     assert stats.generation_tps == 6 / 4.0  # every generated token over the time after the first
     monkeypatch.undo()

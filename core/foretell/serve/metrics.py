@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import copy
 import math
 import threading
 import time
@@ -141,7 +140,8 @@ class Metrics:
             hits, cached = dict(self.prefix_hits), dict(self.cached_tokens)
             counters = (self.prompt_tokens, self.generated_tokens, self.prefix_misses,
                         self.drafted, self.accepted, self.cancelled_requests)
-            ttft, queued = copy.deepcopy(self.ttft), copy.deepcopy(self.queued)
+            ttft = self.ttft.lines("foretell_time_to_first_token_seconds")
+            queued = self.queued.lines("foretell_request_queue_seconds")
         prompt, generated, misses, drafted, accepted, cancelled = counters
         metric("requests_total", "counter", "HTTP requests by route and status",
                [({"route": r, "status": str(s)}, n) for (r, s), n in requests])
@@ -175,10 +175,10 @@ class Metrics:
                [({}, accepted)])
         metric("time_to_first_token_seconds", "histogram",
                "submission to first token, the wait for admission included", [])
-        out += ttft.lines("foretell_time_to_first_token_seconds")
+        out += ttft
         metric("request_queue_seconds", "histogram",
                "submission to admission (the wait for a place in the batch)", [])
-        out += queued.lines("foretell_request_queue_seconds")
+        out += queued
         if cache is not None:
             stats = cache.stats()
             metric("cache_bytes", "gauge", "bytes the prefix cache holds, by tier",
