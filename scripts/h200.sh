@@ -29,6 +29,9 @@
 #              at 8-bit KV (REPEATS, default 7; TAG, default table) (~5 min)
 #   batch      foretell bench --batch (BATCHES, default 1,4,16,32; DRAFTS, default
 #              none,two-model,mtp; REPEATS, default 3) against mlx-lm's BatchGenerator (~5 min)
+#   batchshapes foretell bench --batch on the synthetic 0.6B and 4B shapes, bf16 then 4-bit
+#              (SHAPES, default 0.6b,4b; BATCHES, default 1,4,16,32; REPEATS, default 2), plain
+#              rows against BatchGenerator (random weights: no drafter pays on them) (~6 min)
 #   serve      benchmarks/serve_load.py: foretell serve plain, then two-model, against
 #              mlx_lm.server on the same weights (LEVELS, default 1,2,4,8,16,32) (~6 min); needs
 #              the serve wheels staged too (starlette, uvicorn, llguidance, openai and theirs);
@@ -116,6 +119,13 @@ batch)
   timeout 580 $PY -m foretell bench --batch "${BATCHES:-1,4,16,32}" \
     --batch-drafts "${DRAFTS:-none,two-model,mtp}" --repeats "${REPEATS:-3}" \
     --json "$OUT/batch.json" 2>&1 | tee "$OUT/batch.log" | tail -20
+  ;;
+batchshapes)
+  for bits in "" 4; do
+    timeout 290 $PY -m foretell bench --batch "${BATCHES:-1,4,16,32}" --batch-drafts none \
+      --synthetic "${SHAPES:-0.6b,4b}" --dtype bfloat16 ${bits:+--bits $bits} --repeats "${REPEATS:-2}" \
+      --json "$OUT/batch-shapes${bits:+-q$bits}.json" 2>&1 | tee "$OUT/batch-shapes${bits:+-q$bits}.log" | tail -12
+  done
   ;;
 serve)
   levels=${LEVELS:-1,2,4,8,16,32}

@@ -151,6 +151,28 @@ def test_an_unknown_cache_layout_is_refused_with_the_installed_ones(tiny_model, 
     assert "--layout nope:" in err and "blocks" in err and "single-file" in err
 
 
+def test_bits_without_synthetic_is_refused_naming_both_flags(tiny_model, capsys):
+    assert cli_main(["bench", "--model", str(tiny_model), "--bits", "4"]) == 1
+    assert "--bits quantizes the weights of --synthetic models; add --synthetic" in \
+        capsys.readouterr().err
+
+
+def test_a_quantized_synthetic_model_is_its_own_directory_stored_as_mlx_lm_stores_it(tmp_path):
+    from safetensors import safe_open
+
+    from foretell.tools import measure
+
+    packed = measure.synthetic_model("30m", "float32", tmp_path, bits=4)
+    assert packed.name.endswith("-float32-q4-seed0")
+    config = json.loads((packed / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    (weights,) = packed.glob("*.safetensors")
+    with safe_open(str(weights), "np") as f:
+        names = set(f.keys())
+    assert any(n.endswith(".scales") for n in names) and any(n.endswith(".biases") for n in names)
+    assert measure.synthetic_model("30m", "float32", tmp_path, bits=4) == packed  # made once
+
+
 def test_unknown_synthetic_shape_is_refused_with_the_known_ones(capsys):
     assert cli_main(["bench", "--synthetic", "7b"]) == 1
     err = capsys.readouterr().err

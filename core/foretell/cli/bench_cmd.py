@@ -30,6 +30,10 @@ def add_parser(sub) -> None:
                         "none)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="dtype of synthetic weights (bfloat16 on a GPU)")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                   help="store synthetic weights quantized to this many bits (MLX affine, "
+                        "groups of 64, as mlx_lm.convert -q; scales in --dtype; default: "
+                        "unquantized)")
     p.add_argument("--prompt-tokens", type=int, default=128, metavar="N",
                    help="prompt length: random token ids, the same for both sides")
     p.add_argument("--generate", type=int, default=64, metavar="N", dest="max_tokens",
@@ -146,15 +150,19 @@ def run(args) -> int:
                 f"--synthetic {preset}: unknown shape "
                 f"(known: {', '.join(f'{n} ({t})' for n, t in shapes.items())})"
             )
-        print(f"synthetic {preset} ({args.dtype}) in {models_dir}", file=sys.stderr)
+        bits = f", {args.bits}-bit" if args.bits else ""
+        print(f"synthetic {preset} ({args.dtype}{bits}) in {models_dir}", file=sys.stderr)
         with naming_the_file("--models-dir", models_dir):
-            models.append((name, measure.synthetic_model(preset, args.dtype, models_dir)))
+            models.append((name + (f"-q{args.bits}" if args.bits else ""), measure.synthetic_model(
+                preset, args.dtype, models_dir, bits=args.bits)))
     if not models:  # as `foretell run`: the shipped default
         from foretell.engine import DEFAULT_MODEL
 
         print(f"no --model or --synthetic: the shipped {DEFAULT_MODEL!r}", file=sys.stderr)
         models = [(DEFAULT_MODEL, model_path(None))]
     to_file = Path(args.json) if args.json not in (None, "-") else None
+    if args.bits is not None and not args.synthetic:
+        raise BenchError("--bits quantizes the weights of --synthetic models; add --synthetic")
     if args.layout is not None and not args.cache:
         raise BenchError("--layout picks the storage layout of --cache; add --cache")
     if args.reserve_ab and not args.cache:

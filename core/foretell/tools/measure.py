@@ -137,9 +137,11 @@ def runtime_info() -> dict[str, Any]:
     }
 
 
-def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR) -> Path:
+def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR, *,
+                    bits: int | None = None) -> Path:
     """A random-weight model directory of a named shape (``"30m"`` or
-    ``"model_type:30m"``, :func:`foretell.tools.synthetic.make_preset_dir`), made once and reused.
+    ``"model_type:30m"``, :func:`foretell.tools.synthetic.make_preset_dir`), made once and reused;
+    ``bits`` (4 or 8): its layers stored quantized, as ``mlx_lm.convert -q`` stores them.
 
     Made in its own process so the weights' memory (GPU memory under CUDA) is not held by
     this one while the sides run; written to a temporary name and renamed, so an
@@ -148,16 +150,19 @@ def synthetic_model(preset: str, dtype: str, cache_dir: Path = CACHE_DIR) -> Pat
     from foretell.tools.synthetic import presets
 
     model_type, _, name = preset.rpartition(":")
-    path = Path(cache_dir) / f"{model_type or presets()[name]}-{name}-{dtype}-seed0"
+    quantized = f"-q{bits}" if bits else ""
+    path = Path(cache_dir) / f"{model_type or presets()[name]}-{name}-{dtype}{quantized}-seed0"
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     code = (
         "import sys; from foretell.tools.synthetic import make_preset_dir; "
-        "make_preset_dir(sys.argv[1], sys.argv[2], dtype=sys.argv[3])"
+        "make_preset_dir(sys.argv[1], sys.argv[2], dtype=sys.argv[3], "
+        "quantize_bits=int(sys.argv[4]) or None)"
     )
-    subprocess.run([sys.executable, "-c", code, str(scratch), preset, dtype], check=True)
+    subprocess.run([sys.executable, "-c", code, str(scratch), preset, dtype, str(bits or 0)],
+                   check=True)
     try:
         scratch.rename(path)
     except OSError:  # another run finished the same model first
