@@ -10,6 +10,7 @@ own length policy, a batch by :class:`~foretell.spec.batch_policy.BatchDraftPoli
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,13 @@ import mlx.core as mx
 
 from foretell.model.batch import batch_caches, layer_caches
 from foretell.model.fixed import trace_count
-from foretell.model.kvcache import KVCache
+from foretell.model.kvcache import KVCache, trim_all
 from foretell.request import prefill_rows, release_buffers
 from foretell.spec.batch import StepHidden
 from foretell.spec.contract import keep_recent_hidden
-from foretell.stream import TokenLogprobs
+from foretell.stream import END, TokenLogprobs
+
+log = logging.getLogger("foretell.scheduler")
 
 if TYPE_CHECKING:
     from foretell.scheduler import _Row
@@ -35,7 +38,8 @@ class BatchStep:
     """The step half of :class:`~foretell.scheduler.Scheduler` (and its shared prefill
     forward), which owns the state it reads: the running rows (``_rows``), their batch caches (``_batch``), the pipelined
     tokens (``_tokens``), the drafter groups (``_groups``, made by ``_group``), the batch
-    policy (``_policy``), and ``_finish``, ``_remove`` and ``_fail``."""
+    policy (``_policy``), the finished rows still to store (``_stores``), and ``_remove`` and
+    ``_fail``."""
 
     engine: Any
     _rows: list[_Row]
@@ -47,6 +51,7 @@ class BatchStep:
     _prefilling: Any
     _waiting: Any
     _queued: int
+    _stores: list[tuple[_Row, Any]]
     #: The rows (by id) the last step ran over, when it was a pipelined plain step; None
     #: after a synchronous step. A pipelined step's time is its wait for the step before
     #: it, so it is a plain step's cost only when that step was one over the same rows.
@@ -152,9 +157,6 @@ class BatchStep:
         forward, not one per row). A row that cannot speculate decodes plainly. Returns the
         drafter states to store with each row's prompt (by ``id(row)``), where it has a link
         to the cache tier."""
-        import logging
-
-        log = logging.getLogger("foretell.scheduler")
         by_group: dict[tuple[int, bool], list[_Row]] = {}
         for row in joining:
             if row.speculator is not None:
@@ -207,8 +209,6 @@ class BatchStep:
 
     def _distrusted(self, speculator: Speculator, flags: int) -> None:
         """Once per drafter and kind: what it returned was rejected (the output is safe)."""
-        import logging
-
         from foretell.spec.acceptance import distrust_message
 
         seen = self._warned.get(speculator.kind, 0)
@@ -243,6 +243,7 @@ class BatchStep:
              len(row.state.prompt) + len(row.state.generated) + row.unread)
             for row in rows])
         mx.async_eval(drawn)
+        self._close_finished()
         first = any(not row.unread and not row.state.generated for row in rows)
         values = tokens.tolist() if any(row.unread for row in rows) else None
         finished = []
@@ -274,6 +275,7 @@ class BatchStep:
         if self._tokens is None:
             return
         values = self._tokens.tolist()
+        self._close_finished()
         finished = []
         for b, row in enumerate(self._rows):
             if row.unread:
@@ -345,6 +347,54 @@ class BatchStep:
         if event is not None:
             row.handle._put(event)
         return row.cut.done
+
+    def _finish(self, b: int) -> None:
+        row = self._rows[b]
+        tail = row.cut.close()
+        if tail is not None:
+            row.handle._put(tail)
+        state = row.state
+        state.caches = [cache.extract(b) for cache in self._batch]
+        group = self._group_of(row)
+        if row.link is not None and group is not None and row in group.members:
+            try:
+                if state.held == len(state.prompt) + len(state.generated):
+                    trim_all(state.caches, 1)  # the drafter's state lines up one token back
+                row.link.final = group.attachment(row, row.link, state)
+            except Exception as exc:  # noqa: BLE001 - caching the drafter never fails a row
+                log.warning("not caching the drafter's state: %s", exc)
+        stats = self.engine._stats(state, row.handle.submitted_at, row.started, row.cut.first_at)
+        if row.spec_stats is not None:
+            stats = attrs.evolve(stats, speculation=row.spec_stats.to_dict())
+        if row.request is not None and self._tokens is not None and (
+                row.link is None or row.link.final is None):
+            # These caches are views of the step in flight: storing them now would wait for
+            # it, the device idle while the next step is built. They are computed next in
+            # line and stored once the next step is dispatched; END follows the store, so a
+            # follow-up turn still finds it. (A drafter's state stores at once: its views
+            # would only be computed behind that next step.)
+            mx.async_eval([cache.state for cache in state.caches])
+            self._stores.append((row, stats))
+            return
+        self._close_row(row, stats)
+
+    def _close_finished(self) -> None:
+        """Store the finished rows :meth:`_finish` left for after a step's dispatch."""
+        stores, self._stores = self._stores, []
+        for row, stats in stores:
+            self._close_row(row, stats)
+
+    def _close_row(self, row: _Row, stats: Any) -> None:
+        state = row.state
+        if row.request is not None:
+            try:
+                row.request.finish(state.held_tokens(), state.caches, completed=True)
+            except Exception as exc:  # noqa: BLE001 - the cold tier never fails a request
+                log.warning("not cached: %s", exc)
+        state.caches = []
+        row.handle._put(stats)
+        row.handle._put(END)
+
 
     def _end(self, finished: list[int]) -> None:
         if finished:

@@ -32,7 +32,6 @@ from foretell import request as request_module
 from foretell.batch_step import BatchStep
 from foretell.errors import ForetellError, GenerationError, QueueFull
 from foretell.model.batch import BatchKVCache, SoloCache, batch_caches, batches, default_kv_budget
-from foretell.model.kvcache import trim_all
 from foretell.platform import device
 from foretell.request import Progress, RequestState, prefill
 from foretell.sampling import RandomKeys, Sampler, TokenConstraint
@@ -159,6 +158,7 @@ class Scheduler(BatchStep):
         #: ``int32 [B]``: each running row's pending token, on the device, while a pipelined
         #: step drew some of them (rows marked ``unread``); None when all are on the host.
         self._tokens: mx.array | None = None
+        self._stores: list[tuple[_Row, Any]] = []  # finished rows storing after the next dispatch
         #: Per speculator (by id: a warm-up's or a request's own beside the engine's).
         self._groups: dict[int, DraftGroup] = {}
         #: Drafters whose CUDA kernels this scheduler started compiling (by id).
@@ -320,6 +320,8 @@ class Scheduler(BatchStep):
                         self._step()
                 except Exception as exc:  # noqa: BLE001 - the rows fail, the worker lives on
                     self._fail([*self._rows, *self._prefilling], exc)
+                if not self._rows:
+                    self._close_finished()  # no next step to store behind
 
     def _take_new(self, block: bool) -> bool:
         """Move submissions into the waiting queue; False when the worker should end: closed,
@@ -527,34 +529,6 @@ class Scheduler(BatchStep):
                                steps=self._hidden_steps())
             self._groups[(id(speculator), alone)] = group
         return group
-
-    def _finish(self, b: int) -> None:
-        row = self._rows[b]
-        tail = row.cut.close()
-        if tail is not None:
-            row.handle._put(tail)
-        state = row.state
-        state.caches = [cache.extract(b) for cache in self._batch]
-        group = self._group_of(row)
-        if row.link is not None and group is not None and row in group.members:
-            try:
-                if state.held == len(state.prompt) + len(state.generated):
-                    trim_all(state.caches, 1)  # the drafter's state lines up one token back
-                row.link.final = group.attachment(row, row.link, state)
-            except Exception as exc:  # noqa: BLE001 - caching the drafter never fails a row
-                log.warning(
-                    "not caching the drafter's state: %s", exc)
-        stats = self.engine._stats(state, row.handle.submitted_at, row.started, row.cut.first_at)
-        if row.spec_stats is not None:
-            stats = attrs.evolve(stats, speculation=row.spec_stats.to_dict())
-        if row.request is not None:
-            try:
-                row.request.finish(state.held_tokens(), state.caches, completed=True)
-            except Exception as exc:  # noqa: BLE001 - the cold tier never fails a request
-                log.warning("not cached: %s", exc)
-        state.caches = []
-        row.handle._put(stats)
-        row.handle._put(END)
 
     def _remove(self, indices: Sequence[int]) -> None:
         gone = {id(self._rows[b]) for b in indices}

@@ -333,6 +333,48 @@ def test_a_row_ending_in_a_pipelined_step_stores_what_its_kv_holds(tmp_path_fact
     scheduler.close()
 
 
+def test_a_row_ending_beside_others_stores_behind_the_next_step_and_ends_after(
+        tmp_path_factory, monkeypatch):
+    """A row ending while others decode on stores its KV once the next step (without it) is
+    dispatched, not by waiting for the step in flight; its END still follows the store, so a
+    follow-up turn sent on END reuses it."""
+    path = make_model_dir(tmp_path_factory.mktemp("behind"), "qwen3", overrides=QWEN, seed=0)
+    engine = foretell.load(path)
+    engine.cache = CacheTier(load_codecs(engine.registry))
+    scheduler = Scheduler(engine)
+    ids = engine.encode_prompt(PROMPTS[1])
+    list(scheduler.submit(ids, max_tokens=2, ignore_eos=True))  # the worker is up, warm
+    forward, store, seen = engine.model.forward, engine.cache.store, []
+
+    def watched(tokens, caches, *args, **kwargs):
+        seen.append(("forward", tuple(tokens.shape)))
+        return forward(tokens, caches, *args, **kwargs)
+
+    def storing(tokens, caches, namespace=""):
+        seen.append(("store", len(tokens)))
+        return store(tokens, caches, namespace)
+
+    monkeypatch.setattr(engine.model, "forward", watched)
+    monkeypatch.setattr(engine.cache, "store", storing)
+    short_ids = engine.encode_prompt(PROMPTS[0])
+    long = scheduler.submit(ids, max_tokens=24, ignore_eos=True)
+    short = scheduler.submit(short_ids, max_tokens=4, ignore_eos=True)
+    tokens, _, _ = batched(short)
+    follow = short_ids + tokens + tokens[:2]
+    got, _, stats = batched(scheduler.submit(follow, max_tokens=4, ignore_eos=True))
+    batched(long)
+    # The short row's whole sequence (its last token in the KV) is stored after the step
+    # without it was dispatched: a decode step of the long row alone after the last of both.
+    at = seen.index(("store", len(short_ids) + len(tokens)))
+    both = max(i for i, e in enumerate(seen[:at]) if e == ("forward", (2, 1)))
+    assert ("forward", (1, 1)) in seen[both:at]
+    assert stats.cached_tokens >= len(short_ids) + len(tokens) - 1
+    monkeypatch.setattr(engine.model, "forward", forward)
+    engine.cache = None
+    assert got == alone(engine, follow, max_tokens=4, ignore_eos=True)[0]
+    scheduler.close()
+
+
 def test_prompts_arriving_together_are_prefilled_in_one_forward(engine, monkeypatch):
     """Prompts waiting at the same step share one prefill forward (padded to the longest,
     the padding trimmed off each row) and still stream what each streams alone."""
