@@ -395,7 +395,6 @@ class BatchStep:
         row.handle._put(stats)
         row.handle._put(END)
 
-
     def _end(self, finished: list[int]) -> None:
         if finished:
             for b in finished:

@@ -150,11 +150,11 @@ def run(args) -> int:
                 f"--synthetic {preset}: unknown shape "
                 f"(known: {', '.join(f'{n} ({t})' for n, t in shapes.items())})"
             )
-        bits = f", {args.bits}-bit" if args.bits else ""
-        print(f"synthetic {preset} ({args.dtype}{bits}) in {models_dir}", file=sys.stderr)
+        packed = f", {args.bits}-bit" if args.bits else ""
+        print(f"synthetic {preset} ({args.dtype}{packed}) in {models_dir}", file=sys.stderr)
         with naming_the_file("--models-dir", models_dir):
-            models.append((name + (f"-q{args.bits}" if args.bits else ""), measure.synthetic_model(
-                preset, args.dtype, models_dir, bits=args.bits)))
+            path = measure.synthetic_model(preset, args.dtype, models_dir, bits=args.bits)
+        models.append((f"{name}-q{args.bits}" if args.bits else name, path))
     if not models:  # as `foretell run`: the shipped default
         from foretell.engine import DEFAULT_MODEL
 
