@@ -366,20 +366,22 @@ class BatchStep:
         stats = self.engine._stats(state, row.handle.submitted_at, row.started, row.cut.first_at)
         if row.spec_stats is not None:
             stats = attrs.evolve(stats, speculation=row.spec_stats.to_dict())
-        if row.request is not None and self._tokens is not None and (
-                row.link is None or row.link.final is None):
+        if row.request is not None and self._tokens is not None:
             # These caches are views of the step in flight: storing them now would wait for
-            # it, the device idle while the next step is built. They are computed next in
-            # line and stored once the next step is dispatched; END follows the store, so a
-            # follow-up turn still finds it. (A drafter's state stores at once: its views
-            # would only be computed behind that next step.)
-            mx.async_eval([cache.state for cache in state.caches])
+            # it, the device idle while the next step is built. They (and the drafter's state
+            # stored with them) are computed next in line and stored once the next step is
+            # dispatched; END follows the store, so a follow-up turn still finds it.
+            final = row.link.final if row.link is not None else None
+            held = [*state.caches, *([final] if final is not None else [])]
+            mx.async_eval([cache.state for cache in held])
             self._stores.append((row, stats))
             return
         self._close_row(row, stats)
 
     def _close_finished(self) -> None:
         """Store the finished rows :meth:`_finish` left for after a step's dispatch."""
+        if not self._stores:  # every plain step asks
+            return
         stores, self._stores = self._stores, []
         for row, stats in stores:
             self._close_row(row, stats)
