@@ -61,6 +61,8 @@ class BatchStep:
     _steps_hidden: StepHidden | None = None
     #: ``(rows, policy version, rates, adaptive, top)``: :meth:`_row_rates`' last answer.
     _rates_known: tuple[Any, ...] | None = None
+    #: Whether the last row running alone chose to draft (as if so before any did).
+    _alone_drafting: bool = True
 
     def _step(self) -> None:
         """One forward over every running row. While no row drafts and none needs its last
@@ -108,7 +110,8 @@ class BatchStep:
             self._hidden_steps().record(
                 done.hidden, rows, [len(kept) for kept in done.kept] if any(lengths) else None)
         # A step that traced a fixed-shape forward (foretell.model.fixed) paid a one-off cost.
-        one_off = trace_count() != traces
+        # So did one whose drafters first fed rows their sequences (DraftGroup.dormant).
+        one_off = trace_count() != traces or any(g.woke for g in self._groups.values())
         # The width asked for is what this step cost, drafted or not (a drafter's search
         # that found nothing took its time too).
         self._policy.observe(len(rows), max(asked.values(), default=0),
@@ -128,8 +131,8 @@ class BatchStep:
                 group.commit(rows, done.accepted, lengths)
             except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
                 self._groups.pop(key)
-                broken.update((id(row), _draft_error(group, "commit", exc))
-                              for row in group.members)
+                broken.update((id(row), group.error("commit", exc))
+                              for row in group.serves)
         finished = []
         for b, (row, kept) in enumerate(zip(rows, done.kept)):
             if id(row) in broken:
@@ -162,25 +165,27 @@ class BatchStep:
             if row.speculator is not None:
                 by_group.setdefault((id(row.speculator), row.solo), []).append(row)
         attachments: dict[int, Any] = {}
+        # A row's drafter is fed at once only where its state is stored with the prompt and
+        # the batch (or a lone row) drafts now; otherwise when the row first drafts.
+        drafting = self._policy.drafting if self._rows or len(joining) > 1 \
+            else self._alone_drafting
         for rows in by_group.values():
             speculator = rows[0].speculator
             try:
                 group = self._group(speculator, rows[0].solo)
-                joined = group.add(rows, [row.link for row in rows])
+                joined = group.add(rows, [row.link for row in rows],
+                                   [drafting and row.link is not None for row in rows])
             except Exception as exc:  # noqa: BLE001 - the rows decode plainly instead
                 joined = [exc] * len(rows)
             for row, outcome in zip(rows, joined):
                 if outcome is True:
-                    if row.link is not None:
+                    if row.link is not None and row in group.members:
                         try:
                             attachments[id(row)] = group.attachment(row, row.link, row.state)
                         except Exception as exc:  # noqa: BLE001 - caching it is optional
                             log.warning("not caching the drafter's state: %s", exc)
                     continue
-                if outcome is not False:  # False: correct, just not faster
-                    log.warning("%s: %s; this request decodes plainly", speculator.label(),
-                                outcome)
-                row.speculator = row.spec_stats = None
+                _decodes_plainly(row, None if outcome is False else outcome)
         return attachments
 
     def _draft(self, rows: list[_Row], lengths: list[int]
@@ -192,10 +197,13 @@ class BatchStep:
             try:
                 for b, part in group.draft(rows, lengths).items():
                     drafted[id(rows[b])] = part
+                for row, exc in group.refused:  # rows its drafter was first fed now refused
+                    _decodes_plainly(row, exc)
+                group.refused = []
             except Exception as exc:  # noqa: BLE001 - a plugin's failure ends its rows only
                 self._groups.pop(key)
-                failing = [row for row in self._rows if row in group.members]
-                self._fail(failing, _draft_error(group, "draft", exc))
+                failing = [row for row in self._rows if row in group.serves]
+                self._fail(failing, group.error("draft", exc))
                 try:
                     group.rows.close()
                 except Exception:  # noqa: BLE001 - it already failed; its error is reported
@@ -466,11 +474,18 @@ class BatchStep:
     def _cap(self, row: _Row, rolls_back: bool | None = None) -> int:
         """The most row ``row`` may draft now (``rolls_back``: :meth:`_rolls_rows_back`,
         where the caller knows it)."""
-        if row.speculator is None or not (
+        if row.speculator is None or not self._past_first(row) or not (
                 self._rolls_rows_back() if rolls_back is None else rolls_back):
             return 0
         remaining = row.max_tokens - row.state.consumed - row.unread - 1
         return max(0, min(row.speculator.max_tokens, remaining))
+
+    @staticmethod
+    def _past_first(row: _Row) -> bool:
+        """Whether the row may draft by the length policy: its first token came, by a plain
+        step (time to first token: no draft to verify, no drafter to feed first), or it
+        drafts a fixed length from the start."""
+        return bool(row.state.generated) or row.unread or not row.speculator.adaptive
 
     def _rolls_rows_back(self) -> bool:
         # A batch whose rows cannot roll back apart (a model's own batch caches over
@@ -487,7 +502,7 @@ class BatchStep:
         """The length policy's choice for a row running alone: a plain stretch of the
         length it asks for once it says 0, then, having learned the stretch's typical step
         (:meth:`_stretch_step`), it is asked again."""
-        if row.plain_left:
+        if row.plain_left or not self._past_first(row):
             return 0
         policy = row.speculator.policy
         if row.stretch_times:
@@ -501,6 +516,7 @@ class BatchStep:
             if gaps and not self._prefilling:
                 policy.observe(0, 0, gaps[len(gaps) // 2])
         k = policy.choose(self._cap(row))
+        self._alone_drafting = k > 0
         if not k:
             row.plain_left = max(policy.stretch, 1)
         return k
@@ -557,16 +573,12 @@ class BatchStep:
         return joins
 
 
-def _draft_error(group: DraftGroup, what: str, exc: BaseException) -> BaseException:
-    """``exc`` as the :class:`~foretell.errors.DraftError` naming the drafter that raised it."""
-    from foretell.errors import DraftError
-
-    if isinstance(exc, DraftError):
-        return exc
-    error = DraftError(f"{group.speculator.label()} failed in {what}(): "
-                       f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
+def _decodes_plainly(row: _Row, exc: BaseException | None) -> None:
+    """Row ``row``'s drafter cannot serve it (``exc``: what it raised; None: it cannot
+    speculate, correct but not faster): the request decodes plainly from here on."""
+    if exc is not None:
+        log.warning("%s: %s; this request decodes plainly", row.speculator.label(), exc)
+    row.speculator = row.spec_stats = None
 
 
 def _token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:

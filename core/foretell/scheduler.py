@@ -535,7 +535,7 @@ class Scheduler(BatchStep):
         keep = [b for b, row in enumerate(self._rows) if id(row) not in gone]
         for key, group in list(self._groups.items()):
             group.leave(gone)
-            if not group.members and group.speculator is not self.engine.speculator:
+            if not group.serves and group.speculator is not self.engine.speculator:
                 # A speculator no request uses now (a warm-up's copy, one a request brought):
                 # its drafter's rows go with it; the engine's stay ready for the next request.
                 self._groups.pop(key)

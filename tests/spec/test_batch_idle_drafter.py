@@ -98,27 +98,40 @@ def _member(prompt):
                            sampler=Sampler(), feed_hidden=[])
 
 
-def test_rows_joining_together_join_in_one_append():
+def test_rows_are_fed_their_sequences_when_first_asked_to_draft_together_in_one_append():
+    """Joining costs a drafter nothing: rows wait dormant, and those asked to draft are fed
+    everything so far in one append (the two-model drafter: one forward); a row never asked
+    is never fed, and its step costs it nothing."""
     group, rows = _group()
     members = [_member([1, 2]), _member([3]), _member([4, 5, 6])]
     assert group.add(members) == [True, True, True]
-    assert rows.appends == [[[1, 2], [3], [4, 5, 6]]]
-    assert group.members == members
+    assert rows.appends == [] and group.members == [] and group.serves == members
+    for member, tokens in zip(members, ([7], [8, 9], [10])):
+        member.state.generated += tokens
+    assert group.draft(members, [0, 0, 0]) == {} and rows.appends == []
+    drafted = group.draft(members, [2, 0, 1])
+    assert rows.appends == [[[1, 2, 7], [4, 5, 6, 10]]] and group.woke
+    assert group.members == [members[0], members[2]] and group.dormant == [members[1]]
+    assert sorted(drafted) == [0, 2]
+    members[0].state.generated += [11]
+    group.draft(members, [1, 0, 0])
+    assert not group.woke and rows.heard[0] == [1, 2, 7, 11]
 
 
-def test_a_row_whose_drafter_refuses_it_leaves_the_others_joined():
+def test_a_row_whose_drafter_refuses_it_leaves_the_others_fed():
     """An append that raises joins none: the rows are appended one by one, so only the row
-    its drafter refused decodes plainly, and the others join in order."""
+    its drafter refused leaves (``refused``: it decodes plainly), and the others join in
+    order and draft this very step."""
     group, rows = _group()
     members = [_member([1, 2]), _member([99]), _member([4])]
-    outcome = group.add(members)
-    assert outcome[0] is True and outcome[2] is True
-    assert isinstance(outcome[1], ValueError)
-    assert group.members == [members[0], members[2]] and rows.heard == [[1, 2], [4]]
+    assert group.add(members) == [True, True, True]
     members[0].state.generated += [7, 8]
     members[2].state.generated += [9]
-    group.draft(members, [1, 0, 1])
-    assert rows.heard == [[1, 2, 7, 8], [4, 9]]
+    drafted = group.draft(members, [1, 1, 1])
+    assert [row for row, _ in group.refused] == [members[1]]
+    assert isinstance(group.refused[0][1], ValueError)
+    assert group.members == [members[0], members[2]] and group.serves == group.members
+    assert rows.heard == [[1, 2, 7, 8], [4, 9]] and sorted(drafted) == [0, 2]
 
 
 # -- the scheduler ----------------------------------------------------------------------------

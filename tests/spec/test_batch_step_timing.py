@@ -47,7 +47,8 @@ def test_a_plain_step_is_timed_only_after_a_plain_step_over_the_same_rows(
         (0, False),  # the batch's first step waited for nothing; it reads its rows' first
         (0, False),  # tokens at once, so the next one waited for nothing either
         (0, True),
-        (2, True), (2, True),  # drafted steps time themselves (the policy judges switching)
+        (2, False),  # the first drafted step fed the rows' drafters their sequences
+        (2, True),  # drafted steps time themselves (the policy judges switching)
         (0, False),  # the first pipelined step after them waited for nothing
         (0, True), (0, True)]
 

@@ -224,7 +224,13 @@ class DraftGroup:
     drafter has not heard is read when it is fed (it drafts, or its state is captured): the
     tokens its sequence gained since, and their hidden states from ``steps`` (the batch's
     :class:`StepHidden`, which its steps record), so a step it does not draft at costs it
-    nothing."""
+    nothing.
+
+    A row whose drafter would prefill its whole sequence (no state restored for it, no
+    hidden states to read) waits ``dormant`` until it is first asked to draft, and is fed its
+    sequence then: where the batch decodes plainly (a large batch, a GPU whose draft forward
+    costs what the target's does) its drafter's prefill is never paid, and elsewhere it is
+    paid after the request's first token, not before it."""
 
     def __init__(self, speculator: Any, target: Any, *, per_request: bool = False,
                  steps: StepHidden | None = None) -> None:
@@ -236,18 +242,24 @@ class DraftGroup:
         opener = None if per_request else getattr(provider, "open_rows", None)
         self.rows = opener(target) if opener is not None else SourceRows(provider, target, label)
         self.members: list[Any] = []
+        self.dormant: list[Any] = []
+        #: Whether the last :meth:`draft` fed dormant rows their sequences (a one-off cost),
+        #: and the rows it could not, each with what its drafter raised (they leave the group).
+        self.woke = False
+        self.refused: list[tuple[Any, Exception]] = []
         #: Per member: how many of its generated tokens its drafter has heard, and the first
         #: step (a :attr:`StepHidden.serial`) whose hidden states it has not.
         self._heard: list[int] = []
         self._since: list[int] = []
         self._drafted = False
 
-    def add(self, rows: Sequence[Any], links: Sequence[Any] | None = None
-            ) -> list[bool | Exception]:
+    def add(self, rows: Sequence[Any], links: Sequence[Any] | None = None,
+            fed: Sequence[bool] | None = None) -> list[bool | Exception]:
         """Rows ``rows`` join, in one :meth:`DraftRows.append` (one prefill for all of them,
         where the drafter batches it), each restored from the drafter state the cache tier
         found with its prefix (``links[i]``: its :class:`~foretell.spec.attach.DraftLink`)
-        where that fits, else prefilled with its sequence. Per row: True (joined), False
+        where that fits, else prefilled with its sequence: now where ``fed[i]`` (its state
+        is to be stored with its prompt), else once it first drafts. Per row: True (joined), False
         (nothing joined: it cannot speculate, a hidden-state drafter over a cached prefix
         with no state of its own to restore, whose hidden states were never computed here),
         or the exception its drafter raised (nothing joined)."""
@@ -259,7 +271,11 @@ class DraftGroup:
             except Exception as exc:  # noqa: BLE001 - reported per row, as append's errors
                 outcome[i] = exc
                 continue
-            if start is not None:
+            if start is not None and start.state is None and not self.speculator.wants_hidden \
+                    and not (fed is not None and fed[i]):
+                self.dormant.append(row)
+                outcome[i] = True
+            elif start is not None:
                 starts[i] = start
         if len(starts) > 1:
             try:
@@ -316,6 +332,36 @@ class DraftGroup:
                 self.speculator.label(), type(exc).__name__, exc)
             self.rows.append([attrs.evolve(start, state=None, state_tokens=())])
 
+    @property
+    def serves(self) -> list[Any]:
+        """Every row of this drafter, fed or dormant."""
+        return [*self.members, *self.dormant]
+
+    def _wake(self, rows: Sequence[Any]) -> None:
+        """Dormant rows ``rows`` join the drafter's rows with their sequences so far, in one
+        :meth:`DraftRows.append`."""
+        from foretell.spec.drafting import draft_keys
+
+        starts = [RowStart(feed=Feed(row.state.prompt + row.state.generated),
+                           sampler=row.sampler, keys=draft_keys(row.sampler)) for row in rows]
+        joined = list(rows)
+        try:
+            self.rows.append(starts)
+        except Exception:  # noqa: BLE001 - none joined: one by one, to tell who failed
+            joined = []
+            for row, start in zip(rows, starts):
+                try:
+                    self.rows.append([start])
+                except Exception as exc:  # noqa: BLE001 - this row decodes plainly
+                    self.refused.append((row, exc))
+                    continue
+                joined.append(row)
+        for row in rows:
+            self.dormant.remove(row)
+        for row in joined:
+            self._joined(row)
+        self.woke = True
+
     def _joined(self, row: Any) -> None:
         self.members.append(row)
         self._heard.append(len(row.state.generated))
@@ -343,6 +389,10 @@ class DraftGroup:
         """``{batch row: (tokens [1, n], q [1, n, V] or None, n)}`` for this group's rows
         (every row's pending token on the host)."""
         where = {id(row): b for b, row in enumerate(rows)}
+        self.woke = False
+        waking = [row for row in self.dormant if lengths[where[id(row)]]]
+        if waking:
+            self._wake(waking)
         index = [where[id(member)] for member in self.members]
         asked = [lengths[b] for b in index]
         self._drafted = any(asked)
@@ -376,7 +426,20 @@ class DraftGroup:
                           for m in self.members])
         self._drafted = False
 
+    def error(self, what: str, exc: BaseException) -> BaseException:
+        """``exc``, raised by this group's drafter in ``what``, as the
+        :class:`~foretell.errors.DraftError` naming the drafter."""
+        from foretell.errors import DraftError
+
+        if isinstance(exc, DraftError):
+            return exc
+        error = DraftError(f"{self.speculator.label()} failed in {what}(): "
+                           f"{type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
     def leave(self, gone: set[int]) -> None:
+        self.dormant = [row for row in self.dormant if id(row) not in gone]
         keep = [i for i, member in enumerate(self.members) if id(member) not in gone]
         if len(keep) != len(self.members):
             self.rows.filter(keep)

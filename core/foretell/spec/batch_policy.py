@@ -204,6 +204,11 @@ class BatchDraftPolicy:
         """The candidate widths for drafters drafting at most ``top`` a round."""
         return sorted({0, top, max(1, top // 2)}) if top else [0]
 
+    @property
+    def drafting(self) -> bool:
+        """Whether its last choice drafted (as if so before its first)."""
+        return self._drafting or self._step == 0
+
     def choose(self, caps: Sequence[int] | Callable[[], Sequence[int]],
                rates: Sequence[float | None], top: int | None = None,
                draining: Sequence[int] | Callable[[], Sequence[int]] | None = None

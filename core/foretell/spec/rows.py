@@ -32,7 +32,9 @@ class RowStart:
     """A request joining a drafter's rows.
 
     ``feed`` is its sequence so far (``feed.tokens``: the prompt, or prompt and generated
-    tokens when a generation resumes) with the target's hidden states when the provider
+    tokens when a generation resumes or, for a provider that reads no hidden states, when
+    the row first drafts: rows are appended then, not as they join the batch, unless their
+    state is to be stored with the prompt) with the target's hidden states when the provider
     requires :data:`~foretell.spec.PORT_HIDDEN` (one state fewer than tokens: the last token
     is pending). ``sampler`` is the request's sampling settings; ``keys`` a random stream of
     the row's own for drafting (never the verifier's: sharing draws would bias the output).

@@ -1,0 +1,90 @@
+"""A row's drafter is fed its sequence when the row first drafts, not as it joins: rows of a
+batch that decodes plainly never pay for their drafter's prefill, and a request's first token
+comes by a plain step, before its drafter is fed. Output stays what each request streams
+alone; where the cache tier stores the drafter's state with the prompt and drafting is on,
+the drafter is fed at once (tests/spec/test_draft_state_cache.py)."""
+
+from __future__ import annotations
+
+import pytest
+from test_batch_step_timing import ScriptedWidths
+
+PROMPTS = [[11, 57, 300, 4, 89, 23, 8], [120, 7, 250, 3, 9]]
+
+
+@pytest.fixture
+def fed(monkeypatch):
+    """The sequences the two-model drafter's rows are fed, one list per append."""
+    from foretell_two_model.rows import TwoModelRows
+
+    appends, append = [], TwoModelRows.append
+    monkeypatch.setattr(TwoModelRows, "append", lambda rows, starts: (
+        appends.append([list(s.feed.tokens) for s in starts]), append(rows, starts))[1])
+    return appends
+
+
+def _two_model(engines, model_dirs, registry, name="qwen3-other"):
+    from foretell.plugin import Kind
+    from foretell.spec import make_speculator
+
+    config = registry.get(Kind.DRAFT, "two-model").config
+    return make_speculator(registry, engines["qwen3"].target, "two-model",
+                           config(model=str(model_dirs[name])), max_tokens=3)
+
+
+def _plain(engine, prompt, n):
+    return engine.generate_text(prompt, max_tokens=n, ignore_eos=True, speculate=False)
+
+
+def _texts(handles):
+    return ["".join(e.text for e in list(h)[:-1]) for h in handles]
+
+
+def test_rows_of_a_batch_that_never_drafts_never_feed_their_drafter(engines, model_dirs,
+                                                                   registry, fed):
+    from foretell.scheduler import Scheduler
+
+    engine = engines["qwen3"]
+    speculator = _two_model(engines, model_dirs, registry)
+    scheduler = Scheduler(engine)
+    scheduler._policy = ScriptedWidths([])  # plain decoding at every step
+    handles = [scheduler.submit(p, max_tokens=12, ignore_eos=True, speculate=speculator)
+               for p in PROMPTS]
+    texts = _texts(handles)
+    scheduler.close()
+    assert fed == []
+    assert texts == [_plain(engine, p, 12) for p in PROMPTS]
+
+
+def test_a_batch_that_starts_drafting_feeds_its_rows_then_in_one_append(engines, model_dirs,
+                                                                       registry, fed):
+    from foretell.scheduler import Scheduler
+
+    engine = engines["qwen3"]
+    speculator = _two_model(engines, model_dirs, registry)
+    scheduler = Scheduler(engine)
+    scheduler._policy = ScriptedWidths([0, 0, 0, 2, 2, 2])
+    handles = [scheduler.submit(p, max_tokens=16, ignore_eos=True, speculate=speculator)
+               for p in PROMPTS]
+    texts = _texts(handles)
+    scheduler.close()
+    # Fed once, together, at the first drafted step: each its prompt and what it generated.
+    assert len(fed) == 1 and len(fed[0]) == 2
+    for sequence, prompt in zip(fed[0], PROMPTS):
+        assert sequence[: len(prompt)] == prompt and len(sequence) > len(prompt)
+    assert texts == [_plain(engine, p, 16) for p in PROMPTS]
+
+
+def test_a_lone_requests_first_token_comes_before_its_drafter_is_fed(engines, model_dirs,
+                                                                    registry, fed):
+    """Its first step is plain whatever its length policy would say; the drafter hears the
+    prompt and what came since at the first round that drafts."""
+    engine = engines["qwen3"]
+    speculator = _two_model(engines, model_dirs, registry, name="qwen3")
+    events = list(engine.generate(PROMPTS[0], max_tokens=10, ignore_eos=True,
+                                  speculate=speculator))
+    text = "".join(e.text for e in events[:-1])
+    (sequence,), = fed
+    assert sequence[: len(PROMPTS[0])] == PROMPTS[0] and len(sequence) > len(PROMPTS[0])
+    assert events[-1].speculation["drafted"] > 0
+    assert text == _plain(engine, PROMPTS[0], 10)
