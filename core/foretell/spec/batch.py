@@ -242,6 +242,7 @@ class DraftGroup:
         opener = None if per_request else getattr(provider, "open_rows", None)
         self.rows = opener(target) if opener is not None else SourceRows(provider, target, label)
         self.members: list[Any] = []
+        #: Rows joined whose drafter has not been fed yet (the class docstring).
         self.dormant: list[Any] = []
         #: Whether the last :meth:`draft` fed dormant rows their sequences (a one-off cost),
         #: and the rows it could not, each with what its drafter raised (they leave the group).
