@@ -110,12 +110,17 @@ class BatchStep:
             self._hidden_steps().record(
                 done.hidden, rows, [len(kept) for kept in done.kept] if any(lengths) else None)
         # A step that traced a fixed-shape forward (foretell.model.fixed) paid a one-off cost.
-        # So did one whose drafters first fed rows their sequences (DraftGroup.dormant).
-        one_off = trace_count() != traces or any(g.woke for g in self._groups.values())
+        # So did one whose drafters first fed rows their sequences (DraftGroup.dormant):
+        # the batch policy learns what that adds (a look over such rows pays it).
+        woken = sum(group.woken for group in self._groups.values())
+        one_off = trace_count() != traces or woken > 0
         # The width asked for is what this step cost, drafted or not (a drafter's search
         # that found nothing took its time too).
-        self._policy.observe(len(rows), max(asked.values(), default=0),
-                             None if one_off else elapsed)
+        width = max(asked.values(), default=0)
+        if woken:  # (against plain decoding's cost where the width's is not known yet)
+            cost = self._policy.cost(len(rows), width) or self._policy.cost(len(rows), 0)
+            self._policy.woke(woken, elapsed - (cost or elapsed))
+        self._policy.observe(len(rows), width, None if one_off else elapsed)
         if len(rows) == 1 and self._alone(rows[0]):
             # A drafter that found nothing to draft (a lookup without a match) ran a round
             # that kept nothing: told so, the policy stops asking it every step.
@@ -447,7 +452,8 @@ class BatchStep:
         # With no request waiting to take a finished row's place, the batch ends with its
         # slowest row: the policy weighs the drift drafting adds (batch_policy's docstring).
         draining = None if (self._waiting or self._prefilling or self._queued) else left
-        return self._policy.choose(caps, rates, top, draining)  # each asked only if needed
+        dormant = sum(len(group.dormant) for group in self._groups.values())
+        return self._policy.choose(caps, rates, top, draining, dormant)  # each asked if needed
 
     def _row_rates(self, rows: Sequence[_Row]) -> tuple[list[float | None], bool, int]:
         """Each row's acceptance estimate (None: it has no drafter), whether any row's

@@ -110,12 +110,12 @@ def test_rows_are_fed_their_sequences_when_first_asked_to_draft_together_in_one_
         member.state.generated += tokens
     assert group.draft(members, [0, 0, 0]) == {} and rows.appends == []
     drafted = group.draft(members, [2, 0, 1])
-    assert rows.appends == [[[1, 2, 7], [4, 5, 6, 10]]] and group.woke
+    assert rows.appends == [[[1, 2, 7], [4, 5, 6, 10]]] and group.woken == 2
     assert group.members == [members[0], members[2]] and group.dormant == [members[1]]
     assert sorted(drafted) == [0, 2]
     members[0].state.generated += [11]
     group.draft(members, [1, 0, 0])
-    assert not group.woke and rows.heard[0] == [1, 2, 7, 11]
+    assert not group.woken and rows.heard[0] == [1, 2, 7, 11]
 
 
 def test_a_row_whose_drafter_refuses_it_leaves_the_others_fed():
@@ -225,7 +225,7 @@ def test_mtp_rows_idle_past_the_catch_up_then_drafting_hear_their_newest_states(
     scheduler = Scheduler(demo)
     chosen = []
 
-    def choose(caps, rates, top=None, draining=None):
+    def choose(caps, rates, top=None, draining=None, dormant=0):
         caps = caps() if callable(caps) else caps
         chosen.append(len(chosen) >= idle)
         return [min(3, cap) if chosen[-1] else 0 for cap in caps]

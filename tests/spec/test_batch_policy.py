@@ -178,6 +178,37 @@ def test_a_width_that_keeps_losing_is_looked_at_ever_less_often():
     assert chosen.count(0) > 0.97 * len(chosen)
 
 
+def test_a_look_that_must_first_feed_rows_drafters_comes_as_much_less_often():
+    """Rows that joined while the batch decoded plainly have drafters never fed: a look at
+    drafting over them also pays for feeding them, so it comes that much less often."""
+    cost = lambda rows, w: 1.0 + 0.3 * w  # noqa: E731 - drafting loses a little here
+
+    def looks(policy, dormant):
+        chosen = []
+        for _ in range(30 * REPROBE):
+            width = max(policy.choose([4] * 16, [0.3] * 16, dormant=dormant))
+            policy.observe(16, width, cost(16, width))
+            chosen.append(width)
+        return [i for i, w in enumerate(chosen) if w and not chosen[i - 1]]
+
+    fed = BatchDraftPolicy()
+    unfed = BatchDraftPolicy()
+    unfed.woke(16, 16 * 2.0)  # feeding a row's drafter cost two plain steps
+    every_row_fed, none_fed = looks(fed, 0), looks(unfed, 16)
+    assert len(every_row_fed) >= 5
+    # Past the first looks (nothing measured yet), one over 16 unfed rows loses 32 steps
+    # more: due every 3,200 steps or more, none in these 1,440.
+    assert [i for i in none_fed if i > REPROBE] == []
+    assert [i for i in every_row_fed if i > REPROBE]
+
+
+def test_feeding_costs_are_what_a_step_took_beyond_the_shape():
+    policy = BatchDraftPolicy()
+    policy.woke(4, 0.4)
+    policy.woke(2, -0.1)  # a step faster than its estimate: nothing, not a credit
+    assert policy._wake_cost == 0.05
+
+
 def test_rows_without_a_drafter_never_draft():
     policy = BatchDraftPolicy()
     lengths = policy.choose([4, 0, 4], [0.9, None, 0.9])
@@ -397,9 +428,9 @@ def test_the_batch_tells_the_policy_the_tokens_left_only_while_no_request_waits(
     from foretell.batch_step import BatchStep
 
     step = BatchStep.__new__(BatchStep)
-    step._policy, step._batch = BatchDraftPolicy(), []
+    step._policy, step._batch, step._groups = BatchDraftPolicy(), [], {}
     told = []
-    step._policy.choose = lambda caps, rates, top, draining: told.append(draining) or caps
+    step._policy.choose = lambda caps, rates, top, draining, dormant: told.append(draining) or caps
     speculator = SimpleNamespace(kind="k", adaptive=True, max_tokens=3)
 
     class Row:  # hashable, compared by identity, as the scheduler's rows

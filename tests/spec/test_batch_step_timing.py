@@ -16,7 +16,7 @@ class ScriptedWidths(BatchDraftPolicy):
         super().__init__()
         self.script, self.told = list(script), []
 
-    def choose(self, caps, rates, top=None, draining=None):
+    def choose(self, caps, rates, top=None, draining=None, dormant=0):
         width = self.script.pop(0) if self.script else 0
         return [min(width, cap) for cap in (caps() if callable(caps) else caps)]
 

@@ -244,9 +244,9 @@ class DraftGroup:
         self.members: list[Any] = []
         #: Rows joined whose drafter has not been fed yet (the class docstring).
         self.dormant: list[Any] = []
-        #: Whether the last :meth:`draft` fed dormant rows their sequences (a one-off cost),
+        #: How many dormant rows the last :meth:`draft` fed their sequences (a one-off cost),
         #: and the rows it could not, each with what its drafter raised (they leave the group).
-        self.woke = False
+        self.woken = 0
         self.refused: list[tuple[Any, Exception]] = []
         #: Per member: how many of its generated tokens its drafter has heard, and the first
         #: step (a :attr:`StepHidden.serial`) whose hidden states it has not.
@@ -361,7 +361,7 @@ class DraftGroup:
             self.dormant.remove(row)
         for row in joined:
             self._joined(row)
-        self.woke = True
+        self.woken = len(joined)
 
     def _joined(self, row: Any) -> None:
         self.members.append(row)
@@ -390,7 +390,7 @@ class DraftGroup:
         """``{batch row: (tokens [1, n], q [1, n, V] or None, n)}`` for this group's rows
         (every row's pending token on the host)."""
         where = {id(row): b for b, row in enumerate(rows)}
-        self.woke = False
+        self.woken = 0
         waking = [row for row in self.dormant if lengths[where[id(row)]]]
         if waking:
             self._wake(waking)

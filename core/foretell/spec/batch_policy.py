@@ -51,7 +51,12 @@ spaced so that what a look may lose (two steps at its cost above the chosen widt
 under ``LOOK_SHARE`` of the steps between looks, and never closer than ``REPROBE`` steps; a
 width whose looks keep losing is looked at half as often each time (up to ``MAX_BACKOFF``),
 one that could not pay even at the best row's hopes ``HOPELESS_SLOWER`` times less, and none
-wider than one that could not pay. A plain choice over the same rows and estimates stands
+wider than one that could not pay. A look over rows whose drafters were never fed (a row's
+drafter hears its sequence only when the row first drafts) also pays for feeding them, which
+the caller times (:meth:`BatchDraftPolicy.woke`): that counts among what the look loses, so
+looks over rows that joined while the batch decoded plainly come as much less often as
+feeding them costs (on an H100 at B = 16, looks each feeding 16 rows' drafters ran the
+batch at 0.8x plain decoding). A plain choice over the same rows and estimates stands
 ``PLAIN_HOLD`` steps (never past a look's due step) without being worked out again: on a
 host-bound GPU step working it out cost ~5%.
 
@@ -164,6 +169,10 @@ class BatchDraftPolicy:
         self._plain_hold: tuple[int, tuple[int, int], tuple] | None = None
         #: The step at which the next look of the last choice is due.
         self._look_due = 0
+        #: Seconds feeding one row's drafter its sequence adds to a step (decayed), and the
+        #: rows the choice being made would have to feed (:meth:`woke`).
+        self._wake_cost = 0.0
+        self._dormant = 0
 
     def rate(self, tried: float, kept: float, kind: str | None = None) -> float:
         """A row's per-position acceptance estimate from ``kept`` of ``tried`` positions,
@@ -211,8 +220,8 @@ class BatchDraftPolicy:
 
     def choose(self, caps: Sequence[int] | Callable[[], Sequence[int]],
                rates: Sequence[float | None], top: int | None = None,
-               draining: Sequence[int] | Callable[[], Sequence[int]] | None = None
-               ) -> list[int]:
+               draining: Sequence[int] | Callable[[], Sequence[int]] | None = None,
+               dormant: int = 0) -> list[int]:
         """Each row's draft length: ``caps[b]`` is the most it may draft now (0: it cannot),
         ``rates[b]`` its acceptance estimate (None: it has no drafter), ``top`` the most its
         drafters draft a round (default: the largest cap), ``draining`` each row's tokens
@@ -221,8 +230,10 @@ class BatchDraftPolicy:
         length capped, so rows nearing their ends (smaller caps) bring no new widths to
         measure. ``caps`` and ``draining`` may be functions giving them, called only where
         the choice depends on them: a plain choice needs neither, and working them out row
-        by row cost a large batch's step more than the choice itself."""
+        by row cost a large batch's step more than the choice itself. ``dormant``: rows
+        whose drafters a drafted step would first feed their sequences (:meth:`woke`)."""
         self._step += 1
+        self._dormant = dormant
         rows = len(rates)
         hold, self._plain_hold = self._plain_hold, None
         if hold is not None and self._again is None and self._step < hold[0] \
@@ -290,6 +301,13 @@ class BatchDraftPolicy:
         times = self._times.setdefault((rows, width), collections.deque(maxlen=KEEP))
         times.append(seconds)
         self._quartiles.pop((rows, width), None)
+
+    def woke(self, rows: int, seconds: float) -> None:
+        """A drafted step first fed ``rows`` rows' drafters their sequences, which took it
+        ``seconds`` more than such a step costs (the module docstring)."""
+        if rows > 0:
+            each = max(0.0, seconds) / rows
+            self._wake_cost = each if not self._wake_cost else 0.5 * (self._wake_cost + each)
 
     def cost(self, rows: int, width: int) -> float | None:
         """The step's time over ``rows`` rows at ``width``: measured, else estimated (the
@@ -361,7 +379,8 @@ class BatchDraftPolicy:
         cost, base = costs[width], costs[chosen]
         steps = float(REPROBE)
         if cost is not None and base:
-            steps = max(steps, 2.0 * max(0.0, cost - base) / (LOOK_SHARE * base))
+            lost = 2.0 * max(0.0, cost - base) + (self._wake_cost * self._dormant if width else 0.0)
+            steps = max(steps, lost / (LOOK_SHARE * base))
         backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF) if width else 1
         return steps * backoff * (HOPELESS_SLOWER if hopeless else 1)
 
