@@ -88,3 +88,49 @@ def test_a_lone_requests_first_token_comes_before_its_drafter_is_fed(engines, mo
     assert sequence[: len(PROMPTS[0])] == PROMPTS[0] and len(sequence) > len(PROMPTS[0])
     assert events[-1].speculation["drafted"] > 0
     assert text == _plain(engine, PROMPTS[0], 10)
+
+
+def test_a_look_that_feeds_rows_tells_the_policy_what_feeding_them_added(engines, model_dirs,
+                                                                         registry):
+    from foretell.scheduler import Scheduler
+
+    class Told(ScriptedWidths):
+        def __init__(self, script):
+            super().__init__(script)
+            self.fed = []
+
+        def woke(self, rows, seconds):
+            self.fed.append(rows)
+
+    speculator = _two_model(engines, model_dirs, registry)
+    scheduler = Scheduler(engines["qwen3"])
+    scheduler._policy = policy = Told([0, 0, 0, 2, 2, 0, 2])
+    handles = [scheduler.submit(p, max_tokens=16, ignore_eos=True, speculate=speculator)
+               for p in PROMPTS]
+    _texts(handles)
+    scheduler.close()
+    assert policy.fed == [2]  # once, for both rows; fed rows cost nothing more
+
+
+def test_a_row_joining_where_nothing_drafts_stores_its_prompt_without_drafter_state(
+        engines, model_dirs, registry, monkeypatch):
+    """Its drafter was not fed by the time the prompt's entry was stored: a later request
+    with that prompt, joining where drafting is on, prefills its drafter."""
+    from foretell.cache.tier import CacheTier
+    from foretell.scheduler import Scheduler
+
+    engine = engines["qwen3"]
+    monkeypatch.setattr(engine, "cache", CacheTier.for_engine(engine))
+    speculator = _two_model(engines, model_dirs, registry, name="qwen3")
+    prompt = [(11 * i) % 400 + 3 for i in range(24)]
+    scheduler = Scheduler(engine)
+    results = []
+    for drafting in (False, True):
+        scheduler._alone_drafting = drafting  # what the last lone row chose
+        events = list(scheduler.submit(prompt, max_tokens=10, ignore_eos=True,
+                                       speculate=speculator))
+        results.append(("".join(e.text for e in events[:-1]), events[-1]))
+    scheduler.close()
+    (first, _), (again, stats) = results
+    assert stats.cached_from == "ram" and stats.speculation["draft_cached_tokens"] == 0
+    assert first == again == _plain(engine, prompt, 10)
