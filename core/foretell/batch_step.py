@@ -160,11 +160,12 @@ class BatchStep:
             self._fail([row], broken[id(row)])
 
     def _join_drafters(self, joining: list[_Row]) -> dict[int, Any]:
-        """Joining rows join their drafters' groups, each group's together: one prefill for
-        all of them where the drafter batches it (a two-model drafter: one draft-model
-        forward, not one per row). A row that cannot speculate decodes plainly. Returns the
-        drafter states to store with each row's prompt (by ``id(row)``), where it has a link
-        to the cache tier."""
+        """Joining rows join their drafters' groups, each group's together (its drafter fed
+        them now, or when they first draft: :class:`~foretell.spec.batch.DraftGroup`), in one
+        prefill for all of them where the drafter batches it (a two-model drafter: one
+        draft-model forward, not one per row). A row that cannot speculate decodes plainly.
+        Returns the drafter states to store with each row's prompt (by ``id(row)``), where it
+        has a link to the cache tier and its drafter was fed."""
         by_group: dict[tuple[int, bool], list[_Row]] = {}
         for row in joining:
             if row.speculator is not None:
