@@ -28,8 +28,8 @@ def traced(trace: list[list]) -> Iterator[None]:
 
     choose, observe = bp.BatchDraftPolicy.choose, bp.BatchDraftPolicy.observe
 
-    def choosing(self, caps, rates, top=None, draining=None):
-        widths = choose(self, caps, rates, top, draining)
+    def choosing(self, caps, rates, top=None, draining=None, dormant=0):
+        widths = choose(self, caps, rates, top, draining, dormant)
         known = [r for r in rates if r is not None]
         trace.append(["choose", len(rates), max(widths, default=0),
                       round(sum(known) / len(known), 3) if known else None])
