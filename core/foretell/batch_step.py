@@ -117,9 +117,8 @@ class BatchStep:
         # The width asked for is what this step cost, drafted or not (a drafter's search
         # that found nothing took its time too).
         width = max(asked.values(), default=0)
-        if woken:  # (against plain decoding's cost where the width's is not known yet)
-            cost = self._policy.cost(len(rows), width) or self._policy.cost(len(rows), 0)
-            self._policy.woke(woken, elapsed - (cost or elapsed))
+        if woken:
+            self._policy.woke(woken, len(rows), width, elapsed)
         self._policy.observe(len(rows), width, None if one_off else elapsed)
         if len(rows) == 1 and self._alone(rows[0]):
             # A drafter that found nothing to draft (a lookup without a match) ran a round

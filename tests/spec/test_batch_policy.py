@@ -6,6 +6,8 @@ seldom enough that the looks cost little."""
 
 from __future__ import annotations
 
+import pytest
+
 from foretell.spec.batch_policy import (
     LOOK_SHARE,
     REPROBE,
@@ -193,7 +195,8 @@ def test_a_look_that_must_first_feed_rows_drafters_comes_as_much_less_often():
 
     fed = BatchDraftPolicy()
     unfed = BatchDraftPolicy()
-    unfed.woke(16, 16 * 2.0)  # feeding a row's drafter cost two plain steps
+    unfed.observe(16, 0, 1.0)
+    unfed.woke(16, 16, 2, 1.0 + 16 * 2.0)  # feeding a row's drafter cost two plain steps
     every_row_fed, none_fed = looks(fed, 0), looks(unfed, 16)
     assert len(every_row_fed) >= 5
     # Past the first looks (nothing measured yet), one over 16 unfed rows loses 32 steps
@@ -204,9 +207,13 @@ def test_a_look_that_must_first_feed_rows_drafters_comes_as_much_less_often():
 
 def test_feeding_costs_are_what_a_step_took_beyond_the_shape():
     policy = BatchDraftPolicy()
-    policy.woke(4, 0.4)
-    policy.woke(2, -0.1)  # a step faster than its estimate: nothing, not a credit
-    assert policy._wake_cost == 0.05
+    policy.woke(4, 8, 2, 1.4)  # no cost known for the shape: nothing to learn from
+    assert policy._wake_cost == 0.0
+    for width in (0, 2, 2):  # (the step switching to drafting is not timed)
+        policy.observe(8, width, 1.0)
+    policy.woke(4, 8, 2, 1.4)
+    policy.woke(2, 8, 2, 0.9)  # a step faster than its estimate: nothing, not a credit
+    assert policy._wake_cost == pytest.approx(0.05)
 
 
 def test_rows_without_a_drafter_never_draft():

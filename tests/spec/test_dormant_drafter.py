@@ -99,8 +99,8 @@ def test_a_look_that_feeds_rows_tells_the_policy_what_feeding_them_added(engines
             super().__init__(script)
             self.fed = []
 
-        def woke(self, rows, seconds):
-            self.fed.append(rows)
+        def woke(self, fed, rows, width, seconds):
+            self.fed.append(fed)
 
     speculator = _two_model(engines, model_dirs, registry)
     scheduler = Scheduler(engines["qwen3"])

@@ -278,25 +278,34 @@ class DraftGroup:
                 outcome[i] = True
             elif start is not None:
                 starts[i] = start
+        errors = self._feed([rows[i] for i in starts], list(starts.values()))
+        for i, error in zip(starts, errors):
+            outcome[i] = True if error is None else error
+        return outcome
+
+    def _feed(self, rows: Sequence[Any], starts: Sequence[RowStart]) -> list[Exception | None]:
+        """Rows ``rows`` start in the drafter's rows with ``starts``: in one
+        :meth:`DraftRows.append` where it takes them all, else one by one, so only a row its
+        drafter refuses stays out. Per row, what its drafter raised (None: it joined)."""
         if len(starts) > 1:
             try:
-                self.rows.append(list(starts.values()))
+                self.rows.append(list(starts))
             except Exception:  # noqa: BLE001 - none joined: one by one, to tell who failed
                 pass
             else:
-                for i in starts:
-                    self._joined(rows[i])
-                    outcome[i] = True
-                return outcome
-        for i, start in starts.items():
+                for row in rows:
+                    self._joined(row)
+                return [None] * len(rows)
+        errors: list[Exception | None] = []
+        for row, start in zip(rows, starts):
             try:
                 self._append_one(start)
             except Exception as exc:  # noqa: BLE001 - this row decodes plainly
-                outcome[i] = exc
+                errors.append(exc)
                 continue
-            self._joined(rows[i])
-            outcome[i] = True
-        return outcome
+            self._joined(row)
+            errors.append(None)
+        return errors
 
     def _start(self, row: Any, link: Any) -> RowStart | None:
         """Row ``row``'s :class:`RowStart`, or None when it cannot speculate (:meth:`add`)."""
@@ -339,29 +348,13 @@ class DraftGroup:
         return [*self.members, *self.dormant]
 
     def _wake(self, rows: Sequence[Any]) -> None:
-        """Dormant rows ``rows`` join the drafter's rows with their sequences so far, in one
-        :meth:`DraftRows.append`."""
-        from foretell.spec.drafting import draft_keys
-
-        starts = [RowStart(feed=Feed(row.state.prompt + row.state.generated),
-                           sampler=row.sampler, keys=draft_keys(row.sampler)) for row in rows]
-        joined = list(rows)
-        try:
-            self.rows.append(starts)
-        except Exception:  # noqa: BLE001 - none joined: one by one, to tell who failed
-            joined = []
-            for row, start in zip(rows, starts):
-                try:
-                    self.rows.append([start])
-                except Exception as exc:  # noqa: BLE001 - this row decodes plainly
-                    self.refused.append((row, exc))
-                    continue
-                joined.append(row)
+        """Dormant rows ``rows`` join the drafter's rows with their sequences so far (as
+        :meth:`add` starts a row with no state to restore)."""
         for row in rows:
             self.dormant.remove(row)
-        for row in joined:
-            self._joined(row)
-        self.woken = len(joined)
+        errors = self._feed(rows, [self._start(row, None) for row in rows])
+        self.refused.extend((row, error) for row, error in zip(rows, errors) if error is not None)
+        self.woken = errors.count(None)
 
     def _joined(self, row: Any) -> None:
         self.members.append(row)

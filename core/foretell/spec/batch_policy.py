@@ -302,11 +302,14 @@ class BatchDraftPolicy:
         times.append(seconds)
         self._quartiles.pop((rows, width), None)
 
-    def woke(self, rows: int, seconds: float) -> None:
-        """A drafted step first fed ``rows`` rows' drafters their sequences, which took it
-        ``seconds`` more than such a step costs (the module docstring)."""
-        if rows > 0:
-            each = max(0.0, seconds) / rows
+    def woke(self, fed: int, rows: int, width: int, seconds: float) -> None:
+        """A step over ``rows`` rows at ``width`` that first fed ``fed`` rows' drafters their
+        sequences took ``seconds``: what it took beyond the shape's cost (plain decoding's
+        where the width's is not known yet) is what feeding them cost (the module
+        docstring)."""
+        cost = self.cost(rows, width) or self.cost(rows, 0)
+        if fed > 0 and cost is not None:
+            each = max(0.0, seconds - cost) / fed
             self._wake_cost = each if not self._wake_cost else 0.5 * (self._wake_cost + each)
 
     def cost(self, rows: int, width: int) -> float | None:
