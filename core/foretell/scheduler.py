@@ -119,6 +119,8 @@ class _Row:
 log = logging.getLogger(__name__)
 #: Seconds a worker with nothing to do waits for a submission before it ends.
 IDLE_EXIT_S = 2.0
+#: Prefill chunks one iteration may take while no row decodes (a burst of prompts at once).
+BURST_CHUNKS = 4
 
 #: Schedulers whose worker may run, stopped at exit: a worker still stepping as MLX is torn
 #: down (a ``generate`` loop left with ``break``) aborted the process.
@@ -433,19 +435,29 @@ class Scheduler(BatchStep):
             row.spec_stats = SpeculationStats(drafter=row.speculator.kind)
 
     def _prefill_one_chunk(self) -> None:
-        """Up to one chunk's worth of admitted prompts, oldest first (several short prompts
-        arriving together all start this step, so the last of them does not wait a step per
-        prompt ahead of it), in one forward where they can share one (:meth:`_prefill_together`);
+        """Up to one chunk's worth of admitted prompts (several while no row decodes), oldest
+        first (several short prompts arriving together all start this step, so the last of
+        them does not wait a step per prompt ahead of it), in one forward where they can share one (:meth:`_prefill_together`);
         rows whose prompt is in join the batch."""
-        budget = request_module.PREFILL_CHUNK
-        chunks = []
+        chunk_max = request_module.PREFILL_CHUNK
+        # While rows decode, one chunk's worth: they wait for it. With none running, prompts
+        # that came together prefill together (up to BURST_CHUNKS chunks), so they join at
+        # one length: rows of one length decode without a mask (docs/decisions.md).
+        budget = chunk_max * (1 if self._rows else BURST_CHUNKS)
+        chunks, longest = [], 0
         for row in list(self._prefilling):
             if budget <= 0:
                 break
             if not row.todo:
                 continue
-            chunk, row.todo = row.todo[:budget], row.todo[budget:]
+            chunk = row.todo[: min(budget, chunk_max)]
+            # A shared forward's attention scores (rows x longest^2) stay within one full
+            # chunk's, as every prefill's did.
+            if chunks and (len(chunks) + 1) * max(longest, len(chunk)) ** 2 > chunk_max**2:
+                break
+            row.todo = row.todo[len(chunk) :]
             budget -= len(chunk)
+            longest = max(longest, len(chunk))
             chunks.append((row, chunk))
         together = [(row, chunk) for row, chunk in chunks if self._shares_prefill(row)]
         shared = None

@@ -375,6 +375,56 @@ def test_a_row_ending_beside_others_stores_behind_the_next_step_and_ends_after(
     scheduler.close()
 
 
+def _burst(engine, monkeypatch, prompts):
+    """Each prompt's tokens and the row counts of the decode steps, the prompts all arriving
+    at an idle scheduler before its worker takes any (prefill chunks of 32 tokens)."""
+    import foretell.request as request_module
+
+    monkeypatch.setattr(request_module, "PREFILL_CHUNK", 32)
+    scheduler = Scheduler(engine)
+    take, go, rows = scheduler._take_new, threading.Event(), []
+
+    def held(block):
+        go.wait(timeout=60)
+        return take(block)
+
+    forward = engine.model.forward
+
+    def watched(tokens, caches, *args, **kwargs):
+        if tokens.shape[1] == 1:
+            rows.append(tokens.shape[0])
+        return forward(tokens, caches, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "_take_new", held)
+    handles = [scheduler.submit(p, max_tokens=6, ignore_eos=True) for p in prompts]
+    monkeypatch.setattr(engine.model, "forward", watched)  # (the first submit ran one too)
+    go.set()
+    outputs = [batched(h)[0] for h in handles]
+    monkeypatch.setattr(engine.model, "forward", forward)
+    for prompt, got in zip(prompts, outputs):
+        assert got == alone(engine, prompt, max_tokens=6, ignore_eos=True)[0]
+    scheduler.close()
+    return rows
+
+
+def test_a_burst_into_an_idle_batch_prefills_past_one_chunk_and_joins_at_one_length(
+        engine, monkeypatch):
+    """Prompts arriving while no row decodes all prefill before the first step, past one
+    chunk's worth (up to BURST_CHUNKS chunks): their rows decode at one length (no mask)."""
+    prompts = [[20 + (7 * i + j) % 400 for j in range(10)] for i in range(6)]
+    rows = _burst(engine, monkeypatch, prompts)
+    assert rows[0] == len(prompts)  # one chunk (32 tokens) would have started three
+
+
+def test_a_burst_prefills_no_more_rows_at_once_than_a_full_chunk_has_attention_scores(
+        engine, monkeypatch):
+    """Rows x longest^2 of one iteration's prompts stays within a full chunk's (32^2): of
+    three 20-token prompts two go first, the third next."""
+    prompts = [[20 + (5 * i + j) % 400 for j in range(20)] for i in range(3)]
+    rows = _burst(engine, monkeypatch, prompts)
+    assert rows[0] == 2 and 3 in rows
+
+
 def test_prompts_arriving_together_are_prefilled_in_one_forward(engine, monkeypatch):
     """Prompts waiting at the same step share one prefill forward (padded to the longest,
     the padding trimmed off each row) and still stream what each streams alone."""
