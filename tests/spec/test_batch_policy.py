@@ -512,7 +512,7 @@ def test_a_plain_choice_stands_a_few_steps_for_the_same_rows_and_estimates(monke
             chosen.append(width)
         return chosen, len(worked)
 
-    held, work_held = decide(4)
+    held, work_held = decide(batch_policy.PLAIN_HOLD)
     every, work_every = decide(0)
     assert held == every and 2 in held  # looks at width 2 included
     assert work_held < work_every / 3

@@ -104,8 +104,9 @@ CLEAR_GAIN = 0.2
 HOLD_GAIN = 0.05
 #: Steps a plain choice stands for the same rows and estimates without being worked out
 #: again (never past a look's due step): idle drafter rows' choice cost a host-bound GPU
-#: step ~5% (B = 4 on the H100: 0.97 ms a step against plain rows' 0.92).
-PLAIN_HOLD = 4
+#: step ~5% (B = 4 on the H100: 0.97 ms a step against plain rows' 0.92), and at 4 steps
+#: still 2-3% of a B = 32 step (docs/decisions.md, "MTP rows that never draft").
+PLAIN_HOLD = 16
 
 
 def expected_tokens(rate: float, k: int) -> float:
