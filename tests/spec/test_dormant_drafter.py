@@ -1,8 +1,8 @@
-"""A row's drafter is fed its sequence when the row first drafts, not as it joins: rows of a
-batch that decodes plainly never pay for their drafter's prefill, and a request's first token
-comes by a plain step, before its drafter is fed. Output stays what each request streams
-alone; where the cache tier stores the drafter's state with the prompt and drafting is on,
-the drafter is fed at once (tests/spec/test_draft_state_cache.py)."""
+"""A row's drafter is fed when the row first drafts, not as it joins: rows of a batch that
+decodes plainly never pay for their drafter's prefill, and a request's first token comes by a
+plain step, before its drafter is fed. Output stays what each request streams alone; where
+the cache tier stores the drafter's state with the prompt and drafting is on (an MTP head's:
+always), the drafter is fed at once (tests/spec/test_draft_state_cache.py)."""
 
 from __future__ import annotations
 
@@ -134,3 +134,74 @@ def test_a_row_joining_where_nothing_drafts_stores_its_prompt_without_drafter_st
     (first, _), (again, stats) = results
     assert stats.cached_from == "ram" and stats.speculation["draft_cached_tokens"] == 0
     assert first == again == _plain(engine, prompt, 10)
+
+
+def test_mtp_rows_hear_their_prompts_states_when_they_first_draft(monkeypatch):
+    """A drafter reading hidden states waits too: rows of a batch that never drafts never
+    feed the MTP head; rows that draft later hear their prompt with its states (kept from
+    the prefill), then the tokens since with theirs, and stream plain greedy's text."""
+    import mlx.core as mx
+
+    import foretell
+    from foretell.scheduler import Scheduler
+    from foretell_qwen.mtp_rows import MTPRows
+
+    demo = foretell.load("demo")
+    speculator = demo.use_draft("mtp", max_tokens=3)
+    prompts = [demo.encode_prompt(t, chat=False) for t in
+               ("def fibonacci(n):\n    if n < 2:", "import os\n\n\ndef list_files(path):")]
+    starts, feeds = [], []
+    append, draft = MTPRows.append, MTPRows.draft
+    monkeypatch.setattr(MTPRows, "append", lambda rows, s: (
+        starts.append(list(s)), append(rows, s))[1])
+    monkeypatch.setattr(MTPRows, "draft", lambda rows, f, lengths: (
+        feeds.append(list(f)), draft(rows, f, lengths))[1])
+    for script in ([], [0, 0, 0, 2, 2, 2]):
+        starts.clear()
+        feeds.clear()
+        scheduler = Scheduler(demo)
+        scheduler._policy = ScriptedWidths(script)
+        handles = [scheduler.submit(p, max_tokens=14, ignore_eos=True, speculate=speculator)
+                   for p in prompts]
+        texts = _texts(handles)
+        scheduler.close()
+        assert texts == [_plain(demo, p, 14) for p in prompts]
+        if not script:
+            assert starts == []
+            continue
+        (joined,) = starts  # one append, at the first drafted step
+        for start, prompt in zip(joined, prompts):
+            hidden, _ = demo.model.forward(mx.array([prompt[:-1]]), demo.model.make_caches())
+            assert list(start.feed.tokens) == prompt
+            assert mx.allclose(start.feed.hidden, hidden, atol=1e-3, rtol=1e-3).item()
+        assert all(len(f.tokens) == f.hidden.shape[1] > 0 for f in feeds[0])  # what came since
+
+
+def test_mtp_rows_whose_prompts_are_cached_feed_the_head_as_they_join(monkeypatch):
+    """Where the prompt's entry is stored, an MTP row's head is fed at join even in a batch
+    that never drafts: its state goes with the entry, so a later hit can speculate (one
+    without it could not: the prefix's hidden states are never computed then)."""
+    import foretell
+    from foretell.cache.tier import CacheTier
+    from foretell.scheduler import Scheduler
+    from foretell_qwen.mtp_rows import MTPRows
+
+    demo = foretell.load("demo")
+    monkeypatch.setattr(demo, "cache", CacheTier.for_engine(demo))
+    speculator = demo.use_draft("mtp", max_tokens=3)
+    prompts = [demo.encode_prompt(t, chat=False) for t in ("def area(r):", "x = [i * i for")]
+    starts = []
+    append = MTPRows.append
+    monkeypatch.setattr(MTPRows, "append", lambda rows, s: (
+        starts.append(list(s)), append(rows, s))[1])
+    class Plain(ScriptedWidths):
+        drafting = False  # plain decoding at every step, as it was when the rows joined
+
+    scheduler = Scheduler(demo)
+    scheduler._policy = Plain([])
+    handles = [scheduler.submit(p, max_tokens=6, ignore_eos=True, speculate=speculator)
+               for p in prompts]
+    texts = _texts(handles)
+    scheduler.close()
+    assert sum(len(s) for s in starts) == len(prompts)
+    assert texts == [_plain(demo, p, 6) for p in prompts]

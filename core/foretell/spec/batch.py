@@ -226,11 +226,12 @@ class DraftGroup:
     :class:`StepHidden`, which its steps record), so a step it does not draft at costs it
     nothing.
 
-    A row whose drafter would prefill its whole sequence (no state restored for it, no
-    hidden states to read) waits ``dormant`` until it is first asked to draft, and is fed its
-    sequence then: where the batch decodes plainly (a large batch, a GPU whose draft forward
-    costs what the target's does) its drafter's prefill is never paid, and elsewhere it is
-    paid after the request's first token, not before it."""
+    A row whose drafter would prefill its whole sequence (no state restored for it) waits
+    ``dormant`` until it is first asked to draft: where the batch decodes plainly (a large
+    batch, a GPU whose draft forward costs what the target's does) that prefill is never
+    paid, elsewhere it is paid after the request's first token. It then hears its sequence
+    so far, or (a drafter reading hidden states) its prompt with their states, kept until
+    then, and the tokens since as a member that had not drafted since it joined."""
 
     def __init__(self, speculator: Any, target: Any, *, per_request: bool = False,
                  steps: StepHidden | None = None) -> None:
@@ -248,6 +249,9 @@ class DraftGroup:
         #: and the rows it could not, each with what its drafter raised (they leave the group).
         self.woken = 0
         self.refused: list[tuple[Any, Exception]] = []
+        #: A dormant row whose drafter reads hidden states: its start as it joined (the
+        #: prompt's states) and its feed's place then (generated tokens heard, step serial).
+        self._held: dict[int, tuple[RowStart, int, int]] = {}
         #: Per member: how many of its generated tokens its drafter has heard, and the first
         #: step (a :attr:`StepHidden.serial`) whose hidden states it has not.
         self._heard: list[int] = []
@@ -272,9 +276,10 @@ class DraftGroup:
             except Exception as exc:  # noqa: BLE001 - reported per row, as append's errors
                 outcome[i] = exc
                 continue
-            if start is not None and start.state is None and not self.speculator.wants_hidden \
-                    and not (fed is not None and fed[i]):
+            if start is not None and start.state is None and not (fed is not None and fed[i]):
                 self.dormant.append(row)
+                if self.steps is not None:
+                    self._held[id(row)] = (start, len(row.state.generated), self.steps.serial)
                 outcome[i] = True
             elif start is not None:
                 starts[i] = start
@@ -348,11 +353,18 @@ class DraftGroup:
         return [*self.members, *self.dormant]
 
     def _wake(self, rows: Sequence[Any]) -> None:
-        """Dormant rows ``rows`` join the drafter's rows with their sequences so far (as
-        :meth:`add` starts a row with no state to restore)."""
+        """Dormant rows ``rows`` join the drafter's rows as :meth:`add` starts a row with no
+        state to restore: with their sequences so far, or as they joined (the class
+        docstring)."""
         for row in rows:
             self.dormant.remove(row)
-        errors = self._feed(rows, [self._start(row, None) for row in rows])
+        held = [self._held.pop(id(row), None) for row in rows]
+        errors = self._feed(rows, [self._start(row, None) if h is None else h[0]
+                                   for row, h in zip(rows, held)])
+        for row, h, error in zip(rows, held, errors):
+            if h is not None and error is None:  # its feed goes on from where it joined
+                i = self.members.index(row)
+                self._heard[i], self._since[i] = h[1], h[2]
         self.refused.extend((row, error) for row, error in zip(rows, errors) if error is not None)
         self.woken = errors.count(None)
 
@@ -434,6 +446,8 @@ class DraftGroup:
 
     def leave(self, gone: set[int]) -> None:
         self.dormant = [row for row in self.dormant if id(row) not in gone]
+        for key in gone:
+            self._held.pop(key, None)
         keep = [i for i, member in enumerate(self.members) if id(member) not in gone]
         if len(keep) != len(self.members):
             self.rows.filter(keep)
