@@ -437,8 +437,8 @@ class Scheduler(BatchStep):
     def _prefill_one_chunk(self) -> None:
         """Up to one chunk's worth of admitted prompts (several while no row decodes), oldest
         first (several short prompts arriving together all start this step, so the last of
-        them does not wait a step per prompt ahead of it), in one forward where they can share one (:meth:`_prefill_together`);
-        rows whose prompt is in join the batch."""
+        them does not wait a step per prompt ahead of it), in one forward where they can
+        share one (:meth:`_prefill_together`); rows whose prompt is in join the batch."""
         chunk_max = request_module.PREFILL_CHUNK
         # While rows decode, one chunk's worth: they wait for it. With none running, prompts
         # that came together prefill together (up to BURST_CHUNKS chunks), so they join at
