@@ -1,5 +1,5 @@
 """Rows carrying a drafter that does not draft cost a plain batch step what plain rows cost:
-a step keeps the batch's hidden states once (:class:`~foretell.spec.batch.StepHidden`) and a
+a step keeps the batch's hidden states once (:class:`~foretell.spec.step_hidden.StepHidden`) and a
 row's drafter reads its own only when it is fed; rows whose drafter reads hidden states share
 the prefill forward; a drafter's rows joining together join in one append (the two-model
 drafter prefills them in one forward). Output stays what each request streams alone."""
@@ -17,7 +17,8 @@ import foretell
 from foretell.sampling import Sampler
 from foretell.scheduler import Scheduler
 from foretell.spec import CATCH_UP_MAX, Feed, RowStart
-from foretell.spec.batch import DraftGroup, StepHidden
+from foretell.spec.batch import DraftGroup
+from foretell.spec.step_hidden import StepHidden
 
 H = 4
 

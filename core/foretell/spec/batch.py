@@ -6,14 +6,12 @@ row's position keys, or rejection sampling), rolls each row's KV back to its acc
 prefix and hands back each row's kept tokens; a row with no draft gets exactly its plain
 decoding step; on CUDA a lone row's window runs compiled over fixed shapes
 (:mod:`foretell.model.fixed`). :class:`SourceRows` lets a per-request (plugin API 1) drafter
-serve rows. :class:`DraftGroup` is one drafter's rows in the batch; :class:`StepHidden`
-keeps the target's hidden states of the batch's last steps once for every row whose drafter
-reads them.
+serve rows. :class:`DraftGroup` is one drafter's rows in the batch, reading the hidden states
+its rows need from the batch's :class:`~foretell.spec.step_hidden.StepHidden`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from collections.abc import Sequence
@@ -27,7 +25,6 @@ from foretell.model.fixed import fixed_or_ordinary
 from foretell.sampling import RandomKeys, Sampler
 from foretell.spec.acceptance import judge_row
 from foretell.spec.contract import (
-    CATCH_UP_MAX,
     Draft,
     DraftState,
     Feed,
@@ -36,6 +33,7 @@ from foretell.spec.contract import (
     keep_recent_hidden,
 )
 from foretell.spec.rows import RowDraft, RowStart, checked_lengths
+from foretell.spec.step_hidden import StepHidden, joined_states
 
 
 @attrs.frozen(kw_only=True)
@@ -203,7 +201,7 @@ def _after(earlier: Feed | None, feed: Feed) -> Feed:
     if earlier.hidden is not None or feed.hidden is not None:
         parts = [h for h in (earlier.hidden, feed.hidden) if h is not None]
         keep_recent_hidden(parts)
-        hidden = _joined(parts)
+        hidden = joined_states(parts)
     return Feed(list(earlier.tokens) + list(feed.tokens), hidden, feed.position)
 
 
@@ -299,7 +297,7 @@ class DraftGroup:
                 pass
             else:
                 for row in rows:
-                    self._joined(row)
+                    self.joined_states(row)
                 return [None] * len(rows)
         errors: list[Exception | None] = []
         for row, start in zip(rows, starts):
@@ -308,7 +306,7 @@ class DraftGroup:
             except Exception as exc:  # noqa: BLE001 - this row decodes plainly
                 errors.append(exc)
                 continue
-            self._joined(row)
+            self.joined_states(row)
             errors.append(None)
         return errors
 
@@ -317,7 +315,7 @@ class DraftGroup:
         from foretell.spec.drafting import draft_keys
 
         wants_hidden = self.speculator.wants_hidden
-        hidden = _joined(row.feed_hidden) if wants_hidden else None
+        hidden = joined_states(row.feed_hidden) if wants_hidden else None
         slot = _Slot()
         restored = None
         state = row.state
@@ -328,7 +326,7 @@ class DraftGroup:
             restored = link.restore(slot, sequence,
                                     state.held if state.generated else state.cached)
         if restored is not None and wants_hidden:
-            hidden = _joined([h for h in (restored[1], hidden) if h is not None and h.size])
+            hidden = joined_states([h for h in (restored[1], hidden) if h is not None and h.size])
         if restored is None and wants_hidden and state.cached:
             return None
         return RowStart(feed=Feed(sequence, hidden), sampler=row.sampler,
@@ -368,7 +366,7 @@ class DraftGroup:
         self.refused.extend((row, error) for row, error in zip(rows, errors) if error is not None)
         self.woken = errors.count(None)
 
-    def _joined(self, row: Any) -> None:
+    def joined_states(self, row: Any) -> None:
         self.members.append(row)
         self._heard.append(len(row.state.generated))
         self._since.append(self.steps.serial if self.steps is not None else 0)
@@ -456,91 +454,6 @@ class DraftGroup:
             self._since = [self._since[i] for i in keep]
 
 
-class StepHidden:
-    """The target's hidden states of a batch's last steps, kept once a step (not sliced out
-    row by row) for the rows whose drafter reads them (:data:`~foretell.spec.PORT_HIDDEN`);
-    a row's are read out only when its drafter is fed (:meth:`newest`).
-
-    A row's feed carries the states of its newest :data:`CATCH_UP_MAX` tokens at most (a
-    drafter further behind starts over from those, :class:`~foretell.spec.Feed`), and every
-    step gives every row at least one token, so the last ``CATCH_UP_MAX`` steps hold them,
-    and one more: a pipelined step's newest state belongs to a token not read yet."""
-
-    def __init__(self) -> None:
-        #: ``(hidden [B, w, H], the batch's rows then, kept per row or None)`` per step.
-        self._steps: collections.deque[tuple[mx.array, Sequence[Any], Sequence[int] | None]] \
-            = collections.deque(maxlen=CATCH_UP_MAX + 1)
-        #: Steps recorded so far: the next step's number.
-        self.serial = 0
-
-    def record(self, hidden: mx.array, rows: Sequence[Any],
-               kept: Sequence[int] | None = None) -> None:
-        """One step's ``hidden`` over ``rows`` (row ``b``'s states are ``hidden[b]``; rows
-        join a batch only at its end, so the batch's own list may be given): its first
-        ``kept[b]`` positions predicted the tokens row ``b`` kept; ``kept`` None: a step of
-        one position that every row kept."""
-        self._steps.append((hidden, rows, kept))
-        self.serial += 1
-
-    def clear(self) -> None:
-        self._steps.clear()
-
-    def newest(self, wanted: Sequence[tuple[Any, int, int, bool]]) -> list[mx.array | None]:
-        """Per ``(row, since, n, unread)``: the states ``[1, m, H]`` that predicted the
-        row's ``n`` newest tokens, ``m = min(n, CATCH_UP_MAX)``, from the steps numbered
-        ``since`` on (None when ``n`` is 0); ``unread``: the row's newest state is that of a
-        token it has not read yet, left out."""
-        runs = self._runs(min((since for _, since, n, _ in wanted if n), default=self.serial))
-        where: dict[int, dict[int, int]] = {}
-        out: list[mx.array | None] = []
-        for row, since, n, unread in wanted:
-            want = min(n, CATCH_UP_MAX)
-            if want <= 0:
-                out.append(None)
-                continue
-            parts: list[mx.array] = []
-            got = 0
-            for first, end, hidden, rows, kept in reversed(runs):
-                if got >= want + unread or end <= since:
-                    break
-                index = where.get(id(rows))
-                if index is None:
-                    index = where[id(rows)] = {id(r): b for b, r in enumerate(rows)}
-                b = index[id(row)]
-                part = hidden[b : b + 1, max(since - first, 0) :] if kept is None \
-                    else hidden[b : b + 1, : kept[b]]
-                parts.append(part)
-                got += part.shape[1]
-            if not parts:  # not recorded (the batch was rebuilt): the drafter hears none
-                out.append(None)
-                continue
-            parts.reverse()
-            joined = _joined(parts)
-            if unread:
-                joined = joined[:, :-1]
-            out.append(joined if joined.shape[1] == want else joined[:, -want:])
-        return out
-
-    def _runs(self, since: int) -> list[tuple[int, int, mx.array, Sequence[Any],
-                                             Sequence[int] | None]]:
-        """The steps from ``since`` on as ``(first, end, hidden, rows, kept)``: one-position
-        steps over the same rows joined into one array (a long plain stretch costs one
-        concatenate, not one slice per row and step), each other step alone."""
-        runs: list[list[Any]] = []
-        first = self.serial - len(self._steps)
-        for serial, (hidden, rows, kept) in enumerate(self._steps, start=first):
-            if serial < since:
-                continue
-            last = runs[-1] if runs else None
-            if (kept is None and last is not None and last[4] is None and last[3] is rows
-                    and last[2][-1].shape[0] == hidden.shape[0]):
-                last[1] = serial + 1
-                last[2].append(hidden)
-            else:
-                runs.append([serial, serial + 1, [hidden], rows, kept])
-        return [(a, b, _joined(parts), rows, kept) for a, b, parts, rows, kept in runs]
-
-
 class _Slot:
     """One row of a :class:`DraftRows` as the cache link sees a per-request source:
     ``restore`` keeps the state for the row's :class:`RowStart`, ``capture`` captures it."""
@@ -564,12 +477,6 @@ class _Slot:
     def commit(self, accepted: int) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _joined(parts: list[mx.array]) -> mx.array | None:
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
 def combined_draft(drafted: dict[int, tuple[mx.array, mx.array | None, int]],
