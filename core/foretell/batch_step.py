@@ -22,8 +22,8 @@ from foretell.model.batch import batch_caches, layer_caches
 from foretell.model.fixed import trace_count
 from foretell.model.kvcache import KVCache, trim_all
 from foretell.request import prefill_rows, release_buffers
-from foretell.spec.step_hidden import StepHidden
 from foretell.spec.contract import keep_recent_hidden
+from foretell.spec.step_hidden import StepHidden
 from foretell.stream import END, TokenLogprobs
 
 log = logging.getLogger("foretell.scheduler")

@@ -133,8 +133,8 @@ def test_a_plain_stretch_keeps_each_steps_hidden_once_and_hands_the_head_the_new
     import mlx.core as mx
 
     from foretell.spec import CATCH_UP_MAX
-    from foretell.spec.step_hidden import StepHidden
     from foretell.spec.policy import PLAIN_STRETCH
+    from foretell.spec.step_hidden import StepHidden
     from foretell.spec.warmup import ScriptedPolicy
     from foretell_qwen.mtp_rows import MTPRows
 
