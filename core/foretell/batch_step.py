@@ -171,8 +171,7 @@ class BatchStep:
                 by_group.setdefault((id(row.speculator), row.solo), []).append(row)
         attachments: dict[int, Any] = {}
         # A row's drafter is fed at once only where its state is stored with the prompt and
-        # the batch (or a lone row) drafts now, or the drafter reads hidden states (a cache
-        # hit without its state could not speculate); otherwise when the row first drafts.
+        # the batch (or a lone row) drafts now; otherwise when the row first drafts.
         drafting = self._policy.drafting if self._rows or len(joining) > 1 \
             else self._alone_drafting
         for rows in by_group.values():
@@ -180,8 +179,7 @@ class BatchStep:
             try:
                 group = self._group(speculator, rows[0].solo)
                 joined = group.add(rows, [row.link for row in rows],
-                                   [row.link is not None and (drafting or speculator.wants_hidden)
-                                    for row in rows])
+                                   [drafting and row.link is not None for row in rows])
             except Exception as exc:  # noqa: BLE001 - the rows decode plainly instead
                 joined = [exc] * len(rows)
             for row, outcome in zip(rows, joined):

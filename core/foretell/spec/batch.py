@@ -262,10 +262,11 @@ class DraftGroup:
         where the drafter batches it), each restored from the drafter state the cache tier
         found with its prefix (``links[i]``: its :class:`~foretell.spec.attach.DraftLink`)
         where that fits, else prefilled with its sequence: now where ``fed[i]`` (its state
-        is to be stored with its prompt), else once it first drafts. Per row: True (joined), False
-        (nothing joined: it cannot speculate, a hidden-state drafter over a cached prefix
-        with no state of its own to restore, whose hidden states were never computed here),
-        or the exception its drafter raised (nothing joined)."""
+        is to be stored with its prompt; a hidden-state drafter's always is where there is a
+        link: a hit without it could not speculate), else once it first drafts. Per row:
+        True (joined), False (nothing joined: it cannot speculate, a hidden-state drafter
+        over a cached prefix with no state of its own to restore, whose hidden states were
+        never computed here), or the exception its drafter raised (nothing joined)."""
         outcome: list[bool | Exception] = [False] * len(rows)
         starts: dict[int, RowStart] = {}
         for i, row in enumerate(rows):
@@ -274,7 +275,9 @@ class DraftGroup:
             except Exception as exc:  # noqa: BLE001 - reported per row, as append's errors
                 outcome[i] = exc
                 continue
-            if start is not None and start.state is None and not (fed is not None and fed[i]):
+            now = (fed is not None and fed[i]) or (
+                self.steps is not None and links is not None and links[i] is not None)
+            if start is not None and start.state is None and not now:
                 self.dormant.append(row)
                 if self.steps is not None:
                     self._held[id(row)] = (start, len(row.state.generated), self.steps.serial)
@@ -297,7 +300,7 @@ class DraftGroup:
                 pass
             else:
                 for row in rows:
-                    self.joined_states(row)
+                    self._joined(row)
                 return [None] * len(rows)
         errors: list[Exception | None] = []
         for row, start in zip(rows, starts):
@@ -306,7 +309,7 @@ class DraftGroup:
             except Exception as exc:  # noqa: BLE001 - this row decodes plainly
                 errors.append(exc)
                 continue
-            self.joined_states(row)
+            self._joined(row)
             errors.append(None)
         return errors
 
@@ -356,20 +359,22 @@ class DraftGroup:
         docstring)."""
         for row in rows:
             self.dormant.remove(row)
-        held = [self._held.pop(id(row), None) for row in rows]
-        errors = self._feed(rows, [self._start(row, None) if h is None else h[0]
-                                   for row, h in zip(rows, held)])
-        for row, h, error in zip(rows, held, errors):
-            if h is not None and error is None:  # its feed goes on from where it joined
-                i = self.members.index(row)
-                self._heard[i], self._since[i] = h[1], h[2]
-        self.refused.extend((row, error) for row, error in zip(rows, errors) if error is not None)
+        errors = self._feed(rows, [self._held[id(row)][0] if id(row) in self._held
+                                   else self._start(row, None) for row in rows])
+        for row, error in zip(rows, errors):
+            if error is not None:
+                self._held.pop(id(row), None)
+                self.refused.append((row, error))
         self.woken = errors.count(None)
 
-    def joined_states(self, row: Any) -> None:
+    def _joined(self, row: Any) -> None:
+        """Row ``row`` is a member now; its feed goes on from here, or, woken with its start
+        as it joined (``_held``), from there."""
+        held = self._held.pop(id(row), None)
         self.members.append(row)
-        self._heard.append(len(row.state.generated))
-        self._since.append(self.steps.serial if self.steps is not None else 0)
+        self._heard.append(len(row.state.generated) if held is None else held[1])
+        self._since.append(held[2] if held is not None else
+                           self.steps.serial if self.steps is not None else 0)
 
     def _feed_of(self, i: int, unread: bool = False) -> tuple[list[int], mx.array | None]:
         """Member ``i``'s tokens its drafter has not heard and, for a hidden-state drafter,
