@@ -73,3 +73,24 @@ def test_a_speculating_side_sets_its_drafter_as_a_user_does_warm_up_included(
     run = _foretell_side(str(tiny_model), "two-model", str(draft), 3)
     assert warmed == [3]
     assert run([[5, 6, 7, 5, 6, 7, 5, 6]], 4)["tokens"] == 4
+
+
+def test_ratios_pair_the_sides_of_each_turn():
+    """A host whose speed drifts between turns moves both sides of a turn alike: the
+    ratio is the median of each turn's ratios, not the ratio of the medians (here 2.0)."""
+    from foretell.tools.bench_batch import paired_ratios, render_row
+
+    def side(*tps):
+        return [{"decode_tps": float(t)} for t in tps]
+
+    runs = {"mlx-lm": side(100, 200, 400), "foretell plain": side(110, 400, 440),
+            "foretell two-model": side(121, 440, 396)}
+    paired = paired_ratios(runs)
+    assert paired["foretell plain"] == {"x_mlx_lm": 1.1}
+    assert round(paired["foretell two-model"]["x_mlx_lm"], 6) == 1.21
+    assert round(paired["foretell two-model"]["x_plain"], 6) == 1.1
+    cell = {"decode_tps": 1.0, "ttft_p50_s": 0.0, "ttft_p99_s": 0.0}
+    row = {"batch": 4, "paired": paired, **{name: cell for name in runs}}
+    line = render_row(row, list(runs))
+    assert "foretell plain:     1.0 tok/s (1.10x)," in line
+    assert "(1.21x, 1.10x plain)" in line

@@ -3,11 +3,12 @@
 
 Each side runs in its own process (``python -m foretell.tools.bench_batch --side ...``), the
 sides taking turns per batch size. For every B the same B prompts (stretches of Python
-source) start together; reported per side: aggregate decode tok/s (tokens after each request's first, over
-the time from the last first token to the last token), all tokens over the whole wall time,
-and TTFT p50/p99. On the CPU foretell computes quantized weights unpacked to float32, so
-mlx-lm runs on a float32 copy of the same weights (``mlx_lm.convert --dequantize``) with the
-same OpenBLAS: the engine-to-engine comparison (DESIGN.md §5).
+source) start together; reported per side: aggregate decode tok/s (tokens after each
+request's first, over the time from the last first token to the last token), all tokens over
+the whole wall time, and TTFT p50/p99; each ratio is the median of the ratios within a turn
+(:func:`paired_ratios`). On the CPU foretell computes quantized weights unpacked to float32,
+so mlx-lm runs on a float32 copy of the same weights (``mlx_lm.convert --dequantize``) with
+the same OpenBLAS: the engine-to-engine comparison (DESIGN.md §5).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from foretell.tools.measure import CACHE_DIR, machine_info, median, runtime_info
+
+#: The plain (not drafting) foretell side's name: the drafting sides' other ratio.
+PLAIN = "foretell plain"
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -218,7 +222,7 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
         argv = ["--side", "foretell", "--model", str(model), "--k", str(k)]
         if draft is not None:
             argv += ["--draft", draft] + (["--draft-model", draft_model] if draft_model else [])
-        sides[f"foretell {draft or 'plain'}"] = _Side(argv)
+        sides[f"foretell {draft}" if draft else PLAIN] = _Side(argv)
     rows = []
     try:
         for batch in batches:
@@ -235,6 +239,8 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
             row = {"batch": batch}
             for name, got in runs.items():
                 row[name] = {key: median([g[key] for g in got]) for key in got[0]}
+                row[name]["decode_tps_runs"] = [g["decode_tps"] for g in got]
+            row["paired"] = paired_ratios(runs)
             rows.append(row)
             progress(render_row(row, list(sides)))
     finally:
@@ -245,12 +251,35 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
             "repeats": repeats, "machine": machine_info(), "runtime": runtime_info()}
 
 
+def paired_ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each foretell side's decode tok/s over mlx-lm's (``x_mlx_lm``) and, for a drafting
+    side, over plain foretell's (``x_plain``): the median of the ratios within each turn, the
+    sides of one turn running one after the other, so a host whose speed drifts between
+    turns moves both sides of a ratio alike (the ratio of the medians mixes turns)."""
+    def ratio(name: str, base: str) -> float:
+        return median([g["decode_tps"] / b["decode_tps"] if b["decode_tps"] else 0.0
+                       for g, b in zip(runs[name], runs[base])])
+
+    out: dict[str, dict[str, float]] = {}
+    for name in runs:
+        if name == "mlx-lm":
+            continue
+        out[name] = {"x_mlx_lm": ratio(name, "mlx-lm")}
+        if name != PLAIN and PLAIN in runs:
+            out[name]["x_plain"] = ratio(name, PLAIN)
+    return out
+
+
 def render_row(row: dict[str, Any], sides: list[str]) -> str:
-    base = row["mlx-lm"]["decode_tps"]
+    paired = row.get("paired", {})
     cells = [f"B={row['batch']:>3}"]
     for name in sides:
         got = row[name]
-        ratio = f" ({got['decode_tps'] / base:.2f}x)" if name != "mlx-lm" and base else ""
+        ratios = paired.get(name, {})
+        ratio = f" ({ratios['x_mlx_lm']:.2f}x" if "x_mlx_lm" in ratios else ""
+        if "x_plain" in ratios:
+            ratio += f", {ratios['x_plain']:.2f}x plain"
+        ratio += ")" if ratio else ""
         cells.append(f"{name}: {got['decode_tps']:7.1f} tok/s{ratio}, TTFT p50 "
                      f"{got['ttft_p50_s'] * 1e3:.0f} ms p99 {got['ttft_p99_s'] * 1e3:.0f} ms")
     return " | ".join(cells)
