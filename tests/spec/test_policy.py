@@ -16,6 +16,7 @@ from foretell.spec.policy import (
     EXPLORE_SHARE,
     PLAIN_STRETCH,
     PROBE_EVERY,
+    STALE_ROUNDS,
     DraftLengthPolicy,
 )
 
@@ -196,6 +197,26 @@ def test_a_plain_step_timed_in_a_slow_moment_does_not_keep_drafting_on():
     assert tokens / cost >= 0.95
 
 
+def test_plain_steps_timed_again_as_stale_stand_alone():
+    """Plain steps timed slow (twice their cost) at the start (a warm-up on a GPU meeting new
+    shapes), then drafting won on that estimate: a two-model round costing 2.9-5.1 plain
+    steps, as on the H100's demo at B = 1, never pays. Once the estimate is STALE_ROUNDS old
+    plain steps are timed again, and that fresh time alone is the estimate: it used to be one
+    of up to five whose median the slow ones held, so drafting ran on at a loss for up to
+    three times as long (the H100's two-model rows at B = 1 ran 0.61x plain over an 11-turn
+    bench). After the re-timing only looks draft (two rounds every PROBE_EVERY)."""
+    policy, drafted = DraftLengthPolicy(3), []
+    for r in range(3 * STALE_ROUNDS):
+        k = policy.choose(100)
+        if k == 0:
+            policy.observe(0, 0, 2.0 if r < 20 else 1.0)
+        else:
+            policy.observe(k, k, {1: 2.9, 2: 4.0, 3: 5.1}[k])
+            drafted.append(r)
+    after = [r for r in drafted if r > STALE_ROUNDS + 20]
+    assert len(after) <= 2 * (2 * STALE_ROUNDS - 20) / PROBE_EVERY + 2, drafted
+
+
 def _losing_drafter_on_a_host_in_phases(seed: int, slow: float = 1.8, rounds: int = 3000
                                         ) -> float:
     """Sampled MTP as the H200 measured it (2026-12-03): a round drafting k costs 2.3 + 0.4k
@@ -235,16 +256,17 @@ def test_a_losing_drafter_stays_within_about_five_percent_on_a_host_whose_speed_
     drafting (STALE_ROUNDS), it runs 0.97x plain on average over these seeds (taking the
     least of the recent times drafted at 0.90x on two of eight when this test was written).
     A request whose plain steps were timed in a slow phase still drafts at a loss until they
-    are timed again, up to STALE_ROUNDS rounds: 0.88x over a whole run, on one seed in forty.
-    Which seeds meet a phase at the wrong moment moves with any change to the schedule (a
-    3-step timing stretch instead of 4 moved the worst of the first eight from 0.949x to
-    0.927x, the mean over forty 0.968x -> 0.972x), so the bounds are over many. This does
+    are timed again, up to STALE_ROUNDS rounds; a time taken again as stale used to be one of
+    five whose median the slow ones held (0.88x over a whole run on one seed in forty; the
+    worst 0.966x since it stands alone). Which seeds meet a phase at the wrong moment moves
+    with any change to the schedule (a 3-step timing stretch instead of 4 moved the worst of
+    the first eight from 0.949x to 0.927x), so the bounds are over many. This does
     not reproduce the H200's 0.80x for sampled MTP at 09:38
     (docs/benchmarks.md): whatever made its plain-step estimate read 1.6x plain decoding's
     step there is not a phase of this kind."""
     speeds = [_losing_drafter_on_a_host_in_phases(seed) for seed in range(40)]
     assert statistics.mean(speeds) >= 0.96, speeds
-    assert sum(speed < 0.92 for speed in speeds) <= 2, speeds
+    assert min(speeds) >= 0.94, speeds
 
 
 def test_the_policy_keeps_what_it_was_told_and_how_it_used_each_time():

@@ -78,6 +78,7 @@ THIN_SPREAD = 0.05
 CLEAR_GAIN = 0.1
 #: While drafting, plain steps are timed again once their estimate is this many rounds old:
 #: against one timed in a slow moment, a drafter that cannot pay looked like a gain for good.
+#: That fresh time stands alone (older plain times are dropped): the median would keep them.
 STALE_ROUNDS = 128
 #: A length whose time rests on rounds of one moment is timed again before it switches
 #: drafting off if its rounds would yield this many tokens on the mean acceptance.
@@ -509,8 +510,12 @@ class DraftLengthPolicy:
         if drafted and drafted == self._exploring and not self._trial:
             plain = self.round_time(0)
             self._trial = TRIAL_ROUNDS if plain and seconds <= (1 + accepted) * plain else 0
-        self._timed_at[drafted] = self._rounds
         recent = self._samples.setdefault(drafted, deque(maxlen=TIME_SAMPLES))
+        if not drafted and self._rounds - self._timed_at.get(0, self._rounds) > STALE_ROUNDS:
+            # Timed again because stale: the older times are of another moment, and three of
+            # them, from a slow one, outvoted each fresh time for 3 x STALE_ROUNDS rounds.
+            recent.clear()
+        self._timed_at[drafted] = self._rounds
         recent.append(seconds)
         self._time[drafted] = typical(recent)
         self._account()
