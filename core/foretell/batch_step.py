@@ -113,7 +113,8 @@ class BatchStep:
         # So did one whose drafters first fed rows their sequences (DraftGroup.dormant):
         # the batch policy learns what that adds (a look over such rows pays it).
         woken = sum(group.woken for group in self._groups.values())
-        one_off = trace_count() != traces or woken > 0
+        traced = trace_count() != traces
+        one_off = traced or woken > 0
         # The width asked for is what this step cost, drafted or not (a drafter's search
         # that found nothing took its time too).
         width = max(asked.values(), default=0)
@@ -126,7 +127,7 @@ class BatchStep:
             tried = lengths[0] or asked.get(id(rows[0]), 0)
             if tried:
                 rows[0].speculator.policy.observe(tried, done.accepted[0], elapsed,
-                                                  one_off=one_off)
+                                                  one_off=traced, fed=woken > 0)
             elif rows[0].plain_left:
                 self._stretch_step(rows[0], started)
         broken: dict[int, BaseException] = {}

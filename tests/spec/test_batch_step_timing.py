@@ -129,3 +129,36 @@ def test_batch_rows_whose_drafter_finds_nothing_teach_the_batch_policy(
     # What the rows were asked to draft and did not is in the drafter's record: a drafter
     # whose searches cost nothing is not asked every step on the prior's hopes.
     assert scheduler._policy.prior(speculator.kind) < PRIOR_RATE
+
+
+def test_a_lone_rows_first_draft_tells_its_policy_the_drafter_was_fed(
+        engines, model_dirs, registry, monkeypatch):
+    """A lone row's drafter hears its sequence at the row's first draft: that round is told
+    ``fed`` (untimed, but counted against the exploring budget), not a one-off the budget
+    leaves out; later rounds are told neither."""
+    from foretell.plugin import Kind
+    from foretell.scheduler import Scheduler
+    from foretell.spec import make_speculator
+
+    engine = engines["qwen3"]
+    config = registry.get(Kind.DRAFT, "two-model").config
+    speculator = make_speculator(registry, engine.target, "two-model",
+                                 config(model=str(model_dirs["qwen3"])), max_tokens=2)
+    told: list[list[tuple[bool, bool]]] = []
+    observe = type(speculator.policy).observe
+
+    def observing(policy, drafted, accepted, seconds, **options):
+        if drafted:
+            told[-1].append((options.get("fed", False), options.get("one_off", False)))
+        return observe(policy, drafted, accepted, seconds, **options)
+
+    monkeypatch.setattr(type(speculator.policy), "observe", observing)
+    scheduler = Scheduler(engine)
+    for prompt in ([11, 57, 300, 4, 89], [120, 7, 250, 3, 9], [5, 6, 7, 5, 6, 7]):
+        told.append([])
+        list(scheduler.submit(prompt, max_tokens=20, ignore_eos=True, speculate=speculator))
+    scheduler.close()
+    drafted = [rounds for rounds in told if rounds]
+    assert drafted, told
+    for rounds in drafted:  # each request's first drafted round fed its drafter
+        assert rounds[0] == (True, False) and all(r == (False, False) for r in rounds[1:]), told

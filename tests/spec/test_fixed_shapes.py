@@ -270,7 +270,7 @@ def test_a_round_that_traced_a_fixed_forward_is_not_timed(
     told, seen = [], [fixed.trace_count()]
 
     class Logged(ScriptedPolicy):
-        def observe(self, drafted, accepted, seconds, *, one_off=False):
+        def observe(self, drafted, accepted, seconds, *, one_off=False, fed=False):
             now = fixed.trace_count()
             told.append((one_off, now != seen[-1]))
             seen.append(now)

@@ -463,17 +463,21 @@ class DraftLengthPolicy:
         return min(hopeful, key=lambda n: self._timed_at.get(n, -1)) if hopeful else None
 
     def observe(self, drafted: int, accepted: int, seconds: float, *,
-                one_off: bool = False) -> None:
+                one_off: bool = False, fed: bool = False) -> None:
         """A round drafted ``drafted`` tokens, the target kept ``accepted``, in ``seconds``
         (for a plain stretch, ``drafted = 0`` and the seconds of one of its steps);
         ``one_off``: it paid a one-off cost besides (a graph traced for a new shape, say), so
-        its time says nothing of what the length costs, and a probe runs another round.
+        its time says nothing of what the length costs, and a probe runs another round;
+        ``fed``: it first fed the drafter its request's sequence (a drafter waits for its
+        first draft to hear it), a switch back as below.
 
         A drafted round right after plain steps is not timed: it also pays for switching
         back (a model drafter catches up on every plain token since its last draft, the
         pipeline refills). So a probe from plain steps runs two rounds, the second timed: a
-        drafter is judged by what its rounds cost while it drafts; the budget counts both."""
-        switching = bool(drafted) and self._after_plain
+        drafter is judged by what its rounds cost while it drafts; the budget counts both
+        (a look that wakes a request's drafter pays for feeding it: left out, looks at a
+        drafter that never paid came each request, not each 2% of the tokens)."""
+        switching = bool(drafted) and (self._after_plain or fed)
         self._after_plain = not drafted
         untimed = switching or (one_off and bool(drafted))
         # A plain stretch's first step is never timed (the verifier's doing), so nothing of

@@ -42,7 +42,8 @@ class ScriptedPolicy(DraftLengthPolicy):
         k = self.script.pop(0) if self.script else self.max_k
         return max(0, min(k, limit, self.max_k))
 
-    def observe(self, drafted: int, accepted: int, seconds: float, *, one_off: bool = False) -> None:
+    def observe(self, drafted: int, accepted: int, seconds: float, *, one_off: bool = False,
+                fed: bool = False) -> None:
         pass
 
 
