@@ -125,10 +125,11 @@ def _traced_policy(policy: Any, events: list[str]):
         return k
 
     def traced_observe(drafted: int, accepted: int, seconds: float, *,
-                       one_off: bool = False) -> None:
+                       one_off: bool = False, fed: bool = False) -> None:
         what = f"drafted {drafted}, kept {accepted}" if drafted else "plain step"
-        events.append(f"{what}: {seconds * 1e3:.2f} ms" + (" (one-off)" if one_off else ""))
-        observe(drafted, accepted, seconds, one_off=one_off)
+        events.append(f"{what}: {seconds * 1e3:.2f} ms" + (" (one-off)" if one_off else "")
+                      + (" (fed the drafter)" if fed else ""))
+        observe(drafted, accepted, seconds, one_off=one_off, fed=fed)
 
     policy.choose, policy.observe = traced_choose, traced_observe
     try:

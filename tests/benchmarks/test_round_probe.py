@@ -38,7 +38,8 @@ def test_the_round_probe_reports_host_time_and_the_policys_figures(capsys):
     # The trace: the first request's first choices (the warm-up drafts the most) and rounds.
     trace = [line.strip() for line in out[6:]]
     assert len(trace) == 6 and trace[0] == "choose 2 (ms per round by k {})"
-    assert re.fullmatch(r"drafted [12], kept [0-2]: [\d.]+ ms( \(one-off\))?", trace[1])
+    assert re.fullmatch(r"drafted [12], kept [0-2]: [\d.]+ ms( \(one-off\))?( \(fed the drafter\))?",
+                        trace[1])
     assert mx.async_eval is async_eval and batch.verify_rows is verify_rows
 
 
