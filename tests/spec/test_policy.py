@@ -260,21 +260,24 @@ def test_a_look_that_wakes_a_requests_drafter_pays_for_it_from_the_budget():
 
 
 def test_a_round_that_fed_the_drafter_is_untimed_but_counted():
-    policy = DraftLengthPolicy(2)
-    for _ in range(3):  # the warm-up's rounds, all kept
+    """A round that first fed the drafter its sequence says nothing of what its length
+    costs, but what it cost counts against the exploring budget (a one-off does not)."""
+    def policy_after(**told) -> DraftLengthPolicy:
+        policy = DraftLengthPolicy(2)
+        for _ in range(3):  # the warm-up's rounds, all kept
+            policy.observe(2, 2, 0.030)
+        policy.observe(0, 0, 0.010)
+        policy.observe(0, 0, 0.010)
+        policy.observe(2, 2, 0.030)  # after plain steps: untimed
+        policy.observe(2, 2, 0.030)  # 3 plain steps for 3 tokens: even
+        assert policy.exploring_allowed()
+        policy.observe(2, 0, 0.090, **told)  # 6 plain steps (LOSS_CAP x 3) for 1 token
+        assert policy.told[-1][3] == "untimed"  # its time is not the length's
         policy.observe(2, 2, 0.030)
-    policy.choose(100)
-    policy.observe(0, 0, 0.010)
-    policy.observe(0, 0, 0.010)
-    policy.observe(2, 1, 0.030)  # after plain steps: untimed
-    policy.observe(2, 1, 0.030)
-    balance, measured = policy._balance, policy.measured()
-    policy.observe(2, 2, 0.090, fed=True)  # drafting on, but its drafter was first fed now
-    policy.observe(2, 2, 0.030)
-    assert policy.measured() == measured  # the fed round's time is not the length's
-    # Counted: its 9 plain steps for 3 tokens, at most LOSS_CAP times the length's 3 (a
-    # one-off is not: the balance stayed).
-    assert round(policy._balance - balance, 6) == -3.0
+        return policy
+
+    assert not policy_after(fed=True).exploring_allowed()
+    assert policy_after(one_off=True).exploring_allowed()
 
 
 def _losing_drafter_on_a_host_in_phases(seed: int, slow: float = 1.8, rounds: int = 3000
