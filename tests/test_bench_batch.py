@@ -86,11 +86,17 @@ def test_ratios_pair_the_sides_of_each_turn():
     runs = {"mlx-lm": side(100, 200, 400), "foretell plain": side(110, 400, 440),
             "foretell two-model": side(121, 440, 396)}
     paired = paired_ratios(runs)
-    assert paired["foretell plain"] == {"x_mlx_lm": 1.1}
+    assert paired["foretell plain"]["x_mlx_lm"] == 1.1
     assert round(paired["foretell two-model"]["x_mlx_lm"], 6) == 1.21
     assert round(paired["foretell two-model"]["x_plain"], 6) == 1.1
+    # Each with its interval from the same turns' ratios (as the single-request bench's).
+    low, high = paired["foretell plain"]["x_mlx_lm_ci"]
+    assert low < 1.1 < 2.0 < high
     cell = {"decode_tps": 1.0, "ttft_p50_s": 0.0, "ttft_p99_s": 0.0}
     row = {"batch": 4, "paired": paired, **{name: cell for name in runs}}
     line = render_row(row, list(runs))
-    assert "foretell plain:     1.0 tok/s (1.10x)," in line
-    assert "(1.21x, 1.10x plain)" in line
+    assert f"foretell plain:     1.0 tok/s (1.10x [{low:.2f}-{high:.2f}])," in line
+    assert ", 1.10x [" in line and "] plain)" in line
+    one_turn = paired_ratios({name: got[:1] for name, got in runs.items()})
+    assert one_turn["foretell plain"]["x_mlx_lm_ci"] is None
+    assert "(1.10x)," in render_row({**row, "paired": one_turn}, list(runs))

@@ -24,7 +24,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from foretell.tools.measure import CACHE_DIR, machine_info, median, runtime_info
+from foretell.tools.measure import (
+    CACHE_DIR,
+    machine_info,
+    median,
+    paired_ratio_ci,
+    runtime_info,
+)
 
 #: The plain (not drafting) foretell side's name: the drafting sides' other ratio.
 PLAIN = "foretell plain"
@@ -251,22 +257,26 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
             "repeats": repeats, "machine": machine_info(), "runtime": runtime_info()}
 
 
-def paired_ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+def paired_ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, Any]]:
     """Each foretell side's decode tok/s over mlx-lm's (``x_mlx_lm``) and, for a drafting
     side, over plain foretell's (``x_plain``): the median of the ratios within each turn, the
     sides of one turn running one after the other, so a host whose speed drifts between
-    turns moves both sides of a ratio alike (the ratio of the medians mixes turns)."""
-    def ratio(name: str, base: str) -> float:
-        return median([g["decode_tps"] / b["decode_tps"] if b["decode_tps"] else 0.0
-                       for g, b in zip(runs[name], runs[base])])
+    turns moves both sides of a ratio alike (the ratio of the medians mixes turns); with
+    each its 95% interval from those ratios (``..._ci``, :func:`paired_ratio_ci`; None
+    below two turns)."""
+    def ratios(name: str, base: str, key: str) -> dict[str, Any]:
+        within = [g["decode_tps"] / b["decode_tps"] if b["decode_tps"] else 0.0
+                  for g, b in zip(runs[name], runs[base])]
+        return {key: median(within),
+                f"{key}_ci": paired_ratio_ci(runs[name], runs[base], "decode_tps")}
 
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name in runs:
         if name == "mlx-lm":
             continue
-        out[name] = {"x_mlx_lm": ratio(name, "mlx-lm")}
+        out[name] = ratios(name, "mlx-lm", "x_mlx_lm")
         if name != PLAIN and PLAIN in runs:
-            out[name]["x_plain"] = ratio(name, PLAIN)
+            out[name].update(ratios(name, PLAIN, "x_plain"))
     return out
 
 
@@ -276,13 +286,19 @@ def render_row(row: dict[str, Any], sides: list[str]) -> str:
     for name in sides:
         got = row[name]
         ratios = paired.get(name, {})
-        ratio = f" ({ratios['x_mlx_lm']:.2f}x" if "x_mlx_lm" in ratios else ""
+        ratio = f" ({_ratio(ratios, 'x_mlx_lm')}" if "x_mlx_lm" in ratios else ""
         if "x_plain" in ratios:
-            ratio += f", {ratios['x_plain']:.2f}x plain"
+            ratio += f", {_ratio(ratios, 'x_plain')} plain"
         ratio += ")" if ratio else ""
         cells.append(f"{name}: {got['decode_tps']:7.1f} tok/s{ratio}, TTFT p50 "
                      f"{got['ttft_p50_s'] * 1e3:.0f} ms p99 {got['ttft_p99_s'] * 1e3:.0f} ms")
     return " | ".join(cells)
+
+
+def _ratio(ratios: dict[str, Any], key: str) -> str:
+    interval = ratios.get(f"{key}_ci")
+    spread = f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
+    return f"{ratios[key]:.2f}x{spread}"
 
 
 def render(report: dict[str, Any]) -> str:
