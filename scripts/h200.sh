@@ -28,7 +28,8 @@
 #   digests    the device digests', kept kernels' and cross-thread cache tests, then cache4b
 #              at 8-bit KV (REPEATS, default 7; TAG, default table) (~5 min)
 #   batch      foretell bench --batch (BATCHES, default 1,4,16,32; DRAFTS, default
-#              none,two-model,mtp; REPEATS, default 3) against mlx-lm's BatchGenerator (~5 min)
+#              none,two-model,mtp; REPEATS, default 11), pinned to cores 2-7, against mlx-lm's
+#              BatchGenerator (~3 min warm, ~6 on a fresh host)
 #   batchshapes foretell bench --batch on the synthetic 0.6B and 4B shapes, bf16 then 4-bit
 #              (SHAPES, default 0.6b,4b; BATCHES, default 1,4,16,32; REPEATS, default 2), plain
 #              rows against BatchGenerator (random weights: no drafter pays on them) (~6 min)
@@ -116,8 +117,9 @@ digests)
   KV_BITS=8 TAG=${TAG:-table} REPEATS=${REPEATS:-7} bash "$0" cache4b
   ;;
 batch)
-  timeout 580 $PY -m foretell bench --batch "${BATCHES:-1,4,16,32}" \
-    --batch-drafts "${DRAFTS:-none,two-model,mtp}" --repeats "${REPEATS:-3}" \
+  # Pinned, 11 turns: one side's turns swing 1.5-2x on the lent hosts (docs/benchmarks.md).
+  timeout 580 taskset -c 2-7 $PY -m foretell bench --batch "${BATCHES:-1,4,16,32}" \
+    --batch-drafts "${DRAFTS:-none,two-model,mtp}" --repeats "${REPEATS:-11}" \
     --json "$OUT/batch.json" 2>&1 | tee "$OUT/batch.log" | tail -20
   ;;
 batchshapes)
