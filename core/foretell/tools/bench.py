@@ -37,6 +37,7 @@ from foretell.tools.measure import (
     Steps,
     Timing,
     machine_info,
+    paired_ratio,
     paired_ratio_ci,
     prompt_drop,
     prompt_ids,
@@ -457,9 +458,7 @@ def _ratio(ours: float, theirs: float) -> float | None:
 
 
 def _vs_plain_paired(ours: dict[str, Any]) -> float | None:
-    pairs = zip(ours["runs"], ours.get("plain_runs", []))
-    ratios = [a["decode_tps"] / b["decode_tps"] for a, b in pairs if b["decode_tps"] > 0]
-    return statistics.median(ratios) if ratios else None
+    return paired_ratio(ours["runs"], ours.get("plain_runs", []), "decode_tps")
 
 
 def _vs_plain(measured: dict[str, dict[str, Any]], name: str) -> float | None:

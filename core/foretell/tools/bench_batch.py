@@ -28,6 +28,7 @@ from foretell.tools.measure import (
     CACHE_DIR,
     machine_info,
     median,
+    paired_ratio,
     paired_ratio_ci,
     runtime_info,
 )
@@ -263,11 +264,9 @@ def paired_ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str
     sides of one turn running one after the other, so a host whose speed drifts between
     turns moves both sides of a ratio alike (the ratio of the medians mixes turns); with
     each its 95% interval from those ratios (``..._ci``, :func:`paired_ratio_ci`; None
-    below two turns)."""
+    below two turns): the single-request bench's pairing (:mod:`foretell.tools.measure`)."""
     def ratios(name: str, base: str, key: str) -> dict[str, Any]:
-        within = [g["decode_tps"] / b["decode_tps"] if b["decode_tps"] else 0.0
-                  for g, b in zip(runs[name], runs[base])]
-        return {key: median(within),
+        return {key: paired_ratio(runs[name], runs[base], "decode_tps"),
                 f"{key}_ci": paired_ratio_ci(runs[name], runs[base], "decode_tps")}
 
     out: dict[str, dict[str, Any]] = {}
@@ -286,8 +285,8 @@ def render_row(row: dict[str, Any], sides: list[str]) -> str:
     for name in sides:
         got = row[name]
         ratios = paired.get(name, {})
-        ratio = f" ({_ratio(ratios, 'x_mlx_lm')}" if "x_mlx_lm" in ratios else ""
-        if "x_plain" in ratios:
+        ratio = f" ({_ratio(ratios, 'x_mlx_lm')}" if ratios.get("x_mlx_lm") else ""
+        if ratios.get("x_plain"):
             ratio += f", {_ratio(ratios, 'x_plain')} plain"
         ratio += ")" if ratio else ""
         cells.append(f"{name}: {got['decode_tps']:7.1f} tok/s{ratio}, TTFT p50 "

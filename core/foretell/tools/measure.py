@@ -197,6 +197,16 @@ _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
         10: 2.23, 12: 2.18, 15: 2.13, 20: 2.09, 25: 2.06, 30: 2.04}
 
 
+def paired_ratio(
+    ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], key: str
+) -> float | None:
+    """The median of ``ours[i][key] / theirs[i][key]`` over rounds ``i`` whose sides ran
+    back to back (a drift between rounds moves both sides of a ratio alike; the ratio of
+    the medians mixes rounds); None without a round whose ``theirs`` is above 0."""
+    ratios = [a[key] / b[key] for a, b in zip(ours, theirs) if b[key] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def paired_ratio_ci(
     ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], key: str
 ) -> list[float] | None:
