@@ -52,6 +52,38 @@ def test_the_bench_says_which_batch_size_it_is_warming_before_its_figures(monkey
                      ("said", "B=  4", True), ("run", 4), ("run", 4), ("said", "B=  4", False)]
 
 
+def test_each_turn_starts_one_side_later(monkeypatch):
+    """The sides' order rotates a turn at a time: no side always runs after the same one,
+    and every turn still runs each side once on the same prompts."""
+    from foretell.tools import bench_batch
+
+    ran = []
+
+    class Side:
+        def __init__(self, argv):
+            self.name = argv[argv.index("--draft") + 1] if "--draft" in argv else argv[1]
+
+        def run(self, job):
+            ran.append((self.name, job["prompts"][0][0]))
+            return {"decode_tps": 1.0, "total_tps": 1.0, "ttft_p50_s": 0.0,
+                    "ttft_p99_s": 0.0, "tokens": 1.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_batch, "_Side", Side)
+    monkeypatch.setattr(bench_batch, "prompts_for", lambda model, b, n, seed: [[seed]] * b)
+    bench_batch.run_batch_bench(
+        "model", batches=[1], prompt_tokens=8, max_tokens=4, repeats=4,
+        drafts=[None, "mtp"], draft_model=None, k=4, float32_mlx_lm=False,
+        progress=lambda line: None)
+    turns = [ran[i:i + 3] for i in range(0, len(ran), 3)]
+    assert [[name for name, _ in turn] for turn in turns] == [
+        ["mlx-lm", "foretell", "mtp"], ["foretell", "mtp", "mlx-lm"],
+        ["mtp", "mlx-lm", "foretell"], ["mlx-lm", "foretell", "mtp"]]
+    assert all(len({seed for _, seed in turn}) == 1 for turn in turns)
+
+
 def test_a_speculating_side_sets_its_drafter_as_a_user_does_warm_up_included(
         tmp_path, monkeypatch):
     """The side's drafter comes from ``Engine.use_draft``, which warms every draft length

@@ -222,7 +222,8 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
                     max_tokens: int, repeats: int, drafts: Sequence[str | None],
                     draft_model: str | None, k: int, float32_mlx_lm: bool,
                     progress: Callable[[str], None]) -> dict[str, Any]:
-    """Every batch size ``repeats`` times on each side, the sides taking turns."""
+    """Every batch size ``repeats`` times on each side, the sides taking turns in an order
+    that rotates by one side a turn."""
     theirs_model = float32_copy(model) if float32_mlx_lm else model
     sides = {"mlx-lm": _Side(["--side", "mlx-lm", "--model", str(theirs_model)])}
     for draft in drafts:
@@ -241,8 +242,11 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
             for r in range(repeats):
                 job = {"prompts": prompts_for(model, batch, prompt_tokens, 1000 * batch + r),
                        "max_tokens": max_tokens}
-                for name, side in sides.items():
-                    runs[name].append(side.run(job))
+                # Each turn starts one side later: a side that always ran after another
+                # (its caches, its GPU context switched in) would carry that in every ratio.
+                names = list(sides)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    runs[name].append(sides[name].run(job))
             row = {"batch": batch}
             for name, got in runs.items():
                 row[name] = {key: median([g[key] for g in got]) for key in got[0]}
