@@ -47,11 +47,16 @@ once over a row count is timed again before anything is weighed against it: on a
 shape's first step may compile its kernels.
 
 Widths not chosen are looked at again, so a change in the batch or the text is noticed, but
-spaced so that what a look may lose (two steps at its cost above the chosen width's) stays
-under ``LOOK_SHARE`` of the steps between looks, and never closer than ``REPROBE`` steps; a
-width whose looks keep losing is looked at half as often each time (up to ``MAX_BACKOFF``),
-one that could not pay even at the best row's hopes ``HOPELESS_SLOWER`` times less, and none
-wider than one that could not pay. A look over rows whose drafters were never fed (a row's
+spaced so that what a look may lose stays under ``LOOK_SHARE`` of the steps between looks,
+and never closer than ``REPROBE`` steps. What it loses is its two steps' time less the time
+the chosen width would take to yield the tokens they are expected to (at the rows' mean
+estimate): a width that promises nearly what the choice does loses next to nothing and is
+looked at every ``REPROBE`` steps, and those looks are what bring rows whose estimates sit
+just under the bar back to drafting (counting a look's whole extra time, rows of the EPYC at
+B = 2 sat plain for whole 64-token requests at a record of 0.63-0.66 where they kept 82%).
+A width whose looks keep losing is looked at half as often each time (up to
+``MAX_BACKOFF``), one that could not pay even at the best row's hopes ``HOPELESS_SLOWER``
+times less, and none wider than one that could not pay. A look over rows whose drafters were never fed (a row's
 drafter hears its sequence only when the row first drafts) also pays for feeding them, which
 the caller times (:meth:`BatchDraftPolicy.woke`): that counts among what the look loses, so
 looks over rows that joined while the batch decoded plainly come as much less often as
@@ -265,7 +270,8 @@ class BatchDraftPolicy:
             width = self._blind(rows, candidates)
         if width is None:
             costs = {w: self.cost(rows, w) for w in candidates}  # once a step, for all
-            best = max((r for r in rates if r is not None), default=0.0)
+            known = [r for r in rates if r is not None]
+            best = max(known, default=0.0)
             gain = HOLD_GAIN if self._drafting else CLEAR_GAIN
             if self._plain_unbeaten(costs, rows, rows - rates.count(None), best, gain):
                 width = 0
@@ -278,7 +284,10 @@ class BatchDraftPolicy:
                     width = 0
             self._drafting = width > 0
             self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
-            look = self._look(rows, candidates, width, best, costs)
+            mean = sum(known) / len(known) if known else 0.0
+            yields = {w: rows + len(known) * (expected_tokens(mean, w) - 1.0)
+                      for w in candidates}
+            look = self._look(rows, candidates, width, best, costs, yields)
             if look is not None:
                 width = look
                 self._losing[(rows, width)] = self._losing.get((rows, width), 0) + 1
@@ -356,9 +365,10 @@ class BatchDraftPolicy:
         return None
 
     def _look(self, rows: int, candidates: list[int], chosen: int, best: float,
-              costs: dict[int, float | None]) -> int | None:
+              costs: dict[int, float | None], yields: dict[int, float]) -> int | None:
         """The narrowest width not chosen whose next look is due, if any (``best``: the
-        best row's acceptance estimate; ``costs``: each candidate's, this step's)."""
+        best row's acceptance estimate; ``costs``: each candidate's, this step's;
+        ``yields``: the tokens a step of each yields at the rows' mean estimate)."""
         hope = min(1.0, best + HOPE)
         hopeless = {w: self._hopeless(w, hope, costs) for w in candidates}
         self._look_due = self._step + REPROBE
@@ -366,27 +376,33 @@ class BatchDraftPolicy:
             if w == chosen or any(hopeless[v] for v in candidates if 0 < v < w):
                 continue
             due = self._last_tried[(rows, w)] + self._interval(rows, w, chosen, hopeless[w],
-                                                                costs)
+                                                                costs, yields)
             if self._step >= due:
                 return w
             self._look_due = min(self._look_due, math.ceil(due))
         return None
 
     def _interval(self, rows: int, width: int, chosen: int, hopeless: bool,
-                  costs: dict[int, float | None]) -> float:
+                  costs: dict[int, float | None], yields: dict[int, float]) -> float:
         """Steps between looks at ``width`` while ``chosen`` is the choice: long enough
         that a look's two steps lose at most LOOK_SHARE of them, at least REPROBE; for a
-        drafted width doubled for each look in a row that did not make it the choice (up
-        to MAX_BACKOFF times), HOPELESS_SLOWER times longer where it could not pay at all.
-        Plain decoding is looked at every REPROBE steps: every choice weighs against it, and
-        a host's speed drifts."""
+        drafted width that span doubled for each look in a row that did not make it the
+        choice (up to MAX_BACKOFF times), HOPELESS_SLOWER times longer where it could not
+        pay at all.
+        What a look loses is its steps' time less the time the choice takes to yield the
+        tokens they are expected to (``yields``), so a width promising nearly what the
+        choice does is looked at every REPROBE steps: its looks cost little, and they are
+        what brings rows whose estimates sit just under the bar back to drafting. Plain
+        decoding is looked at every REPROBE steps: every choice weighs against it, and a
+        host's speed drifts."""
         cost, base = costs[width], costs[chosen]
         steps = float(REPROBE)
-        if cost is not None and base:
-            lost = 2.0 * max(0.0, cost - base) + (self._wake_cost * self._dormant if width else 0.0)
-            steps = max(steps, lost / (LOOK_SHARE * base))
-        backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF) if width else 1
-        return steps * backoff * (HOPELESS_SLOWER if hopeless else 1)
+        if width and cost is not None and base:
+            worth = yields[width] / cost / (yields[chosen] / base)  # the choice's rate: 1
+            lost = 2.0 * cost * max(0.0, 1.0 - worth) + self._wake_cost * self._dormant
+            backoff = min(2 ** self._losing.get((rows, width), 0), MAX_BACKOFF)
+            steps = max(steps, backoff * lost / (LOOK_SHARE * base))
+        return steps * (HOPELESS_SLOWER if hopeless else 1)
 
     @staticmethod
     def _hopeless(width: int, rate: float, costs: dict[int, float | None]) -> bool:
