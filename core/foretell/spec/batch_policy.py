@@ -56,12 +56,12 @@ just under the bar back to drafting (counting a look's whole extra time, rows of
 B = 2 sat plain for whole 64-token requests at a record of 0.63-0.66 where they kept 82%).
 A width whose looks keep losing is looked at half as often each time (up to
 ``MAX_BACKOFF``), one that could not pay even at the best row's hopes ``HOPELESS_SLOWER``
-times less, and none wider than one that could not pay. A look over rows whose drafters were never fed (a row's
-drafter hears its sequence only when the row first drafts) also pays for feeding them, which
-the caller times (:meth:`BatchDraftPolicy.woke`): that counts among what the look loses, so
-looks over rows that joined while the batch decoded plainly come as much less often as
-feeding them costs (on an H100 at B = 16, looks each feeding 16 rows' drafters ran the
-batch at 0.8x plain decoding). A plain choice over the same rows and estimates stands
+times less, and none wider than one that could not pay. A look over rows whose drafters
+were never fed (a row's drafter hears its sequence only when the row first drafts) also
+pays for feeding them, which the caller times (:meth:`BatchDraftPolicy.woke`): that counts
+among what the look loses, so looks over rows that joined while the batch decoded plainly
+come as much less often as feeding them costs (on an H100 at B = 16, looks each feeding 16
+rows' drafters ran the batch at 0.8x plain decoding). A plain choice over the same rows and estimates stands
 ``PLAIN_HOLD`` steps (never past a look's due step) without being worked out again: on a
 host-bound GPU step working it out cost ~5%.
 
