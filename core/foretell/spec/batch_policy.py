@@ -61,9 +61,9 @@ were never fed (a row's drafter hears its sequence only when the row first draft
 pays for feeding them, which the caller times (:meth:`BatchDraftPolicy.woke`): that counts
 among what the look loses, so looks over rows that joined while the batch decoded plainly
 come as much less often as feeding them costs (on an H100 at B = 16, looks each feeding 16
-rows' drafters ran the batch at 0.8x plain decoding). A plain choice over the same rows and estimates stands
-``PLAIN_HOLD`` steps (never past a look's due step) without being worked out again: on a
-host-bound GPU step working it out cost ~5%.
+rows' drafters ran the batch at 0.8x plain decoding). A plain choice over the same rows and
+estimates stands ``PLAIN_HOLD`` steps (never past a look's due step) without being worked
+out again: on a host-bound GPU step working it out cost ~5%.
 
 A step right after a change of kind is not timed: a drafted step after plain ones also pays
 for switching back (a model drafter catches up on every plain token since its last draft),
