@@ -386,28 +386,9 @@ def test_a_step_the_caller_could_not_time_is_taken_again_and_not_counted():
     assert policy.cost(4, 0) == 1.0
 
 
-def test_an_untimed_plain_step_is_taken_again_only_where_plain_decodings_cost_needs_it():
-    """A batch's first steps are plain and untimed (the first tokens, then a step that
-    waited for nothing): where plain decoding over these rows was timed lately, the rows
-    draft from the next step rather than repeating plain steps to time them."""
-    policy = BatchDraftPolicy()
-    run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 3 * REPROBE)
-    policy.observe(2, 0, 1.0)  # a batch's last steps: plain, timed
-    assert max(policy.choose([0, 0], [0.8, 0.8], top=4)) == 0  # the first tokens
-    policy.observe(2, 0, None)
-    assert max(policy.choose([4, 4], [0.8, 0.8], top=4)) == 4
-    # Where plain decoding was last timed REPROBE steps ago, an untimed plain step is
-    # taken once more, timed: every choice weighs against it.
-    for _ in range(REPROBE):
-        policy.choose([4, 4], [0.8, 0.8])
-        policy.observe(2, 4, 1.3)
-    policy.observe(2, 0, None)
-    assert max(policy.choose([4, 4], [0.8, 0.8])) == 0
-
-
 def test_a_plain_choice_no_row_could_draft_does_not_stand():
     """At a batch's first step no row can draft (no first token yet): plain decoding is
-    chosen, and that choice does not stand for the next steps, which would draft."""
+    chosen, and that choice does not stand for the steps after it, which may draft."""
     policy = BatchDraftPolicy()
     run(policy, [4, 4], [0.8, 0.8], lambda rows, w: 1.0 + 0.075 * w, 3 * REPROBE)
     policy.observe(2, 0, 1.0)

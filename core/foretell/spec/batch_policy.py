@@ -69,13 +69,11 @@ A step right after a change of kind is not timed: a drafted step after plain one
 for switching back (a model drafter catches up on every plain token since its last draft),
 and the caller reports a step it could not time fairly (``observe(..., None)``, e.g. the
 first pipelined plain step, which waits for no earlier step); either way the same width is
-chosen once more and that step is timed, as the single-request policy does. Plain decoding
-is chosen once more only where its cost needs the timing: fewer than two timings over these
-rows, or none in the last ``REPROBE`` steps (a look at it while drafting). A batch's first
-steps are plain and untimed (the step that draws the rows' first tokens, then one that waits
-for nothing); taking them once more cost every batch of fresh rows a plain step or two where
-it would draft (on the EPYC at B = 2 rows drafted from their fourth step, a request being
-some 25 drafted steps).
+chosen once more and that step is timed, as the single-request policy does. So a batch of
+fresh rows decodes its first three steps plainly (the step that draws the rows' first tokens,
+then one that waits for nothing, then that one timed): drafting from the second instead ran
+3-5% slower at B = 4 on the EPYC, as a request's first positions keep fewer drafts than its
+drafter's record, which the fresh rows' estimates start from, says.
 """
 
 from __future__ import annotations
@@ -167,8 +165,6 @@ class BatchDraftPolicy:
         self._losing: dict[tuple[int, int], int] = {}
         #: A shape whose last step went untimed: it is chosen once more, timed.
         self._again: tuple[int, int] | None = None
-        #: Per row count, the step whose plain decoding was last timed.
-        self._plain_timed: dict[int, int] = {}
         #: Per row (a key the caller gives), decayed (positions tried, kept).
         self._rows: dict[Hashable, list[float]] = {}
         #: Changes whenever a row's acceptance estimate may have: a caller may keep the
@@ -316,19 +312,11 @@ class BatchDraftPolicy:
         switching = width > 0 and self._last_width == 0
         self._last_width = width
         if switching or seconds is None:
-            if width or self._plain_wanted(rows):
-                self._again = (rows, width)
+            self._again = (rows, width)
             return
-        if not width:
-            self._plain_timed[rows] = self._step
         times = self._times.setdefault((rows, width), collections.deque(maxlen=KEEP))
         times.append(seconds)
         self._quartiles.pop((rows, width), None)
-
-    def _plain_wanted(self, rows: int) -> bool:
-        """Whether plain decoding over ``rows`` rows needs timing again (module docstring)."""
-        return (len(self._times.get((rows, 0), ())) < 2
-                or self._step - self._plain_timed.get(rows, -REPROBE) >= REPROBE)
 
     def woke(self, fed: int, rows: int, width: int, seconds: float) -> None:
         """A step over ``rows`` rows at ``width`` that first fed ``fed`` rows' drafters their
