@@ -71,9 +71,9 @@ and the caller reports a step it could not time fairly (``observe(..., None)``, 
 first pipelined plain step, which waits for no earlier step); either way the same width is
 chosen once more and that step is timed, as the single-request policy does. So a batch of
 fresh rows decodes its first three steps plainly (the step that draws the rows' first tokens,
-then one that waits for nothing, then that one timed): drafting from the second instead ran
-3-5% slower at B = 4 on the EPYC, as a request's first positions keep fewer drafts than its
-drafter's record, which the fresh rows' estimates start from, says.
+then one that waits for nothing, then that one timed): drafting from the second step instead
+ran 3-5% slower at B = 4 on the EPYC, as a request's first positions keep fewer drafts than
+its drafter's record says, and fresh rows' estimates start from that record.
 """
 
 from __future__ import annotations
@@ -395,6 +395,7 @@ class BatchDraftPolicy:
         drafted width that span doubled for each look in a row that did not make it the
         choice (up to MAX_BACKOFF times), HOPELESS_SLOWER times longer where it could not
         pay at all.
+
         What a look loses is its steps' time less the time the choice takes to yield the
         tokens they are expected to (``yields``), so a width promising nearly what the
         choice does is looked at every REPROBE steps: its looks cost little, and they are
