@@ -12,6 +12,7 @@ from foretell.spec.batch_policy import (
     LOOK_SHARE,
     REPROBE,
     BatchDraftPolicy,
+    batch_tokens,
     expected_tokens,
 )
 
@@ -32,6 +33,11 @@ def test_expected_tokens_counts_the_target_token_and_each_kept_draft():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == 1.75
+
+
+def test_a_steps_tokens_are_each_plain_rows_one_and_each_drafting_rows_expected():
+    assert batch_tokens(4, 0, 0.9, 3) == 4.0
+    assert batch_tokens(4, 2, 0.5, 2) == 2 * 1.0 + 2 * expected_tokens(0.5, 2)
 
 
 def test_drafting_that_pays_is_kept_after_the_probes():

@@ -124,6 +124,12 @@ def expected_tokens(rate: float, k: int) -> float:
     return sum(rate**i for i in range(k + 1))
 
 
+def batch_tokens(rows: int, drafting: int, rate: float, width: int) -> float:
+    """Tokens a step over ``rows`` rows yields when ``drafting`` of them draft ``width``,
+    each keeping drafts at ``rate``, and the rest take a plain step."""
+    return rows + drafting * (expected_tokens(rate, width) - 1.0)
+
+
 def tokens_variance(rate: float, k: int) -> float:
     """The variance of that round's tokens: the kept count ``A`` has ``P(A >= i) = rate^i``
     (``i <= k``), so ``E[A^2] = sum (2i - 1) rate^i``."""
@@ -289,8 +295,7 @@ class BatchDraftPolicy:
             self._drafting = width > 0
             self._losing[(rows, width)] = 0  # chosen on merit: looked at as often as ever
             mean = sum(known) / len(known) if known else 0.0
-            yields = {w: rows + len(known) * (expected_tokens(mean, w) - 1.0)
-                      for w in candidates}
+            yields = {w: batch_tokens(rows, len(known), mean, w) for w in candidates}
             look = self._look(rows, candidates, width, best, costs, yields)
             if look is not None:
                 width = look
@@ -442,8 +447,8 @@ class BatchDraftPolicy:
             return False
         bar = (1.0 + gain) * rows / plain  # plain decoding's value, cleared
         for width, cost in costs.items():
-            if width and cost is not None and cost > 0 and (
-                    rows - drafting + drafting * expected_tokens(best, width)) / cost >= bar:
+            if width and cost is not None and cost > 0 and \
+                    batch_tokens(rows, drafting, best, width) / cost >= bar:
                 return False
         return True
 
