@@ -232,6 +232,7 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
             argv += ["--draft", draft] + (["--draft-model", draft_model] if draft_model else [])
         sides[f"foretell {draft}" if draft else PLAIN] = _Side(argv)
     rows = []
+    names = list(sides)
     try:
         for batch in batches:
             # Before anything is timed each side warms up at this B: on a fresh GPU host its
@@ -244,7 +245,6 @@ def run_batch_bench(model: Path, *, batches: Sequence[int], prompt_tokens: int,
                        "max_tokens": max_tokens}
                 # Each turn starts one side later: a side that always ran after another
                 # (its caches, its GPU context switched in) would carry that in every ratio.
-                names = list(sides)
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     runs[name].append(sides[name].run(job))
             row = {"batch": batch}
