@@ -25,7 +25,6 @@ max_rows = 3
 max_waiting = 7
 kv_budget_gb = 0.5
 access_log = false
-warm_shapes = false
 """
 
 
@@ -42,7 +41,7 @@ def test_the_files_serve_table_is_what_the_server_is_started_with(tmp_path):
     config, key = settings(tmp_path, FULL_TABLE)
     assert config.serve == ServeSection(
         host="localhost", port=9191, api_key="file-key", served_model_name="from-file",
-        max_rows=3, max_waiting=7, kv_budget_gb=0.5, access_log=False, warm_shapes=False)
+        max_rows=3, max_waiting=7, kv_budget_gb=0.5, access_log=False)
     assert key == "file-key"
 
 
@@ -56,10 +55,10 @@ def test_flags_win_over_the_file(tmp_path):
     config, key = settings(
         tmp_path, FULL_TABLE, "--host", "127.0.0.1", "--port", "0", "--api-key", "flag-key",
         "--served-model-name", "from-flag", "--max-rows", "5", "--max-waiting", "0",
-        "--kv-budget-gb", "2", "--access-log", "--warm-shapes")
+        "--kv-budget-gb", "2", "--access-log")
     assert config.serve == ServeSection(
         host="127.0.0.1", port=0, api_key="flag-key", served_model_name="from-flag",
-        max_rows=5, max_waiting=0, kv_budget_gb=2.0, access_log=True, warm_shapes=True)
+        max_rows=5, max_waiting=0, kv_budget_gb=2.0, access_log=True)
     assert key == "flag-key"
 
 
