@@ -88,7 +88,7 @@ def test_an_api_key_env_that_holds_no_key_stops_the_server_from_starting_open(tm
 
 @pytest.mark.parametrize(("table", "says"), [
     ("prot = 8080", "serve.prot: unknown field (known: access_log, api_key, api_key_env, host, "
-                    "kv_budget_gb, max_rows, max_waiting, port, served_model_name, warm_shapes)"),
+                    "kv_budget_gb, max_rows, max_waiting, port, served_model_name)"),
     ('port = "8080"', "serve.port: expected an integer, got '8080'"),
     ("port = 70000", "serve.port: must be <= 65535, got 70000"),
     ("max_rows = 0", "serve.max_rows: must be >= 1, got 0"),
