@@ -30,6 +30,9 @@
 #   batch      foretell bench --batch (BATCHES, default 1,4,16,32; DRAFTS, default
 #              none,two-model,mtp; REPEATS, default 11), pinned to cores 2-7, against mlx-lm's
 #              BatchGenerator (~3 min warm, ~6 on a fresh host)
+#   lone       benchmarks/lone_request.py: a lone request through the scheduler against
+#              Engine.generate, plain and drafting (DRAFT, default mtp; TOKENS, default 64;
+#              REPEATS, default 11), pinned to cores 2-7 (~2 min)
 #   batchshapes foretell bench --batch on the synthetic 0.6B and 4B shapes, bf16 then 4-bit
 #              (SHAPES, default 0.6b,4b; BATCHES, default 1,4,16,32; REPEATS, default 2), plain
 #              rows against BatchGenerator (random weights: no drafter pays on them) (~6 min)
@@ -121,6 +124,11 @@ batch)
   timeout 580 taskset -c 2-7 $PY -m foretell bench --batch "${BATCHES:-1,4,16,32}" \
     --batch-drafts "${DRAFTS:-none,two-model,mtp}" --repeats "${REPEATS:-11}" \
     --json "$OUT/batch.json" 2>&1 | tee "$OUT/batch.log" | tail -20
+  ;;
+lone)
+  timeout 280 taskset -c 2-7 $PY benchmarks/lone_request.py --draft "${DRAFT:-mtp}" \
+    --max-tokens "${TOKENS:-64}" --repeats "${REPEATS:-11}" \
+    --json "$OUT/lone-${DRAFT:-mtp}-${TOKENS:-64}.json" 2>&1 | tee "$OUT/lone-${DRAFT:-mtp}-${TOKENS:-64}.log" | tail -8
   ;;
 batchshapes)
   for bits in "" 4; do
