@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The H200 measurements of docs/benchmarks.md, run on the device machine from the repository
 # root. That machine has no package index: MLX's CUDA build travels in parts
-# (the workplace's mlx-cuda-parts.sh: `download` once, then `PART_MB=24 ... part N` for
-# N = 1..4, each followed by a device call carrying .device-stage and running `stash`;
-# with part 1 also stage cattrs and xxhash wheels for Python 3.12, which the image lacks:
+# (the workplace's mlx-cuda-parts.sh: `PART_MB=22 ... download` once, then `part N` for
+# N = 1..4, each followed by a device call carrying .device-stage and running `stash`). A
+# call carries the tracked tree (~41 MiB, the demo weights and docs/bench-data) plus what it
+# names, 64 MiB in all: so 22 MiB parts, and the small wheels (mlx and mlx-lm, which `part 1`
+# stages beside its part: move them; cattrs and xxhash for Python 3.12, which the image
+# lacks) ride with the last, smallest part:
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: \
-#       --platform manylinux_2_17_x86_64 cattrs xxhash -d .device-stage).
+#       --platform manylinux_2_17_x86_64 cattrs xxhash -d .device-stage
+# (`serve` also needs starlette, uvicorn, llguidance, uvloop, httptools, openai and their
+# dependencies for Python 3.12, ~14 MiB: a call of their own).
 # After the last part: `stash && install && MODE`. Results go under $OUT.
 #
 #   stash      copy .device-stage/* to $STASH (default ~/stash)
