@@ -38,6 +38,8 @@
 #   lone       benchmarks/lone_request.py: a lone request through the scheduler against
 #              Engine.generate, plain and drafting (DRAFT, default mtp; TOKENS, default 64;
 #              REPEATS, default 11), pinned to cores 2-7 (~2 min)
+#   shapes     benchmarks/first_shapes.py: each row count's first plain step and shared
+#              prefill against the same met again (ROWS, default 24) (~2 min warm)
 #   batchshapes foretell bench --batch on the synthetic 0.6B and 4B shapes, bf16 then 4-bit
 #              (SHAPES, default 0.6b,4b; BATCHES, default 1,4,16,32; REPEATS, default 2), plain
 #              rows against BatchGenerator (random weights: no drafter pays on them) (~6 min)
@@ -134,6 +136,10 @@ lone)
   timeout 280 taskset -c 2-7 $PY benchmarks/lone_request.py --draft "${DRAFT:-mtp}" \
     --max-tokens "${TOKENS:-64}" --repeats "${REPEATS:-11}" \
     --json "$OUT/lone-${DRAFT:-mtp}-${TOKENS:-64}.json" 2>&1 | tee "$OUT/lone-${DRAFT:-mtp}-${TOKENS:-64}.log" | tail -8
+  ;;
+shapes)
+  timeout 280 taskset -c 2-7 $PY benchmarks/first_shapes.py --rows "${ROWS:-24}" \
+    --json "$OUT/first-shapes.json" 2>&1 | tee "$OUT/first-shapes.log" | tail -12
   ;;
 batchshapes)
   for bits in "" 4; do
