@@ -9,16 +9,15 @@ a library's ``generate`` through the engine's own loop: a request alone must dec
 either way, plain and with a drafter (issue 44: single-request figures within 3%). Each turn
 runs the four ways on one demo prompt (greedy, ``ignore_eos``), in an order that rotates a
 way a turn; decode tok/s counts the tokens after the first over the time after it. Printed:
-each turn, then the paired ratios (geometric mean of the turns' ratios, with a 95% interval
-from their spread). Numbers only, never assertions.
+each turn, then the paired ratios as ``foretell bench`` pairs its sides (the median of the
+turns' ratios, with a 95% interval: ``foretell.tools.measure``). Numbers only, never
+assertions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -46,17 +45,6 @@ def decode_tps(events: Iterable[Any]) -> float:
     return (count - 1) / max(time.perf_counter() - first, 1e-9)
 
 
-def paired(numerators: Sequence[float], denominators: Sequence[float]
-           ) -> tuple[float, float, float] | None:
-    """The geometric mean of the turns' ratios and its 95% interval (None without a pair)."""
-    logs = [math.log(a / b) for a, b in zip(numerators, denominators) if a > 0 and b > 0]
-    if not logs:
-        return None
-    mean = statistics.fmean(logs)
-    half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
@@ -73,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from foretell.plugin import Kind
     from foretell.scheduler import Scheduler
     from foretell.tools.bench_batch import prompts_for
+    from foretell.tools.measure import paired_ratio, paired_ratio_ci
 
     model = str(model_path(args.model, "--model"))
     engine = foretell.load(model)
@@ -109,10 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"draft": args.draft, "max_tokens": args.max_tokens,
                               "prompt_tokens": args.prompt_tokens, "tok_s": got, "ratios": {}}
     for name, top, bottom in RATIOS:
-        ratio = paired(got[top], got[bottom])
-        report["ratios"][name] = ratio
+        ours, theirs = ([{"tps": x} for x in got[way]] for way in (top, bottom))
+        ratio = paired_ratio(ours, theirs, "tps")
+        interval = paired_ratio_ci(ours, theirs, "tps")
+        report["ratios"][name] = {"ratio": ratio, "ci": interval}
         if ratio is not None:
-            print(f"{name}: {ratio[0]:.3f}x [{ratio[1]:.3f}, {ratio[2]:.3f}]")
+            print(f"{name}: {ratio:.3f}x" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]"
+                                             if interval else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f)
