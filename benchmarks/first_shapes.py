@@ -35,6 +35,9 @@ def timed_steps(record: list[tuple[str, int, float]]) -> Iterator[None]:
     from foretell.scheduler import Scheduler
 
     originals = {name: getattr(Scheduler, name) for name in TIMED}
+    # Put back exactly as found: a method Scheduler inherits must not be left set on
+    # Scheduler itself, where it would hide what is later set on its base.
+    own = {name for name in TIMED if name in vars(Scheduler)}
 
     def timing(name: str, method: Any) -> Any:
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -51,7 +54,10 @@ def timed_steps(record: list[tuple[str, int, float]]) -> Iterator[None]:
         yield
     finally:
         for name, method in originals.items():
-            setattr(Scheduler, name, method)
+            if name in own:
+                setattr(Scheduler, name, method)
+            else:
+                delattr(Scheduler, name)
 
 
 def run_batch(scheduler: Any, prompts: list[list[int]]) -> float:
