@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="run mlx-lm on a float32 copy of the weights (the CPU's fair bar)")
     parser.add_argument("--draft", default="none", help="foretell's drafter (--draft)")
     parser.add_argument("--draft-model", default=None, help="foretell's --draft-model")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                        help="another flag for `foretell serve`, given with '=' (repeatable: "
+                             "--serve-arg=--max-rows=16): an A/B of a server setting")
     parser.add_argument("--servers", default="foretell,mlx-lm", help="which servers to run")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
@@ -383,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mlx-lm" in servers:
         models["mlx-lm"] = float32_copy(model) if args.float32_mlx_lm else model
     draft = ["--draft", args.draft] + (["--draft-model", args.draft_model]
-                                       if args.draft_model else [])
+                                       if args.draft_model else []) + args.serve_arg
     report = {"model": str(model), "machine": machine_info(), "prompt_tokens":
               args.prompt_tokens, "max_tokens": args.max_tokens,
               "max_tokens_spread": args.max_tokens_spread, "foretell": draft,

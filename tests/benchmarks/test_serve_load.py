@@ -141,3 +141,20 @@ def test_a_spread_level_asks_each_request_for_its_own_length(served):
     want = sum(6 + draw.randint(-4, 4) for _ in prompts)
     assert [row["tokens"] for row in rows] == [want, want]  # the tiny model never ends early
     assert [row["requests"] for row in rows] == [8, 8]
+
+
+def test_extra_serve_flags_reach_foretell_serve(monkeypatch):
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def starting(name, path, tokens, flags):
+        started.append((name, flags))
+        raise Started
+
+    monkeypatch.setattr(serve_load, "start", starting)
+    with pytest.raises(Started):
+        serve_load.main(["--servers", "foretell", "--levels", "1",
+                         "--serve-arg=--max-rows=16", "--serve-arg=--max-waiting=8"])
+    assert started == [("foretell", ["--draft", "none", "--max-rows=16", "--max-waiting=8"])]
