@@ -27,10 +27,12 @@ forward, then one decode step over them: a first token each), the least of N run
 one prompt's; its ratio is the least a server's TTFT at that level can be over c = 1's here.
 On the CPU mlx-lm runs on a float32 copy of the weights (foretell computes the demo's
 quantized weights unpacked to float32), both with foretell's OpenBLAS (DESIGN.md §5).
-foretell runs without its model stop strings, as mlx-lm has none.
+foretell runs without its model stop strings, as mlx-lm has none; ``--serve-arg=FLAG``
+gives ``foretell serve`` another flag (an A/B of one of its settings).
 
     python benchmarks/serve_load.py --model demo --levels 1,2,4,8,16,32 --json out.json
     python benchmarks/serve_load.py --levels 1,16 --level-seconds 30 --servers foretell
+    python benchmarks/serve_load.py --levels 1,16 --servers foretell --serve-arg=--max-rows=8
 
 It measures, never asserts; localhost only.
 """
