@@ -58,19 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     blas.preload()
     import foretell
     from foretell.cli.run_cmd import model_path
-    from foretell.plugin import Kind
     from foretell.scheduler import Scheduler
-    from foretell.tools.bench_batch import prompts_for
+    from foretell.tools.bench_batch import prompts_for, use_drafter
     from foretell.tools.measure import paired_ratio, paired_ratio_ci
 
     model = str(model_path(args.model, "--model"))
     engine = foretell.load(model)
-    config = engine.registry.get(Kind.DRAFT, args.draft).config
-    draft_options = None
-    if config is not None:
-        draft_options = (config(model=str(model_path(args.draft_model, "--draft-model")))
-                         if args.draft == "two-model" else config())
-    engine.use_draft(args.draft, draft_options)
+    use_drafter(engine, args.draft, str(model_path(args.draft_model, "--draft-model")))
     scheduler = Scheduler(engine)
 
     options = {"max_tokens": args.max_tokens, "ignore_eos": True, "chat": False}

@@ -82,6 +82,21 @@ def _stdlib_modules() -> list[Any]:
 # -- one side, in its own process -----------------------------------------------------------
 
 
+def use_drafter(engine: Any, draft: str, draft_model: str | None = None,
+                max_tokens: int | None = None) -> Any:
+    """Set ``engine``'s drafter as a user's ``--draft`` does (``draft_model``: a two-model
+    drafter's ``--draft-model``) and return its speculator. Where the device compiles
+    kernels per shape this also runs its warm-up over every draft length
+    (:mod:`foretell.spec.warmup`)."""
+    from foretell.plugin import Kind
+
+    config = engine.registry.get(Kind.DRAFT, draft).config
+    options = None
+    if config is not None:
+        options = config(model=draft_model) if draft == "two-model" else config()
+    return engine.use_draft(draft, options, max_tokens=max_tokens)
+
+
 def _foretell_side(model: str, draft: str | None, draft_model: str | None,
                    k: int) -> Callable[[list[list[int]], int], dict[str, float]]:
     import foretell
@@ -91,15 +106,7 @@ def _foretell_side(model: str, draft: str | None, draft_model: str | None,
 
     speculate: Any = False
     if draft is not None:
-        from foretell.plugin import Kind
-
-        config = engine.registry.get(Kind.DRAFT, draft).config
-        options = None
-        if config is not None:
-            options = config(model=draft_model) if draft == "two-model" else config()
-        # As a user sets a drafter: where the device compiles kernels per shape, this also
-        # runs its warm-up over every draft length (foretell.spec.warmup).
-        speculate = engine.use_draft(draft, options, max_tokens=k)
+        speculate = use_drafter(engine, draft, draft_model, max_tokens=k)
     from foretell.stream import merged
 
     scheduler = Scheduler(engine, max_rows=64)
