@@ -20,6 +20,7 @@ import gc
 import json
 import time
 from collections.abc import Iterator, Sequence
+from unittest import mock
 
 from foretell.platform import blas
 
@@ -62,11 +63,9 @@ def traced(trace: list[list]) -> Iterator[None]:
         trace.append(["observe", rows, width, None if seconds is None else seconds * 1e3])
         return observe(self, rows, width, seconds)
 
-    bp.BatchDraftPolicy.choose, bp.BatchDraftPolicy.observe = choosing, observing
-    try:
+    with mock.patch.object(bp.BatchDraftPolicy, "choose", choosing), \
+            mock.patch.object(bp.BatchDraftPolicy, "observe", observing):
         yield
-    finally:
-        bp.BatchDraftPolicy.choose, bp.BatchDraftPolicy.observe = choose, observe
 
 
 def main(argv: Sequence[str] | None = None) -> int:

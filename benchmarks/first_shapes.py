@@ -22,6 +22,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 from foretell.platform import blas
 
@@ -31,15 +32,14 @@ TIMED = {"_plain_step": "plain_step", "_prefill_together": "shared_prefill"}
 
 @contextlib.contextmanager
 def timed_steps(record: list[tuple[str, int, float]]) -> Iterator[None]:
-    """Record ``(name, rows running, ms)`` for each call of :data:`TIMED` while inside."""
+    """Record ``(name, rows running, ms)`` for each call of :data:`TIMED` while inside;
+    the methods put back as found after (``mock.patch.object`` leaves no copy of an
+    inherited method on ``Scheduler``, where it would hide later patches of its base)."""
     from foretell.scheduler import Scheduler
 
-    originals = {name: getattr(Scheduler, name) for name in TIMED}
-    # Put back exactly as found: a method Scheduler inherits must not be left set on
-    # Scheduler itself, where it would hide what is later set on its base.
-    own = {name for name in TIMED if name in vars(Scheduler)}
+    def timing(name: str) -> Any:
+        method = getattr(Scheduler, name)
 
-    def timing(name: str, method: Any) -> Any:
         def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
             rows, started = len(self._rows), time.perf_counter()
             try:
@@ -48,16 +48,10 @@ def timed_steps(record: list[tuple[str, int, float]]) -> Iterator[None]:
                 record.append((TIMED[name], rows, (time.perf_counter() - started) * 1e3))
         return timed
 
-    for name, method in originals.items():
-        setattr(Scheduler, name, timing(name, method))
-    try:
+    with contextlib.ExitStack() as patches:
+        for name in TIMED:
+            patches.enter_context(mock.patch.object(Scheduler, name, timing(name)))
         yield
-    finally:
-        for name, method in originals.items():
-            if name in own:
-                setattr(Scheduler, name, method)
-            else:
-                delattr(Scheduler, name)
 
 
 def run_batch(scheduler: Any, prompts: list[list[int]]) -> float:
