@@ -65,14 +65,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(name: str, model: Path, tokens: int, draft: list[str]) -> tuple[subprocess.Popen, str]:
-    """One server process and its base URL, once it answers."""
+def start(name: str, model: Path, tokens: int, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """One server process and its base URL, once it answers (``flags``: foretell's own)."""
     import urllib.request
 
     port = free_port()
     if name == "foretell":
         argv = [sys.executable, "-m", "foretell", "serve", "--model", str(model), "--port",
-                str(port), *draft, "--no-model-stops", "--no-access-log",
+                str(port), *flags, "--no-model-stops", "--no-access-log",
                 "--max-tokens", str(tokens)]
     else:
         argv = [sys.executable, "-c", MLX_LM_SERVER, "--model", str(model), "--port", str(port),
@@ -387,15 +387,15 @@ def main(argv: list[str] | None = None) -> None:
     models = {"foretell": model} if "foretell" in servers else {}
     if "mlx-lm" in servers:
         models["mlx-lm"] = float32_copy(model) if args.float32_mlx_lm else model
-    draft = ["--draft", args.draft] + (["--draft-model", args.draft_model]
+    flags = ["--draft", args.draft] + (["--draft-model", args.draft_model]
                                        if args.draft_model else []) + args.serve_arg
     report = {"model": str(model), "machine": machine_info(), "prompt_tokens":
               args.prompt_tokens, "max_tokens": args.max_tokens,
-              "max_tokens_spread": args.max_tokens_spread, "foretell": draft,
+              "max_tokens_spread": args.max_tokens_spread, "foretell": flags,
               "requests": args.requests, "level_seconds": args.level_seconds,
               "warm": args.warm, "rows": []}
     for name, path in models.items():
-        proc, url = start(name, path, args.max_tokens, draft)
+        proc, url = start(name, path, args.max_tokens, flags)
         try:
             model_id = model.name if name == "foretell" else str(path)
             for c in levels:
