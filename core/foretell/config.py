@@ -306,6 +306,7 @@ class EngineSettings:
     sliding_window: str = attrs.field(default="auto", validator=_one_of("auto", "copy", "view"), metadata={"help": "a sliding-window cache past its window hands attention a copy or a view (FORETELL_SLIDING_WINDOW)"})
     quantized_products: str = attrs.field(default="auto", validator=_one_of("auto", "quantized", "dequantized"), metadata={"help": "attention over quantized KV calls quantized matmuls or dequantizes (FORETELL_QUANTIZED_PRODUCTS)"})
     cpu_unpack: bool | None = attrs.field(default=None, validator=_a_flag, metadata={"help": "quantized weights run unpacked to float32 on the CPU (FORETELL_CPU_UNPACK)"})
+    cpu_transpose: bool | None = attrs.field(default=None, validator=_a_flag, metadata={"help": "float32 weights kept input-major on the CPU, where OpenBLAS multiplies them faster (FORETELL_CPU_TRANSPOSE)"})
     spill_duty: float | None = attrs.field(default=None, validator=_duty, metadata={"help": "the share of its time the spill worker may write (FORETELL_SPILL_DUTY)"})
 
     @contextlib.contextmanager

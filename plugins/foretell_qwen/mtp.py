@@ -73,6 +73,8 @@ class ShortlistHead:
             # Row slices of the weights (and of quantized scales and biases): one copy, once.
             self.rows = {name: mx.array(value[: self.size]) for name, value in layer.items()
                          if name in ("weight", "scales", "biases", "bias")}
+            if "weight_t" in layer:  # kept input-major on the CPU (foretell.platform.blas_layout)
+                self.rows["weight_t"] = mx.contiguous(layer["weight_t"][:, : self.size])
             mx.eval(list(self.rows.values()))
 
     def __call__(self, hidden: mx.array) -> mx.array:
@@ -84,6 +86,8 @@ class ShortlistHead:
                 hidden, rows["weight"], rows["scales"], rows.get("biases"), transpose=True,
                 group_size=layer.group_size, bits=layer.bits, mode=getattr(layer, "mode", "affine"),
             )
+        elif "weight_t" in rows:
+            logits = hidden @ rows["weight_t"]
         else:
             logits = hidden @ rows["weight"].T
         if "bias" in rows:
@@ -141,12 +145,7 @@ def head_file(target: Target) -> Path:
 
 def load_head(target: Target) -> MTPHead:
     """The target's MTP head; :class:`PairingError` when the target has none."""
-    from foretell.model import (
-        quantize_like_checkpoint,
-        read_config,
-        should_unpack_quantized,
-        unpack_quantized,
-    )
+    from foretell.model import fit_to_device, quantize_like_checkpoint, read_config
 
     args = getattr(target.model, "args", None)
     if target.model.model_type != "qwen3" or args is None:
@@ -165,8 +164,7 @@ def load_head(target: Target) -> MTPHead:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise PairingError(f"{file}: does not fit the target's MTP head: {exc}") from exc
-    if should_unpack_quantized(head):
-        unpack_quantized(head)
+    fit_to_device(head)
     head.eval()
     mx.eval(head.parameters())
     return head

@@ -54,3 +54,16 @@ def test_shortlist_drafts_and_their_q_stay_below_the_cutoff(demo):
     assert q.shape == (1, 3, demo.model.vocab_size)
     assert mx.allclose(mx.sum(q, axis=-1), mx.ones((1, 3)), atol=1e-5).item()
     assert mx.max(q[..., 1000:]).item() == 0.0
+
+
+def test_shortlist_logits_are_the_full_heads_below_the_cutoff(demo):
+    """Whatever layout the head's weights run in (input-major on a CPU under OpenBLAS)."""
+    import mlx.core as mx
+
+    from foretell_qwen.mtp import ShortlistHead
+
+    hidden = mx.random.normal((2, demo.model.args.hidden_size), key=mx.random.key(4))
+    full = demo.model.logits(hidden)
+    short = ShortlistHead(demo.model, 1000)(hidden)
+    assert mx.allclose(short[:, :1000], full[:, :1000], rtol=1e-5, atol=1e-4).item()
+    assert mx.all(short[:, 1000:] == -mx.inf).item()

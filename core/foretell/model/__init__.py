@@ -44,6 +44,7 @@ _WHERE = {
     "read_config": "foretell.model.loading",
     "require_divides": "foretell.model.loading",
     "should_unpack_quantized": "foretell.model.loading",
+    "fit_to_device": "foretell.model.loading",
     "unpack_quantized": "foretell.model.loading",
 }
 

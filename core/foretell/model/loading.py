@@ -402,6 +402,32 @@ def unpack_quantized(model: nn.Module, dtype: mx.Dtype = mx.float32) -> None:
     model.update_modules(tree_map(unpack, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
+def should_lay_out_input_major() -> bool:
+    """Whether float32 weights are laid out input-major at load: on the CPU where OpenBLAS
+    is under MLX (:mod:`foretell.platform.blas_layout` says why). An engine's
+    ``cpu_transpose=False`` keeps MLX's layout, for what it loads; ``FORETELL_CPU_TRANSPOSE=0``
+    is the process's default."""
+    from foretell.platform import blas
+
+    chosen = engine_choice("cpu_transpose")
+    if chosen is None:
+        chosen = os.environ.get("FORETELL_CPU_TRANSPOSE", "1") != "0"
+    return bool(chosen) and mx.default_device() == mx.cpu and blas.STATUS.loaded is not None
+
+
+def fit_to_device(model: nn.Module, vocab_size: int | None = None) -> None:
+    """Make a loaded model (or a drafter's head) compute the way this device runs fastest:
+    on the CPU quantized weights unpacked to float32 (:func:`should_unpack_quantized`) and
+    float32 weights laid out input-major (:func:`should_lay_out_input_major`; ``vocab_size``
+    finds a tied head's embedding). Elsewhere it leaves the model as loaded."""
+    if should_unpack_quantized(model):
+        unpack_quantized(model)
+    if should_lay_out_input_major():
+        from foretell.platform.blas_layout import lay_out
+
+        lay_out(model, vocab_size)
+
+
 # -- the entry points --------------------------------------------------------------------
 
 
@@ -446,8 +472,7 @@ def load_model(
     _check_tensors(model, weights, source, path)
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
-    if should_unpack_quantized(model):
-        unpack_quantized(model)
+    fit_to_device(model, getattr(model, "vocab_size", None))
     if not lazy:
         materialize(model, progress)
     return model
