@@ -247,6 +247,7 @@ class ServeSection:
     max_waiting: int = attrs.field(default=256, validator=[at_least(0), at_most(INT32_MAX)], metadata={"help": "requests that may wait for a row (--max-waiting); beyond, a 429 with Retry-After"})
     kv_budget_gb: float | None = attrs.field(default=None, validator=greater_than(0.0), metadata={"help": "KV cache the running requests may hold, GiB (--kv-budget-gb); unset: 40% of the device's memory"})
     access_log: bool = attrs.field(default=True, metadata={"help": "log each HTTP request (--access-log / --no-access-log)"})
+    warm_shapes: bool = attrs.field(default=True, metadata={"help": "where the device compiles kernels per shape (MLX-CUDA), decode 1..max_rows requests at once before listening, so no burst waits on a compile (--warm-shapes / --no-warm-shapes)"})
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and self.api_key_env is not None:

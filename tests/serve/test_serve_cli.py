@@ -39,3 +39,17 @@ def test_the_api_key_may_come_from_the_environment(tiny_model, tmp_path):
                               headers={"Authorization": "Bearer from-env"})[0] == 200
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.parametrize(("flags", "warmed"), [([], True), (["--no-warm-shapes"], False)])
+def test_the_server_warms_its_batch_shapes_unless_told_not_to(tiny_model, monkeypatch, flags,
+                                                               warmed):
+    from foretell.cli import serve_cmd
+    from foretell.serve import server
+
+    seen = []
+    monkeypatch.setattr(serve_cmd, "_warm_batches", lambda scheduler: seen.append(scheduler))
+    monkeypatch.setattr(server, "serve", lambda backend, sock, **kw: sock.close() or 0)
+    assert main(["serve", "--model", str(tiny_model), "--port", "0", "--draft", "none",
+                 *flags]) == 0
+    assert [s.max_rows for s in seen] == ([32] if warmed else [])

@@ -25,6 +25,7 @@ max_rows = 3
 max_waiting = 7
 kv_budget_gb = 0.5
 access_log = false
+warm_shapes = false
 """
 
 
@@ -41,7 +42,7 @@ def test_the_files_serve_table_is_what_the_server_is_started_with(tmp_path):
     config, key = settings(tmp_path, FULL_TABLE)
     assert config.serve == ServeSection(
         host="localhost", port=9191, api_key="file-key", served_model_name="from-file",
-        max_rows=3, max_waiting=7, kv_budget_gb=0.5, access_log=False)
+        max_rows=3, max_waiting=7, kv_budget_gb=0.5, access_log=False, warm_shapes=False)
     assert key == "file-key"
 
 
@@ -55,10 +56,10 @@ def test_flags_win_over_the_file(tmp_path):
     config, key = settings(
         tmp_path, FULL_TABLE, "--host", "127.0.0.1", "--port", "0", "--api-key", "flag-key",
         "--served-model-name", "from-flag", "--max-rows", "5", "--max-waiting", "0",
-        "--kv-budget-gb", "2", "--access-log")
+        "--kv-budget-gb", "2", "--access-log", "--warm-shapes")
     assert config.serve == ServeSection(
         host="127.0.0.1", port=0, api_key="flag-key", served_model_name="from-flag",
-        max_rows=5, max_waiting=0, kv_budget_gb=2.0, access_log=True)
+        max_rows=5, max_waiting=0, kv_budget_gb=2.0, access_log=True, warm_shapes=True)
     assert key == "flag-key"
 
 
@@ -88,7 +89,7 @@ def test_an_api_key_env_that_holds_no_key_stops_the_server_from_starting_open(tm
 
 @pytest.mark.parametrize(("table", "says"), [
     ("prot = 8080", "serve.prot: unknown field (known: access_log, api_key, api_key_env, host, "
-                    "kv_budget_gb, max_rows, max_waiting, port, served_model_name)"),
+                    "kv_budget_gb, max_rows, max_waiting, port, served_model_name, warm_shapes)"),
     ('port = "8080"', "serve.port: expected an integer, got '8080'"),
     ("port = 70000", "serve.port: must be <= 65535, got 70000"),
     ("max_rows = 0", "serve.max_rows: must be >= 1, got 0"),

@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import time
 from typing import Any
 
 from foretell.cli.run_cmd import add_run_flags, apply_draft, open_engine, run_config
@@ -24,7 +25,7 @@ API_KEY_ENV = "FORETELL_API_KEY"
 SERVE_PACKAGES = ("starlette", "uvicorn", "llguidance")
 #: The server's flags, each a ``[serve]`` key (``--api-key`` too: :func:`serve_overrides`).
 _SERVE_FLAGS = ("host", "port", "served_model_name", "max_rows", "max_waiting",
-                "kv_budget_gb", "access_log")
+                "kv_budget_gb", "access_log", "warm_shapes")
 
 
 def add_parser(sub: Any) -> None:
@@ -52,6 +53,9 @@ def add_parser(sub: Any) -> None:
                         "device's memory)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
                    help="log each HTTP request (default: on)")
+    p.add_argument("--warm-shapes", action=argparse.BooleanOptionalAction, default=None,
+                   help="where the device compiles per shape (MLX-CUDA), compile every row "
+                        "count's shapes before listening (default: on)")
     p.set_defaults(handler=run)
 
 
@@ -103,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     budget = int(settings.kv_budget_gb * 2**30) if settings.kv_budget_gb is not None else None
     scheduler = Scheduler(engine, max_rows=settings.max_rows, kv_budget_bytes=budget,
                           max_waiting=settings.max_waiting)
+    if settings.warm_shapes:
+        _warm_batches(scheduler)
     names = [settings.served_model_name or engine.path.name]
     if config.model and config.model not in names:
         names.append(config.model)  # the name it was started with works too
@@ -110,6 +116,22 @@ def run(args: argparse.Namespace) -> int:
     backend = Backend(engine, scheduler, served=names, max_tokens=config.max_tokens,
                       sampling=config.sampling, model_stops=stops)
     return serve(backend, sock, api_key=api_key, access_log=settings.access_log)
+
+
+def _warm_batches(scheduler: Any) -> None:
+    """Each row count's shapes compiled before the first request where the device compiles
+    per shape (:mod:`foretell.batch_warmup`), saying so: minutes on a host's first run."""
+    from foretell.batch_warmup import warm_batches
+    from foretell.spec.warmup import compiles_per_shape
+
+    if not compiles_per_shape():
+        return
+    print(f"foretell serve: compiling the shapes of 1-{scheduler.max_rows} rows at once ...",
+          file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    warm_batches(scheduler)
+    print(f"foretell serve: shapes ready in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
 
 
 def serve_api_key(section: Any, source: str, environ: Any) -> str | None:
