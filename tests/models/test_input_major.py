@@ -84,6 +84,19 @@ def test_a_linear_layer_with_a_bias_computes_as_mlx_does():
     assert ours.weight_t.shape == (16, 24)
 
 
+def test_a_weight_set_back_in_mlx_s_layout_stays_input_major():
+    """As mlx-lm's Gemma 3n casts a layer's weight and sets it back on every call."""
+    layer = nn.Linear(6, 4)
+    ours = InputMajorLinear(layer)
+    ours.weight = (layer.weight * 2).astype(mx.float16)
+    assert set(ours.parameters()) == {"weight_t", "bias"}
+    assert ours.weight_t.shape == (6, 4) and ours.weight.dtype == mx.float16
+    assert mx.array_equal(ours.weight, (layer.weight * 2).astype(mx.float16)).item()
+    table = InputMajorEmbedding(nn.Embedding(10, 3))
+    table.weight = mx.ones((10, 3))
+    assert table.weight_t.shape == (3, 10) and mx.all(table(mx.array([4])) == 1).item()
+
+
 def test_an_untied_model_keeps_its_embedding_for_lookups_and_lays_out_its_head(untied):
     engine = foretell.load(untied, cpu_transpose=True)
     if blas.STATUS.loaded is None:

@@ -35,6 +35,9 @@ class InputMajorLinear(nn.Module):
     def weight(self) -> mx.array:
         return self.weight_t.T
 
+    def __setattr__(self, key: str, value: object) -> None:
+        _set_input_major(self, key, value)
+
     def __call__(self, x: mx.array) -> mx.array:
         if "bias" in self:
             return mx.addmm(self.bias, x, self.weight_t)
@@ -52,11 +55,23 @@ class InputMajorEmbedding(nn.Module):
     def weight(self) -> mx.array:
         return self.weight_t.T
 
+    def __setattr__(self, key: str, value: object) -> None:
+        _set_input_major(self, key, value)
+
     def __call__(self, tokens: mx.array) -> mx.array:
         return mx.moveaxis(mx.take(self.weight_t, tokens, axis=1), 0, -1)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return x @ self.weight_t
+
+
+def _set_input_major(layer: nn.Module, key: str, value: object) -> None:
+    """Set an attribute of an input-major layer; a ``weight`` given in MLX's layout (code
+    that casts a layer's weight and sets it back, as mlx-lm's Gemma 3n does) is kept
+    transposed, so the layer stays input-major and computes with the new value."""
+    if key == "weight" and isinstance(value, mx.array):
+        key, value = "weight_t", mx.contiguous(value.T)
+    nn.Module.__setattr__(layer, key, value)
 
 
 def lay_out(model: nn.Module, vocab_size: int | None) -> int:
