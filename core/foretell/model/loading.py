@@ -362,10 +362,7 @@ def should_unpack_quantized(model: nn.Module) -> bool:
     unpacked one is the closer to the checkpoint's exact (float64) model (docs/decisions.md
     has the measurements).
     """
-    unpack = engine_choice("cpu_unpack")
-    if unpack is None:
-        unpack = os.environ.get("FORETELL_CPU_UNPACK", "1") != "0"
-    if mx.default_device() != mx.cpu or not unpack:
+    if mx.default_device() != mx.cpu or not _cpu_flag("cpu_unpack", "FORETELL_CPU_UNPACK"):
         return False
     packed = [m for _, m in model.named_modules() if isinstance(m, _PACKED)]
     unpacked_bytes = sum(4 * m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits for m in packed)
@@ -409,10 +406,17 @@ def should_lay_out_input_major() -> bool:
     is the process's default."""
     from foretell.platform import blas
 
-    chosen = engine_choice("cpu_transpose")
+    return (mx.default_device() == mx.cpu and blas.STATUS.loaded is not None
+            and _cpu_flag("cpu_transpose", "FORETELL_CPU_TRANSPOSE"))
+
+
+def _cpu_flag(setting: str, variable: str) -> bool:
+    """An engine's on/off ``setting`` for the CPU (``cpu_unpack``, ``cpu_transpose``), else the
+    process's default: on unless ``variable`` is ``0``."""
+    chosen = engine_choice(setting)
     if chosen is None:
-        chosen = os.environ.get("FORETELL_CPU_TRANSPOSE", "1") != "0"
-    return bool(chosen) and mx.default_device() == mx.cpu and blas.STATUS.loaded is not None
+        return os.environ.get(variable, "1") != "0"
+    return bool(chosen)
 
 
 def fit_to_device(model: nn.Module, vocab_size: int | None = None) -> None:
