@@ -22,21 +22,33 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 
 
-class InputMajorLinear(nn.Module):
-    """A linear layer holding its weight as ``[in, out]`` (``weight_t``)."""
+class _InputMajor(nn.Module):
+    """A layer holding its weight transposed (``weight_t``) that still answers ``weight`` in
+    MLX's layout, as a view; a ``weight`` set back in that layout (code that casts a layer's
+    weight and sets it back, as mlx-lm's Gemma 3n does) is kept transposed, so the layer stays
+    input-major and computes with the new value."""
 
-    def __init__(self, layer: nn.Linear) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        self.weight_t = mx.contiguous(layer.weight.T)
-        if "bias" in layer:
-            self.bias = layer.bias
+        self.weight = layer.weight
 
     @property
     def weight(self) -> mx.array:
         return self.weight_t.T
 
     def __setattr__(self, key: str, value: object) -> None:
-        _set_input_major(self, key, value)
+        if key == "weight" and isinstance(value, mx.array):
+            key, value = "weight_t", mx.contiguous(value.T)
+        super().__setattr__(key, value)
+
+
+class InputMajorLinear(_InputMajor):
+    """A linear layer holding its weight as ``[in, out]`` (``weight_t``)."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__(layer)
+        if "bias" in layer:
+            self.bias = layer.bias
 
     def __call__(self, x: mx.array) -> mx.array:
         if "bias" in self:
@@ -44,34 +56,14 @@ class InputMajorLinear(nn.Module):
         return x @ self.weight_t
 
 
-class InputMajorEmbedding(nn.Module):
+class InputMajorEmbedding(_InputMajor):
     """An embedding holding its table as ``[dims, vocab]`` (``weight_t``): a tied head's."""
-
-    def __init__(self, layer: nn.Embedding) -> None:
-        super().__init__()
-        self.weight_t = mx.contiguous(layer.weight.T)
-
-    @property
-    def weight(self) -> mx.array:
-        return self.weight_t.T
-
-    def __setattr__(self, key: str, value: object) -> None:
-        _set_input_major(self, key, value)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return mx.moveaxis(mx.take(self.weight_t, tokens, axis=1), 0, -1)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return x @ self.weight_t
-
-
-def _set_input_major(layer: nn.Module, key: str, value: object) -> None:
-    """Set an attribute of an input-major layer; a ``weight`` given in MLX's layout (code
-    that casts a layer's weight and sets it back, as mlx-lm's Gemma 3n does) is kept
-    transposed, so the layer stays input-major and computes with the new value."""
-    if key == "weight" and isinstance(value, mx.array):
-        key, value = "weight_t", mx.contiguous(value.T)
-    nn.Module.__setattr__(layer, key, value)
 
 
 def lay_out(model: nn.Module, vocab_size: int | None) -> int:
