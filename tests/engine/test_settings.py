@@ -66,6 +66,18 @@ def test_two_engines_in_one_process_differ_in_cpu_unpack(quantized):
     assert packed.generate_text(PROMPT, max_tokens=3, ignore_eos=True)  # both serve
 
 
+def test_quantized_weights_unpacked_on_the_cpu_are_laid_out_input_major_too(quantized):
+    from foretell.platform import blas
+
+    engine = foretell.load(quantized, cpu_unpack=True, cpu_transpose=True)
+    if blas.STATUS.loaded is None:
+        pytest.skip("OpenBLAS is not under MLX here")
+    assert packed_layers(engine) == 0 and engine.compute_dtype == "float32"
+    assert {type(m).__name__ for _, m in engine.model.named_modules()} >= {
+        "InputMajorLinear", "InputMajorEmbedding"}
+    assert not any(type(m) in (nn.Linear, nn.Embedding) for _, m in engine.model.named_modules())
+
+
 def test_the_environment_variable_sets_the_default_a_setting_overrides(quantized, monkeypatch):
     monkeypatch.setenv("FORETELL_CPU_UNPACK", "0")
     assert packed_layers(foretell.load(quantized)) > 0

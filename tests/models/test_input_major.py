@@ -27,12 +27,6 @@ def untied(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("untied") / "qwen2", "qwen2")
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("q8") / "qwen3", "qwen3", quantize_bits=8,
-                          dtype="bfloat16")
-
-
 def kinds(engine) -> set[str]:
     return {type(m).__name__ for _, m in engine.model.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding, InputMajorLinear, InputMajorEmbedding))}
@@ -54,14 +48,6 @@ def test_float32_layers_load_input_major_and_compute_the_same_model(tied):
     assert mx.allclose(ours, theirs, rtol=1e-5, atol=1e-5).item()
     assert input_major.generate_text(PROMPT, max_tokens=12, ignore_eos=True) == \
         mlx_layout.generate_text(PROMPT, max_tokens=12, ignore_eos=True)
-
-
-def test_quantized_weights_unpacked_on_the_cpu_are_laid_out_too(quantized):
-    engine = foretell.load(quantized, cpu_unpack=True, cpu_transpose=True)
-    if blas.STATUS.loaded is None:
-        pytest.skip("OpenBLAS is not under MLX here")
-    assert kinds(engine) == {"InputMajorLinear", "InputMajorEmbedding"}
-    assert engine.compute_dtype == "float32"
 
 
 def test_a_tied_head_keeps_only_the_transpose_and_looks_tokens_up_exactly():
