@@ -13,7 +13,6 @@ Elsewhere (CPUs, Metal), nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from foretell.spec.warmup import compiles_per_shape
@@ -24,17 +23,14 @@ PROMPT = list(range(1, 17))
 TOKENS = 4
 
 
-def warm_batches(scheduler: Any, rows: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> int:
-    """Where the device compiles per shape, decode ``1..rows`` requests at once (default the
-    scheduler's ``max_rows``) through ``scheduler``; ``progress(done, total)`` hears of each
-    row count. Returns the row counts run (0 where the device does not compile per shape)."""
+def warm_batches(scheduler: Any) -> int:
+    """Where the device compiles per shape, decode ``1..max_rows`` requests at once through
+    ``scheduler``. Returns the row counts run (0 where the device does not compile per shape)."""
     if not compiles_per_shape():
         return 0
-    from foretell.spec.batch_policy import BatchDraftPolicy
     from foretell.stream import merged
 
-    top = scheduler.max_rows if rows is None else min(rows, scheduler.max_rows)
+    top = scheduler.max_rows
     engine = scheduler.engine
     cache, engine.cache = engine.cache, None
     try:
@@ -47,9 +43,7 @@ def warm_batches(scheduler: Any, rows: int | None = None,
                                             speculate=False) for i in range(count)]
                 for _ in merged(handles):
                     pass
-            if progress is not None:
-                progress(count, top)
     finally:
         engine.cache = cache
-    scheduler.reset_policy(BatchDraftPolicy())
+    scheduler.reset_policy()
     return top

@@ -272,10 +272,10 @@ class Scheduler(BatchStep):
     def live_kv_bytes(self) -> int:
         return sum(cache.nbytes for cache in self._batch or ())
 
-    def reset_policy(self, policy: BatchDraftPolicy) -> None:
+    def reset_policy(self) -> None:
         """Forget what the batch draft policy learned (while no request runs: after a warm-up
         whose steps compiled, :mod:`foretell.batch_warmup`)."""
-        self._policy = policy
+        self._policy = BatchDraftPolicy()
 
     def _wake(self) -> None:
         if self._thread is not None:
