@@ -395,7 +395,10 @@ def main(argv: list[str] | None = None) -> None:
               "requests": args.requests, "level_seconds": args.level_seconds,
               "warm": args.warm, "rows": []}
     for name, path in models.items():
+        began = time.monotonic()
         proc, url = start(name, path, args.max_tokens, flags)
+        report.setdefault("start_s", {})[name] = time.monotonic() - began
+        print(f"{name}: answering {report['start_s'][name]:.1f} s after its start", flush=True)
         try:
             model_id = model.name if name == "foretell" else str(path)
             for c in levels:
