@@ -51,6 +51,12 @@
 #   serveburst serve_load.py at c = 1 and 16, levels of SECONDS_A_LEVEL (default 20) each, both
 #              servers, lengths all 64 then drawn from 32-96, then the compute floor of a
 #              16-prompt burst (~3 min)
+#   servewarm  the serve warm-up's A/B on a fresh server each side, MLX's kept kernels emptied
+#              before each and no client warm-up wave: foretell serve with --no-warm-shapes, then
+#              with the warm-up (SIDES, default "nowarm warm"; LEVEL_S seconds a level, default
+#              15), c = 1 and 16, lengths 32-96; the start-up time each side took (~4 min)
+#   widths     benchmarks/batch_widths.py: fixed draft widths against the batch policy, with
+#              width 1 offered too (B, default 4; WIDTHS, default 1,2; REPEATS, default 15)
 #   firstrun   on a fresh host: foretell run's first run (precompiling), again, then with
 #              the kernel caches emptied and precompiling off
 #   x CMD...   anything else, with the environment set
@@ -164,6 +170,22 @@ serveburst)
     --level-seconds "${SECONDS_A_LEVEL:-20}" --client-processes "${CLIENTS:-4}" \
     --max-tokens-spread 32 --floor-repeats 5 \
     --json "$OUT/serve-burst-spread.json" 2>&1 | tee "$OUT/serve-burst-spread.log" | tail -12
+  ;;
+servewarm)
+  for side in ${SIDES:-nowarm warm}; do
+    rm -rf ~/.cache/foretell/mlx-kernels ~/.nv/ComputeCache /tmp/mlx
+    extra=(); [ "$side" = nowarm ] && extra=(--serve-arg=--no-warm-shapes)
+    echo "=== $side $(date -u +%T)"
+    timeout 280 $PY benchmarks/serve_load.py --model demo --levels 1,16 --servers foretell \
+      --level-seconds "${LEVEL_S:-15}" --client-processes 4 --max-tokens-spread 32 \
+      --no-float32-mlx-lm --no-warm "${extra[@]}" --json "$OUT/servewarm-$side.json" 2>&1 \
+      | tee "$OUT/servewarm-$side.log" | tail -8
+  done
+  ;;
+widths)
+  timeout 280 taskset -c 2-7 $PY benchmarks/batch_widths.py --batch "${B:-4}" \
+    --repeats "${REPEATS:-15}" --widths "${WIDTHS:-1,2}" --with-width-one 2>&1 \
+    | tee "$OUT/widths-b${B:-4}.log" | tail -6
   ;;
 firstrun)
   TIMEFORMAT="%R s wall, %U s user"
