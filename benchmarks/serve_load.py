@@ -9,8 +9,9 @@ once (``--no-warm`` skips it), so no level's figures hold one-off costs: a first
 or a batch shape's first use (CUDA kernels compiled on first sight). A level's clients
 start together and send ``--requests`` requests (default ``max(4, 2 * concurrency)``) or,
 with ``--level-seconds``, keep sending until that many seconds have passed, so that a p99
-is not one burst's worst; ``--timeout`` bounds a level either way. Reported per server and
-level: generated tokens per second over the level's wall time, TTFT p50/p99, the worst TTFT
+is not one burst's worst; ``--timeout`` bounds a level either way. Reported per server: the
+seconds from its start to its first answer (``start_s``: loading, and ``foretell serve``'s
+warm-up where the device compiles per shape). Per server and level: generated tokens per second over the level's wall time, TTFT p50/p99, the worst TTFT
 of the first wave (the ``concurrency`` requests sent at once as the level starts) and the
 gaps between streamed chunks (inter-token latency) p50/p99; for foretell, its own mean TTFT
 (from submission, its ``/metrics``) and the wait for admission within it, so that a level's
