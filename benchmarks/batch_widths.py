@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 from foretell.platform import blas
@@ -46,8 +45,7 @@ def main() -> None:
     import foretell
     from foretell.engine import resolve_model_path
     from foretell.scheduler import Scheduler
-    from foretell.stream import merged
-    from foretell.tools.bench_batch import prompts_for, summarize, use_drafter
+    from foretell.tools.bench_batch import prompts_for, run_requests, use_drafter
 
     engine = foretell.load("demo")
     draft_model = args.draft_model if args.draft == "two-model" else None
@@ -70,19 +68,9 @@ def main() -> None:
         names = list(sides)
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             scheduler, speculate = sides[name]
-            firsts, ends, counts = [0.0] * rows, [0.0] * rows, [0] * rows
-            started = time.perf_counter()
-            handles = [scheduler.submit(p, max_tokens=64, ignore_eos=True, speculate=speculate)
-                       for p in prompts]
-            for i, event in merged(handles):
-                if event.type == "text" and event.tokens:
-                    if not counts[i]:
-                        firsts[i] = time.perf_counter()
-                    counts[i] += len(event.tokens)
-                elif event.type == "stats":
-                    ends[i] = time.perf_counter()
+            got = run_requests(scheduler, prompts, 64, speculate)
             if turn:
-                runs[name].append(summarize(started, firsts, ends, counts)["decode_tps"])
+                runs[name].append(got["decode_tps"])
     for name, speeds in runs.items():
         ratios = [a / p for a, p in zip(speeds, runs["plain"])]
         print(f"B={rows} {name:9s} {statistics.median(speeds):7.1f} tok/s  x plain "

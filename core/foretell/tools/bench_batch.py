@@ -107,27 +107,34 @@ def _foretell_side(model: str, draft: str | None, draft_model: str | None,
     speculate: Any = False
     if draft is not None:
         speculate = use_drafter(engine, draft, draft_model, max_tokens=k)
-    from foretell.stream import merged
-
     scheduler = Scheduler(engine, max_rows=64)
 
     def run(prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-        firsts, ends, counts = [0.0] * len(prompts), [0.0] * len(prompts), [0] * len(prompts)
-        started = time.perf_counter()
-        handles = [scheduler.submit(p, max_tokens=max_tokens, ignore_eos=True,
-                                    speculate=speculate) for p in prompts]
-
-        # One reader for every request, as mlx-lm's loop is one consumer of its batch.
-        for i, event in merged(handles):
-            if event.type == "text" and event.tokens:
-                if not counts[i]:
-                    firsts[i] = time.perf_counter()
-                counts[i] += len(event.tokens)
-            elif event.type == "stats":
-                ends[i] = time.perf_counter()
-        return summarize(started, firsts, ends, counts)
+        return run_requests(scheduler, prompts, max_tokens, speculate)
 
     return run
+
+
+def run_requests(scheduler: Any, prompts: list[list[int]], max_tokens: int,
+                 speculate: Any) -> dict[str, float]:
+    """``prompts`` submitted at once to ``scheduler`` (greedy, ``max_tokens`` each, EOS
+    ignored, ``speculate`` as :meth:`~foretell.scheduler.Scheduler.submit` takes it), read
+    to their ends by one reader, as mlx-lm's loop is one consumer of its batch:
+    :func:`summarize`'s figures."""
+    from foretell.stream import merged
+
+    firsts, ends, counts = [0.0] * len(prompts), [0.0] * len(prompts), [0] * len(prompts)
+    started = time.perf_counter()
+    handles = [scheduler.submit(p, max_tokens=max_tokens, ignore_eos=True,
+                                speculate=speculate) for p in prompts]
+    for i, event in merged(handles):
+        if event.type == "text" and event.tokens:
+            if not counts[i]:
+                firsts[i] = time.perf_counter()
+            counts[i] += len(event.tokens)
+        elif event.type == "stats":
+            ends[i] = time.perf_counter()
+    return summarize(started, firsts, ends, counts)
 
 
 def _mlx_lm_side(model: str) -> Callable[[list[list[int]], int], dict[str, float]]:
